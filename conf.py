@@ -1,0 +1,108 @@
+"""Sphinx configuration. The repository root is the source directory.
+
+Build with ``make docs`` (strict: ``-W --keep-going``). The guide lives in ``docs/`` (MyST markdown),
+the recipes in ``recipes/`` are executed by sphinx-gallery into ``docs/recipes/`` (generated, ignored
+by git). Set ``MFSDP_DOCS_OFFLINE=0`` to resolve links to the Python and PyTorch docs (needs network).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+import mfsdp  # noqa: E402
+
+project = "mfsdp"
+author = "the mfsdp authors"
+copyright = "2026, the mfsdp authors"
+release = version = mfsdp.__version__
+
+root_doc = "docs/index"
+# The root is the source directory: read only the guide (and what the gallery generates there).
+include_patterns = ["docs/**"]
+exclude_patterns = ["docs/conftest.py", "**/__pycache__", "docs/recipes/*.ipynb",
+                    "docs/recipes/*.py", "docs/recipes/*.zip", "docs/recipes/*.json"]
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.doctest",  # renders the {doctest} blocks; pytest (Sybil) executes them
+    "sphinx.ext.intersphinx",
+    "sphinx.ext.viewcode",
+    "sphinx_gallery.gen_gallery",
+    "sphinx_design",
+    "sphinx_copybutton",
+    "sphinxcontrib.mermaid",
+]
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+
+myst_enable_extensions = ["colon_fence", "deflist", "attrs_inline"]
+myst_fence_as_directive = ["mermaid"]
+myst_heading_anchors = 3
+
+autosummary_generate = True
+autodoc_typehints = "description"
+autodoc_member_order = "bysource"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+nitpicky = True
+OFFLINE = os.environ.get("MFSDP_DOCS_OFFLINE", "1") != "0"
+if OFFLINE:
+    intersphinx_mapping: dict = {}
+    # Without the inventories, names from the standard library and torch cannot be resolved.
+    nitpick_ignore_regex = [
+        ("py:.*", r"(torch|collections|typing|pathlib|argparse|dataclasses|enum)\..*"),
+        ("py:.*", r"(Path|Callable|Any|Iterable|Iterator|Sequence|Mapping|optional|TextIO)"),
+    ]
+else:
+    intersphinx_mapping = {
+        "python": ("https://docs.python.org/3", None),
+        "torch": ("https://docs.pytorch.org/docs/stable", None),
+    }
+    nitpick_ignore_regex = [("py:.*", r"(optional|TextIO)")]
+
+sphinx_gallery_conf = {
+    "examples_dirs": ["recipes"],
+    "gallery_dirs": ["docs/recipes"],
+    "filename_pattern": r"/plot_",
+    "ignore_pattern": r"/_",
+    "download_all_examples": False,
+    "remove_config_comments": True,
+    "matplotlib_animations": False,
+    "within_subsection_order": "FileNameSortKey",
+    "abort_on_example_error": False,  # -W turns each failing recipe into an error anyway
+    "only_warn_on_example_error": False,
+    "show_memory": False,
+    "run_stale_examples": True,  # every build executes every recipe against the current code
+    "capture_repr": ("_repr_html_", "__repr__"),
+}
+
+html_theme = "pydata_sphinx_theme"
+html_title = "mfsdp user guide"
+html_theme_options = {
+    "navigation_with_keys": False,
+    "show_toc_level": 2,
+    "secondary_sidebar_items": ["page-toc"],
+}
+copybutton_prompt_text = r">>> |\.\.\. |\$ "
+copybutton_prompt_is_regexp = True
+
+
+def _redirect_root(app, exception):
+    """Write ``index.html`` at the top of the build that forwards to the guide's landing page."""
+    if exception is None and app.builder.format == "html":
+        Path(app.outdir, "index.html").write_text(
+            '<!doctype html><meta charset="utf-8"><title>mfsdp</title>'
+            '<meta http-equiv="refresh" content="0; url=docs/index.html">'
+            '<a href="docs/index.html">mfsdp user guide</a>\n')
+
+
+def setup(app):
+    app.connect("build-finished", _redirect_root)

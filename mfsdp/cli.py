@@ -1,0 +1,33 @@
+"""The ``mfsdp`` console entry point.
+
+Run ``mfsdp --help`` for the list of subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mfsdp import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the top-level ``mfsdp`` argument parser with one subparser per subcommand."""
+    parser = argparse.ArgumentParser(prog="mfsdp", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"mfsdp {__version__}")
+    parser.add_subparsers(dest="command", metavar="COMMAND")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""In-process multi-rank launcher for recipes and tests.
+
+``launch(fn, world_size)`` starts ``world_size`` real processes, joins them into one
+``torch.distributed`` process group (gloo on CPU), runs ``fn(*args, **kwargs)`` on each and
+returns the results in rank order::
+
+    >>> from mfsdp.launch import launch, rank_info
+    >>> [r["rank"] for r in launch(rank_info, world_size=2)]
+    [0, 1]
+
+Why processes started with ``subprocess`` and not ``multiprocessing``: sphinx-gallery runs a recipe
+as a fake ``__main__`` module, and ``multiprocessing``'s spawn start method re-imports ``__main__``
+in every child (re-running the whole recipe), while fork is unsafe once torch has started threads.
+A worker started as ``python -m mfsdp.launch`` imports only the module that holds ``fn``, so ``fn``
+must live in an importable module (not in ``__main__``); the parent's ``sys.path`` is handed on.
+
+The rendezvous uses a ``TCPStore`` that the parent opens on port 0 (the kernel picks a free port and
+the parent holds it for the whole run), so launches that run back to back or side by side never
+collide on a port.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["launch", "RankError", "LaunchTimeout", "rank_info"]
+
+_GRACE_S = 3.0  # after one rank fails, how long the others get to finish before they are killed
+
+
+class RankError(RuntimeError):
+    """A rank raised an exception; carries the rank, the exception type and its remote traceback."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str):
+        self.rank = rank
+        self.exc_type = exc_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+        super().__init__(
+            f"rank {rank} raised {exc_type}: {message}\n\n--- traceback on rank {rank} ---\n"
+            f"{remote_traceback}"
+        )
+
+
+class LaunchTimeout(TimeoutError):
+    """Some ranks did not finish within the timeout; they were killed."""
+
+    def __init__(self, timeout: float, pending: list[int], output_tail: str):
+        self.pending = pending
+        super().__init__(
+            f"ranks {pending} did not finish within {timeout:g} s and were killed "
+            f"(a rank waiting in a collective that another rank never called hangs like this)."
+            + (f"\n--- last output ---\n{output_tail}" if output_tail else "")
+        )
+
+
+@dataclass
+class _Job:
+    """What one worker needs, written by the parent to a pickle file."""
+
+    target: str  # "module:qualname" of the function to run
+    args: tuple
+    kwargs: dict
+    world_size: int
+    store_port: int
+    backend: str
+    threads: int
+
+
+def _target_name(fn: Callable | str) -> str:
+    if isinstance(fn, str):
+        if ":" not in fn:
+            raise ValueError(f"fn={fn!r}: a string target must read 'package.module:function'")
+        return fn
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if module is None or qualname is None:
+        raise TypeError(f"fn={fn!r} is not a function; pass a module-level function")
+    if module == "__main__" or "<locals>" in qualname or "<lambda>" in qualname:
+        raise ValueError(
+            f"fn={module}.{qualname} cannot be imported by a worker process: workers run "
+            "module-level functions of importable modules. Move it into a module (for a recipe, "
+            "call a function from mfsdp) and pass it, or pass the string 'module:function'."
+        )
+    return f"{module}:{qualname}"
+
+
+def _resolve(target: str) -> Callable:
+    module_name, qualname = target.split(":", 1)
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def launch(
+    fn: Callable | str,
+    world_size: int,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    timeout: float = 300.0,
+    backend: str = "gloo",
+    threads_per_rank: int = 1,
+    echo: bool = False,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` real ranks and return their results in rank order.
+
+    Args:
+        fn: a module-level function of an importable module, or ``"module:function"``.
+        world_size: number of ranks (processes) to start.
+        args, kwargs: passed to ``fn`` on every rank; must be picklable, as must the results.
+        timeout: seconds until all ranks are killed and :class:`LaunchTimeout` is raised.
+        backend: ``torch.distributed`` backend (``"gloo"`` on CPU, ``"nccl"`` with one GPU per rank).
+        threads_per_rank: ``torch.set_num_threads`` in each rank (1 keeps 8 ranks on 2 cores sane).
+        echo: print every rank's captured stdout/stderr after the run (prefixed with the rank).
+        env: extra environment variables for the workers.
+
+    Raises:
+        RankError: the first rank (in time) that raised, with its message and traceback.
+        LaunchTimeout: some ranks did not finish in time; every rank was killed.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: must be a positive integer")
+    target = _target_name(fn)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    workdir = Path(tempfile.mkdtemp(prefix="mfsdp-launch-"))
+    job = _Job(target, tuple(args), dict(kwargs or {}), world_size, store.port, backend,
+               threads_per_rank)
+    (workdir / "job.pkl").write_bytes(pickle.dumps(job))
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
+    child_env.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
+    child_env.update(env or {})
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        for rank in range(world_size):
+            log = open(workdir / f"rank{rank}.log", "wb")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "mfsdp.launch", str(workdir), str(rank)],
+                stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
+            ))
+        return _collect(procs, workdir, world_size, timeout, echo)
+    finally:
+        _kill(procs)
+        for log in logs:
+            log.close()
+        del store
+        for f in workdir.iterdir():
+            f.unlink()
+        workdir.rmdir()
+
+
+def _collect(procs, workdir: Path, world_size: int, timeout: float, echo: bool) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    first_error: RankError | None = None
+    while True:
+        done = [p.poll() is not None for p in procs]
+        if first_error is None:
+            first_error = _first_error(procs, workdir)
+            if first_error is not None:
+                failed_at = time.monotonic()
+        if all(done):
+            break
+        now = time.monotonic()
+        if failed_at is not None and now - failed_at > _GRACE_S:
+            break
+        if now > deadline:
+            pending = [r for r, d in enumerate(done) if not d]
+            raise LaunchTimeout(timeout, pending, _tail(workdir, pending[0]))
+        time.sleep(0.02)
+    if echo:
+        for rank in range(world_size):
+            for line in (workdir / f"rank{rank}.log").read_text(errors="replace").splitlines():
+                print(f"[rank {rank}] {line}")
+    if first_error is not None:
+        raise first_error
+    results = []
+    for rank, p in enumerate(procs):
+        out = workdir / f"rank{rank}.out"
+        if not out.exists():
+            raise RankError(rank, "ProcessExit", f"exited with code {p.returncode} and no result",
+                            _tail(workdir, rank))
+        status, payload = pickle.loads(out.read_bytes())
+        results.append(payload)
+    return results
+
+
+def _first_error(procs, workdir: Path) -> RankError | None:
+    """The earliest-written error file, or a rank that died without writing any result."""
+    errors = sorted(workdir.glob("rank*.err"), key=lambda f: f.stat().st_mtime_ns)
+    if errors:
+        rank, exc_type, message, tb = pickle.loads(errors[0].read_bytes())
+        return RankError(rank, exc_type, message, tb)
+    for rank, p in enumerate(procs):
+        if p.poll() is not None and not (workdir / f"rank{rank}.out").exists():
+            if (workdir / f"rank{rank}.err").exists():
+                continue
+            return RankError(rank, "ProcessExit",
+                             f"exited with code {p.returncode} without a result "
+                             f"(killed by a signal, out of memory, or os._exit)",
+                             _tail(workdir, rank))
+    return None
+
+
+def _tail(workdir: Path, rank: int, lines: int = 30) -> str:
+    log = workdir / f"rank{rank}.log"
+    if not log.exists():
+        return ""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def rank_info() -> dict:
+    """Return this rank's view of the process group: rank, world size, backend and an all-reduce.
+
+    A small worker used by the first recipe and the launcher's doctest: every rank contributes
+    ``rank + 1`` to an all-reduce, so the sum proves the ranks really talk to each other.
+    """
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
+            "backend": dist.get_backend(), "pid": os.getpid(), "all_reduce_sum": t.item()}
+
+
+def _worker(workdir: Path, rank: int) -> int:
+    job: _Job = pickle.loads((workdir / "job.pkl").read_bytes())
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(job.threads)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job.world_size),
+                          LOCAL_WORLD_SIZE=str(job.world_size))
+        store = dist.TCPStore("127.0.0.1", job.store_port, job.world_size, False)
+        if job.backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(job.backend, store=store, rank=rank, world_size=job.world_size)
+        result = _resolve(job.target)(*job.args, **job.kwargs)
+        payload = pickle.dumps(("ok", result))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        # Report before anything closes a socket: the peers' errors ("connection closed") are
+        # consequences of this one and must be written later than it.
+        _write(workdir / f"rank{rank}.err",
+               pickle.dumps((rank, type(exc).__name__, str(exc), traceback.format_exc())))
+        return 1
+    dist.destroy_process_group()
+    _write(workdir / f"rank{rank}.out", payload)
+    return 0
+
+
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(data)
+    tmp.rename(path)
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(Path(sys.argv[1]), int(sys.argv[2])))

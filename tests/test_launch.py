@@ -1,0 +1,109 @@
+"""The multi-rank launcher: real gloo ranks, results in rank order, errors and hangs surface."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mfsdp.launch import LaunchTimeout, RankError, launch, rank_info
+
+
+def _rank_and_gather(scale):
+    t = torch.tensor([float(dist.get_rank())]) * scale
+    out = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return dist.get_rank(), [x.item() for x in out]
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("bad shard size on purpose")
+    dist.barrier()  # rank 0 waits here for a rank that never comes
+    return "unreachable"
+
+
+def _hang_on_last_rank(pid_file):
+    with open(f"{pid_file}.{dist.get_rank()}", "w") as f:
+        f.write(str(os.getpid()))
+    if dist.get_rank() == dist.get_world_size() - 1:
+        time.sleep(3600)
+    return dist.get_rank()
+
+
+def _exit_hard():
+    if dist.get_rank() == 0:
+        os._exit(7)
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_come_back_in_rank_order(world_size):
+    results = launch(_rank_and_gather, world_size, args=(2.0,))
+    assert [r for r, _ in results] == list(range(world_size))
+    for _, gathered in results:
+        assert gathered == [2.0 * r for r in range(world_size)]
+
+
+def test_rank_info_all_reduce():
+    info = launch(rank_info, 3)
+    assert [i["all_reduce_sum"] for i in info] == [6.0, 6.0, 6.0]
+    assert len({i["pid"] for i in info}) == 3 and all(i["backend"] == "gloo" for i in info)
+
+
+def test_exception_on_one_rank_surfaces_with_message_and_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_fail_on_rank_one, 2, timeout=60)
+    assert info.value.rank == 1
+    assert info.value.exc_type == "ValueError"
+    assert "bad shard size on purpose" in str(info.value)
+    assert "_fail_on_rank_one" in info.value.remote_traceback
+    assert time.monotonic() - start < 30  # the waiting rank was killed, not waited for
+
+
+def test_hung_rank_is_killed_at_timeout(tmp_path):
+    pid_file = tmp_path / "pid"
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(_hang_on_last_rank, 2, args=(str(pid_file),), timeout=8)
+    assert 8 <= time.monotonic() - start < 30
+    assert info.value.pending == [1]
+    pid = int((tmp_path / "pid.1").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the hung process is gone
+
+
+def test_rank_dying_without_result_is_reported():
+    with pytest.raises(RankError, match="exited with code 7"):
+        launch(_exit_hard, 2, timeout=60)
+
+
+def test_back_to_back_and_concurrent_launches_do_not_collide():
+    for _ in range(4):
+        assert launch(rank_info, 2, timeout=60)[1]["all_reduce_sum"] == 3.0
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(launch(rank_info, 2, timeout=60))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 3
+
+
+def test_functions_that_workers_cannot_import_are_refused():
+    with pytest.raises(ValueError, match="cannot be imported by a worker"):
+        launch(lambda: 1, 2)
+    with pytest.raises(ValueError, match="world_size=0"):
+        launch(rank_info, 0)
