@@ -5,6 +5,20 @@ The public surface is listed in ``__all__``; everything else is importable but n
 
 from __future__ import annotations
 
+from mfsdp.api import fully_shard, fully_shard_model, fully_shard_optimizer
+from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
+from mfsdp.fsdp import FullyShardedModule
+from mfsdp.optimizer import ShardedOptimizer
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "fully_shard",
+    "fully_shard_model",
+    "fully_shard_optimizer",
+    "MixedPrecisionPolicy",
+    "ShardingStrategy",
+    "FullyShardedModule",
+    "ShardedOptimizer",
+]

@@ -1,0 +1,219 @@
+"""``fully_shard``, ``fully_shard_model``, ``fully_shard_optimizer``: the drop-in entry points.
+
+The argument names follow upstream Megatron-FSDP's ``fully_shard`` so that code written for it
+keeps working after changing the import::
+
+    model, optimizer = fully_shard(model, optimizer, fsdp_unit_modules=[Block],
+                                   zero_dp_strategy="optim_grads_params")
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy, resolve_unit_classes
+from mfsdp.fsdp import FullyShardedModule
+from mfsdp.optimizer import ShardedOptimizer
+
+__all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
+
+
+def _mesh_group(mesh, dim: str | None, arg: str) -> dist.ProcessGroup | None:
+    names = tuple(mesh.mesh_dim_names or ())
+    if dim is None:
+        if mesh.ndim == 1:
+            return mesh.get_group()
+        raise ValueError(f"{arg} is required for a {mesh.ndim}-D device_mesh (dims {names})")
+    if dim not in names:
+        raise ValueError(f"{arg}={dim!r} is not a dimension of device_mesh; its dimensions are "
+                         f"{names}")
+    return mesh.get_group(dim)
+
+
+def _default_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def fully_shard_model(
+    module: nn.Module,
+    device_mesh: Any = None,
+    dp_shard_dim: str | None = None,
+    dp_outer_dim: str | None = None,
+    tp_dim: str | None = None,
+    hybrid_fsdp_group: dist.ProcessGroup | None = None,
+    expt_device_mesh: Any = None,
+    fsdp_unit_modules: Any = None,
+    zero_dp_strategy: int | str = 3,
+    outer_dp_sharding_strategy: int | str = 0,
+    device: torch.device | str | None = None,
+    init_model_with_meta_device: bool = False,
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    average_in_collective: bool = False,
+    calculate_per_token_loss: bool = False,
+    fsdp_double_buffer: bool = False,
+    disable_bucketing: bool = False,
+    fsdp_group_ag: dist.ProcessGroup | None = None,
+    expt_fsdp_group_ag: dist.ProcessGroup | None = None,
+    hybrid_fsdp_expt_group: dist.ProcessGroup | None = None,
+    max_inflight_reduce: int = 2,
+) -> FullyShardedModule:
+    """Shard ``module``'s parameters over the data-parallel group and return the wrapped module.
+
+    Args:
+        module: the model. Its parameters must be on ``device`` (or on ``meta`` with
+            ``init_model_with_meta_device=True``).
+        device_mesh: a ``torch.distributed.DeviceMesh``; ``None`` shards over the whole world.
+        dp_shard_dim: the mesh dimension to shard over (required for a mesh of more than one dim).
+        dp_outer_dim: the outer (replica) dimension for HSDP; a size of 1 is plain FSDP.
+        tp_dim: a tensor-parallel dimension; only size 1 is supported.
+        fsdp_unit_modules: module classes (or dotted import strings) gathered and released as
+            units; parameters outside every unit form the root unit.
+        zero_dp_strategy: ``0``-``3`` or ``"no_shard"``, ``"optim"``, ``"optim_grads"``,
+            ``"optim_grads_params"``.
+        outer_dp_sharding_strategy: ``"no_shard"`` (HSDP) or ``"optim"`` across the outer dimension.
+        device: where buffers live; default from the mesh (CPU with gloo, the current GPU with NCCL).
+        init_model_with_meta_device: materialise a model built on ``meta`` one module at a time,
+            straight into the shards (calls each module's ``reset_parameters()``).
+        mixed_precision_policy: main-weight, gradient and communication dtypes.
+        overlap_grad_reduce: launch each bucket's reduction as soon as its gradients are ready.
+        overlap_param_gather: prefetch the next unit's weights (ZeRO-3).
+        sync_model_each_microbatch: reduce gradients in every backward (see ``no_sync``).
+        average_in_collective: average with the collective (NCCL ``AVG``) instead of pre-scaling.
+        calculate_per_token_loss: sum gradients over ranks instead of averaging (the loss is
+            normalised by the global token count by the caller).
+        fsdp_double_buffer: keep gathered weights in a fixed two-unit pool.
+        disable_bucketing: put every parameter in the root unit (one bucket per group).
+        fsdp_group_ag: a second process group over the dense shard ranks for all-gathers.
+        expt_device_mesh, hybrid_fsdp_group, hybrid_fsdp_expt_group, expt_fsdp_group_ag: the
+            expert-parallel and hybrid groups, in upstream's style.
+        max_inflight_reduce: reduce-scatters in flight at once before the oldest is waited for.
+    """
+    strategy = ShardingStrategy.parse(zero_dp_strategy)
+    outer = ShardingStrategy.parse(outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs an initialised process group: call "
+                           "torch.distributed.init_process_group() first (or use torchrun)")
+    if mixed_precision_policy is None:
+        mixed_precision_policy = MixedPrecisionPolicy()
+    elif not isinstance(mixed_precision_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mixed_precision_policy={mixed_precision_policy!r} must be a "
+                        "mfsdp.MixedPrecisionPolicy")
+    if init_model_with_meta_device and strategy is ShardingStrategy.NO_SHARD:
+        raise ValueError("init_model_with_meta_device=True needs a sharded strategy, got "
+                         "zero_dp_strategy='no_shard': every rank would hold the full model anyway; "
+                         "build the model on the device instead")
+    if outer not in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM):
+        raise ValueError(f"outer_dp_sharding_strategy={outer.value!r} is not supported across "
+                         "the outer dimension; use 'no_shard' (HSDP) or 'optim'")
+    if outer is ShardingStrategy.OPTIM and strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(f"outer_dp_sharding_strategy='optim' needs "
+                         f"zero_dp_strategy='optim_grads_params', got {strategy.value!r}")
+    shard_group = None
+    if device_mesh is not None:
+        if device_mesh.size() != dist.get_world_size():
+            raise ValueError(f"device_mesh covers {device_mesh.size()} ranks but the world has "
+                             f"{dist.get_world_size()}; build the mesh over every rank")
+        if tp_dim is not None:
+            _mesh_group(device_mesh, tp_dim, "tp_dim")
+            if device_mesh[tp_dim].size() != 1:
+                raise ValueError(f"tp_dim={tp_dim!r} has size {device_mesh[tp_dim].size()}; tensor "
+                                 "parallelism is not supported by mfsdp, only a size of 1")
+        if dp_outer_dim is not None:
+            _mesh_group(device_mesh, dp_outer_dim, "dp_outer_dim")
+        shard_group = _mesh_group(device_mesh, dp_shard_dim, "dp_shard_dim")
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if device_mesh.device_type == "cuda" else torch.device(device_mesh.device_type))
+    elif dp_shard_dim is not None or tp_dim is not None or dp_outer_dim is not None:
+        raise ValueError("dp_shard_dim / dp_outer_dim / tp_dim name dimensions of device_mesh, "
+                         "but no device_mesh was given")
+    outer_size = 1
+    if device_mesh is not None and dp_outer_dim is not None:
+        outer_size = device_mesh[dp_outer_dim].size()
+    if hybrid_fsdp_group is not None:
+        outer_size = max(outer_size, dist.get_world_size(hybrid_fsdp_group))
+    if outer_size > 1 or expt_device_mesh is not None or hybrid_fsdp_expt_group is not None:
+        raise NotImplementedError(
+            "hybrid sharding (an outer dimension of size > 1) and expert meshes are not "
+            "available yet in this version of mfsdp; use a single shard group")
+    device = torch.device(device) if device is not None else _default_device()
+    units = resolve_unit_classes(fsdp_unit_modules, module)
+    if fsdp_double_buffer and not strategy.shards_params:
+        raise ValueError("fsdp_double_buffer=True needs zero_dp_strategy='optim_grads_params' "
+                         f"(gathered weights only exist under ZeRO-3), got {strategy.value!r}")
+    model = FullyShardedModule(
+        module, shard_group=shard_group, strategy=strategy, unit_classes=units, device=device,
+        mixed_precision_policy=mixed_precision_policy,
+        init_model_with_meta_device=init_model_with_meta_device,
+        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+        sync_model_each_microbatch=sync_model_each_microbatch,
+        average_in_collective=average_in_collective,
+        calculate_per_token_loss=calculate_per_token_loss, disable_bucketing=disable_bucketing,
+        ag_group=fsdp_group_ag, max_inflight_reduce=max_inflight_reduce,
+    )
+    ref = weakref.ref(model)
+    for new in model._new_params.values():
+        new._mfsdp_model = ref
+    for old in model._original_params:
+        _OLD_OWNERS[id(old)] = (weakref.ref(old), ref)
+    del model._original_params  # the model must not keep the originals alive
+    return model
+
+
+# id(original parameter) -> (the parameter, the model that took it over), both weak, so that an
+# optimizer built on the original parameters can still be sharded.
+_OLD_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _owner(p: torch.Tensor):
+    ref = getattr(p, "_mfsdp_model", None)
+    if ref is None:
+        entry = _OLD_OWNERS.get(id(p))
+        if entry is None or entry[0]() is not p:
+            return None
+        ref = entry[1]
+    return ref()
+
+
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+    """Make ``optimizer`` step on the main-weight shards of the model its parameters belong to."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer={optimizer!r} is not a torch.optim.Optimizer")
+    model = None
+    for g, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            owner = _owner(p)
+            if owner is None:
+                raise ValueError(
+                    f"fully_shard_optimizer: param_groups[{g}]['params'][{j}] (shape "
+                    f"{tuple(p.shape)}) is not managed by mfsdp; call fully_shard_model(model) "
+                    "first and build the optimizer from its parameters, or pass the optimizer "
+                    "to fully_shard(model, optimizer)")
+            if model is not None and owner is not model:
+                raise ValueError("fully_shard_optimizer: the optimizer's parameters belong to "
+                                 "two different sharded models; use one optimizer per model")
+            model = owner
+    if model is None:
+        raise ValueError("fully_shard_optimizer: the optimizer has no parameters")
+    return ShardedOptimizer(optimizer, model)
+
+
+def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                **kwargs: Any) -> tuple[FullyShardedModule, ShardedOptimizer | None]:
+    """Shard ``module`` (see :func:`fully_shard_model`) and ``optimizer``; return both.
+
+    ``optimizer`` may be built on the original parameters, before this call, as upstream
+    Megatron-FSDP allows; its state must still be empty.
+    """
+    model = fully_shard_model(module, **kwargs)
+    return model, (fully_shard_optimizer(optimizer) if optimizer is not None else None)

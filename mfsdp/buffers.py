@@ -1,0 +1,254 @@
+"""Flat, padded, bucketed buffers: where every parameter, main weight and gradient lives.
+
+A *bucket* is one FSDP unit's share of one parameter group (same dtype, expert-ness and
+``requires_grad``). Its parameters are laid out back to back in a flat buffer, each starting at a
+multiple of its row size, and the buffer is padded to ``shard_count * shard_numel`` with
+``shard_numel`` a multiple of every row size. Two consequences (see ``docs/concepts.md``):
+
+* rank ``k`` owns the contiguous slice ``[k * shard_numel, (k + 1) * shard_numel)`` of the buffer,
+  so one all-gather or reduce-scatter per bucket moves everything, with no copies in or out;
+* shard boundaries fall on whole rows, so a parameter's local piece is a dim-0 slice (possibly
+  empty, possibly uneven) that the optimizer can step on as an ordinary tensor.
+
+>>> plan = plan_bucket([(4, 3), (5,)], shard_count=2)
+>>> plan.shard_numel, plan.padded_numel
+(9, 18)
+>>> [(p.offset, p.local_rows(0), p.local_rows(1)) for p in plan.params]
+[(0, (0, 3), (3, 4)), (12, (0, 0), (0, 5))]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ParamSlot", "BucketPlan", "plan_bucket", "Bucket"]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its bucket's flat buffer."""
+
+    shape: tuple[int, ...]
+    offset: int  # first element in the flat buffer (a multiple of row_numel)
+    shard_numel: int  # of the bucket, repeated here so the slot can answer alone
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def row_numel(self) -> int:
+        """Elements in one dim-0 row (1 for scalars and vectors)."""
+        return math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    def local_rows(self, rank: int) -> tuple[int, int]:
+        """Rows ``[start, end)`` of this parameter owned by ``rank`` (empty where it owns none)."""
+        lo = max(rank * self.shard_numel, self.offset)
+        hi = min((rank + 1) * self.shard_numel, self.offset + self.numel)
+        if hi <= lo:
+            return (0, 0)
+        return ((lo - self.offset) // self.row_numel, (hi - self.offset) // self.row_numel)
+
+    def local_offset(self, rank: int) -> int:
+        """Where this parameter's local rows start inside ``rank``'s shard."""
+        return max(rank * self.shard_numel, self.offset) - rank * self.shard_numel
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        start, end = self.local_rows(rank)
+        return (end - start, *self.shape[1:]) if self.shape else ((end - start),)
+
+
+@dataclass
+class BucketPlan:
+    """The layout of one bucket: parameter slots, shard size, total padded size."""
+
+    params: list[ParamSlot]
+    shard_count: int
+    shard_numel: int
+    numel: int  # elements that hold parameters (no padding)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_count * self.shard_numel
+
+
+def plan_bucket(shapes: list[tuple[int, ...]], shard_count: int) -> BucketPlan:
+    """Lay out parameters of the given shapes so that shards split them on whole rows."""
+    if shard_count < 1:
+        raise ValueError(f"shard_count={shard_count} must be at least 1")
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    row_sizes = [math.prod(s[1:]) if len(s) > 1 else 1 for s in shapes]
+    lcm = 1
+    for s, r in zip(shapes, row_sizes):
+        if math.prod(s) > 0 and r > 0:
+            lcm = math.lcm(lcm, r)
+    if shard_count == 1:  # nothing is split: no alignment needed
+        row_sizes, lcm = [1] * len(shapes), 1
+    offsets, cursor = [], 0
+    for s, r in zip(shapes, row_sizes):
+        cursor = -(-cursor // max(r, 1)) * max(r, 1)  # start on a multiple of the row size
+        offsets.append(cursor)
+        cursor += math.prod(s)
+    per_rank = -(-cursor // shard_count)
+    shard_numel = -(-per_rank // lcm) * lcm if cursor else 0
+    slots = [ParamSlot(s, o, shard_numel) for s, o in zip(shapes, offsets)]
+    return BucketPlan(slots, shard_count, shard_numel, sum(math.prod(s) for s in shapes))
+
+
+def _free(t: torch.Tensor | None) -> None:
+    if t is not None:
+        t.untyped_storage().resize_(0)
+
+
+def _storage_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+@dataclass
+class Bucket:
+    """The buffers of one bucket on one rank, and the views handed to modules and the optimizer.
+
+    Buffers, and why each exists:
+
+    * ``full``: model weights in compute dtype, ``padded_numel`` long; the module parameters are
+      views into it. Under ZeRO-3 its storage is resized to 0 between uses (the views stay valid).
+    * ``full_comm``: the same memory as ``full`` seen through a tensor with its own version counter;
+      collectives write through it (see [Note: version counters] in ``fsdp.py``).
+    * ``model_shard``: this rank's slice of the model weights, kept between uses under ZeRO-3 only
+      (the all-gather source); otherwise a view of ``full``.
+    * ``main_shard``: this rank's main weights (``main_params_dtype``); a view of ``model_shard``
+      when the dtypes agree, so fp32 training keeps one copy.
+    * ``grad_full``: gradients of the whole bucket, accumulated by the post-accumulate-grad hooks;
+      allocated at the first gradient, released after the reduce-scatter when gradients are sharded.
+    * ``grad_shard``: this rank's reduced gradients (``main_grads_dtype``), what the optimizer reads.
+    """
+
+    unit: str
+    key: tuple  # (dtype, is_expert, requires_grad)
+    names: list[str]
+    plan: BucketPlan
+    rank: int  # this rank's index in the shard group
+    device: torch.device
+    dtype: torch.dtype
+    main_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    comm_dtype: torch.dtype
+    sharded_params: bool  # ZeRO-3: full is released between uses
+    sharded_grads: bool  # ZeRO-2/3: grad_full is released after its reduce-scatter
+    replicated: bool = False  # no_shard: one gradient buffer, all-reduced in place
+    full: torch.Tensor = field(init=False)
+    full_comm: torch.Tensor = field(init=False)
+    model_shard: torch.Tensor = field(init=False)
+    main_shard: torch.Tensor = field(init=False)
+    grad_full: torch.Tensor | None = field(init=False, default=None)
+    grad_shard: torch.Tensor | None = field(init=False, default=None)
+    ready: int = field(init=False, default=0)  # params whose gradient arrived this backward
+
+    def __post_init__(self) -> None:
+        n, s = self.plan.padded_numel, self.plan.shard_numel
+        self.full = torch.zeros(n, dtype=self.dtype, device=self.device)
+        self.full_comm = torch.empty(0, dtype=self.dtype, device=self.device).set_(
+            self.full.untyped_storage(), 0, (n,), (1,))
+        lo = self.rank * s
+        if self.sharded_params:
+            self.model_shard = torch.zeros(s, dtype=self.dtype, device=self.device)
+        else:
+            self.model_shard = self.full[lo:lo + s]
+        if self.main_dtype == self.dtype:
+            self.main_shard = self.model_shard
+        else:
+            self.main_shard = torch.zeros(s, dtype=self.main_dtype, device=self.device)
+        if self.requires_grad:
+            self.grad_shard = torch.zeros(s, dtype=self.grad_dtype, device=self.device)
+            if self.replicated:  # shard == whole bucket: accumulate and all-reduce in place
+                self.grad_full = self.grad_shard
+
+    # -- properties -----------------------------------------------------------------------------
+    @property
+    def requires_grad(self) -> bool:
+        return bool(self.key[2])
+
+    @property
+    def is_expert(self) -> bool:
+        return bool(self.key[1])
+
+    @property
+    def shard_slice(self) -> slice:
+        s = self.plan.shard_numel
+        return slice(self.rank * s, (self.rank + 1) * s)
+
+    @property
+    def gathered(self) -> bool:
+        return _storage_bytes(self.full) > 0
+
+    # -- views ----------------------------------------------------------------------------------
+    def param_view(self, i: int) -> torch.Tensor:
+        """Parameter ``i`` as a view of ``full`` (valid even while ``full`` is released)."""
+        slot = self.plan.params[i]
+        return self.full.as_strided(slot.shape, _contiguous_strides(slot.shape), slot.offset)
+
+    def local_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s local rows inside a shard-sized buffer (main weights, grads)."""
+        slot = self.plan.params[i]
+        start, end = slot.local_rows(self.rank)
+        off = slot.local_offset(self.rank)
+        shape = slot.local_shape(self.rank)
+        return flat[off:off + (end - start) * slot.row_numel].view(shape)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def alloc_full(self) -> None:
+        """Give ``full`` its storage back (ZeRO-3, before an all-gather)."""
+        if not self.gathered:
+            self.full.untyped_storage().resize_(self.plan.padded_numel * self.full.element_size())
+
+    def release_full(self) -> None:
+        """Release the gathered weights (ZeRO-3 only; the parameter views stay valid)."""
+        if self.sharded_params:
+            _free(self.full)
+
+    def ensure_grad_full(self) -> torch.Tensor:
+        """The bucket's full gradient buffer, allocated (zeroed) when first needed."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.plan.padded_numel, dtype=self.grad_dtype,
+                                         device=self.device)
+        return self.grad_full
+
+    def release_grad_full(self) -> None:
+        """Drop the full gradient buffer (ZeRO-2/3) or zero it for the next accumulation."""
+        if self.grad_full is None or self.replicated:
+            return
+        if self.sharded_grads:
+            self.grad_full = None
+        else:
+            self.grad_full.zero_()
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Bytes this bucket holds right now, by kind, counting shared storage once."""
+        seen: set[int] = set()
+        out = {}
+        for kind, t in (("model_weights", self.full), ("model_shard", self.model_shard),
+                        ("main_weights", self.main_shard), ("grad_full", self.grad_full),
+                        ("main_grads", self.grad_shard)):
+            if t is None:
+                out[kind] = 0
+                continue
+            key = t.untyped_storage().data_ptr()
+            out[kind] = 0 if (key in seen or not t.untyped_storage().nbytes()) else (
+                t.untyped_storage().nbytes())
+            seen.add(key)
+        return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))

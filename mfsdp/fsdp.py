@@ -1,0 +1,584 @@
+"""The wrapper module: FSDP units, their buckets, and the hooks that move them.
+
+``FullyShardedModule(module, ...)`` (built by :func:`mfsdp.fully_shard_model`) takes over the
+parameters of ``module``: they become views into flat bucket buffers (see :mod:`mfsdp.buffers`),
+and forward/backward hooks gather, release and reduce those buffers as the sharding strategy says.
+The mechanism, step by step, is described in ``docs/concepts.md``; the notes below say why.
+
+[Note: reduction order] Every rank must launch the same collectives in the same order, or gloo and
+NCCL pair the wrong tensors (or hang). Buckets become ready in autograd order, which can differ
+between ranks (different routing, unused units). So gradient buckets are launched in a fixed order
+(reverse construction order, which is the usual backward order): a bucket that is ready early waits
+for its predecessors, and at the end of backward every remaining bucket is launched, with zero
+gradients where none arrived.
+
+[Note: bounded reduce-scatters] At most ``max_inflight_reduce`` reduce-scatters are in flight; the
+oldest is finished (its full gradient buffer released) before another is launched, so full gradient
+buffers never pile up until the end of backward.
+
+[Note: version counters] Parameters are views of ``Bucket.full`` and share its version counter,
+which autograd checks for the weights it saved in forward. Re-gathering weights for backward writes
+the same values again, but an async collective bumps its output's counter when it completes (on
+gloo in a background thread, at a time we do not control), which autograd would report as an
+in-place modification. So collectives write through ``Bucket.full_comm``: a second tensor over the
+same storage with a version counter of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mfsdp.buffers import Bucket, plan_bucket
+from mfsdp.collectives import CommLog, Communicator, Handle
+from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
+
+__all__ = ["FullyShardedModule", "FSDPUnit"]
+
+
+@dataclass
+class FSDPUnit:
+    """A module whose parameters are gathered together and released together."""
+
+    name: str  # module path ("" for the root)
+    module: nn.Module
+    buckets: list[Bucket] = field(default_factory=list)
+    pending: list[Handle] = field(default_factory=list)  # in-flight all-gathers into its buckets
+
+    @property
+    def is_root(self) -> bool:
+        return self.name == ""
+
+    @property
+    def gathered_bytes(self) -> int:
+        return sum(b.plan.padded_numel * b.full.element_size() for b in self.buckets)
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Tensors requiring grad in a (nested) forward output."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.requires_grad else []
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    if hasattr(obj, "__dataclass_fields__"):
+        return [t for f in obj.__dataclass_fields__ for t in _tensors(getattr(obj, f))]
+    return []
+
+
+class FullyShardedModule(nn.Module):
+    """A module whose parameters are sharded over a data-parallel group (see :func:`mfsdp.fully_shard`).
+
+    ``forward`` calls the wrapped ``module``; ``module`` keeps its structure and names, its
+    parameters are views of flat bucket buffers.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        shard_group: dist.ProcessGroup | None,
+        strategy: ShardingStrategy,
+        unit_classes: tuple[type, ...],
+        device: torch.device,
+        mixed_precision_policy: MixedPrecisionPolicy,
+        init_model_with_meta_device: bool = False,
+        overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = True,
+        sync_model_each_microbatch: bool = True,
+        average_in_collective: bool = False,
+        calculate_per_token_loss: bool = False,
+        disable_bucketing: bool = False,
+        ag_group: dist.ProcessGroup | None = None,
+        max_inflight_reduce: int = 2,
+    ):
+        super().__init__()
+        self.module = module
+        self.strategy = strategy
+        self.device = device
+        self.mp_policy = mixed_precision_policy
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
+        self.calculate_per_token_loss = calculate_per_token_loss
+        self.average_in_collective = average_in_collective
+        # The log every collective of this model is recorded in (tests and benchmarks read it).
+        self.comm_log = CommLog()
+        self.comm = Communicator(shard_group, "dp_shard", self.comm_log)
+        # A second communicator over the same ranks, so that gathers do not queue behind reductions.
+        self.ag_comm = (Communicator(ag_group, "dp_shard_ag", self.comm_log)
+                        if ag_group is not None else self.comm)
+        self.max_inflight_reduce = max(1, max_inflight_reduce)
+        # Whether this backward reduces gradients that can wait (no_shard/optim, see no_sync()).
+        self._auto_sync = sync_model_each_microbatch
+        self._sync_override: bool | None = None
+        self._unreduced = False  # a deferred backward left gradients unreduced
+        # Per-backward state: see [Note: reduction order].
+        self._launch_cursor = 0
+        self._inflight: deque[tuple[Bucket, Handle]] = deque()
+        self._backward_started = False
+        # Forward order of units, recorded on the first forward; drives prefetching.
+        self._order: list[FSDPUnit] = []
+        self._order_recorded = False
+        # Weights all-gathered after an optimizer step (ZeRO-1/2), waited for before next use.
+        self._param_sync: list[Handle] = []
+        # Measured memory: bytes of gathered unit weights and of full gradient buffers.
+        self.memory = {"gathered_bytes": 0, "peak_gathered_bytes": 0,
+                       "grad_full_bytes": 0, "peak_grad_full_bytes": 0, "init_peak_bytes": 0}
+        self._build(unit_classes, disable_bucketing, init_model_with_meta_device)
+
+    # ------------------------------------------------------------------------------------------
+    # construction
+    # ------------------------------------------------------------------------------------------
+    def _build(self, unit_classes, disable_bucketing: bool, meta_init: bool) -> None:
+        root = self.module
+        unit_paths = [""]
+        if unit_classes and not disable_bucketing:
+            unit_paths += [n for n, m in root.named_modules() if n and isinstance(m, unit_classes)]
+            if len(unit_paths) == 1 and not isinstance(root, unit_classes):
+                names = ", ".join(c.__name__ for c in unit_classes)
+                raise ValueError(f"fsdp_unit_modules=({names}) matches no module of "
+                                 f"{type(root).__name__}; name the block classes the model uses")
+        mods = dict(root.named_modules())
+
+        def owner(path: str) -> str:  # the innermost unit containing module `path`
+            best = ""
+            for u in unit_paths:
+                if u and (path == u or path.startswith(u + ".")) and len(u) > len(best):
+                    best = u
+            return best
+
+        def common(a: str, b: str) -> str:  # innermost unit containing both
+            while not (b == a or b.startswith(a + ".") or a == ""):
+                a = owner(a.rpartition(".")[0]) if "." in a else ""
+            return a
+
+        # Every distinct parameter, the places it is registered, and the unit that owns it.
+        params: dict[int, dict] = {}
+        for path, m in root.named_modules(remove_duplicate=False):
+            for attr, p in m._parameters.items():
+                if p is None:
+                    continue
+                entry = params.setdefault(id(p), {"param": p, "uses": [], "name":
+                                                  f"{path}.{attr}" if path else attr})
+                entry["uses"].append((m, attr))
+                u = owner(path)
+                entry["unit"] = common(entry["unit"], u) if "unit" in entry else u
+        if not meta_init:
+            for e in params.values():
+                p = e["param"]
+                if p.device.type == "meta":
+                    raise ValueError(f"parameter {e['name']!r} is on the meta device; pass "
+                                     "init_model_with_meta_device=True to materialise it shard by shard")
+                if p.device != self.device:
+                    raise ValueError(f"parameter {e['name']!r} is on {p.device} but the mesh "
+                                     f"device is {self.device}; move the model with "
+                                     f"model.to({str(self.device)!r}) first or pass device=")
+        shard_count = 1 if self.strategy is ShardingStrategy.NO_SHARD else self.comm.size
+        rank = 0 if shard_count == 1 else self.comm.rank
+        self.units: list[FSDPUnit] = []
+        self._slot: dict[int, tuple[Bucket, int]] = {}  # id(original param) -> (bucket, index)
+        for upath in unit_paths:
+            unit = FSDPUnit(upath, self if upath == "" else mods[upath])
+            groups: dict[tuple, list[dict]] = {}
+            for e in params.values():
+                if e["unit"] != upath:
+                    continue
+                p = e["param"]
+                key = (p.dtype, ".experts." in f".{e['name']}.", p.requires_grad)
+                groups.setdefault(key, []).append(e)
+            for key, entries in groups.items():
+                dtype = key[0]
+                main, grads, comm_dtype = self.mp_policy.resolve(dtype)
+                bucket = Bucket(
+                    unit=upath, key=key, names=[e["name"] for e in entries],
+                    plan=plan_bucket([tuple(e["param"].shape) for e in entries], shard_count),
+                    rank=rank, device=self.device, dtype=dtype, main_dtype=main,
+                    grad_dtype=grads, comm_dtype=comm_dtype,
+                    sharded_params=self.strategy.shards_params,
+                    sharded_grads=self.strategy.shards_grads,
+                    replicated=self.strategy is ShardingStrategy.NO_SHARD,
+                )
+                bucket.grad_scale = 1.0 if self.calculate_per_token_loss else 1.0 / self.comm.size
+                for i, e in enumerate(entries):
+                    self._slot[id(e["param"])] = (bucket, i)
+                unit.buckets.append(bucket)
+            self.units.append(unit)
+        self._load_values(params, meta_init)
+        self._original_params = [e["param"] for e in params.values()]  # read once by the API
+        # Replace every parameter by a view of its bucket and hook it.
+        self._new_params: dict[int, nn.Parameter] = {}
+        self._param_names: list[tuple[str, nn.Parameter]] = []
+        for e in params.values():
+            bucket, i = self._slot[id(e["param"])]
+            new = nn.Parameter(bucket.param_view(i), requires_grad=e["param"].requires_grad)
+            for m, attr in e["uses"]:
+                m._parameters[attr] = new
+            self._new_params[id(e["param"])] = new
+            self._param_names.append((e["name"], new))
+            if new.requires_grad:
+                new.register_post_accumulate_grad_hook(self._grad_hook(bucket, i))
+        for b in self.buckets:
+            b.n_grad_params = len(b.names) if b.requires_grad else 0
+            b.is_ready = False
+            if b.main_shard is not b.model_shard:
+                b.main_shard.copy_(b.model_shard)
+            if b.sharded_params:
+                self._release(b)
+        for m in root.modules():  # buffers follow the device; parameters are done
+            for name, buf in m._buffers.items():
+                if buf is not None and buf.device != self.device and buf.device.type != "meta":
+                    m._buffers[name] = buf.to(self.device)
+        # Fixed launch order of gradient buckets: see [Note: reduction order].
+        self._grad_order = [b for b in reversed(self.buckets) if b.requires_grad]
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(self._pre_forward_hook(unit))
+            unit.module.register_forward_hook(self._post_forward_hook(unit))
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [b for u in self.units for b in u.buckets]
+
+    @torch.no_grad()
+    def _load_values(self, params: dict[int, dict], meta_init: bool) -> None:
+        """Copy initial values into the buckets (the local rows only, under ZeRO-3)."""
+
+        def store(bucket: Bucket, i: int, value: torch.Tensor) -> None:
+            if bucket.sharded_params:
+                start, end = bucket.plan.params[i].local_rows(bucket.rank)
+                src = value.reshape(bucket.plan.params[i].shape or (1,))[start:end]
+                bucket.local_view(bucket.model_shard, i).copy_(src.reshape(
+                    bucket.local_view(bucket.model_shard, i).shape))
+            else:
+                bucket.param_view(i).copy_(value)
+
+        if not meta_init:
+            for e in params.values():
+                store(*self._slot[id(e["param"])], e["param"].detach())
+            return
+        # Meta-device initialisation, one module at a time, in construction order.
+        held = sum(sum(t.untyped_storage().nbytes() for t in (b.model_shard, b.main_shard))
+                   for b in self.buckets if b.sharded_params)
+        done: set[int] = set()
+        for path, m in self.module.named_modules():
+            own = [(a, p) for a, p in m._parameters.items() if p is not None and id(p) not in done]
+            if not own:
+                continue
+            if not hasattr(m, "reset_parameters"):
+                raise ValueError(f"module {path or type(m).__name__!r} ({type(m).__name__}) has "
+                                 "parameters but no reset_parameters(); meta-device "
+                                 "initialisation needs it to create their values")
+            originals = {a: p for a, p in own}
+            m.to_empty(device=self.device, recurse=False)
+            m.reset_parameters()
+            temp = sum(p.numel() * p.element_size() for p in m._parameters.values() if p is not None)
+            self.memory["init_peak_bytes"] = max(self.memory["init_peak_bytes"], held + temp)
+            for a, p in originals.items():
+                store(*self._slot[id(p)], m._parameters[a].detach())
+                m._parameters[a] = p  # keep the original object until the views replace it
+                done.add(id(p))
+
+    # ------------------------------------------------------------------------------------------
+    # memory
+    # ------------------------------------------------------------------------------------------
+    def _gather(self, unit: FSDPUnit, wait: bool = True) -> None:
+        """All-gather a unit's sharded weights (ZeRO-3), or just wait for a prefetch."""
+        if self.strategy.shards_params and not unit.pending:
+            for b in unit.buckets:
+                if b.gathered:
+                    continue
+                self._alloc(b)
+                with torch.no_grad():
+                    unit.pending.append(self.ag_comm.all_gather(b.full_comm, b.model_shard))
+        if wait:
+            for h in unit.pending:
+                h.wait()
+            unit.pending.clear()
+
+    def _alloc(self, b: Bucket) -> None:
+        b.alloc_full()
+        if b.unit:
+            self.memory["gathered_bytes"] += b.full.untyped_storage().nbytes()
+            self.memory["peak_gathered_bytes"] = max(self.memory["peak_gathered_bytes"],
+                                                     self.memory["gathered_bytes"])
+
+    def _release(self, b: Bucket) -> None:
+        nbytes = b.full.untyped_storage().nbytes()
+        b.release_full()
+        if b.unit and nbytes and not b.gathered:
+            self.memory["gathered_bytes"] -= nbytes
+
+    def _reshard(self, unit: FSDPUnit) -> None:
+        if self.strategy.shards_params:
+            for h in unit.pending:  # never free a buffer a collective is still writing
+                h.wait()
+            unit.pending.clear()
+            for b in unit.buckets:
+                self._release(b)
+
+    def _next_unit(self, unit: FSDPUnit, step: int) -> FSDPUnit | None:
+        if not self._order_recorded or unit not in self._order:
+            return None
+        i = self._order.index(unit) + step
+        return self._order[i] if 0 <= i < len(self._order) else None
+
+    # ------------------------------------------------------------------------------------------
+    # hooks
+    # ------------------------------------------------------------------------------------------
+    def _pre_forward_hook(self, unit: FSDPUnit):
+        def hook(module, args):
+            if unit.is_root:
+                self._begin_forward()
+            elif not self._order_recorded and unit not in self._order:
+                self._order.append(unit)
+            self._gather(unit)
+            if self.overlap_param_gather and torch.is_grad_enabled():
+                nxt = self._next_unit(unit, +1)
+                if nxt is not None:
+                    self._gather(nxt, wait=False)
+            self._poll()
+        return hook
+
+    def _post_forward_hook(self, unit: FSDPUnit):
+        def hook(module, args, output):
+            if unit.is_root:
+                self._order_recorded = True
+            self._reshard(unit)
+            tensors = _tensors(output)
+            if tensors and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grad: self._pre_backward(unit), mode="any")
+            return output
+        return hook
+
+    def _pre_backward(self, unit: FSDPUnit) -> None:
+        if not self._backward_started:
+            self._backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._gather(unit)
+        if self.overlap_param_gather:
+            nxt = self._next_unit(unit, -1)
+            if nxt is not None:
+                self._gather(nxt, wait=False)
+        self._poll()
+
+    def _grad_hook(self, bucket: Bucket, i: int):
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            param.grad = None
+            if grad is None:
+                return
+            full = self._grad_full(bucket)
+            with torch.no_grad():
+                slot = bucket.plan.params[i]
+                full[slot.offset:slot.offset + slot.numel].view_as(grad).add_(grad)
+            bucket.ready += 1
+            if bucket.ready == bucket.n_grad_params:
+                self._bucket_ready(bucket)
+            self._poll()
+        return hook
+
+    def _grad_full(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.grad_full is None:
+            bucket.ensure_grad_full()
+            if bucket.sharded_grads:
+                self.memory["grad_full_bytes"] += bucket.grad_full.untyped_storage().nbytes()
+                self.memory["peak_grad_full_bytes"] = max(self.memory["peak_grad_full_bytes"],
+                                                          self.memory["grad_full_bytes"])
+        return bucket.grad_full
+
+    # ------------------------------------------------------------------------------------------
+    # gradient reduction
+    # ------------------------------------------------------------------------------------------
+    def _reducing(self) -> bool:
+        """Whether this backward reduces gradients (ZeRO-2/3 always: their grads are sharded)."""
+        sync = self._auto_sync if self._sync_override is None else self._sync_override
+        return sync or self.strategy.shards_grads
+
+    def _bucket_ready(self, bucket: Bucket) -> None:
+        bucket.is_ready = True
+        if self.strategy.shards_params and not self._unit_of(bucket).is_root:
+            unit = self._unit_of(bucket)
+            if all(b.is_ready for b in unit.buckets):  # frozen buckets wait for the end
+                self._reshard(unit)
+        if self.overlap_grad_reduce:
+            self._launch_ready()
+
+    def _unit_of(self, bucket: Bucket) -> FSDPUnit:
+        return next(u for u in self.units if u.name == bucket.unit)
+
+    def _launch_ready(self, flush: bool = False) -> None:
+        while self._launch_cursor < len(self._grad_order):
+            b = self._grad_order[self._launch_cursor]
+            if not (b.is_ready or flush):
+                return
+            self._launch_cursor += 1
+            if self._reducing():
+                self._launch(b)
+
+    @torch.no_grad()
+    def _launch(self, b: Bucket) -> None:
+        g = self._grad_full(b)
+        src = g if b.comm_dtype == g.dtype else g.to(b.comm_dtype)
+        if b.grad_scale != 1.0:
+            src.mul_(b.grad_scale)
+        if b.replicated:
+            handle = self.comm.all_reduce(src)
+
+            def finish(value, src=src, g=g):
+                if src is not g:
+                    g.copy_(src)
+        else:
+            handle = self.comm.reduce_scatter(src)
+
+            def finish(value, b=b):
+                b.grad_shard.add_(value)
+                nbytes = b.grad_full.untyped_storage().nbytes() if b.sharded_grads else 0
+                b.release_grad_full()
+                self.memory["grad_full_bytes"] -= nbytes
+
+        self._inflight.append((b, handle, finish))
+        while len(self._inflight) > self.max_inflight_reduce:
+            self._finish_one()
+
+    def _finish_one(self) -> None:
+        b, handle, finish = self._inflight.popleft()
+        finish(handle.wait())
+
+    def _poll(self) -> None:
+        while self._inflight and self._inflight[0][1].is_completed():
+            self._finish_one()
+
+    def _finish_backward(self) -> None:
+        """Root callback at the end of backward: launch what is left, wait for everything."""
+        self._launch_ready(flush=True)
+        while self._inflight:
+            self._finish_one()
+        for unit in self.units:
+            self._reshard(unit)
+        for b in self.buckets:
+            b.ready = 0
+            b.is_ready = False
+        self._launch_cursor = 0
+        self._backward_started = False
+        self._unreduced = not self._reducing()
+
+    # ------------------------------------------------------------------------------------------
+    # steps
+    # ------------------------------------------------------------------------------------------
+    def _begin_forward(self) -> None:
+        for h in self._param_sync:
+            h.wait()
+        self._param_sync.clear()
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_grad_sync(self) -> None:
+        """Make sure every gradient reduction has finished (the optimizer calls this)."""
+        if self._backward_started:
+            raise RuntimeError("finish_grad_sync() during backward")
+        if self._unreduced:
+            raise RuntimeError(
+                "the last backward ran under no_sync() (or with sync_model_each_microbatch=False "
+                "outside sync()), so its gradients were never reduced across ranks; run the last "
+                "micro-batch of each step outside no_sync() (or inside sync()) before "
+                "optimizer.step()")
+
+    @torch.no_grad()
+    def install_main_weights(self) -> None:
+        """Copy main weights into the model weights after an optimizer step, then re-replicate."""
+        for b in self.buckets:
+            if b.main_shard is not b.model_shard:
+                b.model_shard.copy_(b.main_shard)
+            if not b.sharded_params and not b.replicated:
+                self._param_sync.append(self.ag_comm.all_gather(b.full_comm, b.model_shard.clone()))
+
+    @torch.no_grad()
+    def zero_grad_buffers(self) -> None:
+        """Zero the reduced gradients (and any accumulated full gradients)."""
+        for b in self.buckets:
+            if b.grad_shard is not None:
+                b.grad_shard.zero_()
+            if b.grad_full is not None and not b.replicated:
+                b.release_grad_full()
+                if b.sharded_grads:
+                    self.memory["grad_full_bytes"] = 0
+        self._unreduced = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip the gradient reduction of backwards run inside (for all but the last micro-batch).
+
+        Under ``no_shard`` and ``optim`` gradients simply accumulate locally. Under
+        ``optim_grads`` and ``optim_grads_params`` gradients are sharded, so each micro-batch is
+        still reduce-scattered (into the accumulating shard); only deferrable reductions wait.
+        """
+        old, self._sync_override = self._sync_override, False
+        try:
+            yield
+        finally:
+            self._sync_override = old
+
+    @contextlib.contextmanager
+    def sync(self):
+        """Reduce gradients in backwards run inside, whatever ``sync_model_each_microbatch`` says."""
+        old, self._sync_override = self._sync_override, True
+        try:
+            yield
+        finally:
+            self._sync_override = old
+
+    def set_model_auto_sync(self, sync: bool) -> None:
+        """Set whether every backward reduces gradients (``sync_model_each_microbatch``)."""
+        self._auto_sync = bool(sync)
+
+    # ------------------------------------------------------------------------------------------
+    # inspection
+    # ------------------------------------------------------------------------------------------
+    def named_main_shards(self) -> list[tuple[str, torch.Tensor, Bucket, int]]:
+        """(name, local main-weight rows, bucket, index) for every parameter, in model order."""
+        out = []
+        for name, p in self._param_names:
+            bucket, i = self._slot_new(p)
+            out.append((name, bucket.local_view(bucket.main_shard, i), bucket, i))
+        return out
+
+    def _slot_by_new_param(self) -> dict[int, tuple[Bucket, int]]:
+        return {id(new): self._slot[old] for old, new in self._new_params.items()}
+
+    def _slot_new(self, p: nn.Parameter) -> tuple[Bucket, int]:
+        return self._slot_by_new_param()[id(p)]
+
+    @torch.no_grad()
+    def full_parameters(self, main: bool = True) -> dict[str, torch.Tensor]:
+        """Every parameter gathered to its full shape on every rank (a collective call).
+
+        ``main=True`` returns the main weights (the optimizer's fp32 copy), otherwise the model
+        weights in compute dtype.
+        """
+        full = {}
+        for b in self.buckets:
+            src = b.main_shard if main else b.model_shard
+            if b.replicated:
+                flat = src
+            else:
+                flat = torch.empty(b.plan.padded_numel, dtype=src.dtype, device=src.device)
+                self.comm.all_gather(flat, src.contiguous(), async_op=False)
+            for i, name in enumerate(b.names):
+                slot = b.plan.params[i]
+                full[name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        return {name: full[name] for name, _ in self._param_names}
+
+    def memory_by_kind(self) -> dict[str, int]:
+        """Bytes held by this rank's buckets right now, by kind (shared storage counted once)."""
+        total: dict[str, int] = {}
+        for b in self.buckets:
+            for k, v in b.bytes_by_kind().items():
+                total[k] = total.get(k, 0) + v
+        return total

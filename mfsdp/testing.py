@@ -1,0 +1,143 @@
+"""Reference and sharded training runs of the toy model, used by the tests and the recipes.
+
+:func:`train_reference` trains one process on the whole global batch; :func:`train_sharded` runs
+inside a launched rank (see :mod:`mfsdp.launch`) on that rank's slice of the same global batch.
+The two must agree: that is the engine's correctness test.
+
+>>> from mfsdp.launch import launch
+>>> cfg = dict(strategy="optim_grads_params", steps=2)
+>>> ref = train_reference(cfg, world_size=2)
+>>> shard = launch(train_sharded, 2, args=(cfg,))[0]
+>>> [abs(a - b) < 1e-5 for a, b in zip(ref["losses"], shard["losses"])]
+[True, True]
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from mfsdp.models.toy import Block, ToyModel
+
+__all__ = ["DEFAULTS", "train_reference", "train_sharded", "make_batches"]
+
+DEFAULTS = dict(
+    strategy="optim_grads_params", optimizer="sgd", dtype="fp32", steps=5, micro_batches=1,
+    local_batch=4, dim=32, hidden=64, blocks=4, lr=0.05, seed=0, meta_init=False,
+    model_kwargs={}, grad_comm_dtype=None, main_grads_dtype=None, clip=None,
+    per_token_loss=False, return_params=True, track_memory=False, fsdp_kwargs={},
+)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
+
+
+def _cfg(cfg: dict) -> dict:
+    unknown = set(cfg) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    return {**DEFAULTS, **cfg}
+
+
+def make_batches(cfg: dict, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches of every step: inputs and regression targets, from the seed alone."""
+    c = _cfg(cfg)
+    g = torch.Generator().manual_seed(1000 + c["seed"])
+    n = c["local_batch"] * world_size
+    return [(torch.randn(n, c["dim"], generator=g), torch.randn(n, c["dim"], generator=g))
+            for _ in range(c["steps"])]
+
+
+def _model(c: dict, device: str | torch.device = "cpu") -> ToyModel:
+    torch.manual_seed(c["seed"])
+    with torch.device(device):
+        return ToyModel(c["dim"], c["hidden"], c["blocks"], **c["model_kwargs"])
+
+
+def _optimizer(c: dict, params) -> torch.optim.Optimizer:
+    if c["optimizer"] == "sgd":
+        return torch.optim.SGD(params, lr=c["lr"])
+    if c["optimizer"] == "adamw":
+        return torch.optim.AdamW(params, lr=c["lr"] * 0.1, weight_decay=0.01)
+    raise ValueError(f"optimizer={c['optimizer']!r}: use 'sgd' or 'adamw'")
+
+
+def train_reference(cfg: dict, world_size: int) -> dict:
+    """Train one process on the concatenated global batch; fp32 main weights for bf16 compute."""
+    c = _cfg(cfg)
+    dtype = _DTYPES[c["dtype"]]
+    master = _model(c)
+    model = _model(c).to(dtype)
+    main = [p for p in master.parameters() if p.requires_grad]
+    work = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(c, main)
+    losses = []
+    for x, y in make_batches(c, world_size):
+        for p in work:
+            p.grad = None
+        out = model(x.to(dtype))
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+        loss.backward()
+        losses.append(loss.item())
+        for pm, pw in zip(main, work):
+            pm.grad = pw.grad.float()
+        if c["clip"]:
+            torch.nn.utils.clip_grad_norm_(main, c["clip"])
+        opt.step()
+        with torch.no_grad():
+            for pm, pw in zip(main, work):
+                pw.copy_(pm)
+    return {"losses": losses,
+            "params": {n: p.detach().clone() for n, p in master.named_parameters()}}
+
+
+def train_sharded(cfg: dict) -> dict:
+    """Train this rank's slice of the global batch with :func:`mfsdp.fully_shard` (run in a rank)."""
+    from mfsdp import MixedPrecisionPolicy, fully_shard
+
+    c = _cfg(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = _DTYPES[c["dtype"]]
+    if c["meta_init"]:
+        model = _model(c, "meta").to(dtype)
+    else:
+        model = _model(c).to(dtype)
+    opt = _optimizer(c, model.parameters())
+    policy = MixedPrecisionPolicy(main_grads_dtype=_DTYPES[c["main_grads_dtype"]],
+                                  grad_comm_dtype=_DTYPES[c["grad_comm_dtype"]])
+    model, opt = fully_shard(model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=c["strategy"],
+                             init_model_with_meta_device=c["meta_init"],
+                             mixed_precision_policy=policy,
+                             calculate_per_token_loss=c["per_token_loss"], **c["fsdp_kwargs"])
+    lb, m = c["local_batch"], c["micro_batches"]
+    losses, memory, comm = [], [], []
+    for step, (x, y) in enumerate(make_batches(c, world)):
+        x, y = x[rank * lb:(rank + 1) * lb], y[rank * lb:(rank + 1) * lb]
+        opt.zero_grad()
+        model.comm_log.clear()
+        total = 0.0
+        for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
+            last = i == m - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                out = model(xm.to(dtype))
+                loss = torch.nn.functional.mse_loss(out.float(), ym, reduction="sum")
+                # per-token loss: gradients are summed over ranks, so normalise by global count
+                denom = (x.numel() * world) if c["per_token_loss"] else ym.numel() * m
+                (loss / denom).backward()
+                total += loss.item() / (ym.numel() * m)
+        if c["clip"]:
+            opt.clip_grad_norm_(c["clip"])
+        opt.step()
+        t = torch.tensor([total])
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        comm.append(list(model.comm_log.records))
+        if c["track_memory"]:
+            memory.append({**model.memory_by_kind(), "optimizer_state": opt.local_state_bytes()})
+    params = model.full_parameters() if c["return_params"] else None
+    return {"losses": losses, "params": params if rank == 0 else None, "memory": memory,
+            "peaks": dict(model.memory), "comm": comm,
+            "numel": sum(b.plan.numel for b in model.buckets),
+            "padded_numel": sum(b.plan.padded_numel for b in model.buckets),
+            "unit_bytes": max(u.gathered_bytes for u in model.units if not u.is_root)}
