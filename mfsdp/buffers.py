@@ -19,6 +19,7 @@ multiple of its row size, and the buffer is padded to ``shard_count * shard_nume
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -97,9 +98,38 @@ def plan_bucket(shapes: list[tuple[int, ...]], shard_count: int) -> BucketPlan:
         offsets.append(cursor)
         cursor += math.prod(s)
     per_rank = -(-cursor // shard_count)
-    shard_numel = -(-per_rank // lcm) * lcm if cursor else 0
+    shard_numel = _smallest_shard(per_rank, shard_count, offsets, shapes, row_sizes, lcm) \
+        if cursor else 0
     slots = [ParamSlot(s, o, shard_numel) for s, o in zip(shapes, offsets)]
     return BucketPlan(slots, shard_count, shard_numel, sum(math.prod(s) for s in shapes))
+
+
+def _smallest_shard(lower: int, n: int, offsets: list[int], shapes, row_sizes: list[int],
+                    lcm: int, max_tries: int = 200_000) -> int:
+    """The smallest shard size >= ``lower`` whose boundaries all fall between rows.
+
+    A multiple of every row size always works (``lcm``); usually a size a few elements above
+    ``lower`` does too, which keeps padding far below one row per rank.
+    """
+    spans = [(o, o + math.prod(s), r) for o, s, r in zip(offsets, shapes, row_sizes)
+             if math.prod(s) > 0 and r > 1]
+    starts = [a for a, _, _ in spans]
+    fallback = -(-lower // lcm) * lcm
+    size = lower
+    for _ in range(max_tries):
+        if size >= fallback:
+            return fallback
+        ok = True
+        for k in range(1, n):
+            pos = k * size
+            j = bisect.bisect_right(starts, pos) - 1
+            if j >= 0 and spans[j][0] < pos < spans[j][1] and (pos - spans[j][0]) % spans[j][2]:
+                ok = False
+                break
+        if ok:
+            return size
+        size += 1
+    return fallback
 
 
 def _free(t: torch.Tensor | None) -> None:

@@ -134,9 +134,10 @@ class Communicator:
         return handle
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = True,
-                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
-        """Sum (or ``op``) ``t`` in place over ranks."""
-        record = self._record("all_reduce", t, t.numel(), 2.0)
+                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                   kind: str = "all_reduce") -> Handle:
+        """Sum (or ``op``) ``t`` in place over ranks; ``kind`` names it in the accounting."""
+        record = self._record(kind, t, t.numel(), 2.0)
         if self.size == 1:
             return Handle(None, lambda: t, record)
         with torch.profiler.record_function("mfsdp::all_reduce"):

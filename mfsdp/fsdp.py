@@ -226,6 +226,9 @@ class FullyShardedModule(nn.Module):
         for b in self.buckets:
             b.n_grad_params = len(b.names) if b.requires_grad else 0
             b.is_ready = False
+            # Which parameters received a gradient (on any rank) since the last zero_grad: the
+            # optimizer skips the others, as plain PyTorch skips parameters whose .grad is None.
+            b.used = torch.zeros(len(b.names), device=self.device)
             if b.main_shard is not b.model_shard:
                 b.main_shard.copy_(b.model_shard)
             if b.sharded_params:
@@ -377,6 +380,7 @@ class FullyShardedModule(nn.Module):
             with torch.no_grad():
                 slot = bucket.plan.params[i]
                 full[slot.offset:slot.offset + slot.numel].view_as(grad).add_(grad)
+            bucket.used[i] = 1.0
             bucket.ready += 1
             if bucket.ready == bucket.n_grad_params:
                 self._bucket_ready(bucket)
@@ -454,9 +458,21 @@ class FullyShardedModule(nn.Module):
         while self._inflight and self._inflight[0][1].is_completed():
             self._finish_one()
 
+    def _sync_used_flags(self) -> None:
+        """Agree across ranks on which parameters got a gradient (one small all-reduce MAX)."""
+        grad_buckets = [b for b in self.buckets if b.requires_grad]
+        if not grad_buckets or self.comm.size == 1:
+            return
+        flags = torch.cat([b.used for b in grad_buckets])
+        self.comm.all_reduce(flags, async_op=False, op=dist.ReduceOp.MAX, kind="flags")
+        for b, part in zip(grad_buckets, flags.split([len(b.names) for b in grad_buckets])):
+            b.used.copy_(part)
+
     def _finish_backward(self) -> None:
         """Root callback at the end of backward: launch what is left, wait for everything."""
         self._launch_ready(flush=True)
+        if self._reducing():
+            self._sync_used_flags()
         while self._inflight:
             self._finish_one()
         for unit in self.units:
@@ -503,6 +519,7 @@ class FullyShardedModule(nn.Module):
     def zero_grad_buffers(self) -> None:
         """Zero the reduced gradients (and any accumulated full gradients)."""
         for b in self.buckets:
+            b.used.zero_()
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
             if b.grad_full is not None and not b.replicated:

@@ -60,7 +60,7 @@ class ShardedOptimizer:
 
     def _install_grads(self) -> None:
         for main, bucket, i in self._mains:
-            if not bucket.requires_grad:
+            if not bucket.requires_grad or not bucket.used[i]:
                 main.grad = None
                 continue
             grad = bucket.local_view(bucket.grad_shard, i)
@@ -81,7 +81,7 @@ class ShardedOptimizer:
             else:
                 sq += part
         if self.model.comm.size > 1:
-            self.model.comm.all_reduce(sq, async_op=False)
+            self.model.comm.all_reduce(sq, async_op=False, kind="grad_norm")
         return math.sqrt((sq + replicated).item())
 
     @torch.no_grad()

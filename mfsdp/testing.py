@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from mfsdp.models.toy import Block, ToyModel
 
-__all__ = ["DEFAULTS", "train_reference", "train_sharded", "make_batches"]
+__all__ = ["DEFAULTS", "train_reference", "train_sharded", "train_sharded_many", "make_batches",
+           "initial_parameters"]
 
 DEFAULTS = dict(
     strategy="optim_grads_params", optimizer="sgd", dtype="fp32", steps=5, micro_batches=1,
@@ -67,8 +68,11 @@ def train_reference(cfg: dict, world_size: int) -> dict:
     """Train one process on the concatenated global batch; fp32 main weights for bf16 compute."""
     c = _cfg(cfg)
     dtype = _DTYPES[c["dtype"]]
-    master = _model(c)
     model = _model(c).to(dtype)
+    master = _model(c)
+    with torch.no_grad():  # main weights start from the model's (possibly bf16) values
+        for pm, pw in zip(master.parameters(), model.parameters()):
+            pm.copy_(pw)
     main = [p for p in master.parameters() if p.requires_grad]
     work = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(c, main)
@@ -81,7 +85,7 @@ def train_reference(cfg: dict, world_size: int) -> dict:
         loss.backward()
         losses.append(loss.item())
         for pm, pw in zip(main, work):
-            pm.grad = pw.grad.float()
+            pm.grad = None if pw.grad is None else pw.grad.float()
         if c["clip"]:
             torch.nn.utils.clip_grad_norm_(main, c["clip"])
         opt.step()
@@ -140,4 +144,16 @@ def train_sharded(cfg: dict) -> dict:
             "peaks": dict(model.memory), "comm": comm,
             "numel": sum(b.plan.numel for b in model.buckets),
             "padded_numel": sum(b.plan.padded_numel for b in model.buckets),
-            "unit_bytes": max(u.gathered_bytes for u in model.units if not u.is_root)}
+            "unit_bytes": max((u.gathered_bytes for u in model.units if not u.is_root), default=0)}
+
+
+def train_sharded_many(cfgs: list[dict]) -> list[dict]:
+    """:func:`train_sharded` for several configurations in one launch (saves process start-ups)."""
+    return [train_sharded(c) for c in cfgs]
+
+
+def initial_parameters(cfg: dict) -> dict[str, torch.Tensor]:
+    """The toy model's main weights before training (as both runs start them), in fp32."""
+    c = _cfg(cfg)
+    return {n: p.detach().to(_DTYPES[c["dtype"]]).float()
+            for n, p in _model(c).named_parameters()}
