@@ -186,6 +186,9 @@ class Bucket:
         self.full = torch.zeros(n, dtype=self.dtype, device=self.device)
         self.full_comm = torch.empty(0, dtype=self.dtype, device=self.device).set_(
             self.full.untyped_storage(), 0, (n,), (1,))
+        # Views must be made while the storage is allocated; they stay valid when it is released.
+        self._views = [self.full.as_strided(slot.shape, _contiguous_strides(slot.shape), slot.offset)
+                       for slot in self.plan.params]
         lo = self.rank * s
         if self.sharded_params:
             self.model_shard = torch.zeros(s, dtype=self.dtype, device=self.device)
@@ -195,6 +198,8 @@ class Bucket:
             self.main_shard = self.model_shard
         else:
             self.main_shard = torch.zeros(s, dtype=self.main_dtype, device=self.device)
+        if self.sharded_params:  # ZeRO-3: the full bucket exists only while a unit computes
+            _free(self.full)
         if self.requires_grad:
             self.grad_shard = torch.zeros(s, dtype=self.grad_dtype, device=self.device)
             if self.replicated:  # shard == whole bucket: accumulate and all-reduce in place
@@ -221,8 +226,7 @@ class Bucket:
     # -- views ----------------------------------------------------------------------------------
     def param_view(self, i: int) -> torch.Tensor:
         """Parameter ``i`` as a view of ``full`` (valid even while ``full`` is released)."""
-        slot = self.plan.params[i]
-        return self.full.as_strided(slot.shape, _contiguous_strides(slot.shape), slot.offset)
+        return self._views[i]
 
     def local_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s local rows inside a shard-sized buffer (main weights, grads)."""

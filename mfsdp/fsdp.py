@@ -265,8 +265,9 @@ class FullyShardedModule(nn.Module):
                 store(*self._slot[id(e["param"])], e["param"].detach())
             return
         # Meta-device initialisation, one module at a time, in construction order.
-        held = sum(sum(t.untyped_storage().nbytes() for t in (b.model_shard, b.main_shard))
-                   for b in self.buckets if b.sharded_params)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for b in self.buckets for t in (b.model_shard, b.main_shard, b.full)}
+        held = sum(storages.values())  # what the buckets hold already (shards, under ZeRO-3)
         done: set[int] = set()
         for path, m in self.module.named_modules():
             own = [(a, p) for a, p in m._parameters.items() if p is not None and id(p) not in done]

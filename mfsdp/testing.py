@@ -140,10 +140,17 @@ def train_sharded(cfg: dict) -> dict:
         if c["track_memory"]:
             memory.append({**model.memory_by_kind(), "optimizer_state": opt.local_state_bytes()})
     params = model.full_parameters() if c["return_params"] else None
+    states = [s for s in opt.state.values()]
     return {"losses": losses, "params": params if rank == 0 else None, "memory": memory,
             "peaks": dict(model.memory), "comm": comm,
             "numel": sum(b.plan.numel for b in model.buckets),
             "padded_numel": sum(b.plan.padded_numel for b in model.buckets),
+            "optimizer_steps": sorted({int(s["step"]) for s in states if "step" in s}),
+            "state_numel": [v.numel() for s in states for v in s.values()
+                            if torch.is_tensor(v) and v.dim() > 0],
+            "local_numel": [m.numel() for m, _, _ in opt._mains],
+            "root_bytes": sum(b.plan.padded_numel * b.full.element_size()
+                              for b in model.units[0].buckets),
             "unit_bytes": max((u.gathered_bytes for u in model.units if not u.is_root), default=0)}
 
 
