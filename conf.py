@@ -24,7 +24,7 @@ release = version = mfsdp.__version__
 root_doc = "docs/index"
 # The root is the source directory: read only the guide (and what the gallery generates there).
 include_patterns = ["docs/**"]
-exclude_patterns = ["docs/conftest.py", "**/__pycache__", "docs/recipes/*.ipynb",
+exclude_patterns = ["docs/conftest.py", "docs/_templates/**", "**/__pycache__", "docs/recipes/*.ipynb",
                     "docs/recipes/*.py", "docs/recipes/*.zip", "docs/recipes/*.json"]
 
 extensions = [
@@ -40,6 +40,7 @@ extensions = [
     "sphinx_copybutton",
     "sphinxcontrib.mermaid",
 ]
+templates_path = ["docs/_templates"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 
 myst_enable_extensions = ["colon_fence", "deflist", "attrs_inline"]
@@ -58,15 +59,16 @@ if OFFLINE:
     intersphinx_mapping: dict = {}
     # Without the inventories, names from the standard library and torch cannot be resolved.
     nitpick_ignore_regex = [
-        ("py:.*", r"(torch|collections|typing|pathlib|argparse|dataclasses|enum)\..*"),
-        ("py:.*", r"(Path|Callable|Any|Iterable|Iterator|Sequence|Mapping|optional|TextIO)"),
+        ("py:.*", r"(torch|nn|dist|collections|typing|pathlib|argparse|dataclasses|enum)\..*"),
+        ("py:.*", r"(Path|Callable|Any|Iterable|Iterator|Sequence|Mapping|optional|TextIO|Module)"),
     ]
 else:
     intersphinx_mapping = {
         "python": ("https://docs.python.org/3", None),
         "torch": ("https://docs.pytorch.org/docs/stable", None),
     }
-    nitpick_ignore_regex = [("py:.*", r"(optional|TextIO)")]
+    # Aliases in our signatures (nn., dist.) are not in the inventories under those names.
+    nitpick_ignore_regex = [("py:.*", r"(nn|dist)\..*"), ("py:.*", r"(optional|TextIO|Module)")]
 
 sphinx_gallery_conf = {
     "examples_dirs": ["recipes"],

@@ -210,7 +210,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
 
 def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 **kwargs: Any) -> tuple[FullyShardedModule, ShardedOptimizer | None]:
-    """Shard ``module`` (see :func:`fully_shard_model`) and ``optimizer``; return both.
+    """Shard ``module`` (see :func:`mfsdp.fully_shard_model`) and ``optimizer``; return both.
 
     ``optimizer`` may be built on the original parameters, before this call, as upstream
     Megatron-FSDP allows; its state must still be empty.

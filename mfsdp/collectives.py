@@ -24,6 +24,10 @@ import torch.distributed as dist
 
 __all__ = ["CommLog", "Communicator", "Handle"]
 
+# torch 2.13 renamed the tensor collectives (the old names warn); older releases lack the new ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommLog:
@@ -106,7 +110,7 @@ class Communicator:
                 out.copy_(shard)
             return Handle(None, None, record)
         with torch.profiler.record_function("mfsdp::all_gather"):
-            work = dist.all_gather_into_tensor(out, shard, group=self.group, async_op=True)
+            work = _all_gather(out, shard, group=self.group, async_op=True)
         handle = Handle(work, None, record)
         if not async_op:
             handle.wait()
@@ -126,7 +130,7 @@ class Communicator:
                 finish = lambda: recv.view(n, chunk).sum(0)  # noqa: E731
             else:
                 out = torch.empty(chunk, dtype=full.dtype, device=full.device)
-                work = dist.reduce_scatter_tensor(out, full, group=self.group, async_op=True)
+                work = _reduce_scatter(out, full, group=self.group, async_op=True)
                 finish = lambda: out  # noqa: E731
         handle = Handle(work, finish, record)
         if not async_op:
