@@ -8,6 +8,7 @@ from __future__ import annotations
 from mfsdp.api import fully_shard, fully_shard_model, fully_shard_optimizer
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
 from mfsdp.fsdp import FullyShardedModule
+from mfsdp.layout import ParallelLayout, ProcessGroups
 from mfsdp.optimizer import ShardedOptimizer
 
 __version__ = "0.1.0"
@@ -21,4 +22,6 @@ __all__ = [
     "ShardingStrategy",
     "FullyShardedModule",
     "ShardedOptimizer",
+    "ParallelLayout",
+    "ProcessGroups",
 ]

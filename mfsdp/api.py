@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy, resolve_unit_classes
-from mfsdp.fsdp import FullyShardedModule
+from mfsdp.fsdp import FullyShardedModule, Groups
+from mfsdp.layout import ProcessGroups
 from mfsdp.optimizer import ShardedOptimizer
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
@@ -66,6 +67,7 @@ def fully_shard_model(
     expt_fsdp_group_ag: dist.ProcessGroup | None = None,
     hybrid_fsdp_expt_group: dist.ProcessGroup | None = None,
     max_inflight_reduce: int = 2,
+    process_groups: ProcessGroups | None = None,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters over the data-parallel group and return the wrapped module.
 
@@ -97,6 +99,9 @@ def fully_shard_model(
         expt_device_mesh, hybrid_fsdp_group, hybrid_fsdp_expt_group, expt_fsdp_group_ag: the
             expert-parallel and hybrid groups, in upstream's style.
         max_inflight_reduce: reduce-scatters in flight at once before the oldest is waited for.
+        process_groups: the groups of a :class:`mfsdp.ParallelLayout` (from its
+            ``create_groups()``), instead of meshes: dense and expert shard groups, outer group,
+            EP group and, when created, the all-gather groups.
     """
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     outer = ShardingStrategy.parse(outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
@@ -118,7 +123,15 @@ def fully_shard_model(
     if outer is ShardingStrategy.OPTIM and strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(f"outer_dp_sharding_strategy='optim' needs "
                          f"zero_dp_strategy='optim_grads_params', got {strategy.value!r}")
-    shard_group = None
+    groups = Groups(outer_strategy=outer)
+    if process_groups is not None:
+        if device_mesh is not None or expt_device_mesh is not None:
+            raise ValueError("pass either process_groups or device_mesh/expt_device_mesh, not both")
+        groups = Groups(dp_shard=process_groups["dp_shard"], dp_outer=process_groups["dp_outer"],
+                        dp_shard_ag=process_groups["dp_shard_ag"], outer_strategy=outer,
+                        expt_dp_shard=process_groups["expt_dp_shard"],
+                        expt_dp_shard_ag=process_groups["expt_dp_shard_ag"],
+                        ep=process_groups["ep"])
     if device_mesh is not None:
         if device_mesh.size() != dist.get_world_size():
             raise ValueError(f"device_mesh covers {device_mesh.size()} ranks but the world has "
@@ -129,37 +142,52 @@ def fully_shard_model(
                 raise ValueError(f"tp_dim={tp_dim!r} has size {device_mesh[tp_dim].size()}; tensor "
                                  "parallelism is not supported by mfsdp, only a size of 1")
         if dp_outer_dim is not None:
-            _mesh_group(device_mesh, dp_outer_dim, "dp_outer_dim")
-        shard_group = _mesh_group(device_mesh, dp_shard_dim, "dp_shard_dim")
+            groups.dp_outer = _mesh_group(device_mesh, dp_outer_dim, "dp_outer_dim")
+        elif device_mesh.ndim > 1 and dp_shard_dim is None:
+            raise ValueError(f"dp_shard_dim is required for a {device_mesh.ndim}-D device_mesh "
+                             f"(dims {tuple(device_mesh.mesh_dim_names or ())})")
+        groups.dp_shard = _mesh_group(device_mesh, dp_shard_dim, "dp_shard_dim")
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if device_mesh.device_type == "cuda" else torch.device(device_mesh.device_type))
     elif dp_shard_dim is not None or tp_dim is not None or dp_outer_dim is not None:
         raise ValueError("dp_shard_dim / dp_outer_dim / tp_dim name dimensions of device_mesh, "
                          "but no device_mesh was given")
-    outer_size = 1
-    if device_mesh is not None and dp_outer_dim is not None:
-        outer_size = device_mesh[dp_outer_dim].size()
-    if hybrid_fsdp_group is not None:
-        outer_size = max(outer_size, dist.get_world_size(hybrid_fsdp_group))
-    if outer_size > 1 or expt_device_mesh is not None or hybrid_fsdp_expt_group is not None:
-        raise NotImplementedError(
-            "hybrid sharding (an outer dimension of size > 1) and expert meshes are not "
-            "available yet in this version of mfsdp; use a single shard group")
+    if expt_device_mesh is not None:
+        groups.expt_dp_shard = _mesh_group(expt_device_mesh, "expt_dp_shard", "expt_device_mesh")
+        groups.ep = _mesh_group(expt_device_mesh, "ep", "expt_device_mesh")
+    if fsdp_group_ag is not None:
+        groups.dp_shard_ag = fsdp_group_ag
+    if expt_fsdp_group_ag is not None:
+        groups.expt_dp_shard_ag = expt_fsdp_group_ag
+    shard_size = dist.get_world_size(groups.dp_shard)
+    outer_size = dist.get_world_size(groups.dp_outer) if groups.dp_outer is not None else 1
+    expt_size = (dist.get_world_size(groups.expt_dp_shard) if groups.expt_dp_shard is not None
+                 else shard_size)
+    # Upstream passes the flattened (outer x shard) groups; we derive the same from the meshes
+    # and check that they agree.
+    for name, group, inner in (("hybrid_fsdp_group", hybrid_fsdp_group, shard_size),
+                               ("hybrid_fsdp_expt_group", hybrid_fsdp_expt_group, expt_size)):
+        if group is not None and dist.get_world_size(group) != inner * outer_size:
+            raise ValueError(f"{name} has {dist.get_world_size(group)} ranks but the shard "
+                             f"group x dp_outer is {inner} x {outer_size}; it must span both")
+    if outer is ShardingStrategy.OPTIM and outer_size == 1:
+        raise ValueError("outer_dp_sharding_strategy='optim' needs an outer dimension of size > 1 "
+                         "(dp_outer_dim or process_groups from ParallelLayout(dp_outer=...))")
     device = torch.device(device) if device is not None else _default_device()
     units = resolve_unit_classes(fsdp_unit_modules, module)
     if fsdp_double_buffer and not strategy.shards_params:
         raise ValueError("fsdp_double_buffer=True needs zero_dp_strategy='optim_grads_params' "
                          f"(gathered weights only exist under ZeRO-3), got {strategy.value!r}")
     model = FullyShardedModule(
-        module, shard_group=shard_group, strategy=strategy, unit_classes=units, device=device,
+        module, groups=groups, strategy=strategy, unit_classes=units, device=device,
         mixed_precision_policy=mixed_precision_policy,
         init_model_with_meta_device=init_model_with_meta_device,
         overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
         sync_model_each_microbatch=sync_model_each_microbatch,
         average_in_collective=average_in_collective,
         calculate_per_token_loss=calculate_per_token_loss, disable_bucketing=disable_bucketing,
-        ag_group=fsdp_group_ag, max_inflight_reduce=max_inflight_reduce,
+        max_inflight_reduce=max_inflight_reduce,
     )
     ref = weakref.ref(model)
     for new in model._new_params.values():

@@ -164,7 +164,7 @@ class Bucket:
     key: tuple  # (dtype, is_expert, requires_grad)
     names: list[str]
     plan: BucketPlan
-    rank: int  # this rank's index in the shard group
+    rank: int  # this rank's index in the (inner) shard group
     device: torch.device
     dtype: torch.dtype
     main_dtype: torch.dtype
@@ -173,6 +173,12 @@ class Bucket:
     sharded_params: bool  # ZeRO-3: full is released between uses
     sharded_grads: bool  # ZeRO-2/3: grad_full is released after its reduce-scatter
     replicated: bool = False  # no_shard: one gradient buffer, all-reduced in place
+    # HFSDP (outer_dp_sharding_strategy="optim"): main weights are sharded over inner x outer, so
+    # the plan has `shard_count = inner * outer_factor` sub-shards; this rank's inner shard is
+    # sub-shards [rank * outer_factor, (rank + 1) * outer_factor) and its main weights are
+    # sub-shard `rank * outer_factor + outer_rank`.
+    outer_factor: int = 1
+    outer_rank: int = 0
     full: torch.Tensor = field(init=False)
     full_comm: torch.Tensor = field(init=False)
     model_shard: torch.Tensor = field(init=False)
@@ -183,19 +189,20 @@ class Bucket:
 
     def __post_init__(self) -> None:
         n, s = self.plan.padded_numel, self.plan.shard_numel
+        f = self.outer_factor
         self.full = torch.zeros(n, dtype=self.dtype, device=self.device)
         self.full_comm = torch.empty(0, dtype=self.dtype, device=self.device).set_(
             self.full.untyped_storage(), 0, (n,), (1,))
         # Views must be made while the storage is allocated; they stay valid when it is released.
         self._views = [self.full.as_strided(slot.shape, _contiguous_strides(slot.shape), slot.offset)
                        for slot in self.plan.params]
-        lo = self.rank * s
+        lo = self.rank * f * s
         if self.sharded_params:
-            self.model_shard = torch.zeros(s, dtype=self.dtype, device=self.device)
+            self.model_shard = torch.zeros(f * s, dtype=self.dtype, device=self.device)
         else:
-            self.model_shard = self.full[lo:lo + s]
+            self.model_shard = self.full[lo:lo + f * s]
         if self.main_dtype == self.dtype:
-            self.main_shard = self.model_shard
+            self.main_shard = self.model_shard[self.outer_rank * s:(self.outer_rank + 1) * s]
         else:
             self.main_shard = torch.zeros(s, dtype=self.main_dtype, device=self.device)
         if self.sharded_params:  # ZeRO-3: the full bucket exists only while a unit computes
@@ -215,9 +222,9 @@ class Bucket:
         return bool(self.key[1])
 
     @property
-    def shard_slice(self) -> slice:
-        s = self.plan.shard_numel
-        return slice(self.rank * s, (self.rank + 1) * s)
+    def main_index(self) -> int:
+        """The plan sub-shard holding this rank's main weights and reduced gradients."""
+        return self.rank * self.outer_factor + self.outer_rank
 
     @property
     def gathered(self) -> bool:
@@ -228,13 +235,27 @@ class Bucket:
         """Parameter ``i`` as a view of ``full`` (valid even while ``full`` is released)."""
         return self._views[i]
 
-    def local_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter ``i``'s local rows inside a shard-sized buffer (main weights, grads)."""
+    def local_view(self, flat: torch.Tensor, i: int, index: int | None = None) -> torch.Tensor:
+        """Parameter ``i``'s rows inside the sub-shard ``index`` (default: this rank's main one).
+
+        ``flat`` is a buffer of one sub-shard: main weights, reduced gradients.
+        """
+        index = self.main_index if index is None else index
         slot = self.plan.params[i]
-        start, end = slot.local_rows(self.rank)
-        off = slot.local_offset(self.rank)
-        shape = slot.local_shape(self.rank)
-        return flat[off:off + (end - start) * slot.row_numel].view(shape)
+        start, end = slot.local_rows(index)
+        off = slot.local_offset(index)
+        return flat[off:off + (end - start) * slot.row_numel].view(slot.local_shape(index))
+
+    def store_local(self, i: int, value: torch.Tensor) -> None:
+        """Write the rows of parameter ``i`` that this rank's model-weight shard holds."""
+        slot, s = self.plan.params[i], self.plan.shard_numel
+        rows = value.reshape(slot.shape or (1,))
+        for j in range(self.outer_factor):
+            index = self.rank * self.outer_factor + j
+            start, end = slot.local_rows(index)
+            if end > start:
+                self.local_view(self.model_shard[j * s:(j + 1) * s], i, index).copy_(
+                    rows[start:end])
 
     # -- memory ---------------------------------------------------------------------------------
     def alloc_full(self) -> None:

@@ -42,6 +42,19 @@ __all__ = ["FullyShardedModule", "FSDPUnit"]
 
 
 @dataclass
+class Groups:
+    """The process groups a sharded model communicates over (``None``: the default group)."""
+
+    dp_shard: dist.ProcessGroup | None = None  # dense parameters are sharded over it
+    dp_shard_ag: dist.ProcessGroup | None = None  # same ranks, for all-gathers only
+    dp_outer: dist.ProcessGroup | None = None  # HSDP/HFSDP outer (replica) dimension
+    outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD
+    expt_dp_shard: dist.ProcessGroup | None = None  # expert parameters are sharded over it
+    expt_dp_shard_ag: dist.ProcessGroup | None = None
+    ep: dist.ProcessGroup | None = None  # ranks holding different experts
+
+
+@dataclass
 class FSDPUnit:
     """A module whose parameters are gathered together and released together."""
 
@@ -83,7 +96,7 @@ class FullyShardedModule(nn.Module):
         self,
         module: nn.Module,
         *,
-        shard_group: dist.ProcessGroup | None,
+        groups: Groups,
         strategy: ShardingStrategy,
         unit_classes: tuple[type, ...],
         device: torch.device,
@@ -95,7 +108,6 @@ class FullyShardedModule(nn.Module):
         average_in_collective: bool = False,
         calculate_per_token_loss: bool = False,
         disable_bucketing: bool = False,
-        ag_group: dist.ProcessGroup | None = None,
         max_inflight_reduce: int = 2,
     ):
         super().__init__()
@@ -109,10 +121,24 @@ class FullyShardedModule(nn.Module):
         self.average_in_collective = average_in_collective
         # The log every collective of this model is recorded in (tests and benchmarks read it).
         self.comm_log = CommLog()
-        self.comm = Communicator(shard_group, "dp_shard", self.comm_log)
+        self.groups = groups
+        self.comm = Communicator(groups.dp_shard, "dp_shard", self.comm_log)
         # A second communicator over the same ranks, so that gathers do not queue behind reductions.
-        self.ag_comm = (Communicator(ag_group, "dp_shard_ag", self.comm_log)
-                        if ag_group is not None else self.comm)
+        self.ag_comm = (Communicator(groups.dp_shard_ag, "dp_shard_ag", self.comm_log)
+                        if groups.dp_shard_ag is not None else self.comm)
+        self.outer_comm = (Communicator(groups.dp_outer, "dp_outer", self.comm_log)
+                           if groups.dp_outer is not None and dist.get_world_size(groups.dp_outer) > 1
+                           else None)
+        self.outer_sharded = (self.outer_comm is not None
+                              and groups.outer_strategy is ShardingStrategy.OPTIM)
+        self.expt_comm = (Communicator(groups.expt_dp_shard, "expt_dp_shard", self.comm_log)
+                          if groups.expt_dp_shard is not None else self.comm)
+        self.expt_ag_comm = (Communicator(groups.expt_dp_shard_ag, "expt_dp_shard_ag", self.comm_log)
+                             if groups.expt_dp_shard_ag is not None else self.expt_comm)
+        self.ep_comm = (Communicator(groups.ep, "ep", self.comm_log)
+                        if groups.ep is not None and dist.get_world_size(groups.ep) > 1 else None)
+        # Outer reductions wait for a synchronising backward; their input accumulates meanwhile.
+        self._outer_inflight: deque = deque()
         self.max_inflight_reduce = max(1, max_inflight_reduce)
         # Whether this backward reduces gradients that can wait (no_shard/optim, see no_sync()).
         self._auto_sync = sync_model_each_microbatch
@@ -179,8 +205,13 @@ class FullyShardedModule(nn.Module):
                     raise ValueError(f"parameter {e['name']!r} is on {p.device} but the mesh "
                                      f"device is {self.device}; move the model with "
                                      f"model.to({str(self.device)!r}) first or pass device=")
-        shard_count = 1 if self.strategy is ShardingStrategy.NO_SHARD else self.comm.size
-        rank = 0 if shard_count == 1 else self.comm.rank
+        replicated = self.strategy is ShardingStrategy.NO_SHARD
+        outer_size = self.outer_comm.size if self.outer_comm is not None else 1
+        factor = outer_size if self.outer_sharded else 1
+        # Gradients are averaged over every data-parallel rank. An expert's local gradient already
+        # sums the contributions of its whole EP group's tokens, and the expert data-parallel
+        # reduction sums over the rest, so the same factor averages both (see docs/hsdp-ep.md).
+        scale = 1.0 if self.calculate_per_token_loss else 1.0 / (self.comm.size * outer_size)
         self.units: list[FSDPUnit] = []
         self._slot: dict[int, tuple[Bucket, int]] = {}  # id(original param) -> (bucket, index)
         for upath in unit_paths:
@@ -193,18 +224,24 @@ class FullyShardedModule(nn.Module):
                 key = (p.dtype, ".experts." in f".{e['name']}.", p.requires_grad)
                 groups.setdefault(key, []).append(e)
             for key, entries in groups.items():
-                dtype = key[0]
+                dtype, is_expert = key[0], key[1]
+                comm = self.expt_comm if is_expert else self.comm
                 main, grads, comm_dtype = self.mp_policy.resolve(dtype)
                 bucket = Bucket(
                     unit=upath, key=key, names=[e["name"] for e in entries],
-                    plan=plan_bucket([tuple(e["param"].shape) for e in entries], shard_count),
-                    rank=rank, device=self.device, dtype=dtype, main_dtype=main,
-                    grad_dtype=grads, comm_dtype=comm_dtype,
+                    plan=plan_bucket([tuple(e["param"].shape) for e in entries],
+                                     1 if replicated else comm.size * factor),
+                    rank=0 if replicated else comm.rank, device=self.device, dtype=dtype,
+                    main_dtype=main, grad_dtype=grads, comm_dtype=comm_dtype,
                     sharded_params=self.strategy.shards_params,
-                    sharded_grads=self.strategy.shards_grads,
-                    replicated=self.strategy is ShardingStrategy.NO_SHARD,
+                    sharded_grads=self.strategy.shards_grads, replicated=replicated,
+                    outer_factor=factor,
+                    outer_rank=self.outer_comm.rank if factor > 1 else 0,
                 )
-                bucket.grad_scale = 1.0 if self.calculate_per_token_loss else 1.0 / self.comm.size
+                bucket.comm = comm  # the inner (shard) group of this bucket
+                bucket.ag_comm = self.expt_ag_comm if is_expert else self.ag_comm
+                bucket.grad_scale = scale
+                bucket.outer_pending = None  # inner-reduced gradients awaiting the outer reduction
                 for i, e in enumerate(entries):
                     self._slot[id(e["param"])] = (bucket, i)
                 unit.buckets.append(bucket)
@@ -253,10 +290,7 @@ class FullyShardedModule(nn.Module):
 
         def store(bucket: Bucket, i: int, value: torch.Tensor) -> None:
             if bucket.sharded_params:
-                start, end = bucket.plan.params[i].local_rows(bucket.rank)
-                src = value.reshape(bucket.plan.params[i].shape or (1,))[start:end]
-                bucket.local_view(bucket.model_shard, i).copy_(src.reshape(
-                    bucket.local_view(bucket.model_shard, i).shape))
+                bucket.store_local(i, value)
             else:
                 bucket.param_view(i).copy_(value)
 
@@ -298,7 +332,7 @@ class FullyShardedModule(nn.Module):
                     continue
                 self._alloc(b)
                 with torch.no_grad():
-                    unit.pending.append(self.ag_comm.all_gather(b.full_comm, b.model_shard))
+                    unit.pending.append(b.ag_comm.all_gather(b.full_comm, b.model_shard))
         if wait:
             for h in unit.pending:
                 h.wait()
@@ -433,23 +467,53 @@ class FullyShardedModule(nn.Module):
         if b.grad_scale != 1.0:
             src.mul_(b.grad_scale)
         if b.replicated:
-            handle = self.comm.all_reduce(src)
+            handle = b.comm.all_reduce(src)
 
-            def finish(value, src=src, g=g):
+            def finish(value, src=src, g=g, b=b):
+                if self.outer_comm is not None:  # HSDP over no_shard: the same buffer again
+                    self._outer_reduce(b, src)
                 if src is not g:
                     g.copy_(src)
         else:
-            handle = self.comm.reduce_scatter(src)
+            handle = b.comm.reduce_scatter(src)
 
             def finish(value, b=b):
-                b.grad_shard.add_(value)
+                if self.outer_comm is None:
+                    b.grad_shard.add_(value)
+                else:
+                    if b.outer_pending is None:
+                        b.outer_pending = torch.zeros_like(value)
+                    b.outer_pending.add_(value)
                 nbytes = b.grad_full.untyped_storage().nbytes() if b.sharded_grads else 0
                 b.release_grad_full()
                 self.memory["grad_full_bytes"] -= nbytes
+                if self.outer_comm is not None and self._reducing_outer():
+                    self._outer_reduce(b, b.outer_pending)
 
         self._inflight.append((b, handle, finish))
         while len(self._inflight) > self.max_inflight_reduce:
             self._finish_one()
+
+    def _reducing_outer(self) -> bool:
+        """Outer reductions happen only in synchronising backwards (the last micro-batch)."""
+        return self._auto_sync if self._sync_override is None else self._sync_override
+
+    def _outer_reduce(self, b: Bucket, pending: torch.Tensor) -> None:
+        """Launch the outer (HSDP all-reduce / HFSDP reduce-scatter) reduction of a bucket."""
+        if b.replicated:
+            self._outer_inflight.append((self.outer_comm.all_reduce(pending, async_op=False),
+                                         lambda value: None))
+            return
+        if self.outer_sharded:
+            handle = self.outer_comm.reduce_scatter(pending)
+        else:
+            handle = self.outer_comm.all_reduce(pending)
+
+        def finish(value, b=b):
+            b.grad_shard.add_(value)
+            b.outer_pending = None
+
+        self._outer_inflight.append((handle, finish))
 
     def _finish_one(self) -> None:
         b, handle, finish = self._inflight.popleft()
@@ -460,22 +524,28 @@ class FullyShardedModule(nn.Module):
             self._finish_one()
 
     def _sync_used_flags(self) -> None:
-        """Agree across ranks on which parameters got a gradient (one small all-reduce MAX)."""
-        grad_buckets = [b for b in self.buckets if b.requires_grad]
-        if not grad_buckets or self.comm.size == 1:
-            return
-        flags = torch.cat([b.used for b in grad_buckets])
-        self.comm.all_reduce(flags, async_op=False, op=dist.ReduceOp.MAX, kind="flags")
-        for b, part in zip(grad_buckets, flags.split([len(b.names) for b in grad_buckets])):
-            b.used.copy_(part)
+        """Agree across ranks on which parameters got a gradient (small all-reduces, MAX)."""
+        for expert in (False, True):
+            buckets = [b for b in self.buckets if b.requires_grad and b.is_expert == expert]
+            if not buckets:
+                continue
+            flags = torch.cat([b.used for b in buckets])
+            for comm in (buckets[0].comm, self.outer_comm):
+                if comm is not None and comm.size > 1:
+                    comm.all_reduce(flags, async_op=False, op=dist.ReduceOp.MAX, kind="flags")
+            for b, part in zip(buckets, flags.split([len(b.names) for b in buckets])):
+                b.used.copy_(part)
 
     def _finish_backward(self) -> None:
         """Root callback at the end of backward: launch what is left, wait for everything."""
         self._launch_ready(flush=True)
-        if self._reducing():
+        if self._reducing() and self._reducing_outer():
             self._sync_used_flags()
         while self._inflight:
             self._finish_one()
+        while self._outer_inflight:
+            handle, finish = self._outer_inflight.popleft()
+            finish(handle.wait())
         for unit in self.units:
             self._reshard(unit)
         for b in self.buckets:
@@ -483,7 +553,7 @@ class FullyShardedModule(nn.Module):
             b.is_ready = False
         self._launch_cursor = 0
         self._backward_started = False
-        self._unreduced = not self._reducing()
+        self._unreduced = not (self._reducing() and self._reducing_outer())
 
     # ------------------------------------------------------------------------------------------
     # steps
@@ -510,17 +580,25 @@ class FullyShardedModule(nn.Module):
     @torch.no_grad()
     def install_main_weights(self) -> None:
         """Copy main weights into the model weights after an optimizer step, then re-replicate."""
+        s_main = None
         for b in self.buckets:
-            if b.main_shard is not b.model_shard:
-                b.model_shard.copy_(b.main_shard)
+            s_main = b.plan.shard_numel
+            mine = b.model_shard[b.outer_rank * s_main:(b.outer_rank + 1) * s_main]
+            if b.main_shard.data_ptr() != mine.data_ptr() or b.main_shard.dtype != mine.dtype:
+                mine.copy_(b.main_shard)
+            if b.outer_factor > 1:  # HFSDP: collect the inner shard from the outer ranks
+                self._param_sync.append(self.outer_comm.all_gather(b.model_shard, mine.clone()))
             if not b.sharded_params and not b.replicated:
-                self._param_sync.append(self.ag_comm.all_gather(b.full_comm, b.model_shard.clone()))
+                if b.outer_factor > 1:
+                    self._param_sync.pop().wait()
+                self._param_sync.append(b.ag_comm.all_gather(b.full_comm, b.model_shard.clone()))
 
     @torch.no_grad()
     def zero_grad_buffers(self) -> None:
         """Zero the reduced gradients (and any accumulated full gradients)."""
         for b in self.buckets:
             b.used.zero_()
+            b.outer_pending = None
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
             if b.grad_full is not None and not b.replicated:
@@ -586,8 +664,13 @@ class FullyShardedModule(nn.Module):
             if b.replicated:
                 flat = src
             else:
+                if main and b.outer_factor > 1:
+                    inner = torch.empty(b.outer_factor * b.plan.shard_numel, dtype=src.dtype,
+                                        device=src.device)
+                    self.outer_comm.all_gather(inner, src.contiguous(), async_op=False)
+                    src = inner
                 flat = torch.empty(b.plan.padded_numel, dtype=src.dtype, device=src.device)
-                self.comm.all_gather(flat, src.contiguous(), async_op=False)
+                b.comm.all_gather(flat, src.contiguous(), async_op=False)
             for i, name in enumerate(b.names):
                 slot = b.plan.params[i]
                 full[name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()

@@ -70,19 +70,27 @@ class ShardedOptimizer:
     def grad_norm(self) -> float:
         """The global L2 norm of the reduced gradients over all shards (a collective call)."""
         self.model.finish_grad_sync()
-        sq = torch.zeros((), dtype=torch.float64, device=self.model.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.model.device)
-        for b in self.model.buckets:
-            if b.grad_shard is None:
-                continue
-            part = b.grad_shard.double().pow(2).sum()
-            if b.replicated:
-                replicated += part
-            else:
-                sq += part
-        if self.model.comm.size > 1:
-            self.model.comm.all_reduce(sq, async_op=False, kind="grad_norm")
-        return math.sqrt((sq + replicated).item())
+        model = self.model
+        total = 0.0
+        for expert in (False, True):
+            for replicated in (False, True):
+                buckets = [b for b in model.buckets if b.grad_shard is not None
+                           and b.is_expert == expert and b.replicated == replicated]
+                if not buckets:
+                    continue
+                sq = sum(b.grad_shard.double().pow(2).sum() for b in buckets)
+                # Sum over the ranks holding *different* pieces: the shard group (and the outer
+                # group under HFSDP) unless replicated, and the EP group for experts.
+                comms = [] if replicated else [buckets[0].comm]
+                if not replicated and model.outer_sharded:
+                    comms.append(model.outer_comm)
+                if expert and model.ep_comm is not None:
+                    comms.append(model.ep_comm)
+                for comm in comms:
+                    if comm.size > 1:
+                        comm.all_reduce(sq, async_op=False, kind="grad_norm")
+                total += sq.item()
+        return math.sqrt(total)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
