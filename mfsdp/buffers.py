@@ -246,6 +246,16 @@ class Bucket:
         off = slot.local_offset(index)
         return flat[off:off + (end - start) * slot.row_numel].view(slot.local_shape(index))
 
+    def model_sub_shard(self) -> torch.Tensor:
+        """The part of ``model_shard`` that this rank's main weights update."""
+        s = self.plan.shard_numel
+        return self.model_shard[self.outer_rank * s:(self.outer_rank + 1) * s]
+
+    def main_aliases_model(self) -> bool:
+        """Whether the main weights are the model weights themselves (same dtype, one copy)."""
+        mine = self.model_sub_shard()
+        return self.main_shard.dtype == mine.dtype and self.main_shard.data_ptr() == mine.data_ptr()
+
     def store_local(self, i: int, value: torch.Tensor) -> None:
         """Write the rows of parameter ``i`` that this rank's model-weight shard holds."""
         slot, s = self.plan.params[i], self.plan.shard_numel

@@ -266,8 +266,8 @@ class FullyShardedModule(nn.Module):
             # Which parameters received a gradient (on any rank) since the last zero_grad: the
             # optimizer skips the others, as plain PyTorch skips parameters whose .grad is None.
             b.used = torch.zeros(len(b.names), device=self.device)
-            if b.main_shard is not b.model_shard:
-                b.main_shard.copy_(b.model_shard)
+            if not b.main_aliases_model():
+                b.main_shard.copy_(b.model_sub_shard())
             if b.sharded_params:
                 self._release(b)
         for m in root.modules():  # buffers follow the device; parameters are done
@@ -539,10 +539,10 @@ class FullyShardedModule(nn.Module):
     def _finish_backward(self) -> None:
         """Root callback at the end of backward: launch what is left, wait for everything."""
         self._launch_ready(flush=True)
-        if self._reducing() and self._reducing_outer():
-            self._sync_used_flags()
-        while self._inflight:
+        while self._inflight:  # finishing inner reductions launches the outer ones, in order
             self._finish_one()
+        if self._reducing() and self._reducing_outer():
+            self._sync_used_flags()  # after every outer launch: the same order on all ranks
         while self._outer_inflight:
             handle, finish = self._outer_inflight.popleft()
             finish(handle.wait())
@@ -580,11 +580,9 @@ class FullyShardedModule(nn.Module):
     @torch.no_grad()
     def install_main_weights(self) -> None:
         """Copy main weights into the model weights after an optimizer step, then re-replicate."""
-        s_main = None
         for b in self.buckets:
-            s_main = b.plan.shard_numel
-            mine = b.model_shard[b.outer_rank * s_main:(b.outer_rank + 1) * s_main]
-            if b.main_shard.data_ptr() != mine.data_ptr() or b.main_shard.dtype != mine.dtype:
+            mine = b.model_sub_shard()
+            if not b.main_aliases_model():
                 mine.copy_(b.main_shard)
             if b.outer_factor > 1:  # HFSDP: collect the inner shard from the outer ranks
                 self._param_sync.append(self.outer_comm.all_gather(b.model_shard, mine.clone()))

@@ -19,7 +19,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from mfsdp.layout import ParallelLayout
 from mfsdp.models.toy import Block, ToyModel
+from mfsdp.models.toy_moe import MoEBlock, ToyMoE, keep_local_experts
 
 __all__ = ["DEFAULTS", "train_reference", "train_sharded", "train_sharded_many", "make_batches",
            "initial_parameters"]
@@ -29,6 +31,7 @@ DEFAULTS = dict(
     local_batch=4, dim=32, hidden=64, blocks=4, lr=0.05, seed=0, meta_init=False,
     model_kwargs={}, grad_comm_dtype=None, main_grads_dtype=None, clip=None,
     per_token_loss=False, return_params=True, track_memory=False, fsdp_kwargs={},
+    model="toy", num_experts=4, dp_outer=1, ep=1, outer_strategy="no_shard", ag_groups=False,
 )
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
@@ -50,9 +53,12 @@ def make_batches(cfg: dict, world_size: int) -> list[tuple[torch.Tensor, torch.T
             for _ in range(c["steps"])]
 
 
-def _model(c: dict, device: str | torch.device = "cpu") -> ToyModel:
+def _model(c: dict, device: str | torch.device = "cpu") -> torch.nn.Module:
     torch.manual_seed(c["seed"])
     with torch.device(device):
+        if c["model"] == "moe":
+            return ToyMoE(c["dim"], c["hidden"], c["blocks"], c["num_experts"],
+                          **c["model_kwargs"])
         return ToyModel(c["dim"], c["hidden"], c["blocks"], **c["model_kwargs"])
 
 
@@ -107,10 +113,19 @@ def train_sharded(cfg: dict) -> dict:
         model = _model(c, "meta").to(dtype)
     else:
         model = _model(c).to(dtype)
+    groups = None
+    if c["dp_outer"] > 1 or c["ep"] > 1 or c["ag_groups"]:
+        layout = ParallelLayout(world, c["dp_outer"], c["ep"],
+                                c["num_experts"] if c["model"] == "moe" else None)
+        groups = layout.create_groups(all_gather_groups=c["ag_groups"])
+    global_names = (keep_local_experts(model, groups["ep"] if groups else None)
+                    if c["model"] == "moe" else {})
     opt = _optimizer(c, model.parameters())
     policy = MixedPrecisionPolicy(main_grads_dtype=_DTYPES[c["main_grads_dtype"]],
                                   grad_comm_dtype=_DTYPES[c["grad_comm_dtype"]])
-    model, opt = fully_shard(model, opt, fsdp_unit_modules=[Block], zero_dp_strategy=c["strategy"],
+    model, opt = fully_shard(model, opt, fsdp_unit_modules=[Block, MoEBlock],
+                             zero_dp_strategy=c["strategy"], process_groups=groups,
+                             outer_dp_sharding_strategy=c["outer_strategy"],
                              init_model_with_meta_device=c["meta_init"],
                              mixed_precision_policy=policy,
                              calculate_per_token_loss=c["per_token_loss"], **c["fsdp_kwargs"])
@@ -140,6 +155,10 @@ def train_sharded(cfg: dict) -> dict:
         if c["track_memory"]:
             memory.append({**model.memory_by_kind(), "optimizer_state": opt.local_state_bytes()})
     params = model.full_parameters() if c["return_params"] else None
+    if params is not None and c["model"] == "moe":  # every rank's experts, by global name
+        parts = [None] * world
+        dist.all_gather_object(parts, {global_names.get(n, n): p for n, p in params.items()})
+        params = {n: p for part in parts for n, p in part.items()}
     states = [s for s in opt.state.values()]
     return {"losses": losses, "params": params if rank == 0 else None, "memory": memory,
             "peaks": dict(model.memory), "comm": comm,
