@@ -187,7 +187,7 @@ def fully_shard_model(
         sync_model_each_microbatch=sync_model_each_microbatch,
         average_in_collective=average_in_collective,
         calculate_per_token_loss=calculate_per_token_loss, disable_bucketing=disable_bucketing,
-        max_inflight_reduce=max_inflight_reduce,
+        max_inflight_reduce=max_inflight_reduce, fsdp_double_buffer=fsdp_double_buffer,
     )
     ref = weakref.ref(model)
     for new in model._new_params.values():

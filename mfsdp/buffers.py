@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ParamSlot", "BucketPlan", "plan_bucket", "Bucket"]
+__all__ = ["ParamSlot", "BucketPlan", "plan_bucket", "Bucket", "DoubleBuffer"]
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,9 @@ class Bucket:
     grad_full: torch.Tensor | None = field(init=False, default=None)
     grad_shard: torch.Tensor | None = field(init=False, default=None)
     ready: int = field(init=False, default=0)  # params whose gradient arrived this backward
+    # Double buffer: the gathered weights live in a pool slot instead of their own storage.
+    in_pool: bool = field(init=False, default=False)
+    pool_held: bool = field(init=False, default=False)  # its slot holds this bucket's weights now
 
     def __post_init__(self) -> None:
         n, s = self.plan.padded_numel, self.plan.shard_numel
@@ -228,6 +231,8 @@ class Bucket:
 
     @property
     def gathered(self) -> bool:
+        if self.in_pool:
+            return self.pool_held
         return _storage_bytes(self.full) > 0
 
     # -- views ----------------------------------------------------------------------------------
@@ -268,6 +273,23 @@ class Bucket:
                     rows[start:end])
 
     # -- memory ---------------------------------------------------------------------------------
+    def rebase(self, view: torch.Tensor) -> None:
+        """Make ``view`` (bytes of a double-buffer slot) this bucket's gathered-weight memory.
+
+        Called once, before the parameters are created: parameters and everything autograd saves
+        from them are views of one storage for the whole run, which is why a unit always uses the
+        same slot (see :class:`DoubleBuffer`).
+        """
+        n = self.plan.padded_numel
+        _free(self.full)
+        self.full = view.view(self.dtype)[:n]
+        self.full_comm = torch.empty(0, dtype=self.dtype, device=self.device).set_(
+            view.untyped_storage(), view.storage_offset() // self.full.element_size(), (n,), (1,))
+        base = self.full.storage_offset()  # as_strided offsets count from the storage start
+        self._views = [self.full.as_strided(slot.shape, _contiguous_strides(slot.shape),
+                                            base + slot.offset) for slot in self.plan.params]
+        self.in_pool = True
+
     def alloc_full(self) -> None:
         """Give ``full`` its storage back (ZeRO-3, before an all-gather)."""
         if not self.gathered:
@@ -309,6 +331,67 @@ class Bucket:
                 t.untyped_storage().nbytes())
             seen.add(key)
         return out
+
+
+class DoubleBuffer:
+    """A fixed pool of two slots for gathered unit weights (``fsdp_double_buffer=True``).
+
+    Each slot is sized for the largest unit and allocated once (allocator-friendly, and what NCCL
+    user-buffer registration needs). Units take the slots alternately in module order (unit ``i``
+    always uses slot ``i % 2``): parameters are views of their slot for the whole run, so the
+    tensors autograd saves in forward still point at the right memory when backward re-gathers.
+    With units running one after another (transformer blocks), the computing unit and the
+    prefetched one are in different slots. A prefetch whose slot is still busy is skipped; a
+    unit that must run while its slot is held by another (nested units) is an error that says so.
+    The root unit, gathered for the whole forward, keeps its own storage.
+    """
+
+    ALIGN = 64  # bytes; each bucket starts aligned inside a slot
+
+    def __init__(self, units: list, device: torch.device):
+        self.slot_of = {id(u): i % 2 for i, u in enumerate(units)}
+        self.slot_bytes = max(self.unit_bytes(u.buckets) for u in units)
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device)
+                      for _ in range(2)]
+        self.owner: list[object | None] = [None, None]
+        self.skipped_prefetches = 0
+        for u in units:
+            offset, slot = 0, self.slots[self.slot_of[id(u)]]
+            for b in u.buckets:
+                nbytes = b.plan.padded_numel * b.full.element_size()
+                b.rebase(slot[offset:offset + nbytes])
+                offset += -(-nbytes // self.ALIGN) * self.ALIGN
+
+    @classmethod
+    def unit_bytes(cls, buckets: list[Bucket]) -> int:
+        """Bytes a unit needs in a slot."""
+        return sum(-(-b.plan.padded_numel * b.full.element_size() // cls.ALIGN) * cls.ALIGN
+                   for b in buckets)
+
+    def available(self, unit) -> bool:
+        """Whether ``unit``'s slot is free or already its own."""
+        return self.owner[self.slot_of[id(unit)]] in (None, unit)
+
+    def acquire(self, unit, name: str) -> None:
+        """Take ``unit``'s slot; an error when another unit still holds it."""
+        j = self.slot_of[id(unit)]
+        holder = self.owner[j]
+        if holder is not None and holder is not unit:
+            raise RuntimeError(
+                f"fsdp_double_buffer: unit {name!r} needs slot {j}, still held by unit "
+                f"{getattr(holder, 'name', holder)!r}; the double buffer needs units that run one "
+                "after another (not nested); use fsdp_double_buffer=False for this model")
+        self.owner[j] = unit
+        for b in unit.buckets:
+            b.pool_held = True
+
+    def release(self, unit) -> None:
+        """Give ``unit``'s slot back (its gathered weights are no longer valid)."""
+        j = self.slot_of[id(unit)]
+        if self.owner[j] is unit:
+            self.owner[j] = None
+        for b in unit.buckets:
+            b.pool_held = False
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mfsdp.buffers import Bucket, plan_bucket
+from mfsdp.buffers import Bucket, DoubleBuffer, plan_bucket
 from mfsdp.collectives import CommLog, Communicator, Handle
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
 
@@ -109,6 +109,7 @@ class FullyShardedModule(nn.Module):
         calculate_per_token_loss: bool = False,
         disable_bucketing: bool = False,
         max_inflight_reduce: int = 2,
+        fsdp_double_buffer: bool = False,
     ):
         super().__init__()
         self.module = module
@@ -156,6 +157,9 @@ class FullyShardedModule(nn.Module):
         # Measured memory: bytes of gathered unit weights and of full gradient buffers.
         self.memory = {"gathered_bytes": 0, "peak_gathered_bytes": 0,
                        "grad_full_bytes": 0, "peak_grad_full_bytes": 0, "init_peak_bytes": 0}
+        # Gathered weights of non-root units in a fixed two-slot pool (ZeRO-3 only).
+        self.pool: DoubleBuffer | None = None
+        self._double_buffer = fsdp_double_buffer and self.strategy.shards_params
         self._build(unit_classes, disable_bucketing, init_model_with_meta_device)
 
     # ------------------------------------------------------------------------------------------
@@ -246,6 +250,8 @@ class FullyShardedModule(nn.Module):
                     self._slot[id(e["param"])] = (bucket, i)
                 unit.buckets.append(bucket)
             self.units.append(unit)
+        if self._double_buffer and len(self.units) > 1:
+            self.pool = DoubleBuffer(self.units[1:], self.device)
         self._load_values(params, meta_init)
         self._original_params = [e["param"] for e in params.values()]  # read once by the API
         # Replace every parameter by a view of its bucket and hook it.
@@ -327,9 +333,13 @@ class FullyShardedModule(nn.Module):
     def _gather(self, unit: FSDPUnit, wait: bool = True) -> None:
         """All-gather a unit's sharded weights (ZeRO-3), or just wait for a prefetch."""
         if self.strategy.shards_params and not unit.pending:
-            for b in unit.buckets:
-                if b.gathered:
-                    continue
+            todo = [b for b in unit.buckets if not b.gathered]
+            if todo and todo[0].in_pool:
+                if not wait and not self.pool.available(unit):
+                    self.pool.skipped_prefetches += 1  # its slot is busy: gather on demand
+                    return
+                self.pool.acquire(unit, unit.name)
+            for b in todo:
                 self._alloc(b)
                 with torch.no_grad():
                     unit.pending.append(b.ag_comm.all_gather(b.full_comm, b.model_shard))
@@ -339,17 +349,22 @@ class FullyShardedModule(nn.Module):
             unit.pending.clear()
 
     def _alloc(self, b: Bucket) -> None:
-        b.alloc_full()
+        if not b.in_pool:
+            b.alloc_full()
         if b.unit:
-            self.memory["gathered_bytes"] += b.full.untyped_storage().nbytes()
+            self.memory["gathered_bytes"] += b.plan.padded_numel * b.full.element_size()
             self.memory["peak_gathered_bytes"] = max(self.memory["peak_gathered_bytes"],
                                                      self.memory["gathered_bytes"])
 
     def _release(self, b: Bucket) -> None:
-        nbytes = b.full.untyped_storage().nbytes()
-        b.release_full()
-        if b.unit and nbytes and not b.gathered:
-            self.memory["gathered_bytes"] -= nbytes
+        if not b.gathered:
+            return
+        if b.unit and b.sharded_params:
+            self.memory["gathered_bytes"] -= b.plan.padded_numel * b.full.element_size()
+        if not b.in_pool:
+            b.release_full()
+        else:
+            b.pool_held = False
 
     def _reshard(self, unit: FSDPUnit) -> None:
         if self.strategy.shards_params:
@@ -358,6 +373,8 @@ class FullyShardedModule(nn.Module):
             unit.pending.clear()
             for b in unit.buckets:
                 self._release(b)
+            if self.pool is not None and not unit.is_root:
+                self.pool.release(unit)
 
     def _next_unit(self, unit: FSDPUnit, step: int) -> FSDPUnit | None:
         if not self._order_recorded or unit not in self._order:
