@@ -168,6 +168,8 @@ def train_sharded(cfg: dict) -> dict:
             "state_numel": [v.numel() for s in states for v in s.values()
                             if torch.is_tensor(v) and v.dim() > 0],
             "local_numel": [m.numel() for m, _, _ in opt._mains],
+            "pool_bytes": sum(t.numel() for t in model.pool.slots) if model.pool else 0,
+            "slot_bytes": model.pool.slot_bytes if model.pool else 0,
             "root_bytes": sum(b.plan.padded_numel * b.full.element_size()
                               for b in model.units[0].buckets),
             "unit_bytes": max((u.gathered_bytes for u in model.units if not u.is_root), default=0)}
