@@ -76,7 +76,7 @@ class ParallelLayout:
         return torch.arange(self.world_size).reshape(self.dp_outer, self.expt_dp_shard, self.ep)
 
     def groups(self, kind: str) -> list[list[int]]:
-        """Rank lists of every group of ``kind`` (one of :data:`GROUP_KINDS`)."""
+        """Rank lists of every group of ``kind`` (one of ``GROUP_KINDS``)."""
         dense = torch.arange(self.world_size).reshape(self.dp_outer, self.dp_shard)
         grid = self._expert_grid()
         if kind == "dp_shard":
