@@ -67,6 +67,7 @@ def fully_shard_model(
     expt_fsdp_group_ag: dist.ProcessGroup | None = None,
     hybrid_fsdp_expt_group: dist.ProcessGroup | None = None,
     max_inflight_reduce: int = 2,
+    prefetch_depth: int = 1,
     process_groups: ProcessGroups | None = None,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters over the data-parallel group and return the wrapped module.
@@ -99,11 +100,17 @@ def fully_shard_model(
         expt_device_mesh, hybrid_fsdp_group, hybrid_fsdp_expt_group, expt_fsdp_group_ag: the
             expert-parallel and hybrid groups, in upstream's style.
         max_inflight_reduce: reduce-scatters in flight at once before the oldest is waited for.
+        prefetch_depth: how many units ahead all-gathers are launched (ZeRO-3); gathered
+            weights then take up to ``prefetch_depth + 1`` units.
         process_groups: the groups of a :class:`mfsdp.ParallelLayout` (from its
             ``create_groups()``), instead of meshes: dense and expert shard groups, outer group,
             EP group and, when created, the all-gather groups.
     """
     strategy = ShardingStrategy.parse(zero_dp_strategy)
+    for name, value, low in (("prefetch_depth", prefetch_depth, 0),
+                             ("max_inflight_reduce", max_inflight_reduce, 1)):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
     outer = ShardingStrategy.parse(outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialised process group: call "
@@ -188,6 +195,7 @@ def fully_shard_model(
         average_in_collective=average_in_collective,
         calculate_per_token_loss=calculate_per_token_loss, disable_bucketing=disable_bucketing,
         max_inflight_reduce=max_inflight_reduce, fsdp_double_buffer=fsdp_double_buffer,
+        prefetch_depth=prefetch_depth,
     )
     ref = weakref.ref(model)
     for new in model._new_params.values():

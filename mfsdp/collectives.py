@@ -15,7 +15,7 @@ reduce-scatter. Each collective is labelled for profilers (``mfsdp::all_gather``
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,14 +31,21 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 @dataclass
 class CommLog:
-    """The record of every collective a communicator launched (enable/disable with ``enabled``)."""
+    """The record of the collectives a model launched (enable/disable with ``enabled``).
+
+    The most recent ``max_records`` are kept (a long run does not grow without bound); clear the
+    log at the start of a step to read that step's records.
+    """
 
     enabled: bool = True
-    records: list[dict] = field(default_factory=list)
+    max_records: int = 100_000
+    records: deque = field(default_factory=deque)
 
     def add(self, **record) -> dict:
         if self.enabled:
             self.records.append(record)
+            if len(self.records) > self.max_records:
+                self.records.popleft()
         return record
 
     def clear(self) -> None:

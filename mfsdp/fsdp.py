@@ -110,6 +110,7 @@ class FullyShardedModule(nn.Module):
         disable_bucketing: bool = False,
         max_inflight_reduce: int = 2,
         fsdp_double_buffer: bool = False,
+        prefetch_depth: int = 1,
     ):
         super().__init__()
         self.module = module
@@ -141,6 +142,8 @@ class FullyShardedModule(nn.Module):
         # Outer reductions wait for a synchronising backward; their input accumulates meanwhile.
         self._outer_inflight: deque = deque()
         self.max_inflight_reduce = max(1, max_inflight_reduce)
+        # How many units ahead all-gathers are launched (ZeRO-3, with overlap_param_gather).
+        self.prefetch_depth = prefetch_depth
         # Whether this backward reduces gradients that can wait (no_shard/optim, see no_sync()).
         self._auto_sync = sync_model_each_microbatch
         self._sync_override: bool | None = None
@@ -376,6 +379,13 @@ class FullyShardedModule(nn.Module):
             if self.pool is not None and not unit.is_root:
                 self.pool.release(unit)
 
+    def _prefetch(self, unit: FSDPUnit, direction: int) -> None:
+        for d in range(1, self.prefetch_depth + 1):
+            nxt = self._next_unit(unit, direction * d)
+            if nxt is None:
+                return
+            self._gather(nxt, wait=False)
+
     def _next_unit(self, unit: FSDPUnit, step: int) -> FSDPUnit | None:
         if not self._order_recorded or unit not in self._order:
             return None
@@ -393,9 +403,7 @@ class FullyShardedModule(nn.Module):
                 self._order.append(unit)
             self._gather(unit)
             if self.overlap_param_gather and torch.is_grad_enabled():
-                nxt = self._next_unit(unit, +1)
-                if nxt is not None:
-                    self._gather(nxt, wait=False)
+                self._prefetch(unit, +1)
             self._poll()
         return hook
 
@@ -417,9 +425,7 @@ class FullyShardedModule(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._gather(unit)
         if self.overlap_param_gather:
-            nxt = self._next_unit(unit, -1)
-            if nxt is not None:
-                self._gather(nxt, wait=False)
+            self._prefetch(unit, -1)
         self._poll()
 
     def _grad_hook(self, bucket: Bucket, i: int):

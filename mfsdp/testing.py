@@ -32,6 +32,7 @@ DEFAULTS = dict(
     model_kwargs={}, grad_comm_dtype=None, main_grads_dtype=None, clip=None,
     per_token_loss=False, return_params=True, track_memory=False, fsdp_kwargs={},
     model="toy", num_experts=4, dp_outer=1, ep=1, outer_strategy="no_shard", ag_groups=False,
+    device_mesh=False,
 )
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
@@ -113,8 +114,14 @@ def train_sharded(cfg: dict) -> dict:
         model = _model(c, "meta").to(dtype)
     else:
         model = _model(c).to(dtype)
-    groups = None
-    if c["dp_outer"] > 1 or c["ep"] > 1 or c["ag_groups"]:
+    groups, mesh_kwargs = None, {}
+    if c["device_mesh"]:  # upstream's style: a DeviceMesh with named dimensions (dense models)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (c["dp_outer"], world // c["dp_outer"]),
+                                mesh_dim_names=("dp_outer", "dp_shard"))
+        mesh_kwargs = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
+    elif c["dp_outer"] > 1 or c["ep"] > 1 or c["ag_groups"]:
         layout = ParallelLayout(world, c["dp_outer"], c["ep"],
                                 c["num_experts"] if c["model"] == "moe" else None)
         groups = layout.create_groups(all_gather_groups=c["ag_groups"])
@@ -128,7 +135,8 @@ def train_sharded(cfg: dict) -> dict:
                              outer_dp_sharding_strategy=c["outer_strategy"],
                              init_model_with_meta_device=c["meta_init"],
                              mixed_precision_policy=policy,
-                             calculate_per_token_loss=c["per_token_loss"], **c["fsdp_kwargs"])
+                             calculate_per_token_loss=c["per_token_loss"], **mesh_kwargs,
+                             **c["fsdp_kwargs"])
     lb, m = c["local_batch"], c["micro_batches"]
     losses, memory, comm = [], [], []
     for step, (x, y) in enumerate(make_batches(c, world)):

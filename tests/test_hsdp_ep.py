@@ -29,6 +29,8 @@ DENSE_4 = [
     dict(model="moe", strategy="optim_grads", ep=2, optimizer="adamw"),
     dict(model="moe", strategy="optim_grads_params", ep=4),
     dict(model="moe", strategy="optim_grads_params", ep=2, fsdp_kwargs=DB),
+    dict(strategy="optim_grads_params", dp_outer=2, outer_strategy="optim", device_mesh=True),
+    dict(strategy="optim_grads_params", fsdp_kwargs={"prefetch_depth": 2}),
 ]
 MOE_8 = [
     dict(model="moe", strategy="optim_grads_params", ep=2, dp_outer=2),
@@ -50,8 +52,10 @@ def _id(c: dict) -> str:
     for key in ("micro_batches", "ag_groups", "optimizer", "dtype"):
         if key in c:
             parts.append(f"{key}={c[key]}")
-    if c.get("fsdp_kwargs"):
-        parts.append("double_buffer")
+    for key, value in c.get("fsdp_kwargs", {}).items():
+        parts.append(f"{key}={value}")
+    if c.get("device_mesh"):
+        parts.append("device_mesh")
     return "-".join(map(str, parts))
 
 
@@ -118,3 +122,10 @@ def test_double_buffer_holds_exactly_two_units():
         assert run["pool_bytes"] == 2 * run["slot_bytes"] > 0
     dense = run_sharded(4, DENSE_4[10], DENSE_4)
     assert dense["peaks"]["peak_gathered_bytes"] == 2 * dense["unit_bytes"]
+
+
+@pytest.mark.slow
+def test_prefetch_depth_bounds_gathered_weights():
+    one, two = run_sharded(4, DENSE_4[0], DENSE_4), run_sharded(4, DENSE_4[-1], DENSE_4)
+    assert one["peaks"]["peak_gathered_bytes"] <= 2 * one["unit_bytes"]
+    assert 2 * two["unit_bytes"] < two["peaks"]["peak_gathered_bytes"] <= 3 * two["unit_bytes"]
