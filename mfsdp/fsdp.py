@@ -666,6 +666,14 @@ class FullyShardedModule(nn.Module):
             out.append((name, bucket.local_view(bucket.main_shard, i), bucket, i))
         return out
 
+    def set_global_names(self, mapping: dict[str, str]) -> None:
+        """Name parameters differently in checkpoints (local expert index -> global index)."""
+        self._global_names = dict(mapping)
+
+    def global_name(self, name: str) -> str:
+        """The checkpoint name of parameter ``name`` (its own name unless remapped)."""
+        return getattr(self, "_global_names", {}).get(name, name)
+
     def _slot_by_new_param(self) -> dict[int, tuple[Bucket, int]]:
         return {id(new): self._slot[old] for old, new in self._new_params.items()}
 

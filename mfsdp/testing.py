@@ -32,7 +32,7 @@ DEFAULTS = dict(
     model_kwargs={}, grad_comm_dtype=None, main_grads_dtype=None, clip=None,
     per_token_loss=False, return_params=True, track_memory=False, fsdp_kwargs={},
     model="toy", num_experts=4, dp_outer=1, ep=1, outer_strategy="no_shard", ag_groups=False,
-    device_mesh=False,
+    device_mesh=False, global_batch=None, save_dir=None, save_at=None, load_dir=None, grad_norms=False,
 )
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
@@ -49,7 +49,9 @@ def make_batches(cfg: dict, world_size: int) -> list[tuple[torch.Tensor, torch.T
     """The global batches of every step: inputs and regression targets, from the seed alone."""
     c = _cfg(cfg)
     g = torch.Generator().manual_seed(1000 + c["seed"])
-    n = c["local_batch"] * world_size
+    n = c["global_batch"] or c["local_batch"] * world_size
+    if n % world_size:
+        raise ValueError(f"global_batch={n} is not divisible by the world size {world_size}")
     return [(torch.randn(n, c["dim"], generator=g), torch.randn(n, c["dim"], generator=g))
             for _ in range(c["steps"])]
 
@@ -137,9 +139,18 @@ def train_sharded(cfg: dict) -> dict:
                              mixed_precision_policy=policy,
                              calculate_per_token_loss=c["per_token_loss"], **mesh_kwargs,
                              **c["fsdp_kwargs"])
-    lb, m = c["local_batch"], c["micro_batches"]
-    losses, memory, comm = [], [], []
+    if global_names:
+        model.set_global_names(global_names)
+    start = 0
+    if c["load_dir"]:
+        from mfsdp.checkpoint import load_checkpoint
+
+        start = load_checkpoint(c["load_dir"], model, opt)["iteration"]
+    lb, m = (c["global_batch"] // world if c["global_batch"] else c["local_batch"]), c["micro_batches"]
+    losses, memory, comm, norms = [], [], [], []
     for step, (x, y) in enumerate(make_batches(c, world)):
+        if step < start:  # resumed: the data of these steps was consumed before the save
+            continue
         x, y = x[rank * lb:(rank + 1) * lb], y[rank * lb:(rank + 1) * lb]
         opt.zero_grad()
         model.comm_log.clear()
@@ -153,9 +164,15 @@ def train_sharded(cfg: dict) -> dict:
                 denom = (x.numel() * world) if c["per_token_loss"] else ym.numel() * m
                 (loss / denom).backward()
                 total += loss.item() / (ym.numel() * m)
+        if c["grad_norms"]:
+            norms.append(opt.grad_norm())
         if c["clip"]:
             opt.clip_grad_norm_(c["clip"])
         opt.step()
+        if c["save_at"] == step + 1:
+            from mfsdp.checkpoint import save_checkpoint
+
+            save_checkpoint(c["save_dir"], model, opt, iteration=step + 1)
         t = torch.tensor([total])
         dist.all_reduce(t)
         losses.append(t.item() / world)
@@ -169,6 +186,7 @@ def train_sharded(cfg: dict) -> dict:
         params = {n: p for part in parts for n, p in part.items()}
     states = [s for s in opt.state.values()]
     return {"losses": losses, "params": params if rank == 0 else None, "memory": memory,
+            "grad_norms": norms,
             "peaks": dict(model.memory), "comm": comm,
             "numel": sum(b.plan.numel for b in model.buckets),
             "padded_numel": sum(b.plan.padded_numel for b in model.buckets),

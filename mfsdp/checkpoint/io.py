@@ -1,0 +1,200 @@
+"""Atomic save and checked, resharding load of ``fsdp_dtensor`` checkpoints.
+
+Layout of a checkpoint root::
+
+    ROOT/latest                       "iter_0000003" (written last, by rename)
+    ROOT/iter_0000003/                one complete checkpoint
+        manifest.json                 format, version, layout, every key's shape and dtype, file sizes
+        param_to_param_group_map.json
+        __0_0.distcp, ... .metadata   torch.distributed.checkpoint files
+    ROOT/.tmp-iter_0000006-ab12/      a save in progress (never read)
+
+A save writes into a temporary directory and renames it when every rank has finished; ``latest``
+is replaced last. A save killed midway leaves only a ``.tmp-`` directory: the previous checkpoint
+stays the one that loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import secrets
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from mfsdp.checkpoint.state import (
+    model_state,
+    optimizer_state,
+    param_groups_state,
+    param_to_param_group_map,
+)
+
+__all__ = ["FORMAT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
+           "resolve_checkpoint", "read_manifest"]
+
+FORMAT_VERSION = 1
+_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
+                               torch.int64, torch.int32, torch.uint8, torch.bool)}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be loaded: the message names the key or file and what is wrong."""
+
+
+def _is_tensor_like(v) -> bool:
+    return torch.is_tensor(v)
+
+
+def _describe(state: dict) -> dict[str, dict]:
+    """Every rank's tensor keys with global shape and dtype (experts differ between EP ranks)."""
+    mine = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in state.items()
+            if _is_tensor_like(v)}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {k: v for part in everyone for k, v in part.items()}
+
+
+def _layout(model) -> dict:
+    outer = model.outer_comm.size if model.outer_comm is not None else 1
+    return {"world_size": dist.get_world_size(), "strategy": model.strategy.value,
+            "dp_outer": outer, "outer_sharded": model.outer_sharded,
+            "ep": model.ep_comm.size if model.ep_comm is not None else 1}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: int = 0,
+                    extra: dict | None = None) -> Path:
+    """Save model (main weights), optimizer and ``extra`` under ``root`` (a collective call).
+
+    Returns the directory of the new checkpoint (``root/iter_<iteration>``).
+    """
+    root = Path(root)
+    name = f"iter_{iteration:07d}"
+    token = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    tmp = root / f".tmp-{name}-{token[0]}"
+    if dist.get_rank() == 0:
+        tmp.mkdir(parents=True, exist_ok=False)
+    dist.barrier()
+    state = model_state(model)
+    if optimizer is not None:
+        state.update(optimizer_state(model, optimizer))
+        state["optimizer.param_groups"] = pickle.dumps(param_groups_state(optimizer))
+    # Non-tensor values travel as one pickled blob each (DCP would flatten nested dicts).
+    state["extra"] = pickle.dumps(dict(extra or {}, iteration=iteration))
+    model.finish_grad_sync()
+    dcp.save(state, checkpoint_id=str(tmp))
+    described = _describe(state)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        manifest = {"format": "fsdp_dtensor", "format_version": FORMAT_VERSION,
+                    "layout": _layout(model), "tensors": described,
+                    "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        if optimizer is not None:
+            (tmp / "param_to_param_group_map.json").write_text(
+                json.dumps(param_to_param_group_map(model, optimizer), indent=1))
+        _fsync_dir(tmp)
+        final = root / name
+        if final.exists():  # an older save of the same iteration: replace it
+            shutil.rmtree(final)
+        tmp.rename(final)
+        latest_tmp = root / f".latest-{token[0]}"
+        latest_tmp.write_text(name + "\n")
+        os.replace(latest_tmp, root / "latest")
+        _fsync_dir(root)
+    dist.barrier()
+    return root / name
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory: ``path`` itself, or what ``path/latest`` names."""
+    path = Path(path)
+    if (path / "manifest.json").exists():
+        return path
+    latest = path / "latest"
+    if latest.exists():
+        target = path / latest.read_text().strip()
+        if not (target / "manifest.json").exists():
+            raise CheckpointError(f"{latest} names {target.name}, which has no manifest.json "
+                                  "(incomplete or deleted checkpoint)")
+        return target
+    raise CheckpointError(f"no checkpoint at {path}: neither {path}/manifest.json nor "
+                          f"{path}/latest exists (a directory named .tmp-* is an unfinished save)")
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of a checkpoint, checked for format version and file sizes."""
+    ckpt = resolve_checkpoint(path)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{ckpt}/manifest.json has format_version={version!r}, newer than "
+                              f"this mfsdp reads ({FORMAT_VERSION}); upgrade mfsdp")
+    for fname, size in manifest["files"].items():
+        f = ckpt / fname
+        if not f.exists():
+            raise CheckpointError(f"checkpoint file {f} is missing (the manifest lists it)")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint file {f} has {f.stat().st_size} bytes, the manifest "
+                                  f"says {size}: the file is truncated or was modified")
+    return manifest
+
+
+def _check_keys(ours: dict[str, dict], theirs: dict[str, dict], where: Path) -> None:
+    missing = sorted(set(ours) - set(theirs))
+    unexpected = sorted(set(theirs) - set(ours))
+    if missing:
+        raise CheckpointError(f"checkpoint {where} has no key {missing[0]!r} "
+                              f"({len(missing)} missing in all)")
+    if unexpected:
+        raise CheckpointError(f"checkpoint {where} has unexpected key {unexpected[0]!r} "
+                              f"({len(unexpected)} unexpected in all); it was written for "
+                              "another model")
+    for key, desc in ours.items():
+        if list(desc["shape"]) != list(theirs[key]["shape"]):
+            raise CheckpointError(f"key {key!r} has shape {tuple(theirs[key]['shape'])} in "
+                                  f"checkpoint {where} but {tuple(desc['shape'])} in the model")
+
+
+def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
+    """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it.
+
+    Returns the ``extra`` dict that was saved (with ``iteration``). A collective call.
+    """
+    ckpt = resolve_checkpoint(path)
+    manifest = read_manifest(ckpt)
+    theirs = manifest["tensors"]
+    state = model_state(model)
+    if optimizer is not None:
+        template = {k: (tuple(v["shape"]), _DTYPES[v["dtype"]]) for k, v in theirs.items()
+                    if k.startswith("optimizer.state.")}
+        state.update(optimizer_state(model, optimizer, template))
+        state["optimizer.param_groups"] = b""
+    else:
+        theirs = {k: v for k, v in theirs.items() if not k.startswith("optimizer.")}
+    _check_keys(_describe(state), theirs, ckpt)
+    state["extra"] = b""
+    dcp.load(state, checkpoint_id=str(ckpt))
+    if optimizer is not None:
+        groups = pickle.loads(state["optimizer.param_groups"])
+        if len(groups) != len(optimizer.param_groups):
+            raise CheckpointError(f"checkpoint {ckpt} has {len(groups)} optimizer parameter "
+                                  f"groups, the optimizer has {len(optimizer.param_groups)}")
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update(saved)
+    model.install_main_weights()
+    model._begin_forward()
+    return pickle.loads(state["extra"])

@@ -1,0 +1,97 @@
+"""State dicts of a sharded model and its optimizer, as uneven DTensors of global shape.
+
+Keys (the same in every layout, which is what makes resharding possible):
+
+* ``model.<name>``: the main weights (fp32 by default) of parameter ``<name>``;
+* ``optimizer.state.<name>.<key>``: optimizer state (``exp_avg``, ``exp_avg_sq``, ``step``, ...);
+  tensors shaped like the parameter are sharded like it, scalars are replicated;
+* ``optimizer.param_groups``: the hyperparameters of each group (without the parameters);
+* ``extra``: whatever the caller adds (iteration, data position, RNG state).
+
+``<name>`` is the parameter's name in the unwrapped model; expert parameters use their *global*
+expert index (set with :meth:`FullyShardedModule.set_global_names`), so a checkpoint written with
+EP 2 can be read with EP 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from mfsdp.checkpoint.uneven import uneven_dtensor
+
+__all__ = ["param_entries", "model_state", "optimizer_state", "param_groups_state",
+           "param_to_param_group_map"]
+
+
+def _mesh(model) -> DeviceMesh:
+    # The chunk metadata is carried by each tensor (see uneven.py); the mesh only names the ranks.
+    if not hasattr(model, "_ckpt_mesh"):
+        model._ckpt_mesh = DeviceMesh.from_group(dist.group.WORLD, model.device.type)
+    return model._ckpt_mesh
+
+
+def _where(model, bucket, i: int) -> tuple[str, tuple, int]:
+    """(checkpoint name, global shape, first local row) of parameter ``i`` of ``bucket``."""
+    slot = bucket.plan.params[i]
+    start, _ = slot.local_rows(bucket.main_index)
+    return model.global_name(bucket.names[i]), (slot.shape or (1,)), start
+
+
+def param_entries(model) -> list[tuple[str, torch.Tensor, tuple, int]]:
+    """(checkpoint name, local main-weight rows, global shape, first local row) per parameter."""
+    return [(*_where(model, b, i)[:1], local, *_where(model, b, i)[1:])
+            for _, local, b, i in model.named_main_shards()]
+
+
+def model_state(model) -> dict:
+    """``model.<name>`` -> uneven DTensor over the main weights (reads and writes in place)."""
+    mesh = _mesh(model)
+    return {f"model.{name}": uneven_dtensor(local, mesh, shape, start)
+            for name, local, shape, start in param_entries(model)}
+
+
+def optimizer_state(model, optimizer, template: dict[str, tuple] | None = None) -> dict:
+    """``optimizer.state.<name>.<key>`` -> tensors over the optimizer's local state.
+
+    ``template`` (key -> (global shape, dtype), from a checkpoint's manifest) creates missing
+    state so that a fresh optimizer can be loaded into.
+    """
+    mesh = _mesh(model)
+    out = {}
+    for main, bucket, i in optimizer._mains:
+        name, shape, start = _where(model, bucket, i)
+        state = optimizer.optimizer.state.setdefault(main, {})
+        if template is not None:
+            prefix = f"optimizer.state.{name}."
+            for key, (gshape, dtype) in template.items():
+                k = key[len(prefix):]
+                if key.startswith(prefix) and k not in state:
+                    state[k] = (torch.zeros_like(main, dtype=dtype) if tuple(gshape) == shape
+                                else torch.zeros(gshape, dtype=dtype))
+        for k, v in state.items():
+            key = f"optimizer.state.{name}.{k}"
+            if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(main.shape):
+                out[key] = uneven_dtensor(v, mesh, shape, start)
+            else:
+                out[key] = v
+        if not state:
+            del optimizer.optimizer.state[main]
+    return out
+
+
+def param_groups_state(optimizer) -> list[dict]:
+    """Hyperparameters of each optimizer group (no parameters)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def param_to_param_group_map(model, optimizer) -> dict[str, int]:
+    """Checkpoint name of every optimized parameter -> index of its optimizer group."""
+    mains = iter(optimizer._mains)
+    out = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for _ in group["params"]:
+            _, bucket, i = next(mains)
+            out[_where(model, bucket, i)[0]] = g
+    return out
