@@ -15,7 +15,12 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the top-level ``mfsdp`` argument parser with one subparser per subcommand."""
     parser = argparse.ArgumentParser(prog="mfsdp", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"mfsdp {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from mfsdp.checkpoint import convert
+
+    convert.build_parser(sub.add_parser(
+        "convert", help="convert checkpoints: torch_dist <-> fsdp_dtensor <-> safetensors",
+        description=convert.__doc__.splitlines()[0]))
     return parser
 
 
@@ -26,7 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return 0
+    if args.command == "convert":
+        from mfsdp.checkpoint import convert
+
+        return convert.run(args)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
 
 
 if __name__ == "__main__":

@@ -65,12 +65,18 @@ def _model(c: dict, device: str | torch.device = "cpu") -> torch.nn.Module:
         return ToyModel(c["dim"], c["hidden"], c["blocks"], **c["model_kwargs"])
 
 
-def _optimizer(c: dict, params) -> torch.optim.Optimizer:
+def _optimizer(c: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
     if c["optimizer"] == "sgd":
         return torch.optim.SGD(params, lr=c["lr"])
     if c["optimizer"] == "adamw":
         return torch.optim.AdamW(params, lr=c["lr"] * 0.1, weight_decay=0.01)
-    raise ValueError(f"optimizer={c['optimizer']!r}: use 'sgd' or 'adamw'")
+    if c["optimizer"] == "adamw2":  # two groups: weight decay on matrices only
+        decay = [p for p in params if p.dim() >= 2]
+        rest = [p for p in params if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                  {"params": rest, "weight_decay": 0.0}], lr=c["lr"] * 0.1)
+    raise ValueError(f"optimizer={c['optimizer']!r}: use 'sgd', 'adamw' or 'adamw2'")
 
 
 def train_reference(cfg: dict, world_size: int) -> dict:
@@ -84,9 +90,18 @@ def train_reference(cfg: dict, world_size: int) -> dict:
             pm.copy_(pw)
     main = [p for p in master.parameters() if p.requires_grad]
     work = [p for p in model.parameters() if p.requires_grad]
-    opt = _optimizer(c, main)
-    losses = []
-    for x, y in make_batches(c, world_size):
+    opt = _optimizer(c, master)
+    losses, start = [], 0
+    if c["load_dir"]:  # resume from a torch_dist checkpoint (what a single-process job writes)
+        from mfsdp.checkpoint.convert import load_torch_dist
+
+        start = load_torch_dist(c["load_dir"], master, opt)
+        with torch.no_grad():
+            for pm, pw in zip(master.parameters(), model.parameters()):
+                pw.copy_(pm)
+    for step, (x, y) in enumerate(make_batches(c, world_size)):
+        if step < start:
+            continue
         for p in work:
             p.grad = None
         out = model(x.to(dtype))
@@ -101,6 +116,10 @@ def train_reference(cfg: dict, world_size: int) -> dict:
         with torch.no_grad():
             for pm, pw in zip(main, work):
                 pw.copy_(pm)
+        if c["save_at"] == step + 1:
+            from mfsdp.checkpoint.convert import save_torch_dist
+
+            save_torch_dist(master, opt, c["save_dir"], iteration=step + 1)
     return {"losses": losses,
             "params": {n: p.detach().clone() for n, p in master.named_parameters()}}
 
@@ -129,7 +148,7 @@ def train_sharded(cfg: dict) -> dict:
         groups = layout.create_groups(all_gather_groups=c["ag_groups"])
     global_names = (keep_local_experts(model, groups["ep"] if groups else None)
                     if c["model"] == "moe" else {})
-    opt = _optimizer(c, model.parameters())
+    opt = _optimizer(c, model)
     policy = MixedPrecisionPolicy(main_grads_dtype=_DTYPES[c["main_grads_dtype"]],
                                   grad_comm_dtype=_DTYPES[c["grad_comm_dtype"]])
     model, opt = fully_shard(model, opt, fsdp_unit_modules=[Block, MoEBlock],

@@ -101,6 +101,7 @@ def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: i
     if dist.get_rank() == 0:
         manifest = {"format": "fsdp_dtensor", "format_version": FORMAT_VERSION,
                     "layout": _layout(model), "tensors": described,
+                    "blobs": sorted(k for k, v in state.items() if isinstance(v, bytes)),
                     "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
         if optimizer is not None:
@@ -178,6 +179,9 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     manifest = read_manifest(ckpt)
     theirs = manifest["tensors"]
     state = model_state(model)
+    has_groups = "optimizer.param_groups" in manifest.get("blobs", [])
+    if optimizer is not None and not has_groups:  # a weights-only checkpoint (e.g. converted)
+        optimizer = None
     if optimizer is not None:
         template = {k: (tuple(v["shape"]), _DTYPES[v["dtype"]]) for k, v in theirs.items()
                     if k.startswith("optimizer.state.")}
