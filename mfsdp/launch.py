@@ -43,6 +43,7 @@ class RankError(RuntimeError):
     """A rank raised an exception; carries the rank, the exception type and its remote traceback."""
 
     def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str):
+        # exc_type is "ProcessExit" when the rank died without raising (signal, exit code)
         self.rank = rank
         self.exc_type = exc_type
         self.message = message
@@ -204,19 +205,24 @@ def _collect(procs, workdir: Path, world_size: int, timeout: float, echo: bool) 
 
 
 def _first_error(procs, workdir: Path) -> RankError | None:
-    """The earliest-written error file, or a rank that died without writing any result."""
+    """The root cause: a rank that died without a result, else the earliest-written error.
+
+    A rank killed by a signal takes precedence: its peers' errors ("connection reset by peer")
+    are consequences of its death.
+    """
+    for rank, p in enumerate(procs):
+        code = p.poll()
+        if code is not None and not (workdir / f"rank{rank}.out").exists() \
+                and not (workdir / f"rank{rank}.err").exists():
+            how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
+                   else f"exited with code {code}")
+            return RankError(rank, "ProcessExit",
+                             f"{how} without a result (killed, out of memory, or os._exit)",
+                             _tail(workdir, rank))
     errors = sorted(workdir.glob("rank*.err"), key=lambda f: f.stat().st_mtime_ns)
     if errors:
         rank, exc_type, message, tb = pickle.loads(errors[0].read_bytes())
         return RankError(rank, exc_type, message, tb)
-    for rank, p in enumerate(procs):
-        if p.poll() is not None and not (workdir / f"rank{rank}.out").exists():
-            if (workdir / f"rank{rank}.err").exists():
-                continue
-            return RankError(rank, "ProcessExit",
-                             f"exited with code {p.returncode} without a result "
-                             f"(killed by a signal, out of memory, or os._exit)",
-                             _tail(workdir, rank))
     return None
 
 

@@ -1,0 +1,215 @@
+"""fsdp_dtensor checkpoints: bit-exact resume, resharding, conversion round trips, corruption."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mfsdp.checkpoint import CheckpointError
+from mfsdp.checkpoint.convert import (
+    fsdp_to_safetensors,
+    fsdp_to_torch_dist,
+    read_full,
+    safetensors_to_fsdp,
+    torch_dist_to_fsdp,
+)
+from mfsdp.launch import RankError, launch
+from mfsdp.testing import train_reference, train_sharded, train_sharded_many
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+BASE = dict(optimizer="adamw", global_batch=16, steps=6)
+
+
+def _resume(world, cfg, tmp_path, save_at=3):
+    """(uninterrupted run, run resumed from a checkpoint saved at ``save_at``)."""
+    straight, first = launch(train_sharded_many, world, args=(
+        [cfg, dict(cfg, save_at=save_at, save_dir=str(tmp_path))],))[0]
+    second = launch(train_sharded, world, args=(dict(cfg, load_dir=str(tmp_path)),))[0]
+    return straight, second
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [dict(BASE, strategy=s) for s in STRATEGIES] + [
+    dict(BASE, model="moe", strategy="optim_grads_params", ep=2, dp_outer=2),
+    dict(BASE, model="moe", strategy="optim_grads_params", ep=2, dp_outer=2,
+         outer_strategy="optim")], ids=lambda c: "-".join(
+    [c["strategy"]] + [f"{k}{c[k]}" for k in ("ep", "dp_outer", "outer_strategy") if k in c]))
+def test_resume_is_bit_identical(cfg, tmp_path):
+    world = 4 if cfg.get("ep") else 2
+    straight, resumed = _resume(world, cfg, tmp_path)
+    assert resumed["losses"] == straight["losses"][3:]
+    for name, value in straight["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
+
+
+RESHARD = [
+    (2, dict(BASE), 4, dict(BASE)),
+    (4, dict(BASE), 2, dict(BASE)),
+    (4, dict(BASE), 4, dict(BASE, dp_outer=2)),
+    (2, dict(BASE, strategy="optim"), 4, dict(BASE, dp_outer=2, outer_strategy="optim")),
+    (4, dict(BASE, model="moe", ep=2), 4, dict(BASE, model="moe", ep=1)),
+    (4, dict(BASE, model="moe", ep=2), 4, dict(BASE, model="moe", ep=2, dp_outer=2)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w1, cfg1, w2, cfg2", RESHARD, ids=[
+    "2to4", "4to2", "fsdp_to_hsdp", "zero1_to_hfsdp", "ep2_to_ep1", "ep2_fsdp_to_ep2_hsdp"])
+def test_reshard_keeps_state_and_training(w1, cfg1, w2, cfg2, tmp_path):
+    straight, saved = launch(train_sharded_many, w1, args=(
+        [cfg1, dict(cfg1, steps=3, save_at=3, save_dir=str(tmp_path))],))[0]
+    loaded, resumed = launch(train_sharded_many, w2, args=(
+        [dict(cfg2, steps=3, load_dir=str(tmp_path)), dict(cfg2, load_dir=str(tmp_path))],))[0]
+    for name, value in saved["params"].items():  # the full state, gathered: identical
+        assert torch.equal(loaded["params"][name], value), name
+    # training continues as the original layout would have (reduction order differs: fp32 noise)
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"][3:]),
+                               rtol=1e-5, atol=0)
+    for name, value in straight["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=1e-5)
+
+
+CONVERT = dict(optimizer="adamw2", model_kwargs={"swiglu": True}, global_batch=8, steps=4)
+
+
+@pytest.mark.slow
+def test_conversion_round_trips(tmp_path):
+    """torch_dist -> fsdp_dtensor -> torch_dist and fsdp_dtensor -> safetensors -> fsdp_dtensor.
+
+    Two optimizer groups (decay on matrices only) and fused swiglu weights.
+    """
+    straight = train_reference(CONVERT, world_size=2)
+    train_reference(dict(CONVERT, save_at=2, save_dir=str(tmp_path / "A")), world_size=2)
+    # torch_dist -> fsdp_dtensor with the CLI, as users run it
+    subprocess.run([sys.executable, "-m", "mfsdp.checkpoint.convert", "--from", "torch_dist",
+                    "--to", "fsdp_dtensor", str(tmp_path / "A"), str(tmp_path / "B")], check=True)
+    # the converted optimizer state is placed right: training continues as the original would
+    sharded = launch(train_sharded, 2, args=(dict(CONVERT, load_dir=str(tmp_path / "B")),))[0]
+    torch.testing.assert_close(torch.tensor(sharded["losses"]),
+                               torch.tensor(straight["losses"][2:]), rtol=1e-5, atol=0)
+    fsdp_to_torch_dist(tmp_path / "B", tmp_path / "C")
+    a, a_blobs, _ = read_full(tmp_path / "A")
+    c, c_blobs, _ = read_full(tmp_path / "C")
+    assert a.keys() == c.keys() and all(torch.equal(a[k], c[k]) for k in a)
+    assert a_blobs == c_blobs
+    assert any(k.startswith("optimizer.state.") for k in a)
+    assert len(a_blobs["optimizer.param_groups"]) == 2
+    fsdp_to_safetensors(tmp_path / "B", tmp_path / "D", swiglu=True)
+    safetensors_to_fsdp(tmp_path / "D", tmp_path / "E")
+    b, _, _ = read_full(tmp_path / "B")
+    e, _, _ = read_full(tmp_path / "E")
+    assert set(e) == {k for k in b if k.startswith("model.")}
+    assert all(torch.equal(b[k], e[k]) for k in e)
+    from mfsdp.checkpoint.safetensors import load_file
+
+    hf, _ = load_file(tmp_path / "D" / "model.safetensors")
+    assert "blocks.0.gate_proj.weight" in hf and "blocks.0.fc1.weight" not in hf
+    torch.testing.assert_close(torch.cat([hf["blocks.0.gate_proj.weight"],
+                                          hf["blocks.0.up_proj.weight"]]),
+                               b["model.blocks.0.fc1.weight"], rtol=0, atol=0)
+
+
+def test_torch_dist_with_two_groups_needs_the_map(tmp_path):
+    train_reference(dict(CONVERT, steps=1, save_at=1, save_dir=str(tmp_path / "A")), world_size=1)
+    # a torch_dist checkpoint from elsewhere: no map (and none in its manifest)
+    (tmp_path / "A" / "param_to_param_group_map.json").unlink()
+    manifest = json.loads((tmp_path / "A" / "manifest.json").read_text())
+    del manifest["files"]["param_to_param_group_map.json"]
+    (tmp_path / "A" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="2 optimizer parameter groups but no "
+                                              "param_to_param_group_map.json"):
+        torch_dist_to_fsdp(tmp_path / "A", tmp_path / "B")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    launch(train_sharded, 2, args=(dict(BASE, steps=2, save_at=2, save_dir=str(root)),))
+    return root
+
+
+def _load(root, **cfg):
+    return launch(train_sharded, 2, args=(dict(BASE, steps=2, load_dir=str(root), **cfg),))
+
+
+def _copy(saved, tmp_path):
+    import shutil
+
+    dst = tmp_path / "copy"
+    shutil.copytree(saved, dst)
+    return dst, dst / (dst / "latest").read_text().strip()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, message", [
+    ("missing", "has no key 'model.blocks.4.fc1.bias'"),
+    ("unexpected", "has unexpected key 'model.blocks.3.fc1.bias'"),
+    ("shape", "key 'model.blocks.0.fc1.weight' has shape (64, 32) in checkpoint"),
+    ("truncated", "is truncated or was modified"),
+    ("version", "format_version=99, newer than this mfsdp reads (1)"),
+])
+def test_corrupt_checkpoints_fail_with_a_message(saved, tmp_path, case, message):
+    root, ckpt = _copy(saved, tmp_path)
+    cfg = {}
+    if case == "missing":
+        cfg = dict(blocks=5)
+    elif case == "unexpected":
+        cfg = dict(blocks=3)
+    elif case == "shape":
+        cfg = dict(hidden=48)
+    elif case == "truncated":
+        victim = next(f for f in sorted(ckpt.iterdir()) if f.suffix == ".distcp")
+        victim.write_bytes(victim.read_bytes()[:100])
+        message = f"{victim.name} has 100 bytes"
+    elif case == "version":
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        manifest["format_version"] = 99
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RankError) as info:
+        _load(root, **cfg)
+    assert info.value.exc_type == "CheckpointError"
+    assert message in info.value.message, info.value.message
+
+
+def _save_then_die(root: str) -> None:
+    """Save at step 2, then get killed (SIGKILL) in the middle of writing the step-4 save."""
+    import signal
+
+    import torch.distributed as dist
+
+    import mfsdp.checkpoint.io as io
+
+    real = io.dcp.save
+
+    def dying_save(state, checkpoint_id):
+        if "iter_0000004" in str(checkpoint_id):
+            if dist.get_rank() == 0:
+                Path(checkpoint_id, "__0_0.distcp").write_bytes(b"partial")
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.barrier()
+        return real(state, checkpoint_id=checkpoint_id)
+
+    io.dcp.save = dying_save
+    train_sharded(dict(BASE, steps=4, save_at=2, save_dir=root))
+    train_sharded(dict(BASE, steps=4, save_at=4, save_dir=root))
+
+
+@pytest.mark.slow
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    with pytest.raises(RankError, match="rank 0 raised ProcessExit: was killed by signal SIGKILL"):
+        launch(_save_then_die, 2, args=(str(tmp_path),), timeout=120)
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000002"
+    torn = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-iter_0000004")]
+    assert torn and (torn[0] / "__0_0.distcp").exists()
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        from mfsdp.checkpoint.io import resolve_checkpoint
+
+        resolve_checkpoint(torn[0])
+    resumed = launch(train_sharded, 2, args=(dict(BASE, steps=4, load_dir=str(tmp_path)),))[0]
+    assert len(resumed["losses"]) == 2  # steps 3 and 4, after the step-2 checkpoint
