@@ -59,7 +59,7 @@ if OFFLINE:
     intersphinx_mapping: dict = {}
     # Without the inventories, names from the standard library and torch cannot be resolved.
     nitpick_ignore_regex = [
-        ("py:.*", r"(torch|nn|dist|collections|typing|pathlib|argparse|dataclasses|enum)\..*"),
+        ("py:.*", r"(torch|nn|dist|os|collections|typing|pathlib|argparse|dataclasses|enum)\..*"),
         ("py:.*", r"(Path|Callable|Any|Iterable|Iterator|Sequence|Mapping|optional|TextIO|Module)"),
     ]
 else:
