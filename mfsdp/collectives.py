@@ -123,8 +123,9 @@ class Communicator:
             handle.wait()
         return handle
 
-    def reduce_scatter(self, full: torch.Tensor, async_op: bool = True) -> Handle:
-        """Sum ``full`` over ranks and return this rank's chunk (``wait()`` gives the tensor)."""
+    def reduce_scatter(self, full: torch.Tensor, async_op: bool = True,
+                       op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
+        """Sum (or ``op``, NCCL only) ``full`` over ranks; ``wait()`` gives this rank's chunk."""
         record = self._record("reduce_scatter", full, full.numel(), 1.0)
         n = self.size
         if n == 1:
@@ -137,7 +138,7 @@ class Communicator:
                 finish = lambda: recv.view(n, chunk).sum(0)  # noqa: E731
             else:
                 out = torch.empty(chunk, dtype=full.dtype, device=full.device)
-                work = _reduce_scatter(out, full, group=self.group, async_op=True)
+                work = _reduce_scatter(out, full, op=op, group=self.group, async_op=True)
                 finish = lambda: out  # noqa: E731
         handle = Handle(work, finish, record)
         if not async_op:

@@ -487,10 +487,11 @@ class FullyShardedModule(nn.Module):
     def _launch(self, b: Bucket) -> None:
         g = self._grad_full(b)
         src = g if b.comm_dtype == g.dtype else g.to(b.comm_dtype)
-        if b.grad_scale != 1.0:
-            src.mul_(b.grad_scale)
+        op, scale = self._reduce_op(b)
+        if scale != 1.0:
+            src.mul_(scale)
         if b.replicated:
-            handle = b.comm.all_reduce(src)
+            handle = b.comm.all_reduce(src, op=op)
 
             def finish(value, src=src, g=g, b=b):
                 if self.outer_comm is not None:  # HSDP over no_shard: the same buffer again
@@ -498,7 +499,7 @@ class FullyShardedModule(nn.Module):
                 if src is not g:
                     g.copy_(src)
         else:
-            handle = b.comm.reduce_scatter(src)
+            handle = b.comm.reduce_scatter(src, op=op)
 
             def finish(value, b=b):
                 if self.outer_comm is None:
@@ -517,20 +518,34 @@ class FullyShardedModule(nn.Module):
         while len(self._inflight) > self.max_inflight_reduce:
             self._finish_one()
 
+    def _reduce_op(self, b: Bucket) -> tuple:
+        """(reduce op, pre-scale factor) of a bucket's gradient reductions.
+
+        ``average_in_collective`` lets NCCL divide (``ReduceOp.AVG``) over the inner and outer
+        groups; what is left of the bucket's factor (1/EP for experts) is applied first. gloo has
+        no AVG: there, and by default, the whole factor is applied before a SUM.
+        """
+        outer = self.outer_comm.size if self.outer_comm is not None else 1
+        if (self.average_in_collective and not self.calculate_per_token_loss
+                and b.comm.backend == "nccl"):
+            return dist.ReduceOp.AVG, b.grad_scale * b.comm.size * outer
+        return dist.ReduceOp.SUM, b.grad_scale
+
     def _reducing_outer(self) -> bool:
         """Outer reductions happen only in synchronising backwards (the last micro-batch)."""
         return self._auto_sync if self._sync_override is None else self._sync_override
 
     def _outer_reduce(self, b: Bucket, pending: torch.Tensor) -> None:
         """Launch the outer (HSDP all-reduce / HFSDP reduce-scatter) reduction of a bucket."""
+        op = self._reduce_op(b)[0]
         if b.replicated:
-            self._outer_inflight.append((self.outer_comm.all_reduce(pending, async_op=False),
+            self._outer_inflight.append((self.outer_comm.all_reduce(pending, async_op=False, op=op),
                                          lambda value: None))
             return
         if self.outer_sharded:
-            handle = self.outer_comm.reduce_scatter(pending)
+            handle = self.outer_comm.reduce_scatter(pending, op=op)
         else:
-            handle = self.outer_comm.all_reduce(pending)
+            handle = self.outer_comm.all_reduce(pending, op=op)
 
         def finish(value, b=b):
             b.grad_shard.add_(value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["ShardedOptimizer"]
 
@@ -104,6 +105,31 @@ class ShardedOptimizer:
                 if b.grad_shard is not None:
                     b.grad_shard.mul_(coef)
         return norm
+
+    @torch.no_grad()
+    def grads_are_finite(self) -> bool:
+        """Whether every reduced gradient on every rank is finite (a collective call).
+
+        With a loss scale (fp16), skip the step when this is False and lower the scale.
+        """
+        self.model.finish_grad_sync()
+        bad = torch.zeros((), device=self.model.device)
+        for b in self.model.buckets:
+            if b.grad_shard is not None and not torch.isfinite(b.grad_shard).all():
+                bad.fill_(1.0)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad.item())
+
+    @torch.no_grad()
+    def unscale_(self, loss_scale: float) -> None:
+        """Divide the reduced gradients by ``loss_scale`` (the loss was multiplied by it)."""
+        if loss_scale <= 0:
+            raise ValueError(f"loss_scale={loss_scale} must be positive")
+        self.model.finish_grad_sync()
+        for b in self.model.buckets:
+            if b.grad_shard is not None:
+                b.grad_shard.div_(loss_scale)
 
     def step(self, closure=None):
         """Step on the shards with the reduced gradients, then update the model weights."""

@@ -213,3 +213,23 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
         resolve_checkpoint(torn[0])
     resumed = launch(train_sharded, 2, args=(dict(BASE, steps=4, load_dir=str(tmp_path)),))[0]
     assert len(resumed["losses"]) == 2  # steps 3 and 4, after the step-2 checkpoint
+
+
+def _rng_round_trip(root: str) -> bool:
+    import mfsdp
+    from mfsdp.checkpoint import load_checkpoint, save_checkpoint
+    from mfsdp.models import Block, ToyModel
+
+    model = ToyModel(dim=8, hidden=16, num_blocks=2)
+    model, opt = mfsdp.fully_shard(model, torch.optim.AdamW(model.parameters()),
+                                   fsdp_unit_modules=[Block])
+    torch.manual_seed(5)
+    save_checkpoint(root, model, opt, iteration=1, extra={"consumed_samples": 128})
+    expected = torch.rand(3)
+    torch.manual_seed(99)
+    extra = load_checkpoint(root, model, opt)
+    return torch.equal(torch.rand(3), expected) and extra["consumed_samples"] == 128
+
+
+def test_rng_state_and_extra_are_restored(tmp_path):
+    assert launch(_rng_round_trip, 2, args=(str(tmp_path),)) == [True, True]

@@ -43,6 +43,7 @@ EDGE = [
     dict(strategy="optim_grads_params", fsdp_kwargs={"overlap_grad_reduce": False,
                                                      "overlap_param_gather": False}),
     dict(strategy="optim_grads_params", fsdp_kwargs={"disable_bucketing": True}),
+    dict(strategy="optim_grads", fsdp_kwargs={"average_in_collective": True}),
 ]
 
 

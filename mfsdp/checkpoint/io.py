@@ -78,7 +78,8 @@ def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: i
                     extra: dict | None = None) -> Path:
     """Save model (main weights), optimizer and ``extra`` under ``root`` (a collective call).
 
-    Returns the directory of the new checkpoint (``root/iter_<iteration>``).
+    ``extra`` is for what only the caller knows (data position, scheduler state); the iteration and
+    the torch RNG state (CPU, and the GPU's) are added. Returns ``root/iter_<iteration>``.
     """
     root = Path(root)
     name = f"iter_{iteration:07d}"
@@ -93,7 +94,10 @@ def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: i
         state.update(optimizer_state(model, optimizer))
         state["optimizer.param_groups"] = pickle.dumps(param_groups_state(optimizer))
     # Non-tensor values travel as one pickled blob each (DCP would flatten nested dicts).
-    state["extra"] = pickle.dumps(dict(extra or {}, iteration=iteration))
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and model.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(model.device)
+    state["extra"] = pickle.dumps(dict(extra or {}, iteration=iteration, rng_state=rng))
     model.finish_grad_sync()
     dcp.save(state, checkpoint_id=str(tmp))
     described = _describe(state)
@@ -173,7 +177,8 @@ def _check_keys(ours: dict[str, dict], theirs: dict[str, dict], where: Path) -> 
 def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it.
 
-    Returns the ``extra`` dict that was saved (with ``iteration``). A collective call.
+    Restores the RNG state that was saved and returns the ``extra`` dict (with ``iteration``
+    and ``rng_state``). A collective call.
     """
     ckpt = resolve_checkpoint(path)
     manifest = read_manifest(ckpt)
@@ -201,4 +206,10 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
             group.update(saved)
     model.install_main_weights()
     model._begin_forward()
-    return pickle.loads(state["extra"])
+    extra = pickle.loads(state["extra"])
+    rng = extra.get("rng_state") or {}
+    if "torch" in rng:
+        torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available() and model.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], model.device)
+    return extra

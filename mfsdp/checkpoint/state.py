@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from mfsdp.checkpoint.uneven import uneven_dtensor
 
 __all__ = ["param_entries", "model_state", "optimizer_state", "param_groups_state",
-           "param_to_param_group_map"]
+           "param_to_param_group_map", "dump_param_to_param_group_map"]
 
 
 def _mesh(model) -> DeviceMesh:
@@ -95,3 +95,13 @@ def param_to_param_group_map(model, optimizer) -> dict[str, int]:
             _, bucket, i = next(mains)
             out[_where(model, bucket, i)[0]] = g
     return out
+
+
+def dump_param_to_param_group_map(model, optimizer, path) -> None:
+    """Write :func:`param_to_param_group_map` as JSON to ``path`` (rank 0 writes; a local call)."""
+    import json
+    from pathlib import Path
+
+    mapping = param_to_param_group_map(model, optimizer)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(mapping, indent=1))
