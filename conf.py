@@ -87,7 +87,7 @@ sphinx_gallery_conf = {
     "only_warn_on_example_error": False,
     "show_memory": False,
     "run_stale_examples": True,  # every build executes every recipe against the current code
-    "capture_repr": ("_repr_html_", "__repr__"),
+    "capture_repr": (),  # show what recipes print, not the repr of a last expression
 }
 
 html_theme = "pydata_sphinx_theme"
