@@ -5,16 +5,7 @@ parameters of ``module``: they become views into flat bucket buffers (see :mod:`
 and forward/backward hooks gather, release and reduce those buffers as the sharding strategy says.
 The mechanism, step by step, is described in ``docs/concepts.md``; the notes below say why.
 
-[Note: reduction order] Every rank must launch the same collectives in the same order, or gloo and
-NCCL pair the wrong tensors (or hang). Buckets become ready in autograd order, which can differ
-between ranks (different routing, unused units). So gradient buckets are launched in a fixed order
-(reverse construction order, which is the usual backward order): a bucket that is ready early waits
-for its predecessors, and at the end of backward every remaining bucket is launched, with zero
-gradients where none arrived.
-
-[Note: bounded reduce-scatters] At most ``max_inflight_reduce`` reduce-scatters are in flight; the
-oldest is finished (its full gradient buffer released) before another is launched, so full gradient
-buffers never pile up until the end of backward.
+Gradient reduction lives in :mod:`mfsdp.reduce` (notes on ordering and bounds there).
 
 [Note: version counters] Parameters are views of ``Bucket.full`` and share its version counter,
 which autograd checks for the weights it saved in forward. Re-gathering weights for backward writes
@@ -37,6 +28,7 @@ from torch import nn
 from mfsdp.buffers import Bucket, DoubleBuffer, plan_bucket
 from mfsdp.collectives import CommLog, Communicator, Handle
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
+from mfsdp.reduce import GradReduction
 
 __all__ = ["FullyShardedModule", "FSDPUnit"]
 
@@ -85,7 +77,7 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
-class FullyShardedModule(nn.Module):
+class FullyShardedModule(GradReduction, nn.Module):
     """A module whose parameters are sharded over a data-parallel group (see :func:`mfsdp.fully_shard`).
 
     ``forward`` calls the wrapped ``module``; ``module`` keeps its structure and names, its
@@ -148,7 +140,7 @@ class FullyShardedModule(nn.Module):
         self._auto_sync = sync_model_each_microbatch
         self._sync_override: bool | None = None
         self._unreduced = False  # a deferred backward left gradients unreduced
-        # Per-backward state: see [Note: reduction order].
+        # Per-backward state: see [Note: reduction order] in reduce.py.
         self._launch_cursor = 0
         self._inflight: deque[tuple[Bucket, Handle]] = deque()
         self._backward_started = False
@@ -283,7 +275,7 @@ class FullyShardedModule(nn.Module):
             for name, buf in m._buffers.items():
                 if buf is not None and buf.device != self.device and buf.device.type != "meta":
                     m._buffers[name] = buf.to(self.device)
-        # Fixed launch order of gradient buckets: see [Note: reduction order].
+        # Fixed launch order of gradient buckets: see [Note: reduction order] in reduce.py.
         self._grad_order = [b for b in reversed(self.buckets) if b.requires_grad]
         for unit in self.units:
             unit.module.register_forward_pre_hook(self._pre_forward_hook(unit))
@@ -453,145 +445,6 @@ class FullyShardedModule(nn.Module):
                 self.memory["peak_grad_full_bytes"] = max(self.memory["peak_grad_full_bytes"],
                                                           self.memory["grad_full_bytes"])
         return bucket.grad_full
-
-    # ------------------------------------------------------------------------------------------
-    # gradient reduction
-    # ------------------------------------------------------------------------------------------
-    def _reducing(self) -> bool:
-        """Whether this backward reduces gradients (ZeRO-2/3 always: their grads are sharded)."""
-        sync = self._auto_sync if self._sync_override is None else self._sync_override
-        return sync or self.strategy.shards_grads
-
-    def _bucket_ready(self, bucket: Bucket) -> None:
-        bucket.is_ready = True
-        if self.strategy.shards_params and not self._unit_of(bucket).is_root:
-            unit = self._unit_of(bucket)
-            if all(b.is_ready for b in unit.buckets):  # frozen buckets wait for the end
-                self._reshard(unit)
-        if self.overlap_grad_reduce:
-            self._launch_ready()
-
-    def _unit_of(self, bucket: Bucket) -> FSDPUnit:
-        return next(u for u in self.units if u.name == bucket.unit)
-
-    def _launch_ready(self, flush: bool = False) -> None:
-        while self._launch_cursor < len(self._grad_order):
-            b = self._grad_order[self._launch_cursor]
-            if not (b.is_ready or flush):
-                return
-            self._launch_cursor += 1
-            if self._reducing():
-                self._launch(b)
-
-    @torch.no_grad()
-    def _launch(self, b: Bucket) -> None:
-        g = self._grad_full(b)
-        src = g if b.comm_dtype == g.dtype else g.to(b.comm_dtype)
-        op, scale = self._reduce_op(b)
-        if scale != 1.0:
-            src.mul_(scale)
-        if b.replicated:
-            handle = b.comm.all_reduce(src, op=op)
-
-            def finish(value, src=src, g=g, b=b):
-                if self.outer_comm is not None:  # HSDP over no_shard: the same buffer again
-                    self._outer_reduce(b, src)
-                if src is not g:
-                    g.copy_(src)
-        else:
-            handle = b.comm.reduce_scatter(src, op=op)
-
-            def finish(value, b=b):
-                if self.outer_comm is None:
-                    b.grad_shard.add_(value)
-                else:
-                    if b.outer_pending is None:
-                        b.outer_pending = torch.zeros_like(value)
-                    b.outer_pending.add_(value)
-                nbytes = b.grad_full.untyped_storage().nbytes() if b.sharded_grads else 0
-                b.release_grad_full()
-                self.memory["grad_full_bytes"] -= nbytes
-                if self.outer_comm is not None and self._reducing_outer():
-                    self._outer_reduce(b, b.outer_pending)
-
-        self._inflight.append((b, handle, finish))
-        while len(self._inflight) > self.max_inflight_reduce:
-            self._finish_one()
-
-    def _reduce_op(self, b: Bucket) -> tuple:
-        """(reduce op, pre-scale factor) of a bucket's gradient reductions.
-
-        ``average_in_collective`` lets NCCL divide (``ReduceOp.AVG``) over the inner and outer
-        groups; what is left of the bucket's factor (1/EP for experts) is applied first. gloo has
-        no AVG: there, and by default, the whole factor is applied before a SUM.
-        """
-        outer = self.outer_comm.size if self.outer_comm is not None else 1
-        if (self.average_in_collective and not self.calculate_per_token_loss
-                and b.comm.backend == "nccl"):
-            return dist.ReduceOp.AVG, b.grad_scale * b.comm.size * outer
-        return dist.ReduceOp.SUM, b.grad_scale
-
-    def _reducing_outer(self) -> bool:
-        """Outer reductions happen only in synchronising backwards (the last micro-batch)."""
-        return self._auto_sync if self._sync_override is None else self._sync_override
-
-    def _outer_reduce(self, b: Bucket, pending: torch.Tensor) -> None:
-        """Launch the outer (HSDP all-reduce / HFSDP reduce-scatter) reduction of a bucket."""
-        op = self._reduce_op(b)[0]
-        if b.replicated:
-            self._outer_inflight.append((self.outer_comm.all_reduce(pending, async_op=False, op=op),
-                                         lambda value: None))
-            return
-        if self.outer_sharded:
-            handle = self.outer_comm.reduce_scatter(pending, op=op)
-        else:
-            handle = self.outer_comm.all_reduce(pending, op=op)
-
-        def finish(value, b=b):
-            b.grad_shard.add_(value)
-            b.outer_pending = None
-
-        self._outer_inflight.append((handle, finish))
-
-    def _finish_one(self) -> None:
-        b, handle, finish = self._inflight.popleft()
-        finish(handle.wait())
-
-    def _poll(self) -> None:
-        while self._inflight and self._inflight[0][1].is_completed():
-            self._finish_one()
-
-    def _sync_used_flags(self) -> None:
-        """Agree across ranks on which parameters got a gradient (small all-reduces, MAX)."""
-        for expert in (False, True):
-            buckets = [b for b in self.buckets if b.requires_grad and b.is_expert == expert]
-            if not buckets:
-                continue
-            flags = torch.cat([b.used for b in buckets])
-            for comm in (buckets[0].comm, self.outer_comm):
-                if comm is not None and comm.size > 1:
-                    comm.all_reduce(flags, async_op=False, op=dist.ReduceOp.MAX, kind="flags")
-            for b, part in zip(buckets, flags.split([len(b.names) for b in buckets])):
-                b.used.copy_(part)
-
-    def _finish_backward(self) -> None:
-        """Root callback at the end of backward: launch what is left, wait for everything."""
-        self._launch_ready(flush=True)
-        while self._inflight:  # finishing inner reductions launches the outer ones, in order
-            self._finish_one()
-        if self._reducing() and self._reducing_outer():
-            self._sync_used_flags()  # after every outer launch: the same order on all ranks
-        while self._outer_inflight:
-            handle, finish = self._outer_inflight.popleft()
-            finish(handle.wait())
-        for unit in self.units:
-            self._reshard(unit)
-        for b in self.buckets:
-            b.ready = 0
-            b.is_ready = False
-        self._launch_cursor = 0
-        self._backward_started = False
-        self._unreduced = not (self._reducing() and self._reducing_outer())
 
     # ------------------------------------------------------------------------------------------
     # steps
