@@ -9,7 +9,12 @@ PY     := $(VENV)/bin/python
 # The docs build never needs the network; set MFSDP_DOCS_OFFLINE=0 to resolve intersphinx links.
 export MFSDP_DOCS_OFFLINE ?= 1
 
-.PHONY: docs test venv clean
+# Mermaid (the diagrams' renderer) is fetched from the npm registry once, so that the built guide
+# renders its diagrams offline; without npm the pages load mermaid from its CDN instead.
+MERMAID_VERSION ?= 11.12.1
+VENDOR := build/vendor
+
+.PHONY: docs test venv vendor clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,12 +26,24 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-docs: $(VENV)/.installed
+$(VENDOR)/mermaid/mermaid.esm.min.mjs:
+	@if command -v npm >/dev/null 2>&1; then \
+	  rm -rf $(VENDOR)/tmp && mkdir -p $(VENDOR)/tmp && \
+	  (cd $(VENDOR)/tmp && npm pack mermaid@$(MERMAID_VERSION) --silent >/dev/null) && \
+	  tar xzf $(VENDOR)/tmp/mermaid-$(MERMAID_VERSION).tgz -C $(VENDOR)/tmp --wildcards \
+	    'package/dist/mermaid.esm.min.mjs' 'package/dist/chunks/mermaid.esm.min/*.mjs' && \
+	  rm -rf $(VENDOR)/mermaid && mv $(VENDOR)/tmp/package/dist $(VENDOR)/mermaid && \
+	  rm -rf $(VENDOR)/tmp; \
+	else echo "npm not found: the guide's diagrams will load mermaid from its CDN"; fi
+
+vendor: $(VENDOR)/mermaid/mermaid.esm.min.mjs
+
+docs: $(VENV)/.installed vendor
 	$(PY) -m sphinx -b html -W --keep-going -j 1 . build/html
 	@echo "The guide is in build/html/index.html"
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed vendor
 	$(PY) -m pytest
 
 clean:
-	rm -rf build docs/recipes docs/generated
+	rm -rf build/html build/test-html docs/recipes docs/generated

@@ -43,6 +43,12 @@ extensions = [
 templates_path = ["docs/_templates"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 
+# Mermaid from build/vendor (fetched by `make vendor`) when present: diagrams render offline.
+_VENDOR = ROOT / "build" / "vendor"
+if (_VENDOR / "mermaid" / "mermaid.esm.min.mjs").exists():
+    html_static_path = [str(_VENDOR)]
+    mermaid_use_local = "mermaid/mermaid.esm.min.mjs"
+
 myst_enable_extensions = ["colon_fence", "deflist", "attrs_inline"]
 myst_fence_as_directive = ["mermaid"]
 myst_heading_anchors = 3

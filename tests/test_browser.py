@@ -1,0 +1,90 @@
+"""The built guide in a real browser (headless Chromium): cards, copy buttons, figures, diagrams,
+search. Screenshots are saved under ``build/test-html/_screenshots`` for a human to look at.
+
+Chromium comes from Debian's ``chromium`` package (``.ci/run`` installs it). Where it is missing
+the tests skip and say why.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import shutil
+import subprocess
+import tempfile
+import threading
+import urllib.request
+
+import pytest
+
+CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
+                 if shutil.which(n)), None)
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-quic"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.docs]
+
+
+@pytest.fixture(scope="module")
+def site(built_site):
+    if CHROMIUM is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium; .ci/run does it)")
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # keep the test output readable
+            pass
+
+    handler = functools.partial(Quiet, directory=str(built_site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    shots = built_site / "_screenshots"
+    shots.mkdir(exist_ok=True)
+    yield f"http://127.0.0.1:{server.server_address[1]}", shots
+    server.shutdown()
+
+
+def _chromium(*args: str) -> str:
+    with tempfile.TemporaryDirectory() as profile:
+        proc = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}",
+                               "--virtual-time-budget=15000", *args],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def _page(site, path: str, shot: str) -> str:
+    base, shots = site
+    _chromium("--window-size=1280,1600", f"--screenshot={shots / shot}", f"{base}/{path}")
+    assert (shots / shot).stat().st_size > 10_000  # a rendered page, not a blank one
+    return _chromium("--dump-dom", f"{base}/{path}")
+
+
+def test_landing_page_renders_its_cards(site):
+    dom = _page(site, "docs/index.html", "landing.png")
+    assert dom.count("sd-card ") >= 5
+    for title in ("Quickstart", "Concepts", "Recipes", "API reference"):
+        assert title in dom
+
+
+def test_code_blocks_have_copy_buttons(site):
+    dom = _page(site, "docs/quickstart.html", "quickstart.png")
+    assert dom.count('class="copybtn') >= 3
+
+
+def test_gallery_page_shows_its_figure(site):
+    dom = _page(site, "docs/recipes/plot_memory_per_strategy.html", "recipe.png")
+    assert "sphx_glr_plot_memory_per_strategy_001.png" in dom
+    with urllib.request.urlopen(
+            f"{site[0]}/_images/sphx_glr_plot_memory_per_strategy_001.png") as r:
+        assert r.status == 200 and r.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mermaid_diagrams_render_to_svg(site):
+    dom = _page(site, "docs/concepts.html", "concepts.png")
+    assert dom.count('<svg id="mermaid-') >= 2  # both diagrams of the page
+
+
+def test_search_finds_fully_shard(site):
+    dom = _page(site, "search.html?q=fully_shard", "search.png")
+    assert "mfsdp.fully_shard" in dom and "search-summary" in dom
