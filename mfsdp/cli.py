@@ -21,6 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert.build_parser(sub.add_parser(
         "convert", help="convert checkpoints: torch_dist <-> fsdp_dtensor <-> safetensors",
         description=convert.__doc__.splitlines()[0]))
+    from mfsdp import plan
+
+    plan.build_parser(sub.add_parser(
+        "plan", help="estimate per-rank memory and per-step communication of a layout",
+        description=plan.__doc__.splitlines()[0]))
     return parser
 
 
@@ -35,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         from mfsdp.checkpoint import convert
 
         return convert.run(args)
+    if args.command == "plan":
+        from mfsdp import plan
+
+        return plan.run(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -1,0 +1,269 @@
+"""Memory and communication planner: will this model fit, and what does a step move?
+
+``mfsdp plan`` (or :func:`plan`) estimates, per rank, the bytes of each kind of state (compute
+weights, main weights, gradients, optimizer state, gathered buffers, activations) and the bytes
+each group moves per step, for a model and a layout. The state terms follow the engine exactly
+(they are checked against measured runs in the tests); activations use the usual transformer
+estimate and are an estimate.
+
+>>> p = plan(PRESETS["llama3-8b"], Layout(world_size=8, strategy="optim_grads_params"))
+>>> round(p.params / 1e9, 2), p.dominant, round(p.total / GiB, 1)
+(8.03, 'activations', 34.6)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, replace
+
+__all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "state_bytes",
+           "smallest_world", "main", "build_parser"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer, dense or mixture-of-experts (SwiGLU MLPs)."""
+
+    num_layers: int
+    hidden: int
+    ffn_hidden: int
+    num_heads: int
+    vocab: int
+    num_kv_heads: int | None = None  # grouped-query attention; None = num_heads
+    tied_embeddings: bool = False
+    num_experts: int = 0  # routed experts per MoE layer (0: dense model)
+    moe_ffn_hidden: int = 0
+    shared_expert_ffn_hidden: int = 0
+    topk: int = 1
+    first_dense_layers: int = 0  # leading layers with a dense MLP in an MoE model
+    mla: tuple[int, int, int, int, int] | None = None
+    """Multi-head latent attention ranks (q_lora, kv_lora, qk_nope, qk_rope, v_head)."""
+
+    def attention_params(self) -> int:
+        h = self.hidden
+        if self.mla:
+            q_lora, kv_lora, nope, rope, v = self.mla
+            heads = self.num_heads
+            return (h * q_lora + q_lora * heads * (nope + rope) + h * (kv_lora + rope)
+                    + kv_lora * heads * (nope + v) + heads * v * h)
+        head = h // self.num_heads
+        kv = self.num_kv_heads or self.num_heads
+        return h * h + 2 * h * kv * head + h * h
+
+    def layer_params(self, moe: bool) -> tuple[int, int]:
+        """(dense, expert) parameters of one layer."""
+        dense = self.attention_params() + 2 * self.hidden  # + two norms
+        if not moe:
+            return dense + 3 * self.hidden * self.ffn_hidden, 0
+        dense += self.hidden * self.num_experts + 3 * self.hidden * self.shared_expert_ffn_hidden
+        return dense, self.num_experts * 3 * self.hidden * self.moe_ffn_hidden
+
+    def param_counts(self) -> tuple[int, int]:
+        """(dense, expert) parameters of the whole model."""
+        moe_layers = self.num_layers - self.first_dense_layers if self.num_experts else 0
+        d1, _ = self.layer_params(False)
+        d2, e2 = self.layer_params(True) if moe_layers else (0, 0)
+        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
+        dense = embed + (self.num_layers - moe_layers) * d1 + moe_layers * d2
+        return dense, moe_layers * e2
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama3-8b": ModelConfig(32, 4096, 14336, 32, 128256, num_kv_heads=8),
+    "llama3-70b": ModelConfig(80, 8192, 28672, 64, 128256, num_kv_heads=8),
+    "deepseek-v3": ModelConfig(61, 7168, 18432, 128, 129280, num_experts=256, moe_ffn_hidden=2048,
+                               shared_expert_ffn_hidden=2048, topk=8, first_dense_layers=3,
+                               mla=(1536, 512, 128, 64, 128)),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model is trained: ranks, sharding, dtypes, batch."""
+
+    world_size: int
+    strategy: str = "optim_grads_params"
+    dp_outer: int = 1
+    outer_strategy: str = "no_shard"
+    ep: int = 1
+    compute_bytes: int = 2  # bf16
+    main_bytes: int = 4  # fp32 main weights (equal to compute_bytes: one copy)
+    grad_bytes: int = 4  # fp32 gradient accumulation
+    optimizer_bytes: int = 8  # Adam: two fp32 moments
+    micro_batch: int = 1
+    seq_length: int = 4096
+    prefetch_depth: int = 1
+    recompute: bool = False  # full activation recomputation: keep only layer inputs
+    flash_attention: bool = True  # no s x s attention scores kept for backward
+
+    def __post_init__(self) -> None:
+        from mfsdp.config import ShardingStrategy
+        from mfsdp.layout import ParallelLayout
+
+        ShardingStrategy.parse(self.strategy)
+        ShardingStrategy.parse(self.outer_strategy, "outer_strategy")
+        ParallelLayout(self.world_size, self.dp_outer, self.ep)
+
+
+def state_bytes(dense: int, expert: int, layout: Layout) -> dict[str, float]:
+    """Per-rank bytes of weights, main weights, gradients and optimizer state (no padding).
+
+    The same terms the engine allocates (see ``docs/sharding.md``): dense parameters are sharded
+    over the shard group, expert parameters (``expert / ep`` per rank) over the expert shard
+    group; under HFSDP main weights, gradients and optimizer state are also split over the outer
+    dimension. Main weights take no memory of their own when their dtype is the compute dtype.
+    """
+    from mfsdp.config import ShardingStrategy
+
+    stage = ShardingStrategy.parse(layout.strategy).zero_stage
+    shard = layout.world_size // layout.dp_outer
+    outer = layout.dp_outer if ShardingStrategy.parse(layout.outer_strategy).zero_stage else 1
+    separate_main = layout.main_bytes != layout.compute_bytes
+    out = {"weights": 0.0, "main_weights": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for params, n in ((dense, shard), (expert / layout.ep, shard // layout.ep)):
+        owned = params if stage == 0 else params / (n * outer)  # main weights' share
+        out["weights"] += params * layout.compute_bytes / (n if stage == 3 else 1)
+        out["main_weights"] += owned * layout.main_bytes if separate_main else 0.0
+        full_grads = params * layout.grad_bytes if stage in (0, 1) else 0.0
+        out["grads"] += full_grads + (owned * layout.grad_bytes if stage else 0.0)
+        out["optimizer"] += owned * layout.optimizer_bytes
+    return out
+
+
+@dataclass
+class Plan:
+    """The estimate for one model and layout (bytes per rank unless said otherwise)."""
+
+    params: int
+    dense_params: int
+    expert_params: int
+    memory: dict[str, float]
+    comm: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def dominant(self) -> str:
+        return max(self.memory, key=self.memory.get)
+
+    def fits(self, device_gib: float = 80.0, reserve_gib: float = 4.0) -> bool:
+        """Whether it fits on one device of ``device_gib``, keeping ``reserve_gib`` spare."""
+        return self.total <= (device_gib - reserve_gib) * GiB
+
+    def table(self) -> str:
+        rows = [f"{'term':<14} {'GiB per rank':>12}"]
+        for k, v in self.memory.items():
+            rows.append(f"{k:<14} {v / GiB:12.2f}")
+        rows.append(f"{'total':<14} {self.total / GiB:12.2f}")
+        for k, v in self.comm.items():
+            rows.append(f"{'sent ' + k:<14} {v / GiB:12.2f}  (GiB per step per rank)")
+        return "\n".join(rows)
+
+
+def _activations(model: ModelConfig, layout: Layout) -> float:
+    """Activation bytes of one micro-batch in bf16 (Korthikanti et al., 2022), an estimate.
+
+    Per layer ``s b h (34 + 5 a s / h)`` bytes without recomputation (the second term vanishes
+    with flash attention), ``2 s b h`` with full recomputation.
+    """
+    s, b, h, a = layout.seq_length, layout.micro_batch, model.hidden, model.num_heads
+    if layout.recompute:
+        return model.num_layers * 2 * s * b * h
+    per_layer = s * b * h * (34 + (0 if layout.flash_attention else 5 * a * s / h))
+    if model.num_experts:  # routed tokens: topk copies of the MLP activations
+        per_layer += s * b * (model.topk - 1) * 3 * model.moe_ffn_hidden * 2
+    return model.num_layers * per_layer
+
+
+def plan(model: ModelConfig, layout: Layout) -> Plan:
+    """Estimate per-rank memory and per-step communication for ``model`` under ``layout``."""
+    from mfsdp.config import ShardingStrategy
+
+    dense, expert = model.param_counts()
+    memory = state_bytes(dense, expert, layout)
+    s = ShardingStrategy.parse(layout.strategy).zero_stage
+    unit_dense, unit_expert = model.layer_params(bool(model.num_experts))
+    unit = (unit_dense + unit_expert / layout.ep) * layout.compute_bytes
+    memory["gathered"] = (layout.prefetch_depth + 1) * unit if s == 3 else 0.0
+    memory["activations"] = _activations(model, layout)
+    shard = layout.world_size // layout.dp_outer
+    ring = (shard - 1) / shard
+    model_bytes = (dense + expert / layout.ep) * layout.compute_bytes
+    comm = {"dp_shard": (3 if s == 3 else 2) * ring * model_bytes}
+    if layout.dp_outer > 1:
+        o = layout.dp_outer
+        comm["dp_outer"] = 2 * (o - 1) / o * model_bytes / shard
+    if layout.ep > 1 and model.num_experts:
+        tokens = layout.micro_batch * layout.seq_length
+        moe_layers = model.num_layers - model.first_dense_layers
+        # dispatch + combine, forward + backward, topk copies of each token
+        comm["ep"] = 4 * moe_layers * tokens * model.topk * model.hidden * layout.compute_bytes \
+            * (layout.ep - 1) / layout.ep
+    return Plan(dense + expert, dense, expert, memory, comm)
+
+
+def smallest_world(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
+                   gpus_per_node: int = 8, max_nodes: int = 4096) -> int | None:
+    """The smallest world size (whole nodes) on which every rank fits, or None."""
+    for nodes in range(1, max_nodes + 1):
+        world = nodes * gpus_per_node
+        try:
+            candidate = replace(layout, world_size=world)
+        except ValueError:
+            continue
+        if plan(model, candidate).fits(device_gib):
+            return world
+    return None
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The ``mfsdp plan`` argument parser."""
+    parser = parser or argparse.ArgumentParser(prog="mfsdp plan", description=__doc__.splitlines()[0])
+    parser.add_argument("preset", choices=sorted(PRESETS), help="model")
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--strategy", default="optim_grads_params",
+                        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    parser.add_argument("--dp-outer", type=int, default=1)
+    parser.add_argument("--outer-strategy", default="no_shard", choices=["no_shard", "optim"])
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    parser.add_argument("--device-gib", type=float, default=80.0)
+    parser.add_argument("--smallest", action="store_true",
+                        help="also find the smallest number of devices (whole 8-GPU nodes) that fits")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed ``mfsdp plan`` command."""
+    model = PRESETS[args.preset]
+    layout = Layout(args.world_size, args.strategy, args.dp_outer, args.outer_strategy, args.ep,
+                    micro_batch=args.micro_batch, seq_length=args.seq_length,
+                    recompute=args.recompute)
+    p = plan(model, layout)
+    print(f"{args.preset}: {p.params / 1e9:.1f}B parameters ({p.expert_params / 1e9:.1f}B in "
+          f"experts), {args.world_size} ranks, {args.strategy}")
+    print(p.table())
+    print(f"dominant term: {p.dominant}; fits on {args.device_gib:g} GiB: "
+          f"{'yes' if p.fits(args.device_gib) else 'no'}")
+    if args.smallest:
+        world = smallest_world(model, layout, args.device_gib)
+        print(f"smallest world that fits: {world if world else 'none up to 4096 nodes'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m mfsdp.plan``."""
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The planner against published parameter counts and against measured per-rank memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mfsdp.launch import launch
+from mfsdp.plan import PRESETS, Layout, plan, smallest_world, state_bytes
+from mfsdp.testing import train_sharded_many
+
+
+@pytest.mark.parametrize("name, published", [("llama3-8b", 8.03e9), ("llama3-70b", 70.6e9),
+                                             ("deepseek-v3", 671e9)])
+def test_preset_parameter_counts_match_the_published_sizes(name, published):
+    assert abs(plan(PRESETS[name], Layout(8)).params / published - 1) < 0.01
+
+
+CASES = [dict(strategy=s) for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")] + [
+    dict(strategy="optim_grads_params", dp_outer=2),
+    dict(strategy="optim_grads_params", dp_outer=2, outer_strategy="optim"),
+    dict(model="moe", strategy="optim_grads_params", ep=2),
+    dict(model="moe", strategy="optim_grads", ep=2, dp_outer=2),
+]
+COMMON = dict(dim=128, hidden=512, blocks=4, optimizer="adamw", steps=1, track_memory=True,
+              return_params=False)
+
+
+def _counts(cfg: dict) -> tuple[int, int]:
+    from mfsdp.models.toy import ToyModel
+    from mfsdp.models.toy_moe import ToyMoE
+
+    model = (ToyMoE(128, 512, 4, 4) if cfg.get("model") == "moe" else ToyModel(128, 512, 4))
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return sum(p.numel() for p in model.parameters()) - expert, expert
+
+
+@pytest.mark.slow
+def test_estimated_state_bytes_match_measured_within_5_percent():
+    runs = launch(train_sharded_many, 4, args=([dict(COMMON, **c) for c in CASES],))[0]
+    for cfg, run in zip(CASES, runs):
+        layout = Layout(4, cfg["strategy"], cfg.get("dp_outer", 1),
+                        cfg.get("outer_strategy", "no_shard"), cfg.get("ep", 1),
+                        compute_bytes=4, main_bytes=4, grad_bytes=4)
+        estimated = sum(state_bytes(*_counts(cfg), layout).values())
+        measured = sum(run["memory"][-1].values())
+        assert abs(estimated / measured - 1) < 0.05, (cfg, estimated, measured)
+
+
+def test_more_ranks_never_need_more_state_and_the_search_finds_a_fit():
+    model = PRESETS["llama3-70b"]
+    totals = [plan(model, Layout(w, recompute=True)).total for w in (8, 16, 32, 64)]
+    assert totals == sorted(totals, reverse=True)
+    world = smallest_world(model, Layout(8, recompute=True))
+    assert world and plan(model, Layout(world, recompute=True)).fits()
+    assert not plan(model, Layout(world - 8, recompute=True)).fits()
+    assert torch.tensor(totals).isfinite().all()
