@@ -245,12 +245,14 @@ class FullyShardedModule(GradReduction, nn.Module):
                     self._slot[id(e["param"])] = (bucket, i)
                 unit.buckets.append(bucket)
             self.units.append(unit)
+        self._unit_by_name = {u.name: u for u in self.units}
         if self._double_buffer and len(self.units) > 1:
             self.pool = DoubleBuffer(self.units[1:], self.device)
         self._load_values(params, meta_init)
         self._original_params = [e["param"] for e in params.values()]  # read once by the API
         # Replace every parameter by a view of its bucket and hook it.
         self._new_params: dict[int, nn.Parameter] = {}
+        self._slot_by_new: dict[int, tuple[Bucket, int]] = {}  # id(view parameter) -> slot
         self._param_names: list[tuple[str, nn.Parameter]] = []
         for e in params.values():
             bucket, i = self._slot[id(e["param"])]
@@ -259,6 +261,7 @@ class FullyShardedModule(GradReduction, nn.Module):
                 m._parameters[attr] = new
             self._new_params[id(e["param"])] = new
             self._param_names.append((e["name"], new))
+            self._slot_by_new[id(new)] = (bucket, i)
             if new.requires_grad:
                 new.register_post_accumulate_grad_hook(self._grad_hook(bucket, i))
         for b in self.buckets:
@@ -269,8 +272,6 @@ class FullyShardedModule(GradReduction, nn.Module):
             b.used = torch.zeros(len(b.names), device=self.device)
             if not b.main_aliases_model():
                 b.main_shard.copy_(b.model_sub_shard())
-            if b.sharded_params:
-                self._release(b)
         for m in root.modules():  # buffers follow the device; parameters are done
             for name, buf in m._buffers.items():
                 if buf is not None and buf.device != self.device and buf.device.type != "meta":
@@ -477,9 +478,7 @@ class FullyShardedModule(GradReduction, nn.Module):
                 mine.copy_(b.main_shard)
             if b.outer_factor > 1:  # HFSDP: collect the inner shard from the outer ranks
                 self._param_sync.append(self.outer_comm.all_gather(b.model_shard, mine.clone()))
-            if not b.sharded_params and not b.replicated:
-                if b.outer_factor > 1:
-                    self._param_sync.pop().wait()
+            if not b.sharded_params and not b.replicated:  # (HFSDP is ZeRO-3 only)
                 self._param_sync.append(b.ag_comm.all_gather(b.full_comm, b.model_shard.clone()))
 
     @torch.no_grad()
@@ -496,7 +495,6 @@ class FullyShardedModule(GradReduction, nn.Module):
                     self.memory["grad_full_bytes"] = 0
         self._unreduced = False
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Skip the gradient reduction of backwards run inside (for all but the last micro-batch).
 
@@ -504,16 +502,15 @@ class FullyShardedModule(GradReduction, nn.Module):
         ``optim_grads`` and ``optim_grads_params`` gradients are sharded, so each micro-batch is
         still reduce-scattered (into the accumulating shard); only deferrable reductions wait.
         """
-        old, self._sync_override = self._sync_override, False
-        try:
-            yield
-        finally:
-            self._sync_override = old
+        return self._sync_as(False)
 
-    @contextlib.contextmanager
     def sync(self):
         """Reduce gradients in backwards run inside, whatever ``sync_model_each_microbatch`` says."""
-        old, self._sync_override = self._sync_override, True
+        return self._sync_as(True)
+
+    @contextlib.contextmanager
+    def _sync_as(self, value: bool):
+        old, self._sync_override = self._sync_override, value
         try:
             yield
         finally:
@@ -530,7 +527,7 @@ class FullyShardedModule(GradReduction, nn.Module):
         """(name, local main-weight rows, bucket, index) for every parameter, in model order."""
         out = []
         for name, p in self._param_names:
-            bucket, i = self._slot_new(p)
+            bucket, i = self._slot_by_new[id(p)]
             out.append((name, bucket.local_view(bucket.main_shard, i), bucket, i))
         return out
 
@@ -541,12 +538,6 @@ class FullyShardedModule(GradReduction, nn.Module):
     def global_name(self, name: str) -> str:
         """The checkpoint name of parameter ``name`` (its own name unless remapped)."""
         return getattr(self, "_global_names", {}).get(name, name)
-
-    def _slot_by_new_param(self) -> dict[int, tuple[Bucket, int]]:
-        return {id(new): self._slot[old] for old, new in self._new_params.items()}
-
-    def _slot_new(self, p: nn.Parameter) -> tuple[Bucket, int]:
-        return self._slot_by_new_param()[id(p)]
 
     @torch.no_grad()
     def full_parameters(self, main: bool = True) -> dict[str, torch.Tensor]:

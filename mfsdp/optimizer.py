@@ -35,7 +35,7 @@ class ShardedOptimizer:
             for j, p in enumerate(group["params"]):
                 slot = model._slot.get(id(p))
                 if slot is None:
-                    slot = model._slot_by_new_param().get(id(p))
+                    slot = model._slot_by_new.get(id(p))
                 if slot is None:
                     raise ValueError(
                         f"fully_shard_optimizer: param_groups[{g}]['params'][{j}] (shape "

@@ -35,15 +35,12 @@ class GradReduction:
 
     def _bucket_ready(self, bucket: Bucket) -> None:
         bucket.is_ready = True
-        if self.strategy.shards_params and not self._unit_of(bucket).is_root:
-            unit = self._unit_of(bucket)
+        unit = self._unit_by_name[bucket.unit]
+        if self.strategy.shards_params and not unit.is_root:
             if all(b.is_ready for b in unit.buckets):  # frozen buckets wait for the end
                 self._reshard(unit)
         if self.overlap_grad_reduce:
             self._launch_ready()
-
-    def _unit_of(self, bucket: Bucket) -> FSDPUnit:
-        return next(u for u in self.units if u.name == bucket.unit)
 
     def _launch_ready(self, flush: bool = False) -> None:
         while self._launch_cursor < len(self._grad_order):

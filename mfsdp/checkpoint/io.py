@@ -46,14 +46,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be loaded: the message names the key or file and what is wrong."""
 
 
-def _is_tensor_like(v) -> bool:
-    return torch.is_tensor(v)
-
-
 def _describe(state: dict) -> dict[str, dict]:
     """Every rank's tensor keys with global shape and dtype (experts differ between EP ranks)."""
     mine = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in state.items()
-            if _is_tensor_like(v)}
+            if torch.is_tensor(v)}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {k: v for part in everyone for k, v in part.items()}

@@ -41,8 +41,11 @@ def _where(model, bucket, i: int) -> tuple[str, tuple, int]:
 
 def param_entries(model) -> list[tuple[str, torch.Tensor, tuple, int]]:
     """(checkpoint name, local main-weight rows, global shape, first local row) per parameter."""
-    return [(*_where(model, b, i)[:1], local, *_where(model, b, i)[1:])
-            for _, local, b, i in model.named_main_shards()]
+    out = []
+    for _, local, b, i in model.named_main_shards():
+        name, shape, start = _where(model, b, i)
+        out.append((name, local, shape, start))
+    return out
 
 
 def model_state(model) -> dict:
