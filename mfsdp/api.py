@@ -69,6 +69,7 @@ def fully_shard_model(
     max_inflight_reduce: int = 2,
     prefetch_depth: int = 1,
     process_groups: ProcessGroups | None = None,
+    recursive_gather_modules: Any = None,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters over the data-parallel group and return the wrapped module.
 
@@ -105,6 +106,9 @@ def fully_shard_model(
         process_groups: the groups of a :class:`mfsdp.ParallelLayout` (from its
             ``create_groups()``), instead of meshes: dense and expert shard groups, outer group,
             EP group and, when created, the all-gather groups.
+        recursive_gather_modules: module classes whose forward bypasses their children's
+            ``forward`` (fused kernels); each such module gathers all units inside it
+            (see :meth:`FullyShardedModule.gather_recursively`).
     """
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     for name, value, low in (("prefetch_depth", prefetch_depth, 0),
@@ -197,6 +201,10 @@ def fully_shard_model(
         max_inflight_reduce=max_inflight_reduce, fsdp_double_buffer=fsdp_double_buffer,
         prefetch_depth=prefetch_depth,
     )
+    recursive = resolve_unit_classes(recursive_gather_modules, module)
+    for m in module.modules():
+        if recursive and isinstance(m, recursive):
+            model.gather_recursively(m)
     ref = weakref.ref(model)
     for new in model._new_params.values():
         new._mfsdp_model = ref

@@ -412,6 +412,38 @@ class FullyShardedModule(GradReduction, nn.Module):
             return output
         return hook
 
+    def gather_recursively(self, module: nn.Module) -> None:
+        """Gather every unit inside ``module`` before its forward and release them after it.
+
+        For modules whose forward bypasses their children's ``forward`` (fused kernels reading
+        child weights directly): the children's own hooks never fire, so ``module`` takes their
+        place, in forward and, through a hook on its outputs, in backward.
+        """
+        path = next((n for n, m in self.module.named_modules() if m is module), None)
+        if path is None:
+            raise ValueError(f"{type(module).__name__} is not a submodule of the sharded model")
+        inner = [u for u in self.units if not u.is_root
+                 and (path == "" or u.name == path or u.name.startswith(path + "."))]
+        if not inner:
+            raise ValueError(f"{path or 'the root'} ({type(module).__name__}) contains no FSDP "
+                             "unit; list its children's classes in fsdp_unit_modules")
+
+        def pre(mod, args):
+            for unit in inner:
+                self._gather(unit)
+
+        def post(mod, args, output):
+            for unit in inner:
+                self._reshard(unit)
+            tensors = _tensors(output)
+            if tensors and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grad: [self._pre_backward(u) for u in inner], mode="any")
+            return output
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
     def _pre_backward(self, unit: FSDPUnit) -> None:
         if not self._backward_started:
             self._backward_started = True
