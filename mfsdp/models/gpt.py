@@ -33,7 +33,7 @@ __all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "TransformerLayer", "gpt_loss", "p
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Sizes and MoE options of :class:`GPT` (names follow Megatron-LM's flags)."""
+    """Sizes and MoE options of :class:`~mfsdp.models.gpt.GPT` (names follow Megatron-LM's flags)."""
 
     vocab_size: int = 256
     max_position_embeddings: int = 1024
@@ -43,7 +43,8 @@ class GPTConfig:
     num_attention_heads: int = 4
     swiglu: bool = False
     num_experts: int = 0
-    """0: dense. Otherwise every layer from ``moe_first_dense_layers`` on is an MoE layer."""
+    """Routed experts per MoE layer (zero: a dense model); layers from
+    ``moe_first_dense_layers`` on are MoE layers."""
     moe_first_dense_layers: int = 0
     moe_ffn_hidden_size: int | None = None
     moe_router_topk: int = 2
@@ -56,6 +57,9 @@ class GPTConfig:
     moe_shared_expert_intermediate_size: int = 0
     moe_token_dispatcher_type: str = "alltoall"
     moe_flex_dispatcher_backend: str = "torch"
+    moe_expert_capacity_factor: float | None = None
+    moe_token_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
     moe_grouped_gemm: bool = False
     """Fused experts (:class:`mfsdp.moe.FusedExperts`) instead of one module per expert."""
 
@@ -162,7 +166,7 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm attention and MLP (or MoE) with residuals: the FSDP unit of :class:`GPT`."""
+    """Pre-norm attention and MLP (or MoE) with residuals: the FSDP unit of :class:`~mfsdp.models.gpt.GPT`."""
 
     def __init__(self, cfg: GPTConfig, moe: bool):
         super().__init__()
@@ -179,7 +183,10 @@ class TransformerLayer(nn.Module):
                 score_func=cfg.moe_router_score_function, num_groups=cfg.moe_router_num_groups,
                 group_topk=cfg.moe_router_group_topk,
                 expert_bias=cfg.moe_router_enable_expert_bias,
-                aux_loss_coeff=cfg.moe_aux_loss_coeff, z_loss_coeff=cfg.moe_z_loss_coeff)
+                aux_loss_coeff=cfg.moe_aux_loss_coeff, z_loss_coeff=cfg.moe_z_loss_coeff,
+                capacity_factor=cfg.moe_expert_capacity_factor,
+                drop_policy=cfg.moe_token_drop_policy,
+                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
         else:
             self.mlp = MLP(h, cfg.ffn_hidden_size, cfg.swiglu)
 
@@ -189,7 +196,7 @@ class TransformerLayer(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token and position embeddings, :class:`TransformerLayer` stack, final norm, output head."""
+    """Token and position embeddings, :class:`~mfsdp.models.gpt.TransformerLayer` stack, final norm, output head."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

@@ -50,7 +50,7 @@ class ExpertMLP(nn.Module):
 
 
 class SequentialExperts(nn.Module):
-    """``num_experts`` :class:`ExpertMLP` modules run one after another."""
+    """``num_experts`` :class:`~mfsdp.moe.experts.ExpertMLP` modules run one after another."""
 
     def __init__(self, num_experts: int, dim: int, ffn: int, swiglu: bool = False):
         super().__init__()
@@ -72,7 +72,11 @@ class GroupedLinear(nn.Module):
     def __init__(self, num_experts: int, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
-        bound = in_features ** -0.5
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Uniform in ``+-1/sqrt(in_features)``, as ``nn.Linear`` without bias."""
+        bound = self.weight.shape[2] ** -0.5
         nn.init.uniform_(self.weight, -bound, bound)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
@@ -110,7 +114,7 @@ def replay_forward_hooks(module: nn.Module, args: tuple, kwargs: dict, output):
 
 
 class FusedExperts(nn.Module):
-    """All local experts in two :class:`GroupedLinear` children and one padded batched matmul each.
+    """All local experts in two :class:`~mfsdp.moe.GroupedLinear` children and one padded batched matmul each.
 
     Args:
         hook_mode: ``"replay"`` runs the children's forward pre-hooks before the fused computation

@@ -69,7 +69,7 @@ def collect_aux_losses(model: nn.Module) -> torch.Tensor:
 
 
 def shard_experts(model: nn.Module, ep_group: dist.ProcessGroup | None) -> dict[str, str]:
-    """Keep only this EP rank's experts in every :class:`MoELayer` and point its dispatcher at the
+    """Keep only this EP rank's experts in every :class:`~mfsdp.moe.MoELayer` and point its dispatcher at the
     EP group. Call it on a model built identically on every rank (same seed), before sharding.
 
     Returns the renaming local parameter name -> global name for one-module-per-expert layers

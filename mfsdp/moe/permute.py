@@ -31,7 +31,7 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor) -> tuple[torch.Tens
 
 def unpermute(permuted: torch.Tensor, index: torch.Tensor, probs: torch.Tensor | None,
               routing_map: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
-    """Inverse of :func:`permute`: weight each row by its routing weight and sum rows per token.
+    """Inverse of :func:`~mfsdp.moe.permute`: weight each row by its routing weight and sum rows per token.
 
     With ``probs=None`` the rows are summed unweighted.
     """

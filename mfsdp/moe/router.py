@@ -156,7 +156,7 @@ def capacity_mask(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int,
 
 
 class TopKRouter(nn.Module):
-    """A linear gate followed by :func:`topk_routing`, with optional losses and capacity.
+    """A linear gate followed by :func:`~mfsdp.moe.topk_routing`, with optional losses and capacity.
 
     After each forward ``self.losses`` holds the weighted auxiliary and z-losses of that call
     (``{"aux": tensor, "z": tensor}``, only those with a non-zero coefficient); add
@@ -178,7 +178,7 @@ class TopKRouter(nn.Module):
         if drop_policy not in DROP_POLICIES:
             raise ValueError(f"drop_policy={drop_policy!r}: choose one of {DROP_POLICIES}")
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-        nn.init.normal_(self.weight, std=hidden ** -0.5)
+        self.reset_parameters()
         self.num_experts, self.topk, self.score_func = num_experts, topk, score_func
         self.num_groups, self.group_topk = num_groups, group_topk
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
@@ -186,6 +186,12 @@ class TopKRouter(nn.Module):
         self.pad_to_capacity, self.scaling_factor = pad_to_capacity, scaling_factor
         self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
         self.losses: dict[str, torch.Tensor] = {}
+        # Tokens routed to each expert since the last update_expert_bias() (with expert_bias).
+        self.load = torch.zeros(num_experts)
+
+    def reset_parameters(self) -> None:
+        """Initialise the gate weight (normal, std ``hidden ** -0.5``)."""
+        nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route ``hidden`` (``[tokens, hidden]``); return ``(probs, routing_map)``."""
@@ -193,6 +199,8 @@ class TopKRouter(nn.Module):
         probs, routing_map = topk_routing(logits, self.topk, self.score_func, self.num_groups,
                                           self.group_topk, self.expert_bias, self.scaling_factor)
         self.losses = {}
+        if self.expert_bias is not None and torch.is_grad_enabled():
+            self.load = self.load.to(routing_map.device) + routing_map.sum(0).float()
         if self.aux_loss_coeff:
             scores = (torch.softmax(logits, -1) if self.score_func == "softmax"
                       else torch.sigmoid(logits))
@@ -212,5 +220,6 @@ class TopKRouter(nn.Module):
         """Auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower the others."""
         if self.expert_bias is None:
             raise RuntimeError("this router was built with expert_bias=False")
-        load = tokens_per_expert.float()
+        load = tokens_per_expert.float().to(self.expert_bias.device)
         self.expert_bias += rate * torch.sign(load.mean() - load)
+        self.load = torch.zeros_like(self.load)

@@ -1,0 +1,549 @@
+"""Train the small GPT or MoE GPT with Megatron-LM's flags: ``mfsdp train`` / ``python -m mfsdp.train``.
+
+Launch it with ``torchrun`` (one process per GPU, or as many CPU processes as you like)::
+
+    torchrun --nproc-per-node 2 -m mfsdp.train --use-megatron-fsdp \\
+        --data-parallel-sharding-strategy optim_grads_params --train-iters 20
+
+The backend is chosen for you: NCCL when CUDA is available, gloo otherwise. Rank 0 prints one line
+per ``--log-interval`` iterations and, with ``--log-jsonl PATH``, writes one JSON object per
+iteration (``iteration``, ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ``elapsed_s``, ...).
+
+The data of iteration ``i`` depends only on ``--seed`` and ``--global-batch-size``: every layout
+(world size, strategy, outer size, EP size, dispatcher) trains on the same global batch, split
+over the data-parallel ranks, and the loss is normalised by the global number of predicted tokens.
+The same command under another layout therefore gives the same loss curve, up to floating-point
+summation order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["build_parser", "global_batch", "main", "run", "run_in_rank"]
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DATA_FILE = Path(__file__).parent / "data" / "fsdp_notes.txt"
+GPU_ONLY = {
+    "use_nccl_ub": "--use-nccl-ub registers NCCL user buffers for zero-copy collectives",
+    "fsdp_manual_registration": "--fsdp-manual-registration registers FSDP buffers with NCCL "
+                                "by hand",
+}
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return n
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The trainer's argument parser (the flag reference of the guide is generated from it)."""
+    from mfsdp.models.gpt import GPT_PRESETS
+    from mfsdp.moe.dispatcher import DISPATCHERS, FLEX_BACKENDS
+
+    if parser is None:
+        parser = argparse.ArgumentParser(prog="mfsdp train", description=__doc__.splitlines()[0])
+    m = parser.add_argument_group("model")
+    m.add_argument("--model-preset", choices=sorted(GPT_PRESETS), default="gpt-tiny",
+                   help="starting sizes; the flags below override them (default: %(default)s)")
+    m.add_argument("--num-layers", type=_positive, help="transformer layers")
+    m.add_argument("--hidden-size", type=_positive, help="model width")
+    m.add_argument("--ffn-hidden-size", type=_positive, help="dense MLP width")
+    m.add_argument("--num-attention-heads", type=_positive, help="attention heads")
+    m.add_argument("--vocab-size", type=_positive, help="vocabulary (at least 256 with data files)")
+    m.add_argument("--max-position-embeddings", type=_positive,
+                   help="longest sequence (default: --seq-length)")
+    m.add_argument("--swiglu", action="store_true", default=None, help="gated MLPs")
+    e = parser.add_argument_group("mixture of experts")
+    e.add_argument("--num-experts", type=int, help="routed experts per MoE layer (0: dense)")
+    e.add_argument("--moe-router-topk", type=_positive, help="experts per token")
+    e.add_argument("--moe-ffn-hidden-size", type=_positive, help="each expert's width")
+    e.add_argument("--moe-shared-expert-intermediate-size", type=int,
+                   help="width of the shared expert (0: none)")
+    e.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"))
+    e.add_argument("--moe-router-num-groups", type=_positive, help="expert groups (group-limited)")
+    e.add_argument("--moe-router-group-topk", type=_positive, help="groups each token may use")
+    e.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
+                   help="auxiliary-loss-free balancing bias, updated every iteration")
+    e.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="step of the balancing bias (default: %(default)s)")
+    e.add_argument("--moe-aux-loss-coeff", type=float, help="load-balancing loss weight")
+    e.add_argument("--moe-z-loss-coeff", type=float, help="router z-loss weight")
+    e.add_argument("--moe-expert-capacity-factor", type=float,
+                   help="cap tokens per expert at factor x the fair share (default: no cap)")
+    e.add_argument("--moe-token-drop-policy", choices=("probs", "position"),
+                   help="which tokens an over-full expert keeps")
+    e.add_argument("--moe-pad-expert-input-to-capacity", action="store_true", default=None,
+                   help="fill every expert to exactly its capacity")
+    e.add_argument("--moe-token-dispatcher-type", choices=DISPATCHERS, default="alltoall",
+                   help="how tokens reach their experts (default: %(default)s)")
+    e.add_argument("--moe-flex-dispatcher-backend", choices=FLEX_BACKENDS, default="torch",
+                   help="backend of the flex dispatcher (default: %(default)s)")
+    e.add_argument("--moe-grouped-gemm", action="store_true", default=None,
+                   help="fused experts (one batched matmul) instead of one module per expert")
+    p = parser.add_argument_group("parallelism and sharding")
+    p.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="shard with mfsdp (without it: PyTorch DDP, dense models only)")
+    p.add_argument("--data-parallel-sharding-strategy", choices=STRATEGIES,
+                   default="optim_grads_params", help="ZeRO level (default: %(default)s)")
+    p.add_argument("--outer-dp-sharding-strategy", choices=("no_shard", "optim"),
+                   default="no_shard", help="across the outer groups (default: %(default)s)")
+    p.add_argument("--num-distributed-optimizer-instances", type=_positive, default=1,
+                   help="outer (HSDP) size: model replicas, each sharded over world/N ranks")
+    p.add_argument("--expert-model-parallel-size", type=_positive, default=1,
+                   help="EP size: ranks that split the experts of each MoE layer")
+    p.add_argument("--create-all-gather-group", action="store_true",
+                   help="all-gathers on their own communicator (overlap with reduce-scatters)")
+    p.add_argument("--fsdp-double-buffer", action="store_true",
+                   help="gathered weights in a fixed two-unit pool")
+    p.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="build on meta and materialise shard by shard")
+    p.add_argument("--no-overlap-grad-reduce", action="store_true",
+                   help="reduce gradients after backward instead of during it")
+    p.add_argument("--no-overlap-param-gather", action="store_true",
+                   help="do not prefetch the next unit's weights")
+    p.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="sum gradients over ranks; the loss is normalised by the global token count")
+    p.add_argument("--use-nccl-ub", action="store_true", help="GPU only: NCCL user buffers")
+    p.add_argument("--fsdp-manual-registration", action="store_true",
+                   help="GPU only: register FSDP buffers with NCCL by hand")
+    x = parser.add_argument_group("precision")
+    x.add_argument("--bf16", action="store_true", help="bf16 weights and compute, fp32 main weights")
+    x.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce gradients in bf16 (shorthand for --megatron-fsdp-grad-comm-dtype bf16)")
+    for what in ("main-params", "main-grads", "grad-comm"):
+        x.add_argument(f"--megatron-fsdp-{what}-dtype", choices=sorted(DTYPES),
+                       help=f"dtype of the {what.replace('-', ' ')}")
+    t = parser.add_argument_group("training")
+    t.add_argument("--micro-batch-size", type=_positive, default=2,
+                   help="sequences per micro-batch per rank (default: %(default)s)")
+    t.add_argument("--global-batch-size", type=_positive, default=8,
+                   help="sequences per iteration over all ranks (default: %(default)s)")
+    t.add_argument("--seq-length", type=_positive, default=64,
+                   help="tokens per sequence (the longest one with packing; default: %(default)s)")
+    t.add_argument("--train-iters", type=_positive, default=20, help="iterations to reach")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    t.add_argument("--min-lr", type=float, default=0.0, help="final learning rate (cosine)")
+    t.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up iterations")
+    t.add_argument("--lr-decay-style", choices=("constant", "cosine"), default="constant")
+    t.add_argument("--weight-decay", type=float, default=0.01,
+                   help="AdamW decay (not on biases and norms)")
+    t.add_argument("--adam-beta1", type=float, default=0.9)
+    t.add_argument("--adam-beta2", type=float, default=0.95)
+    t.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    t.add_argument("--seed", type=int, default=1234, help="model init and data order")
+    t.add_argument("--mock-data", action="store_true",
+                   help="synthetic sequences (the default when no --data-path is given)")
+    t.add_argument("--data-path", help="a text file read as bytes (vocab 256); 'bundled' uses "
+                   "the small text shipped with mfsdp")
+    t.add_argument("--sequence-packing", action="store_true",
+                   help="variable-length sequences packed per micro-batch (THD)")
+    c = parser.add_argument_group("checkpoints")
+    c.add_argument("--save", help="checkpoint directory to write")
+    c.add_argument("--load", help="checkpoint directory to resume from (latest)")
+    c.add_argument("--save-interval", type=_positive, help="save every N iterations (and at the end)")
+    c.add_argument("--ckpt-format", choices=("fsdp_dtensor", "torch_dist"), default="fsdp_dtensor",
+                   help="format of --save (--load reads either; default: %(default)s)")
+    c.add_argument("--dump-param-to-param-group-map", metavar="PATH",
+                   help="write the parameter -> optimizer group JSON map and go on training")
+    o = parser.add_argument_group("logging")
+    o.add_argument("--log-interval", type=_positive, default=1, help="print every N iterations")
+    o.add_argument("--log-jsonl", metavar="PATH", help="one JSON object per iteration (rank 0)")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------
+def _read_data(path: str | None) -> torch.Tensor | None:
+    if path is None:
+        return None
+    file = DATA_FILE if path == "bundled" else Path(path)
+    if not file.is_file():
+        raise SystemExit(f"--data-path {path}: no such file")
+    return torch.frombuffer(bytearray(file.read_bytes()), dtype=torch.uint8).long()
+
+
+def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
+                 data: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The ``--global-batch-size`` sequences of ``iteration`` (1-based): a function of the seed only.
+
+    Mock sequences are arithmetic progressions modulo the vocabulary (learnable from two tokens of
+    context); with ``--sequence-packing`` lengths vary between a quarter of and the full
+    ``--seq-length``.
+    """
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
+    vocab, S = vocab_size, args.seq_length
+    seqs = []
+    for _ in range(args.global_batch_size):
+        n = int(torch.randint(max(2, S // 4), S + 1, (1,), generator=g)) if args.sequence_packing else S
+        if data is None:
+            start = int(torch.randint(vocab, (1,), generator=g))
+            step = int(torch.randint(1, 8, (1,), generator=g))
+            seqs.append((start + step * torch.arange(n)) % vocab)
+        else:
+            if len(data) <= n:
+                raise SystemExit(f"--data-path holds {len(data)} bytes; --seq-length {n} needs more")
+            off = int(torch.randint(len(data) - n, (1,), generator=g))
+            seqs.append(data[off:off + n].clone())
+    return seqs
+
+
+# ---------------------------------------------------------------------------------------------
+# setup
+# ---------------------------------------------------------------------------------------------
+def _config(args):
+    from mfsdp.models.gpt import GPT_PRESETS, with_overrides
+
+    cfg = with_overrides(
+        GPT_PRESETS[args.model_preset], num_layers=args.num_layers, hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+        vocab_size=args.vocab_size, swiglu=args.swiglu, num_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        max_position_embeddings=args.max_position_embeddings or max(args.seq_length, 1))
+    return cfg
+
+
+def _check(args, world: int, cfg) -> int:
+    """Validate the combination of flags; return the micro-batches per iteration per rank."""
+    per = args.micro_batch_size * world
+    if args.global_batch_size % per:
+        raise SystemExit(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                         f"--micro-batch-size x data-parallel size = {args.micro_batch_size} x "
+                         f"{world}; pick a multiple of {per}")
+    if args.data_path and cfg.vocab_size < 256:
+        raise SystemExit(f"--data-path reads bytes: --vocab-size must be at least 256, "
+                         f"not {cfg.vocab_size}")
+    if world % args.num_distributed_optimizer_instances:
+        raise SystemExit(f"--num-distributed-optimizer-instances "
+                         f"{args.num_distributed_optimizer_instances} does not divide the "
+                         f"{world} ranks")
+    ep = args.expert_model_parallel_size
+    if ep > 1 and cfg.num_experts == 0:
+        raise SystemExit(f"--expert-model-parallel-size {ep} needs an MoE model (--num-experts > 0 "
+                         "or --model-preset deepseek-proxy)")
+    if not args.use_megatron_fsdp and (ep > 1 or args.num_distributed_optimizer_instances > 1):
+        raise SystemExit("expert parallelism and --num-distributed-optimizer-instances need "
+                         "--use-megatron-fsdp (the DDP path replicates everything)")
+    if args.outer_dp_sharding_strategy == "optim" and args.num_distributed_optimizer_instances < 2:
+        raise SystemExit("--outer-dp-sharding-strategy optim needs "
+                         "--num-distributed-optimizer-instances of at least 2")
+    if not args.save and args.save_interval:
+        raise SystemExit("--save-interval needs --save DIR")
+    if (args.save or args.load) and not args.use_megatron_fsdp:
+        raise SystemExit("--save and --load need --use-megatron-fsdp (checkpoints are sharded "
+                         "DTensors)")
+    return args.global_batch_size // per
+
+
+def _policy(args):
+    from mfsdp import MixedPrecisionPolicy
+
+    main = DTYPES[args.megatron_fsdp_main_params_dtype] if args.megatron_fsdp_main_params_dtype \
+        else (torch.float32 if args.bf16 else None)
+    grads = DTYPES[args.megatron_fsdp_main_grads_dtype] if args.megatron_fsdp_main_grads_dtype \
+        else (torch.float32 if args.bf16 else None)
+    comm = DTYPES[args.megatron_fsdp_grad_comm_dtype] if args.megatron_fsdp_grad_comm_dtype \
+        else (torch.bfloat16 if args.grad_reduce_in_bf16 else None)
+    return MixedPrecisionPolicy(main_params_dtype=main, main_grads_dtype=grads, grad_comm_dtype=comm)
+
+
+def _param_groups(model, args) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.dim() < 2 or name.endswith(".bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _lr(args, iteration: int) -> float:
+    if args.lr_warmup_iters and iteration <= args.lr_warmup_iters:
+        return args.lr * iteration / args.lr_warmup_iters
+    if args.lr_decay_style == "constant":
+        return args.lr
+    span = max(1, args.train_iters - args.lr_warmup_iters)
+    frac = min(1.0, (iteration - args.lr_warmup_iters) / span)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def _routers(model):
+    from mfsdp.moe.router import TopKRouter
+
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, TopKRouter) and m.expert_bias is not None]
+
+
+def _rss_mib() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+# ---------------------------------------------------------------------------------------------
+def _save(args, model, opt, iteration: int, routers) -> None:
+    from mfsdp.checkpoint import save_checkpoint
+    from mfsdp.checkpoint.convert import fsdp_to_torch_dist
+
+    extra = {"expert_bias": {n: m.expert_bias.detach().cpu().clone() for n, m in routers},
+             "data_position": iteration}
+    root = Path(args.save)
+    if args.ckpt_format == "fsdp_dtensor":
+        save_checkpoint(root, model, opt, iteration=iteration, extra=extra)
+        return
+    staging = root / ".staging-fsdp_dtensor"
+    written = save_checkpoint(staging, model, opt, iteration=iteration, extra=extra)
+    if dist.get_rank() == 0:
+        final = root / written.name
+        if final.exists():
+            shutil.rmtree(final)
+        fsdp_to_torch_dist(written, final)
+        (root / ".latest-tmp").write_text(written.name + "\n")
+        os.replace(root / ".latest-tmp", root / "latest")
+        shutil.rmtree(staging)
+    dist.barrier()
+
+
+def _load(args, model, opt, routers) -> int:
+    from mfsdp.checkpoint import load_checkpoint, read_manifest
+    from mfsdp.checkpoint.convert import torch_dist_to_fsdp
+    from mfsdp.checkpoint.io import resolve_checkpoint
+
+    root = Path(args.load)
+    if not root.exists() or not ((root / "latest").exists() or (root / "manifest.json").exists()):
+        if dist.get_rank() == 0:
+            print(f"--load {root}: no checkpoint there yet, starting from iteration 0", flush=True)
+        return 0
+    path = resolve_checkpoint(root)
+    tmp = None
+    if read_manifest(path)["format"] == "torch_dist":
+        tmp = root / f".from-torch_dist-{path.name}"
+        if dist.get_rank() == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            torch_dist_to_fsdp(path, tmp)
+        dist.barrier()
+        path = tmp
+    extra = load_checkpoint(path, model, opt)
+    dist.barrier()
+    if tmp is not None and dist.get_rank() == 0:
+        shutil.rmtree(tmp)
+    with torch.no_grad():
+        for name, m in routers:
+            if name in extra.get("expert_bias", {}):
+                m.expert_bias.copy_(extra["expert_bias"][name])
+    return int(extra["iteration"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+# ---------------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> list[dict]:
+    """Train with parsed ``args`` in an initialised process group; return rank 0's log records."""
+    from mfsdp import ParallelLayout, fully_shard
+    from mfsdp.models.gpt import GPT, TransformerLayer, gpt_loss, pack_sequences
+    from mfsdp.moe import collect_aux_losses, shard_experts
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    is_cpu = device.type == "cpu"
+    cfg = _config(args)
+    num_micro = _check(args, world, cfg)
+    log = print if rank == 0 else (lambda *a, **k: None)
+    for flag, what in GPU_ONLY.items():
+        if getattr(args, flag):
+            log(f"note: {what}. " + ("This run is on CPU (gloo), so it is accepted and ignored."
+                                     if is_cpu else "mfsdp does not register NCCL buffers yet; "
+                                     "the flag is accepted and has no effect."), flush=True)
+    data = _read_data(args.data_path)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+
+    torch.manual_seed(args.seed)  # every rank builds the same model
+    meta = args.init_model_with_meta_device and args.use_megatron_fsdp
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = GPT(cfg)
+    model = model.to(dtype=dtype) if meta else model.to(device=device, dtype=dtype)
+    groups = None
+    ep = args.expert_model_parallel_size
+    if args.use_megatron_fsdp:
+        if ep > 1 or args.num_distributed_optimizer_instances > 1 or args.create_all_gather_group:
+            layout = ParallelLayout(world, args.num_distributed_optimizer_instances, ep,
+                                    cfg.num_experts or None)
+            groups = layout.create_groups(all_gather_groups=args.create_all_gather_group)
+        global_names = shard_experts(model, groups["ep"] if groups else None)
+        opt = torch.optim.AdamW(_param_groups(model, args), lr=args.lr,
+                                betas=(args.adam_beta1, args.adam_beta2))
+        model, opt = fully_shard(
+            model, opt, fsdp_unit_modules=[TransformerLayer],
+            zero_dp_strategy=args.data_parallel_sharding_strategy,
+            outer_dp_sharding_strategy=args.outer_dp_sharding_strategy, process_groups=groups,
+            device=device, init_model_with_meta_device=meta, mixed_precision_policy=_policy(args),
+            overlap_grad_reduce=not args.no_overlap_grad_reduce,
+            overlap_param_gather=not args.no_overlap_param_gather,
+            calculate_per_token_loss=args.calculate_per_token_loss,
+            fsdp_double_buffer=args.fsdp_double_buffer)
+        if global_names:
+            model.set_global_names(global_names)
+        inner = model.module
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        inner = model
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        opt = torch.optim.AdamW(_param_groups(inner, args), lr=args.lr,
+                                betas=(args.adam_beta1, args.adam_beta2))
+    routers = _routers(inner)
+    if args.dump_param_to_param_group_map:
+        from mfsdp.checkpoint.state import dump_param_to_param_group_map
+
+        if not args.use_megatron_fsdp:
+            raise SystemExit("--dump-param-to-param-group-map needs --use-megatron-fsdp")
+        dump_param_to_param_group_map(model, opt, args.dump_param_to_param_group_map)
+        log(f"wrote the parameter-to-group map to {args.dump_param_to_param_group_map}", flush=True)
+    start = _load(args, model, opt, routers) if args.load else 0
+    if start:
+        log(f"resumed from iteration {start} of {args.load}", flush=True)
+    numel = sum(p.numel() for p in inner.parameters())
+    layout_name = (f"{args.data_parallel_sharding_strategy}" if args.use_megatron_fsdp else "ddp")
+    log(f"mfsdp train: {world} ranks ({dist.get_backend()}), {layout_name}, outer "
+        f"{args.num_distributed_optimizer_instances}, EP {ep}, model {args.model_preset} "
+        f"({cfg.num_layers} layers, hidden {cfg.hidden_size}, experts {cfg.num_experts}), "
+        f"{num_micro} micro-batches of {args.micro_batch_size} per rank", flush=True)
+
+    jsonl = open(args.log_jsonl, "a" if start else "w") if (args.log_jsonl and rank == 0) else None
+    records: list[dict] = []
+    t_start = time.perf_counter()
+    per_rank = args.global_batch_size // world
+    try:
+        for iteration in range(start + 1, args.train_iters + 1):
+            t0 = time.perf_counter()
+            seqs = global_batch(args, iteration, cfg.vocab_size, data)
+            global_tokens = sum(len(s) - 1 for s in seqs)  # predicted tokens, all ranks
+            mine = seqs[rank * per_rank:(rank + 1) * per_rank]
+            lr = _lr(args, iteration)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.zero_grad()
+            # The engine averages gradients over ranks unless per-token loss asks it to sum.
+            scale = (1.0 if args.calculate_per_token_loss else world) / global_tokens
+            aux_scale = (1.0 / world if args.calculate_per_token_loss else 1.0) / num_micro
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for i in range(num_micro):
+                chunk = mine[i * args.micro_batch_size:(i + 1) * args.micro_batch_size]
+                tokens, cu = pack_sequences(chunk)
+                tokens, cu = tokens.to(device), cu.to(device)
+                last = i == num_micro - 1
+                with contextlib.nullcontext() if last else model.no_sync():
+                    logits = model(tokens, cu)
+                    loss, _ = gpt_loss(logits, tokens, cu)
+                    total = loss * scale + collect_aux_losses(inner).to(loss.device) * aux_scale
+                    total.backward()
+                loss_sum += loss.detach().double().cpu()
+            if args.use_megatron_fsdp:
+                grad_norm = (opt.clip_grad_norm_(args.clip_grad) if args.clip_grad > 0
+                             else opt.grad_norm())
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    inner.parameters(), args.clip_grad if args.clip_grad > 0 else float("inf"))
+            opt.step()
+            for _, router in routers:  # balance from the global token counts: layout-invariant
+                load = router.load.to(device)
+                dist.all_reduce(load)
+                router.update_expert_bias(load, args.moe_router_bias_update_rate)
+            dist.all_reduce(loss_sum)
+            now = time.perf_counter()
+            rec = {"iteration": iteration, "loss": loss_sum.item() / global_tokens,
+                   "grad_norm": float(grad_norm), "lr": lr,
+                   "tokens_per_s": (global_tokens + len(seqs)) / (now - t0),
+                   "elapsed_s": now - t_start, "tokens": global_tokens + len(seqs),
+                   "rss_mib": _rss_mib()}
+            if args.use_megatron_fsdp:
+                rec["state_mib"] = (sum(model.memory_by_kind().values())
+                                    + opt.local_state_bytes()) / 2**20
+            records.append(rec)
+            if jsonl:
+                jsonl.write(json.dumps(rec) + "\n")
+                jsonl.flush()
+            if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                log(f"iteration {iteration:>5}/{args.train_iters} | loss {rec['loss']:.4f} | "
+                    f"grad norm {rec['grad_norm']:.3f} | lr {lr:.2e} | tokens/s "
+                    f"{rec['tokens_per_s']:,.0f} | rss {rec['rss_mib']:.0f} MiB", flush=True)
+            if args.save and args.use_megatron_fsdp and (
+                    (args.save_interval and iteration % args.save_interval == 0)
+                    or iteration == args.train_iters):
+                _save(args, model, opt, iteration, routers)
+                log(f"saved iteration {iteration} to {args.save} ({args.ckpt_format})", flush=True)
+    finally:
+        if jsonl:
+            jsonl.close()
+    return records
+
+
+def run_in_rank(argv: list[str]) -> list[dict]:
+    """Parse ``argv`` and :func:`run` it in a rank of :func:`mfsdp.launch.launch` (tests, recipes)."""
+    return run(build_parser().parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point under ``torchrun``: initialise the process group, train, clean up."""
+    args = build_parser().parse_args(argv)
+    return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
+    started = False
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python -m mfsdp.train`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get(
+                                  "MASTER_PORT", "29511"))
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        started = True
+    try:
+        run(args)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""
+MoE token dispatchers side by side
+==================================
+
+Run one MoE layer (8 experts, top-2) on 4 ranks with expert parallelism 4 and uneven token counts
+per rank, once per dispatcher, and compare what each does: how many rows each expert computed,
+how many bytes each rank sent, and how long a forward plus backward took. Every run is also
+checked against a dense single-process reference.
+
+**What you will learn**
+
+* that all dispatchers compute the same thing (the same rows per expert, outputs within 1e-5);
+* that ``alltoall`` sends only the rows routed off-rank while ``allgather`` and the static-shape
+  ``flex``/``torch`` backend send every (padded) token to every rank.
+"""
+
+# %%
+# Run
+# ---
+from mfsdp.launch import launch
+
+counts = [40, 64, 23, 90]  # tokens on each rank: packed batches are uneven
+runs = [dict(kind="allgather"), dict(kind="alltoall"), dict(kind="flex", backend="torch")]
+common = dict(dim=64, ffn=128, num_experts=8, topk=2, steps=5)
+results = launch("mfsdp.moe.check:dispatcher_check_all", 4,
+                 args=(counts, [dict(common, **r) for r in runs]))
+
+names = ["allgather", "alltoall", "flex/torch"]
+print(f"{'dispatcher':<11} | {'max |out - ref|':>15} | {'KiB sent/rank (mean)':>20} | "
+      f"{'ms/call (median, slowest rank)':>30}")
+for i, name in enumerate(names):
+    err = max(r[i]["out"] for r in results)
+    kib = sum(sum(r[i]["bytes_sent"].values()) for r in results) / len(results) / 1024
+    ms = max(r[i]["seconds"] for r in results) * 1e3
+    print(f"{name:<11} | {err:15.1e} | {kib:20.1f} | {ms:30.2f}")
+
+# %%
+# Tokens per expert
+# -----------------
+# Rank ``r`` holds experts ``2r`` and ``2r + 1``; its ``tokens_per_expert`` are the rows they
+# computed. The dispatchers agree row for row.
+per_expert = {name: [n for r in results for n in r[i]["tokens_per_expert"]]
+              for i, name in enumerate(names)}
+for name, rows in per_expert.items():
+    print(f"{name:<11}", rows)
+assert len({tuple(v) for v in per_expert.values()}) == 1
+
+# %%
+# Plot
+# ----
+import matplotlib.pyplot as plt
+
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+ax1.bar(range(8), per_expert["alltoall"], color="tab:blue")
+ax1.set_xlabel("expert")
+ax1.set_ylabel("rows computed")
+ax1.set_title(f"{sum(counts)} tokens x top-2 over 8 experts")
+width = 0.27
+for i, name in enumerate(names):
+    sent = [sum(r[i]["bytes_sent"].values()) / 1024 for r in results]
+    ax2.bar([x + (i - 1) * width for x in range(4)], sent, width, label=name)
+ax2.set_xticks(range(4), [f"rank {r}\n{c} tokens" for r, c in enumerate(counts)])
+ax2.set_ylabel("KiB sent per layer call")
+ax2.set_title("bytes each rank sent (dispatch + combine)")
+ax2.legend()
+fig.tight_layout()
+plt.show()
