@@ -26,6 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.build_parser(sub.add_parser(
         "plan", help="estimate per-rank memory and per-step communication of a layout",
         description=plan.__doc__.splitlines()[0]))
+    from mfsdp import sbatch, train
+
+    train.build_parser(sub.add_parser(
+        "train", help="train the small GPT or MoE GPT with Megatron-LM's flags (under torchrun)",
+        description=train.__doc__.splitlines()[0]))
+    sbatch.build_parser(sub.add_parser(
+        "sbatch", help="render Slurm batch scripts from presets",
+        description=sbatch.__doc__.splitlines()[0]))
     return parser
 
 
@@ -44,6 +52,17 @@ def main(argv: list[str] | None = None) -> int:
         from mfsdp import plan
 
         return plan.run(args)
+    if args.command == "train":
+        from mfsdp import train
+
+        return train._main(args)
+    if args.command == "sbatch":
+        from mfsdp import sbatch
+
+        try:
+            return sbatch.run(args)
+        except sbatch.RenderError as exc:
+            parser.exit(2, f"mfsdp sbatch: error: {exc}\n")
     parser.error(f"unknown command {args.command!r}")
     return 2
 

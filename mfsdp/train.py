@@ -71,6 +71,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     e = parser.add_argument_group("mixture of experts")
     e.add_argument("--num-experts", type=int, help="routed experts per MoE layer (0: dense)")
     e.add_argument("--moe-router-topk", type=_positive, help="experts per token")
+    e.add_argument("--moe-first-dense-layers", type=int,
+                   help="leading layers that stay dense (DeepSeek-V3: 3)")
     e.add_argument("--moe-ffn-hidden-size", type=_positive, help="each expert's width")
     e.add_argument("--moe-shared-expert-intermediate-size", type=int,
                    help="width of the shared expert (0: none)")
@@ -213,7 +215,8 @@ def _config(args):
         GPT_PRESETS[args.model_preset], num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=args.vocab_size, swiglu=args.swiglu, num_experts=args.num_experts,
-        moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk, moe_first_dense_layers=args.moe_first_dense_layers,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_router_score_function=args.moe_router_score_function,
         moe_router_num_groups=args.moe_router_num_groups,
@@ -539,6 +542,8 @@ def _main(args: argparse.Namespace) -> int:
         started = True
     try:
         run(args)
+        if started:  # nobody tears down while a peer still talks (gloo aborts otherwise)
+            dist.barrier()
     finally:
         if started:
             dist.destroy_process_group()

@@ -2,7 +2,7 @@
 search. Screenshots are saved under ``build/test-html/_screenshots`` for a human to look at.
 
 Chromium comes from Debian's ``chromium`` package (``.ci/run`` installs it). Where it is missing
-the tests skip and say why.
+the tests skip and say why; in CI (``CI=true``) they fail instead.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import threading
 import urllib.request
 
 import pytest
+from conftest import skip_or_fail
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
                  if shutil.which(n)), None)
@@ -29,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.docs]
 @pytest.fixture(scope="module")
 def site(built_site):
     if CHROMIUM is None:
-        pytest.skip("Chromium is not installed (apt-get install chromium; .ci/run does it)")
+        skip_or_fail("Chromium is not installed (apt-get install chromium; .ci/run does it)")
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):  # keep the test output readable
             pass

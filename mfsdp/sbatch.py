@@ -1,0 +1,323 @@
+"""Render Slurm batch scripts from jinja2 templates and presets: ``mfsdp sbatch render PRESET``.
+
+Every template variable is declared in :data:`SCHEMA` with its type; a preset gives each a value
+and ``--set key=value`` overrides one, checked against that type. Templates use
+``StrictUndefined``: a variable missing from the schema is an error, never an empty string.
+
+>>> script = render("cpu-smoke", {"train_iters": "5"})
+>>> script.splitlines()[0]
+'#!/bin/bash'
+>>> "--train-iters 5" in script
+True
+>>> render("cpu-smoke", {"nodes": "two"})
+Traceback (most recent call last):
+...
+mfsdp.sbatch.RenderError: --set nodes=two: nodes must be an integer (number of nodes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["PRESETS", "Preset", "RenderError", "SCHEMA", "build_parser", "main", "render",
+           "render_all", "resolve"]
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+class RenderError(ValueError):
+    """Bad render input: the message names the preset or key and what to do."""
+
+
+# key -> (type, help). bool values are written true/false; str values may be empty (= not used).
+SCHEMA: dict[str, tuple[type, str]] = {
+    "job_name": (str, "Slurm job name"),
+    "nodes": (int, "number of nodes"),
+    "gpus_per_node": (int, "GPUs per node (0: a CPU job)"),
+    "ranks_per_node": (int, "training processes per node (GPUs per node on GPU jobs)"),
+    "cpus_per_task": (int, "CPU cores for each node's torchrun"),
+    "time": (str, "time limit, HH:MM:SS"),
+    "output": (str, "log file pattern (%x: job name, %j: job id)"),
+    "partition": (str, "partition (empty: the cluster's default)"),
+    "account": (str, "account to charge (empty: your default)"),
+    "exclusive": (bool, "whole nodes only"),
+    "container_image": (str, "pyxis/enroot image (empty: no container)"),
+    "container_mounts": (str, "pyxis mounts, src:dst[,src:dst]"),
+    "rdzv_port": (int, "TCP port of the c10d rendezvous on the first node"),
+    "strategy": (str, "--data-parallel-sharding-strategy"),
+    "outer": (int, "--num-distributed-optimizer-instances (HSDP outer size)"),
+    "outer_strategy": (str, "--outer-dp-sharding-strategy"),
+    "ep": (int, "--expert-model-parallel-size"),
+    "num_experts": (int, "routed experts per MoE layer (0: dense; must match model_args)"),
+    "dispatcher": (str, "--moe-token-dispatcher-type"),
+    "flex_backend": (str, "--moe-flex-dispatcher-backend"),
+    "model_args": (str, "model-size flags passed to the trainer as they are"),
+    "micro_batch_size": (int, "--micro-batch-size"),
+    "global_batch_size": (int, "--global-batch-size"),
+    "seq_length": (int, "--seq-length"),
+    "train_iters": (int, "--train-iters"),
+    "lr": (float, "--lr"),
+    "bf16": (bool, "--bf16"),
+    "meta_init": (bool, "--init-model-with-meta-device"),
+    "all_gather_group": (bool, "--create-all-gather-group"),
+    "save": (str, "--save directory (empty: no checkpoints)"),
+    "save_interval": (int, "--save-interval"),
+    "ckpt_format": (str, "--ckpt-format"),
+    "load": (str, "--load directory (empty: start fresh)"),
+    "log_interval": (int, "--log-interval"),
+    "log_jsonl": (str, "--log-jsonl file (empty: none)"),
+    "extra_args": (str, "more trainer flags, as they are"),
+    "src": (str, "conversion input checkpoint"),
+    "dst": (str, "conversion output directory"),
+    "from_format": (str, "conversion --from"),
+    "to_format": (str, "conversion --to"),
+    "param_map": (str, "--param-to-param-group-map file (empty: none)"),
+    "swiglu": (bool, "--swiglu (split/join fused gate and up projections)"),
+}
+
+CHOICES = {
+    "strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
+    "outer_strategy": ("no_shard", "optim"),
+    "dispatcher": ("allgather", "alltoall", "flex"),
+    "flex_backend": ("torch", "deepep"),
+    "ckpt_format": ("fsdp_dtensor", "torch_dist"),
+    "from_format": ("torch_dist", "fsdp_dtensor", "safetensors"),
+    "to_format": ("torch_dist", "fsdp_dtensor", "safetensors"),
+}
+
+_SLURM = dict(partition="", account="", exclusive=False, container_image="",
+              container_mounts="", rdzv_port=29500)
+_TRAIN = dict(_SLURM, strategy="optim_grads_params", outer=1, outer_strategy="no_shard", ep=1,
+              num_experts=0, dispatcher="alltoall", flex_backend="torch", meta_init=False,
+              all_gather_group=False, save="", save_interval=1000, ckpt_format="fsdp_dtensor",
+              load="", log_interval=1, log_jsonl="", extra_args="", bf16=False)
+
+_LLAMA3_8B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 "
+              "--num-attention-heads 32 --swiglu --vocab-size 128256 "
+              "--max-position-embeddings 8192")
+_DEEPSEEK_V3 = ("--model-preset deepseek-proxy --num-layers 61 --moe-first-dense-layers 3 "
+                "--hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 --swiglu "
+                "--vocab-size 129280 --max-position-embeddings 4096 --num-experts 256 "
+                "--moe-router-topk 8 --moe-ffn-hidden-size 2048 "
+                "--moe-shared-expert-intermediate-size 2048 --moe-router-score-function sigmoid "
+                "--moe-router-num-groups 8 --moe-router-group-topk 4 "
+                "--moe-router-enable-expert-bias --moe-aux-loss-coeff 0.0001 --moe-grouped-gemm")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A template and the values of every variable it uses."""
+
+    template: str
+    description: str
+    values: dict
+
+
+PRESETS: dict[str, Preset] = {
+    "cpu-smoke": Preset("train", "CPU smoke test: 2 gloo ranks train the small GPT for a few "
+                        "iterations; runs anywhere Slurm runs.", dict(
+                            _TRAIN, job_name="mfsdp-cpu-smoke", nodes=1, gpus_per_node=0,
+                            ranks_per_node=2, cpus_per_task=2, time="00:10:00",
+                            output="mfsdp-cpu-smoke-%j.log", model_args="--model-preset gpt-tiny",
+                            micro_batch_size=2, global_batch_size=8, seq_length=64, train_iters=10,
+                            lr=0.003, rdzv_port=29511)),
+    "llama3-8b": Preset("train", "Llama-3-8B-style dense model on 2 nodes x 8 GPUs with ZeRO-3 "
+                        "(optim_grads_params), bf16 compute, fp32 main weights.", dict(
+                            _TRAIN, job_name="mfsdp-llama3-8b", nodes=2, gpus_per_node=8,
+                            ranks_per_node=8, cpus_per_task=64, time="04:00:00",
+                            output="%x-%j.log", exclusive=True, model_args=_LLAMA3_8B,
+                            micro_batch_size=1, global_batch_size=128, seq_length=8192,
+                            train_iters=1000, lr=0.0003, bf16=True, meta_init=True,
+                            save="checkpoints/llama3-8b", save_interval=500,
+                            log_jsonl="llama3-8b.jsonl")),
+    "deepseek-v3": Preset("train", "DeepSeek-V3-style MoE (256 routed experts, top-8, "
+                          "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 8 inside a "
+                          "node, HSDP with 4 outer groups, flex dispatcher with DeepEP.", dict(
+                              _TRAIN, job_name="mfsdp-deepseek-v3", nodes=32, gpus_per_node=8,
+                              ranks_per_node=8, cpus_per_task=64, time="24:00:00",
+                              output="%x-%j.log", exclusive=True, model_args=_DEEPSEEK_V3,
+                              outer=4, outer_strategy="optim", ep=8, num_experts=256,
+                              dispatcher="flex", flex_backend="deepep", micro_batch_size=1,
+                              global_batch_size=512, seq_length=4096, train_iters=10000,
+                              lr=0.0002, bf16=True, meta_init=True, all_gather_group=True,
+                              save="checkpoints/deepseek-v3", save_interval=500,
+                              log_jsonl="deepseek-v3.jsonl")),
+    "convert": Preset("convert", "Checkpoint conversion: a Megatron torch_dist checkpoint to "
+                      "mfsdp's fsdp_dtensor, on one CPU node.", dict(
+                          _SLURM, job_name="mfsdp-convert", cpus_per_task=16, time="02:00:00",
+                          output="%x-%j.log", src="checkpoints/megatron/iter_0001000",
+                          dst="checkpoints/fsdp_dtensor/iter_0001000", from_format="torch_dist",
+                          to_format="fsdp_dtensor",
+                          param_map="checkpoints/megatron/param_to_param_group_map.json",
+                          swiglu=False)),
+}
+
+
+def _parse(key: str, raw: str) -> object:
+    if key not in SCHEMA:
+        known = ", ".join(sorted(SCHEMA))
+        raise RenderError(f"--set {key}={raw}: unknown key {key!r}; known keys: {known}")
+    typ, help_ = SCHEMA[key]
+    try:
+        if typ is bool:
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            value: object = raw.lower() in ("true", "1", "yes")
+        else:
+            value = typ(raw)
+    except ValueError:
+        kind = {int: "an integer", float: "a number", bool: "true or false"}.get(typ, "text")
+        raise RenderError(f"--set {key}={raw}: {key} must be {kind} ({help_})") from None
+    if key in CHOICES and value not in CHOICES[key] and not (value == "" and key == "param_map"):
+        raise RenderError(f"--set {key}={raw}: choose one of {CHOICES[key]}")
+    return value
+
+
+def resolve(preset: str, overrides: dict[str, str] | None = None) -> tuple[Preset, dict]:
+    """The preset and its values with ``overrides`` (strings, as given to ``--set``) applied and
+    checked: types, choices, and that the ranks split into the requested parallel sizes."""
+    if preset not in PRESETS:
+        raise RenderError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    values = dict(p.values)
+    for key, raw in (overrides or {}).items():
+        if key not in p.values and key in SCHEMA:
+            raise RenderError(f"--set {key}={raw}: the {p.template!r} template of preset "
+                              f"{preset!r} does not use {key!r}")
+        values[key] = _parse(key, raw)
+    for key, value in values.items():
+        typ = SCHEMA[key][0]
+        if typ is float and isinstance(value, int):
+            continue
+        if not isinstance(value, typ):
+            raise RenderError(f"preset {preset!r}: {key}={value!r} is not {typ.__name__}")
+    if p.template == "train":
+        _check_train(values)
+    return p, values
+
+
+def _check_train(v: dict) -> None:
+    from mfsdp.layout import ParallelLayout
+
+    for key in ("nodes", "ranks_per_node", "outer", "ep", "micro_batch_size",
+                "global_batch_size", "train_iters", "seq_length"):
+        if v[key] < 1:
+            raise RenderError(f"{key}={v[key]} must be at least 1")
+    if v["gpus_per_node"] and v["ranks_per_node"] != v["gpus_per_node"]:
+        raise RenderError(f"ranks_per_node={v['ranks_per_node']} but gpus_per_node="
+                          f"{v['gpus_per_node']}: a GPU job runs one rank per GPU; set both")
+    world = v["nodes"] * v["ranks_per_node"]
+    what = f"nodes x ranks_per_node = {v['nodes']} x {v['ranks_per_node']} = {world} ranks"
+    try:
+        ParallelLayout(world, v["outer"], v["ep"], v["num_experts"] or None)
+    except ValueError as exc:
+        raise RenderError(f"{what} cannot be split with outer={v['outer']}, ep={v['ep']}, "
+                          f"num_experts={v['num_experts']}: {exc}") from None
+    if v["ep"] > 1 and not v["num_experts"]:
+        raise RenderError(f"ep={v['ep']} needs an MoE model: set num_experts (and the model_args)")
+    per = v["micro_batch_size"] * world
+    if v["global_batch_size"] % per:
+        raise RenderError(f"global_batch_size={v['global_batch_size']} is not divisible by "
+                          f"micro_batch_size x ranks = {v['micro_batch_size']} x {world}")
+    if v["outer_strategy"] == "optim" and v["outer"] < 2:
+        raise RenderError("outer_strategy=optim needs outer of at least 2")
+
+
+def _flag_lines(args: str) -> list[str]:
+    """Group ``--flag value`` pairs: one trainer flag (with its values) per line."""
+    lines: list[str] = []
+    for token in args.split():
+        if token.startswith("--") or not lines:
+            lines.append(token)
+        else:
+            lines[-1] += " " + token
+    return lines
+
+
+def render(preset: str, overrides: dict[str, str] | None = None) -> str:
+    """The script of ``preset`` with ``overrides`` applied (see :func:`resolve`)."""
+    import jinja2
+
+    p, values = resolve(preset, overrides)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True,
+                             lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+    world = values.get("nodes", 1) * values.get("ranks_per_node", 1)
+    text = env.get_template(f"{p.template}.sbatch.j2").render(
+        preset=preset, description=p.description, world=world,
+        overrides=[f"{k}={v}" for k, v in (overrides or {}).items()],
+        flag_lines=_flag_lines, **values)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def render_all(directory: str | Path) -> list[Path]:
+    """Write every preset's script to ``directory/<preset>.sbatch`` (what ``example-scripts`` holds)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name in PRESETS:
+        path = directory / f"{name}.sbatch"
+        path.write_text(render(name))
+        out.append(path)
+    return out
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The ``mfsdp sbatch`` argument parser."""
+    if parser is None:
+        parser = argparse.ArgumentParser(prog="mfsdp sbatch", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    r = sub.add_parser("render", help="render a preset's script")
+    r.add_argument("preset", metavar="PRESET", help=f"one of: {', '.join(PRESETS)}")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one value (repeatable); `mfsdp sbatch list` shows the keys")
+    r.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    sub.add_parser("list", help="list the presets and every key with its type and meaning")
+    a = sub.add_parser("render-all", help="render every preset into a directory")
+    a.add_argument("directory", metavar="DIR")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed ``mfsdp sbatch`` command."""
+    if args.action == "list":
+        for name, p in PRESETS.items():
+            print(f"{name:<12} {p.description}")
+        print()
+        for key, (typ, help_) in SCHEMA.items():
+            print(f"{key:<18} {typ.__name__:<6} {help_}")
+        return 0
+    if args.action == "render-all":
+        for path in render_all(args.directory):
+            print(path)
+        return 0
+    overrides = {}
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise RenderError(f"--set {item}: expected KEY=VALUE")
+        overrides[key] = value
+    text = render(args.preset, overrides)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m mfsdp.sbatch``."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except RenderError as exc:
+        print(f"mfsdp sbatch: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

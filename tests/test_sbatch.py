@@ -1,0 +1,103 @@
+"""Rendered sbatch scripts: committed = fresh render, ASCII, newline-terminated, ``bash -n`` and
+``shellcheck`` clean, every trainer flag they pass exists, and bad input fails clearly."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+
+import pytest
+from conftest import ROOT, skip_or_fail
+
+from mfsdp import sbatch, train
+from mfsdp.checkpoint import convert
+
+SCRIPTS = ROOT / "example-scripts"
+PRESETS = sorted(sbatch.PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_committed_script_equals_fresh_render(name):
+    path = SCRIPTS / f"{name}.sbatch"
+    assert path.exists(), f"{path} missing: run `mfsdp sbatch render-all example-scripts`"
+    assert path.read_text() == sbatch.render(name), (
+        f"{path} differs from a fresh render: run `mfsdp sbatch render-all example-scripts`")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_script_is_ascii_and_ends_with_newline(name):
+    data = (SCRIPTS / f"{name}.sbatch").read_bytes()
+    bad = [(i, b) for i, b in enumerate(data) if b > 127]
+    assert not bad, f"non-ASCII byte at offset {bad[0][0]}"
+    assert data.startswith(b"#!/bin/bash\n")
+    assert data.endswith(b"\n") and not data.endswith(b"\n\n")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_bash_n_and_shellcheck(name):
+    path = SCRIPTS / f"{name}.sbatch"
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    if shutil.which("shellcheck") is None:
+        skip_or_fail("shellcheck is not installed (apt-get install shellcheck; .ci/run does it)")
+    proc = subprocess.run(["shellcheck", "-s", "bash", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+def _array(text: str, name: str) -> list[str]:
+    body = re.search(rf"^{name}=\(\n(.*?)^\)", text, re.S | re.M).group(1)
+    return shlex.split(body)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_flag_in_a_script_exists(name):
+    text = (SCRIPTS / f"{name}.sbatch").read_text()
+    if sbatch.PRESETS[name].template == "train":
+        args = train.build_parser().parse_args(_array(text, "TRAIN_ARGS"))
+        assert args.use_megatron_fsdp
+    else:
+        convert.build_parser().parse_args(_array(text, "CONVERT_ARGS"))
+
+
+def test_deepseek_script_builds_the_intended_model():
+    args = train.build_parser().parse_args(
+        _array((SCRIPTS / "deepseek-v3.sbatch").read_text(), "TRAIN_ARGS"))
+    cfg = train._config(args)
+    assert (cfg.num_layers, cfg.num_experts, cfg.moe_router_topk, cfg.moe_first_dense_layers) == (
+        61, 256, 8, 3)
+    assert args.expert_model_parallel_size == 8 and args.num_distributed_optimizer_instances == 4
+
+
+def test_container_flags_only_with_an_image():
+    assert "--container-image" not in sbatch.render("llama3-8b")
+    text = sbatch.render("llama3-8b", {"container_image": "nvcr.io#nvidia/pytorch:25.01-py3",
+                                       "container_mounts": "/lustre:/lustre"})
+    assert "srun --container-image=nvcr.io#nvidia/pytorch:25.01-py3 " \
+           "--container-mounts=/lustre:/lustre" in text
+
+
+@pytest.mark.parametrize("preset, overrides, message", [
+    ("nope", {}, "unknown preset 'nope'"),
+    ("cpu-smoke", {"colour": "red"}, "unknown key 'colour'"),
+    ("cpu-smoke", {"nodes": "2.5"}, "nodes must be an integer"),
+    ("cpu-smoke", {"bf16": "maybe"}, "bf16 must be true or false"),
+    ("cpu-smoke", {"strategy": "zero3"}, "choose one of"),
+    ("convert", {"ep": "2"}, "does not use 'ep'"),
+    ("deepseek-v3", {"nodes": "3"}, "3 x 8 = 24 ranks cannot be split"),
+    ("llama3-8b", {"nodes": "3"}, "not divisible by micro_batch_size x ranks"),
+    ("cpu-smoke", {"ep": "2"}, "needs an MoE model"),
+])
+def test_render_errors(preset, overrides, message):
+    with pytest.raises(sbatch.RenderError, match=re.escape(message)):
+        sbatch.render(preset, overrides)
+
+
+def test_cli_render_to_file(tmp_path):
+    from mfsdp.cli import main
+
+    out = tmp_path / "job.sbatch"
+    assert main(["sbatch", "render", "cpu-smoke", "--set", "train_iters=3", "-o", str(out)]) == 0
+    assert "--train-iters 3" in out.read_text()
+    assert "--set train_iters=3" in out.read_text()  # the header records how it was rendered
