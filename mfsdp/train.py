@@ -114,10 +114,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="gathered weights in a fixed two-unit pool")
     p.add_argument("--init-model-with-meta-device", action="store_true",
                    help="build on meta and materialise shard by shard")
-    p.add_argument("--no-overlap-grad-reduce", action="store_true",
-                   help="reduce gradients after backward instead of during it")
-    p.add_argument("--no-overlap-param-gather", action="store_true",
-                   help="do not prefetch the next unit's weights")
+    p.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
+                   help="reduce each bucket's gradients during backward (default: on)")
+    p.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefetch the next unit's weights (default: on)")
     p.add_argument("--calculate-per-token-loss", action="store_true",
                    help="sum gradients over ranks; the loss is normalised by the global token count")
     p.add_argument("--use-nccl-ub", action="store_true", help="GPU only: NCCL user buffers")
@@ -416,8 +416,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             zero_dp_strategy=args.data_parallel_sharding_strategy,
             outer_dp_sharding_strategy=args.outer_dp_sharding_strategy, process_groups=groups,
             device=device, init_model_with_meta_device=meta, mixed_precision_policy=_policy(args),
-            overlap_grad_reduce=not args.no_overlap_grad_reduce,
-            overlap_param_gather=not args.no_overlap_param_gather,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,
             calculate_per_token_loss=args.calculate_per_token_loss,
             fsdp_double_buffer=args.fsdp_double_buffer)
         if global_names:

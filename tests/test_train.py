@@ -1,0 +1,182 @@
+"""The trainer (``mfsdp.train``): real runs under torchrun and the in-process launcher.
+
+Layout invariance tolerance: per-iteration losses agree to 1e-5 relative. Every layout trains on
+the same global batch with the loss normalised by the global token count, in fp32; what differs is
+the order of floating-point sums (gradient reductions over 1, 2 or 4 ranks, micro-batch
+accumulation), measured at ~2e-7 relative over these runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mfsdp.launch import RankError, launch
+
+pytestmark = pytest.mark.slow
+SHORT = ["--use-megatron-fsdp", "--train-iters", "4", "--global-batch-size", "8",
+         "--micro-batch-size", "1", "--sequence-packing"]
+MOE = SHORT + ["--model-preset", "deepseek-proxy", "--moe-aux-loss-coeff", "0"]
+
+
+def _torchrun(args: list[str], nproc: int = 2, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+         "--standalone", "-m", "mfsdp.train", *args],
+        capture_output=True, text=True, timeout=300, cwd=cwd,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("args", [
+    ["--data-parallel-sharding-strategy", s] for s in
+    ("no_shard", "optim", "optim_grads", "optim_grads_params")] + [
+    ["--model-preset", "deepseek-proxy", "--expert-model-parallel-size", "2"]],
+    ids=["no_shard", "optim", "optim_grads", "optim_grads_params", "moe-ep2"])
+def test_torchrun_two_ranks_lowers_the_loss(args, tmp_path):
+    log = tmp_path / "log.jsonl"
+    proc = _torchrun(["--use-megatron-fsdp", "--train-iters", "12", "--lr", "0.01",
+                      "--log-jsonl", str(log), *args])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    recs = _jsonl(log)
+    assert [r["iteration"] for r in recs] == list(range(1, 13))
+    for key in ("iteration", "loss", "grad_norm", "lr", "tokens_per_s", "elapsed_s"):
+        assert key in recs[0]
+    assert recs[-1]["loss"] < recs[0]["loss"] - 0.1, [r["loss"] for r in recs]
+    assert "iteration    12/12 | loss" in proc.stdout
+
+
+@functools.lru_cache(maxsize=None)
+def _losses(nproc: int, args: tuple[str, ...]) -> list[float]:
+    recs = launch("mfsdp.train:run_in_rank", nproc, args=(list(args),), timeout=300)[0]
+    return [r["loss"] for r in recs]
+
+
+LAYOUTS = {
+    "fsdp-2": (2, SHORT),
+    "hsdp-4": (4, SHORT + ["--num-distributed-optimizer-instances", "2"]),
+    "hfsdp-4": (4, SHORT + ["--num-distributed-optimizer-instances", "2",
+                            "--outer-dp-sharding-strategy", "optim"]),
+    "optim-2-ag-group": (2, SHORT + ["--data-parallel-sharding-strategy", "optim",
+                                     "--create-all-gather-group"]),
+}
+MOE_LAYOUTS = {
+    f"ep2-{d}": (2, MOE + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", d])
+    for d in ("allgather", "alltoall", "flex")
+}
+MOE_LAYOUTS["ep2-hsdp-4-fused"] = (4, MOE + ["--expert-model-parallel-size", "2",
+                                             "--num-distributed-optimizer-instances", "2",
+                                             "--moe-grouped-gemm"])
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_dense_layouts_give_the_single_process_loss_curve(name):
+    ref = _losses(1, tuple(SHORT))
+    got = _losses(LAYOUTS[name][0], tuple(LAYOUTS[name][1]))
+    assert got == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_moe_layouts_give_the_single_process_loss_curve(name):
+    ref = _losses(1, tuple(MOE))
+    got = _losses(MOE_LAYOUTS[name][0], tuple(MOE_LAYOUTS[name][1]))
+    assert got == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["fsdp_dtensor", "torch_dist"])
+def test_save_then_load_continues_the_run(fmt, tmp_path):
+    args = SHORT + ["--save", str(tmp_path / "ckpt"), "--ckpt-format", fmt]
+    straight = launch("mfsdp.train:run_in_rank", 2,
+                      args=(SHORT + ["--train-iters", "4"],))[0]
+    launch("mfsdp.train:run_in_rank", 2, args=(args + ["--train-iters", "2"],))
+    resumed = launch("mfsdp.train:run_in_rank", 2,
+                     args=(args + ["--train-iters", "4", "--load", str(tmp_path / "ckpt")],))[0]
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[2:]]  # bit-identical
+    latest = (tmp_path / "ckpt" / "latest").read_text().strip()
+    manifest = json.loads((tmp_path / "ckpt" / latest / "manifest.json").read_text())
+    assert manifest["format"] == fmt
+
+
+def test_resume_on_another_layout(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    launch("mfsdp.train:run_in_rank", 2, args=(SHORT + ["--train-iters", "2", "--save", ckpt],))
+    resumed = launch("mfsdp.train:run_in_rank", 4, args=(
+        SHORT + ["--num-distributed-optimizer-instances", "2", "--load", ckpt],))[0]
+    assert [r["loss"] for r in resumed] == pytest.approx(_losses(1, tuple(SHORT))[2:], rel=1e-5)
+
+
+def test_dump_param_to_param_group_map(tmp_path):
+    path = tmp_path / "map.json"
+    launch("mfsdp.train:run_in_rank", 2, args=(
+        SHORT + ["--train-iters", "1", "--dump-param-to-param-group-map", str(path)],))
+    mapping = json.loads(path.read_text())
+    assert mapping["layers.0.self_attention.linear_qkv.weight"] == 0  # decayed group
+    assert mapping["layers.0.self_attention.linear_qkv.bias"] == 1  # no decay
+    assert set(mapping.values()) == {0, 1}
+
+
+def test_gpu_only_flags_are_explained_on_cpu(tmp_path):
+    proc = _torchrun(SHORT + ["--train-iters", "1", "--use-nccl-ub", "--fsdp-manual-registration"],
+                     nproc=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--use-nccl-ub registers NCCL user buffers" in proc.stdout
+    assert "This run is on CPU (gloo), so it is accepted and ignored." in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--global-batch-size", "6", "--micro-batch-size", "2"],
+     "--global-batch-size 6 is not divisible by --micro-batch-size x data-parallel size = 2 x 2"),
+    (["--expert-model-parallel-size", "2", "--use-megatron-fsdp"],
+     "--expert-model-parallel-size 2 needs an MoE model"),
+    (["--save-interval", "2"], "--save-interval needs --save DIR"),
+])
+def test_bad_flag_combinations_fail_with_a_message(args, message):
+    with pytest.raises(RankError, match=message.replace("+", r"\+")):
+        launch("mfsdp.train:run_in_rank", 2, args=(args,))
+
+
+def test_flags_the_guide_names_exist():
+    """Every ``--flag`` in the guide belongs to one of our parsers or to a named external tool."""
+    import re
+    from pathlib import Path
+
+    from mfsdp.cli import build_parser
+
+    ours: set[str] = set()
+
+    def collect(parser):
+        for action in parser._actions:
+            ours.update(o for o in action.option_strings if o.startswith("--"))
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    collect(sub)
+    collect(build_parser())
+    from mfsdp import sbatch
+    collect(sbatch.build_parser())
+    external = {  # flags of other programs the guide shows, by program
+        "torchrun": {"--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint",
+                     "--rdzv-id", "--standalone"},
+        "sbatch": {"--wait", "--test-only", "--nodes", "--export", "--chdir", "--gpus-per-node",
+                   "--ntasks-per-node", "--cpus-per-task", "--time", "--output", "--partition",
+                   "--account", "--exclusive", "--job-name"},
+        "srun/pyxis": {"--container-image", "--container-mounts", "--container-workdir"},
+        "sphinx/pytest/pip": {"--keep-going", "--upgrade"},
+    }
+    allowed = ours | set().union(*external.values())
+    root = Path(__file__).resolve().parents[1]
+    unknown = {}
+    for page in sorted((root / "docs").glob("*.md")) + [root / "README.md"]:
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", page.read_text()):
+            if flag not in allowed:
+                unknown.setdefault(flag, page.name)
+    assert not unknown, f"flags in the guide that no parser defines: {unknown}"
