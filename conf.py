@@ -13,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 
 import mfsdp  # noqa: E402
 
@@ -24,7 +25,7 @@ release = version = mfsdp.__version__
 root_doc = "docs/index"
 # The root is the source directory: read only the guide (and what the gallery generates there).
 include_patterns = ["docs/**"]
-exclude_patterns = ["docs/conftest.py", "docs/_templates/**", "**/__pycache__", "docs/recipes/*.ipynb",
+exclude_patterns = ["docs/conftest.py", "docs/_templates/**", "docs/_ext/**", "**/__pycache__", "docs/recipes/*.ipynb",
                     "docs/recipes/*.py", "docs/recipes/*.zip", "docs/recipes/*.json"]
 
 extensions = [
@@ -39,6 +40,7 @@ extensions = [
     "sphinx_design",
     "sphinx_copybutton",
     "sphinxcontrib.mermaid",
+    "cli_reference",  # docs/_ext: CLI reference tables generated from the argparse parsers
 ]
 templates_path = ["docs/_templates"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}

@@ -135,7 +135,8 @@ PRESETS: dict[str, Preset] = {
                             log_jsonl="llama3-8b.jsonl")),
     "deepseek-v3": Preset("train", "DeepSeek-V3-style MoE (256 routed experts, top-8, "
                           "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 8 inside a "
-                          "node, HSDP with 4 outer groups, flex dispatcher with DeepEP.", dict(
+                          "node, HFSDP over 4 outer groups (optimizer state sharded across them too), flex "
+                          "dispatcher with DeepEP.", dict(
                               _TRAIN, job_name="mfsdp-deepseek-v3", nodes=32, gpus_per_node=8,
                               ranks_per_node=8, cpus_per_task=64, time="24:00:00",
                               output="%x-%j.log", exclusive=True, model_args=_DEEPSEEK_V3,

@@ -43,7 +43,7 @@ class GPTConfig:
     num_attention_heads: int = 4
     swiglu: bool = False
     num_experts: int = 0
-    """Routed experts per MoE layer (zero: a dense model); layers from
+    """How many routed experts each MoE layer has (a dense model has none). Layers from
     ``moe_first_dense_layers`` on are MoE layers."""
     moe_first_dense_layers: int = 0
     moe_ffn_hidden_size: int | None = None
