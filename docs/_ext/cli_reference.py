@@ -16,8 +16,8 @@ import argparse
 import importlib
 
 from docutils import nodes
+from docutils.core import publish_doctree
 from docutils.parsers.rst import directives
-from docutils.statemachine import StringList
 from sphinx.util.docutils import SphinxDirective
 
 
@@ -86,10 +86,11 @@ class ArgparseDirective(SphinxDirective):
     def run(self) -> list[nodes.Node]:
         parser = _load(self.arguments[0])
         prog = self.options.get("prog", parser.prog)
-        container = nodes.container()
-        self.state.nested_parse(StringList(_rst(parser, prog), source=self.arguments[0]),
-                                self.content_offset, container)
-        return container.children
+        # The tables are plain reStructuredText (rubric, list-table), parsed on their own so that
+        # the directive works the same in MyST and reST pages.
+        tree = publish_doctree("\n".join(_rst(parser, prog)),
+                               settings_overrides={"report_level": 2, "halt_level": 2})
+        return list(tree.children)
 
 
 def setup(app):
