@@ -186,6 +186,8 @@ class Bucket:
     grad_full: torch.Tensor | None = field(init=False, default=None)
     grad_shard: torch.Tensor | None = field(init=False, default=None)
     ready: int = field(init=False, default=0)  # params whose gradient arrived this backward
+    # Which slots of an uninitialised grad_full hold a gradient (None: the buffer was zeroed).
+    written: list | None = field(init=False, default=None)
     # Double buffer: the gathered weights live in a pool slot instead of their own storage.
     in_pool: bool = field(init=False, default=False)
     pool_held: bool = field(init=False, default=False)  # its slot holds this bucket's weights now
@@ -301,11 +303,55 @@ class Bucket:
             _free(self.full)
 
     def ensure_grad_full(self) -> torch.Tensor:
-        """The bucket's full gradient buffer, allocated (zeroed) when first needed."""
+        """The bucket's full gradient buffer, allocated when first needed.
+
+        ZeRO-2/3 allocate it uninitialised and zero only the padding between and after the
+        parameters: each parameter's first gradient is copied in (``written`` tracks which), and
+        :meth:`zero_unwritten` clears the slots that got none before the buffer is reduced. That
+        saves one pass over the whole buffer per backward. Otherwise it is zeroed once and kept.
+        """
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.plan.padded_numel, dtype=self.grad_dtype,
-                                         device=self.device)
+            n = self.plan.padded_numel
+            if self.sharded_grads:
+                self.grad_full = torch.empty(n, dtype=self.grad_dtype, device=self.device)
+                for start, end in self.plan_gaps():
+                    self.grad_full[start:end].zero_()
+                self.written = [False] * len(self.plan.params)
+            else:
+                self.grad_full = torch.zeros(n, dtype=self.grad_dtype, device=self.device)
+                self.written = None  # accumulate with add_ into the zeroed buffer
         return self.grad_full
+
+    def plan_gaps(self) -> list[tuple[int, int]]:
+        """``[start, end)`` ranges of the flat buffer that belong to no parameter (padding)."""
+        gaps, pos = [], 0
+        for slot in sorted(self.plan.params, key=lambda s: s.offset):
+            if slot.offset > pos:
+                gaps.append((pos, slot.offset))
+            pos = max(pos, slot.offset + slot.numel)
+        if pos < self.plan.padded_numel:
+            gaps.append((pos, self.plan.padded_numel))
+        return gaps
+
+    def add_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Accumulate parameter ``i``'s gradient into ``grad_full`` (copy on its first write)."""
+        slot = self.plan.params[i]
+        target = self.grad_full[slot.offset:slot.offset + slot.numel].view_as(grad)
+        if self.written is not None and not self.written[i]:
+            target.copy_(grad)
+            self.written[i] = True
+        else:
+            target.add_(grad)
+
+    def zero_unwritten(self) -> None:
+        """Zero the slots of parameters that received no gradient (before a reduction)."""
+        if self.grad_full is None or self.written is None:
+            return
+        for i, done in enumerate(self.written):
+            if not done:
+                slot = self.plan.params[i]
+                self.grad_full[slot.offset:slot.offset + slot.numel].zero_()
+                self.written[i] = True
 
     def release_grad_full(self) -> None:
         """Drop the full gradient buffer (ZeRO-2/3) or zero it for the next accumulation."""

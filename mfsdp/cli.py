@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.build_parser(sub.add_parser(
         "plan", help="estimate per-rank memory and per-step communication of a layout",
         description=plan.__doc__.splitlines()[0]))
-    from mfsdp import sbatch, train
+    from mfsdp import benchmark, sbatch, train
 
     train.build_parser(sub.add_parser(
         "train", help="train the small GPT or MoE GPT with Megatron-LM's flags (under torchrun)",
@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     sbatch.build_parser(sub.add_parser(
         "sbatch", help="render Slurm batch scripts from presets",
         description=sbatch.__doc__.splitlines()[0]))
+    benchmark.build_parser(sub.add_parser(
+        "bench", help="step time, memory and bytes: DDP, PyTorch FSDP2 and mfsdp side by side",
+        description=benchmark.__doc__.splitlines()[0]))
     return parser
 
 
@@ -56,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         from mfsdp import train
 
         return train._main(args)
+    if args.command == "bench":
+        from mfsdp import benchmark
+
+        return benchmark.run(args)
     if args.command == "sbatch":
         from mfsdp import sbatch
 

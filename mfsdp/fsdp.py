@@ -459,10 +459,9 @@ class FullyShardedModule(GradReduction, nn.Module):
             param.grad = None
             if grad is None:
                 return
-            full = self._grad_full(bucket)
+            self._grad_full(bucket)
             with torch.no_grad():
-                slot = bucket.plan.params[i]
-                full[slot.offset:slot.offset + slot.numel].view_as(grad).add_(grad)
+                bucket.add_grad(i, grad)
             bucket.used[i] = 1.0
             bucket.ready += 1
             if bucket.ready == bucket.n_grad_params:
@@ -483,6 +482,12 @@ class FullyShardedModule(GradReduction, nn.Module):
     # steps
     # ------------------------------------------------------------------------------------------
     def _begin_forward(self) -> None:
+        self.wait_param_sync()
+
+    def wait_param_sync(self) -> None:
+        """Wait for the weight all-gathers launched after the last optimizer step (ZeRO-1/2,
+        HFSDP). The next forward waits for them anyway; benchmarks call this to time a whole
+        step."""
         for h in self._param_sync:
             h.wait()
         self._param_sync.clear()

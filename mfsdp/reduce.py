@@ -54,6 +54,7 @@ class GradReduction:
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:
         g = self._grad_full(b)
+        b.zero_unwritten()
         src = g if b.comm_dtype == g.dtype else g.to(b.comm_dtype)
         op, scale = self._reduce_op(b)
         if scale != 1.0:
