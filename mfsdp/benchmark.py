@@ -77,9 +77,11 @@ def _build(system: str, cfg: dict):
     from mfsdp import fully_shard
 
     strategy = system.removeprefix("mfsdp-")
+    extra = dict(cfg.get("mfsdp_kwargs", {}))
+    if extra.pop("all_gather_group", False):  # all-gathers on their own communicator
+        extra["fsdp_group_ag"] = dist.new_group(list(range(dist.get_world_size())))
     return fully_shard(model, torch.optim.AdamW(model.parameters(), lr=cfg["lr"]),
-                       fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
-                       **cfg.get("mfsdp_kwargs", {}))
+                       fsdp_unit_modules=[Block], zero_dp_strategy=strategy, **extra)
 
 
 def _batch(cfg: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -135,7 +135,7 @@ class Communicator:
             if self.backend == "gloo":
                 recv = torch.empty_like(full)
                 work = dist.all_to_all_single(recv, full, group=self.group, async_op=True)
-                finish = lambda: recv.view(n, chunk).sum(0)  # noqa: E731
+                finish = lambda: _sum_chunks(recv, n, chunk)  # noqa: E731
             else:
                 out = torch.empty(chunk, dtype=full.dtype, device=full.device)
                 work = _reduce_scatter(out, full, op=op, group=self.group, async_op=True)
@@ -158,3 +158,16 @@ class Communicator:
         if not async_op:
             handle.wait()
         return handle
+
+
+def _sum_chunks(recv: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
+    """Sum the ``n`` contiguous chunks of ``recv`` (elementwise adds: about twice as fast on CPU as
+    ``recv.view(n, chunk).sum(0)``, a strided reduction). Low-precision chunks are accumulated in
+    fp32 and rounded once, as the reduction would."""
+    parts = recv.view(n, chunk)
+    if recv.dtype in (torch.float32, torch.float64):
+        out = parts[0] + parts[1]
+        for i in range(2, n):
+            out.add_(parts[i])
+        return out
+    return parts.sum(0)
