@@ -40,6 +40,7 @@ vendor: $(VENDOR)/mermaid/mermaid.esm.min.mjs
 
 docs: $(VENV)/.installed vendor
 	$(PY) -m sphinx -b html -W --keep-going -j 1 . build/html
+	@$(PY) docs/_ext/recipe_times.py
 	@echo "The guide is in build/html/index.html"
 
 test: $(VENV)/.installed vendor

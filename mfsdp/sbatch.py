@@ -239,7 +239,7 @@ def _flag_lines(args: str) -> list[str]:
 
 
 def render(preset: str, overrides: dict[str, str] | None = None) -> str:
-    """The script of ``preset`` with ``overrides`` applied (see :func:`resolve`)."""
+    """The script of ``preset`` with ``overrides`` applied (see :func:`mfsdp.sbatch.resolve`)."""
     import jinja2
 
     p, values = resolve(preset, overrides)

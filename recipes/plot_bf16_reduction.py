@@ -19,7 +19,7 @@ model with mfsdp's real bf16 reduction and compares the loss curve with fp32.
 # Measure on 2, 4 and 8 ranks
 # ---------------------------
 # Each rank computes the gradient of the same model on its own data; every method is compared with
-# the exact mean (fp64). See :mod:`mfsdp.numerics` for the four methods.
+# the exact mean (fp64). See :func:`mfsdp.numerics.reduction_errors` for the four methods.
 from mfsdp.launch import launch
 from mfsdp.numerics import METHODS, fit_power_law
 
