@@ -1,9 +1,9 @@
 """Flat, padded, bucketed buffers: where every parameter, main weight and gradient lives.
 
 A *bucket* is one FSDP unit's share of one parameter group (same dtype, expert-ness and
-``requires_grad``). Its parameters are laid out back to back in a flat buffer, each starting at a
-multiple of its row size, and the buffer is padded to ``shard_count * shard_numel`` with
-``shard_numel`` a multiple of every row size. Two consequences (see ``docs/concepts.md``):
+``requires_grad``). Its parameters are laid out back to back in a flat buffer and the buffer is
+padded to ``shard_count * shard_numel``; a parameter that a shard boundary cuts is placed so that
+the boundary falls between two of its rows. Two consequences (see ``docs/concepts.md``):
 
 * rank ``k`` owns the contiguous slice ``[k * shard_numel, (k + 1) * shard_numel)`` of the buffer,
   so one all-gather or reduce-scatter per bucket moves everything, with no copies in or out;
@@ -19,7 +19,6 @@ multiple of its row size, and the buffer is padded to ``shard_count * shard_nume
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -33,7 +32,7 @@ class ParamSlot:
     """Where one parameter lives in its bucket's flat buffer."""
 
     shape: tuple[int, ...]
-    offset: int  # first element in the flat buffer (a multiple of row_numel)
+    offset: int  # first element in the flat buffer; every shard boundary inside is on a row edge
     shard_numel: int  # of the bucket, repeated here so the slot can answer alone
 
     @property
@@ -81,55 +80,71 @@ class BucketPlan:
 
 
 def plan_bucket(shapes: list[tuple[int, ...]], shard_count: int) -> BucketPlan:
-    """Lay out parameters of the given shapes so that shards split them on whole rows."""
+    """Lay out parameters of the given shapes so that shards split them on whole rows.
+
+    Parameters go back to back in order. A parameter that a shard boundary cuts starts a few
+    elements later when needed, so that the boundary falls between two of its rows; the shard
+    size is the smallest (from ``ceil(total / shard_count)`` up) for which such a placement fits.
+    Padding is then at most about one row per boundary.
+    """
     if shard_count < 1:
         raise ValueError(f"shard_count={shard_count} must be at least 1")
     shapes = [tuple(int(d) for d in s) for s in shapes]
-    row_sizes = [math.prod(s[1:]) if len(s) > 1 else 1 for s in shapes]
-    lcm = 1
-    for s, r in zip(shapes, row_sizes):
-        if math.prod(s) > 0 and r > 0:
-            lcm = math.lcm(lcm, r)
-    if shard_count == 1:  # nothing is split: no alignment needed
-        row_sizes, lcm = [1] * len(shapes), 1
-    offsets, cursor = [], 0
-    for s, r in zip(shapes, row_sizes):
-        cursor = -(-cursor // max(r, 1)) * max(r, 1)  # start on a multiple of the row size
-        offsets.append(cursor)
-        cursor += math.prod(s)
-    per_rank = -(-cursor // shard_count)
-    shard_numel = _smallest_shard(per_rank, shard_count, offsets, shapes, row_sizes, lcm) \
-        if cursor else 0
+    numels = [math.prod(s) for s in shapes]
+    total = sum(numels)
+    if shard_count == 1 or total == 0:  # nothing is split: no alignment needed
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        shard_numel = total
+    else:
+        row_sizes = [math.prod(s[1:]) if len(s) > 1 else 1 for s in shapes]
+        offsets, shard_numel = _place_search(numels, row_sizes, shard_count)
     slots = [ParamSlot(s, o, shard_numel) for s, o in zip(shapes, offsets)]
-    return BucketPlan(slots, shard_count, shard_numel, sum(math.prod(s) for s in shapes))
+    return BucketPlan(slots, shard_count, shard_numel, total)
 
 
-def _smallest_shard(lower: int, n: int, offsets: list[int], shapes, row_sizes: list[int],
-                    lcm: int, max_tries: int = 200_000) -> int:
-    """The smallest shard size >= ``lower`` whose boundaries all fall between rows.
+def _place(numels: list[int], row_sizes: list[int], size: int, n: int) -> list[int] | None:
+    """Offsets placing every parameter so that boundaries ``k * size`` fall between rows, or
+    ``None`` when that does not fit in ``n * size`` elements."""
+    offsets, cursor = [], 0
+    for numel, r in zip(numels, row_sizes):
+        start = cursor
+        if r > 1 and numel > 0:
+            first = (start // size + 1) * size  # the first boundary after the start
+            if first < start + numel:
+                start += (first - start) % r  # that boundary now falls between two rows
+                first = (start // size + 1) * size
+                if first + size < start + numel and size % r:
+                    return None  # a second boundary inside would need size % r == 0
+                if first < start + numel and (first - start) % r:
+                    return None
+        offsets.append(start)
+        cursor = start + numel
+    return offsets if cursor <= n * size else None
 
-    A multiple of every row size always works (``lcm``); usually a size a few elements above
-    ``lower`` does too, which keeps padding far below one row per rank.
-    """
-    spans = [(o, o + math.prod(s), r) for o, s, r in zip(offsets, shapes, row_sizes)
-             if math.prod(s) > 0 and r > 1]
-    starts = [a for a, _, _ in spans]
-    fallback = -(-lower // lcm) * lcm
-    size = lower
-    for _ in range(max_tries):
-        if size >= fallback:
-            return fallback
-        ok = True
-        for k in range(1, n):
-            pos = k * size
-            j = bisect.bisect_right(starts, pos) - 1
-            if j >= 0 and spans[j][0] < pos < spans[j][1] and (pos - spans[j][0]) % spans[j][2]:
-                ok = False
-                break
-        if ok:
-            return size
-        size += 1
-    return fallback
+
+def _place_search(numels: list[int], row_sizes: list[int], n: int,
+                  max_tries: int = 100_000) -> tuple[list[int], int]:
+    """The smallest shard size with a valid placement; a multiple of every row size always has
+    one (each parameter starting on a multiple of its row size), which bounds the search."""
+    lower = -(-sum(numels) // n)
+    lcm = 1
+    for numel, r in zip(numels, row_sizes):
+        if numel and r > 1:
+            lcm = math.lcm(lcm, r)
+    for size in range(lower, lower + max_tries):
+        if size % lcm == 0:
+            break
+        offsets = _place(numels, row_sizes, size, n)
+        if offsets is not None:
+            return offsets, size
+    # Fallback: row-multiple starts and a shard size that every row size divides.
+    offsets, cursor = [], 0
+    for numel, r in zip(numels, row_sizes):
+        cursor = -(-cursor // max(r, 1)) * max(r, 1)
+        offsets.append(cursor)
+        cursor += numel
+    size = -(-(-(-cursor // n)) // lcm) * lcm
+    return offsets, size
 
 
 def _free(t: torch.Tensor | None) -> None:
