@@ -25,3 +25,41 @@ def test_every_recipe_is_listed_in_the_gallery(built_site):
     index = (built_site / "docs" / "recipes" / "index.html").read_text()
     missing = [r for r in recipes if f"{r}.html" not in index]
     assert not missing, f"recipes missing from the gallery: {missing}"
+
+
+@pytest.mark.docs
+def test_no_broken_internal_links(built_site):
+    """Every relative ``href``/``src`` in the built site points at a file that exists."""
+    import re
+    from urllib.parse import unquote, urlsplit
+
+    broken = []
+    for page in built_site.rglob("*.html"):
+        if "_sources" in page.parts:
+            continue
+        for target in re.findall(r'(?:href|src)="([^"]+)"', page.read_text(errors="replace")):
+            parts = urlsplit(target)
+            if parts.scheme or target.startswith(("#", "//", "mailto:", "javascript:", "data:")):
+                continue
+            path = unquote(parts.path)
+            if not path:
+                continue
+            resolved = (page.parent / path).resolve()
+            if not resolved.exists():
+                broken.append(f"{page.relative_to(built_site)} -> {target}")
+    assert not broken, "broken internal links:\n" + "\n".join(sorted(set(broken))[:40])
+
+
+@pytest.mark.docs
+def test_recipe_times_are_recorded(built_site, capsys):
+    """sphinx-gallery records every recipe's run time; print them (docs build time budget)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    from recipe_times import recipe_times
+
+    times = dict(recipe_times())
+    recipes = {p.name for p in (ROOT / "recipes").glob("plot_*.py")}
+    assert set(times) == recipes
+    with capsys.disabled():
+        print("\nrecipe times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
