@@ -4,9 +4,12 @@ Tolerances, and why:
 
 * fp32 + SGD: losses and parameters to rtol 1e-5 (only the summation order of the gradient
   reduction differs; measured differences are ~1e-7 relative).
-* fp32 + AdamW: parameters to atol 1e-5. Adam divides by sqrt(v), so reduction-order noise in small
-  gradients is amplified (measured ~1e-5 for the tied-weight model); the toy models have no
-  parameter whose true gradient is exactly zero, where this would be worst.
+* fp32 + AdamW: the *update* (final minus initial parameters) of every parameter to 1e-3 relative
+  L2 error, and every element to 5e-4 absolute (10% of one Adam step: with lr 5e-3 each step moves
+  an element by about lr whatever its gradient's size). Adam divides by sqrt(v), so
+  reduction-order noise in near-zero gradients is amplified: measured 3e-6 relative (2e-7
+  absolute) for the dense models and 2.2e-4 relative (1.3e-4 absolute, one element of 2048) for an
+  MoE expert that few tokens reach, where SGD on the same run agrees to 1.5e-8.
 * bf16 compute with fp32 main weights: bf16 keeps 8 significant bits, so each rank's gradient
   differs from the whole-batch gradient by up to 2**-8 relative before reduction. We compare the
   *update* (final minus initial parameters): its relative L2 error must stay below 5% for SGD
@@ -60,6 +63,11 @@ def assert_matches_reference(cfg: dict, world_size: int, shard: dict) -> None:
         return
     torch.testing.assert_close(losses, losses_ref, rtol=1e-5, atol=0)
     adam = cfg.get("optimizer") == "adamw"
+    init = initial_parameters(cfg) if adam else None
     for name, p_ref in ref["params"].items():
+        if adam:
+            d_ref, d = p_ref - init[name], shard["params"][name] - init[name]
+            err = ((d - d_ref).norm() / d_ref.norm().clamp_min(1e-30)).item()  # frozen: 0 / 0
+            assert err < 1e-3, f"{name}: update differs by {err:.2e} (relative L2) > 1e-3"
         torch.testing.assert_close(shard["params"][name], p_ref, rtol=0 if adam else 1e-5,
-                                   atol=1e-5 if adam else 1e-6, msg=lambda m: f"{name}: {m}")
+                                   atol=5e-4 if adam else 1e-6, msg=lambda m: f"{name}: {m}")

@@ -84,6 +84,33 @@ def test_fused_experts_with_replay_or_recursive_gather_match_reference(mode):
     torch.testing.assert_close(got["fc2"], ref["fc2"], atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("hook_mode", ["replay", "none"])
+def test_fused_experts_replay_hooks_of_both_signatures(hook_mode):
+    """Pre-hooks and forward hooks registered with and without ``with_kwargs`` on the children all
+    run (in registration order) around the fused computation, and a forward hook's return value
+    replaces the output; with ``hook_mode="none"`` none of them runs."""
+    from mfsdp.moe.experts import FusedExperts
+
+    torch.manual_seed(0)
+    experts = FusedExperts(3, 4, 6, hook_mode=hook_mode)
+    calls = []
+    fc1, fc2 = experts.linear_fc1, experts.linear_fc2
+    fc1.register_forward_pre_hook(lambda m, a: calls.append(("pre", a[0].shape[0])))
+    fc1.register_forward_pre_hook(lambda m, a, k: calls.append(("pre_kw", type(k).__name__)),
+                                  with_kwargs=True)
+    fc2.register_forward_hook(lambda m, a, out: calls.append(("post", out.shape)))
+    fc2.register_forward_hook(lambda m, a, k, out: out * 2, with_kwargs=True)
+    x = torch.randn(5, 4)
+    out = experts(x, [2, 0, 3])
+    plain = experts._fused(x, [2, 0, 3])
+    if hook_mode == "none":
+        assert calls == []
+        torch.testing.assert_close(out, plain)
+    else:
+        assert calls == [("pre", 5), ("pre_kw", "dict"), ("post", torch.Size([5, 4]))]
+        torch.testing.assert_close(out, 2 * plain)  # the with_kwargs forward hook's result
+
+
 # ---- router (single process) ----
 
 def test_aux_loss_hand_computed():
