@@ -105,7 +105,11 @@ html_theme_options = {
     "header_links_before_dropdown": 4,
     "show_toc_level": 2,
     "secondary_sidebar_items": ["page-toc"],
+    # The header keeps the logo, search and theme switch; the left sidebar carries the guide's
+    # navigation (docs/_templates/sidebar-guide.html), on every page including the landing page.
+    "navbar_center": [],
 }
+html_sidebars = {"**": ["sidebar-guide"]}
 copybutton_prompt_text = r">>> |\.\.\. |\$ "
 copybutton_prompt_is_regexp = True
 

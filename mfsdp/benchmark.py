@@ -166,6 +166,7 @@ def bench_memory(system: str, cfg: dict | None = None) -> dict:
     out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if hasattr(model, "memory_by_kind"):
         out["state_bytes"] = {**model.memory_by_kind(), "optimizer_state": opt.local_state_bytes()}
+        out["comm_scratch_bytes"] = model.comm_scratch_bytes()
     return out
 
 

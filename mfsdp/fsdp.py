@@ -601,6 +601,14 @@ class FullyShardedModule(GradReduction, nn.Module):
                 full[name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return {name: full[name] for name, _ in self._param_names}
 
+    def comm_scratch_bytes(self) -> int:
+        """Bytes of the communication scratch buffers this rank keeps for reuse (gloo only: the
+        all-to-all inputs of all-gathers and receive buffers of reduce-scatters, see [Note: gloo
+        all-gather as all-to-all] in ``mfsdp/collectives.py``); not part of :meth:`memory_by_kind`."""
+        comms = {id(c): c for c in (self.comm, self.ag_comm, self.outer_comm, self.expt_comm,
+                                    self.expt_ag_comm, self.ep_comm) if c is not None}
+        return sum(c.scratch_bytes for c in comms.values())
+
     def memory_by_kind(self) -> dict[str, int]:
         """Bytes held by this rank's buckets right now, by kind (shared storage counted once)."""
         total: dict[str, int] = {}

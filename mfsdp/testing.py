@@ -166,7 +166,7 @@ def train_sharded(cfg: dict) -> dict:
 
         start = load_checkpoint(c["load_dir"], model, opt)["iteration"]
     lb, m = (c["global_batch"] // world if c["global_batch"] else c["local_batch"]), c["micro_batches"]
-    losses, memory, comm, norms = [], [], [], []
+    losses, memory, comm, norms, scratch = [], [], [], [], []
     for step, (x, y) in enumerate(make_batches(c, world)):
         if step < start:  # resumed: the data of these steps was consumed before the save
             continue
@@ -198,6 +198,7 @@ def train_sharded(cfg: dict) -> dict:
         comm.append(list(model.comm_log.records))
         if c["track_memory"]:
             memory.append({**model.memory_by_kind(), "optimizer_state": opt.local_state_bytes()})
+        scratch.append(model.comm_scratch_bytes())
     params = model.full_parameters() if c["return_params"] else None
     if params is not None and c["model"] == "moe":  # every rank's experts, by global name
         parts = [None] * world
@@ -206,7 +207,7 @@ def train_sharded(cfg: dict) -> dict:
     states = [s for s in opt.state.values()]
     return {"losses": losses, "params": params if rank == 0 else None, "memory": memory,
             "grad_norms": norms,
-            "peaks": dict(model.memory), "comm": comm,
+            "peaks": dict(model.memory), "comm": comm, "comm_scratch": scratch,
             "numel": sum(b.plan.numel for b in model.buckets),
             "padded_numel": sum(b.plan.padded_numel for b in model.buckets),
             "optimizer_steps": sorted({int(s["step"]) for s in states if "step" in s}),

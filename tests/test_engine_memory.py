@@ -99,6 +99,23 @@ def test_zero3_gathered_weights_never_exceed_two_units(world_size):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
+def test_gloo_scratch_buffers_are_bounded_and_reused(world_size):
+    """The all-to-all scratch buffers (gloo) stop growing after the first step, and never exceed
+    one bucket per collective that can be in flight: the gathered unit, its prefetch, and
+    ``max_inflight_reduce + 1`` reduce-scatters."""
+    for r in results(world_size):
+        zero3, one_inflight = r[3], r[5]
+        unit, root = zero3["unit_bytes"], zero3["root_bytes"]
+        biggest = max(unit, root)
+        assert zero3["comm_scratch"][0] > 0
+        assert zero3["comm_scratch"][-1] == zero3["comm_scratch"][0]  # the next step reuses
+        assert zero3["comm_scratch"][-1] <= (2 + 3) * biggest
+        assert one_inflight["comm_scratch"][-1] <= (2 + 2) * biggest
+        assert r[0]["comm_scratch"][-1] == 0  # no_shard all-reduces in place
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_reduce_scatter_inputs_are_released_early(world_size):
     """Full gradient buffers are freed when their reduce-scatter completes, not at the end."""
     for r in results(world_size):
