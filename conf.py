@@ -47,8 +47,10 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 
 # Mermaid from build/vendor (fetched by `make vendor`) when present: diagrams render offline.
 _VENDOR = ROOT / "build" / "vendor"
+html_static_path = ["docs/_static"]
+html_css_files = ["mfsdp.css"]
 if (_VENDOR / "mermaid" / "mermaid.esm.min.mjs").exists():
-    html_static_path = [str(_VENDOR)]
+    html_static_path.append(str(_VENDOR))
     mermaid_use_local = "mermaid/mermaid.esm.min.mjs"
 
 myst_enable_extensions = ["colon_fence", "deflist", "attrs_inline"]

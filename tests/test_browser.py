@@ -73,6 +73,21 @@ def test_code_blocks_have_copy_buttons(site):
     assert dom.count('class="copybtn') >= 3
 
 
+def test_left_navigation_follows_the_readers_path(site):
+    """Every page's left sidebar lists the guide in order: get started, concepts, features,
+    operate at scale, recipes, reference (the captions of the root toctree)."""
+    import re
+
+    dom = _chromium("--dump-dom", f"{site[0]}/docs/checkpointing.html")
+    nav = dom[dom.index('aria-label="Guide navigation"'):]
+    nav = nav[:nav.index("</nav>")]
+    captions = re.findall(r'class="caption-text">([^<]+)<', nav)
+    assert captions == ["Get started", "Concepts", "Features", "Operate at scale", "Recipes",
+                        "Reference"], captions
+    for page in ("quickstart.html", "slurm.html", "api.html"):
+        assert f'href="{page}"' in nav, page
+
+
 def test_gallery_page_shows_its_figure(site):
     dom = _page(site, "docs/recipes/plot_memory_per_strategy.html", "recipe.png")
     assert "sphx_glr_plot_memory_per_strategy_001.png" in dom
