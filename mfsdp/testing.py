@@ -135,19 +135,28 @@ def train_sharded(cfg: dict) -> dict:
         model = _model(c, "meta").to(dtype)
     else:
         model = _model(c).to(dtype)
-    groups, mesh_kwargs = None, {}
-    if c["device_mesh"]:  # upstream's style: a DeviceMesh with named dimensions (dense models)
+    groups, mesh_kwargs, ep_group = None, {}, None
+    if c["device_mesh"]:  # upstream's style: DeviceMeshes with named dimensions
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (c["dp_outer"], world // c["dp_outer"]),
                                 mesh_dim_names=("dp_outer", "dp_shard"))
         mesh_kwargs = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
+        if c["dp_outer"] > 1:  # upstream also passes the flattened (outer x shard) group
+            mesh_kwargs["hybrid_fsdp_group"] = dist.new_group(list(range(world)))
+        if c["model"] == "moe":  # experts: (dp_outer, expt_dp_shard, ep), EP ranks contiguous
+            expt = init_device_mesh("cpu", (c["dp_outer"], world // (c["dp_outer"] * c["ep"]),
+                                            c["ep"]),
+                                    mesh_dim_names=("dp_outer", "expt_dp_shard", "ep"))
+            mesh_kwargs["expt_device_mesh"] = expt
+            ep_group = expt.get_group("ep")
     elif c["dp_outer"] > 1 or c["ep"] > 1 or c["ag_groups"]:
         layout = ParallelLayout(world, c["dp_outer"], c["ep"],
                                 c["num_experts"] if c["model"] == "moe" else None)
         groups = layout.create_groups(all_gather_groups=c["ag_groups"])
-    global_names = (keep_local_experts(model, groups["ep"] if groups else None)
-                    if c["model"] == "moe" else {})
+    if groups:
+        ep_group = groups["ep"]
+    global_names = keep_local_experts(model, ep_group) if c["model"] == "moe" else {}
     opt = _optimizer(c, model)
     policy = MixedPrecisionPolicy(main_grads_dtype=_DTYPES[c["main_grads_dtype"]],
                                   grad_comm_dtype=_DTYPES[c["grad_comm_dtype"]])

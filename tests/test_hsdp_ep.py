@@ -39,6 +39,8 @@ MOE_8 = [
          ag_groups=True, fsdp_kwargs=DB, optimizer="adamw"),
     dict(model="moe", strategy="optim_grads_params", ep=2, dp_outer=2, micro_batches=4,
          local_batch=8),
+    # upstream's style: device_mesh + expt_device_mesh + hybrid_fsdp_group instead of groups
+    dict(model="moe", strategy="optim_grads_params", ep=2, dp_outer=2, device_mesh=True),
 ]
 
 
