@@ -11,8 +11,6 @@ ring reduce-scatter needs); mfsdp instead sends each peer its chunk with one ``a
 and sums what it received, which moves exactly ``(N-1)/N * bytes``. NCCL keeps its own
 reduce-scatter. Each collective is labelled for profilers (``mfsdp::all_gather``, ...).
 
-See [Note: gloo all-gather as all-to-all] for the all-gather on gloo.
-
 [Note: gloo all-gather as all-to-all]
 gloo's ``all_gather_into_tensor`` is a ring (N-1 dependent hops) into a freshly allocated flat
 buffer, then one copy per rank's chunk into the output; on this project's CPU machine it took
@@ -20,7 +18,8 @@ buffer, then one copy per rank's chunk into the output; on this project's CPU ma
 holds this rank's shard once per peer sends the same bytes, ``(N-1)/N`` of the bucket, directly
 into the output and took 1.7 ms and 4.5 ms. The input costs one bucket-sized scratch buffer per
 all-gather in flight; scratch buffers (and the receive buffers of reduce-scatters) come from a
-small pool per communicator, so that steady-state steps allocate nothing and touch no fresh pages.
+small pool per communicator and are reused step after step: the pool grows only to the most
+collectives that were ever in flight at once (timing decides how many), never per step.
 """
 
 from __future__ import annotations

@@ -154,7 +154,6 @@ def train_sharded(cfg: dict) -> dict:
         layout = ParallelLayout(world, c["dp_outer"], c["ep"],
                                 c["num_experts"] if c["model"] == "moe" else None)
         groups = layout.create_groups(all_gather_groups=c["ag_groups"])
-    if groups:
         ep_group = groups["ep"]
     global_names = keep_local_experts(model, ep_group) if c["model"] == "moe" else {}
     opt = _optimizer(c, model)
