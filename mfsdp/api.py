@@ -37,7 +37,13 @@ def _mesh_group(mesh, dim: str | None, arg: str) -> dist.ProcessGroup | None:
 
 
 def _default_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    """The device the default process group carries tensors of: the current GPU when NCCL is
+    among its backends (``init_process_group()`` with no backend argument on a GPU machine says
+    ``"undefined"`` but has one), the CPU otherwise."""
+    if not dist.is_initialized():
+        return torch.device("cpu")
+    config = str(dist.get_backend_config()).lower()
+    if "nccl" in config and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommLog", "Communicator", "Handle"]
+__all__ = ["backend_of", "CommLog", "Communicator", "Handle"]
 
 # torch 2.13 renamed the tensor collectives (the old names warn); older releases lack the new ones.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -100,6 +100,21 @@ class Handle:
             self._record["end"] = t1
             self._done = True
         return self._value
+
+
+def backend_of(group: dist.ProcessGroup | None, device: torch.device) -> str:
+    """``"nccl"`` or ``"gloo"``: the backend that carries ``device``'s tensors over ``group``.
+
+    ``dist.get_backend`` answers ``"undefined"`` or ``"cpu:gloo,cuda:nccl"`` for a group made by
+    ``init_process_group()`` without a backend argument; what matters is which backend takes
+    tensors on the device we use.
+    """
+    name = str(dist.get_backend(group)).lower()
+    if name in ("gloo", "nccl"):
+        return name
+    if device.type == "cuda" and ("nccl" in name or name == "undefined"):
+        return "nccl"
+    return "gloo"
 
 
 class Communicator:

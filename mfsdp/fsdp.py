@@ -24,9 +24,10 @@ from collections import deque
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mfsdp.buffers import Bucket, DoubleBuffer
-from mfsdp.collectives import CommLog, Communicator, Handle
+from mfsdp.collectives import CommLog, Communicator, Handle, backend_of
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
 from mfsdp.reduce import GradReduction
 from mfsdp.units import FSDPUnit, Groups, UnitConstruction
@@ -45,6 +46,25 @@ def _tensors(obj) -> list[torch.Tensor]:
     if hasattr(obj, "__dataclass_fields__"):
         return [t for f in obj.__dataclass_fields__ for t in _tensors(getattr(obj, f))]
     return []
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward now (a forward now is a recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward calls back once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
 
 
 class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
@@ -125,7 +145,16 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
         # Gathered weights of non-root units in a fixed two-slot pool (ZeRO-3 only).
         self.pool: DoubleBuffer | None = None
         self._double_buffer = fsdp_double_buffer and self.strategy.shards_params
+        # Whether unshard() holds every unit gathered, with the full views in the modules.
+        self._user_unsharded = False
+        for c in (self.comm, self.ag_comm, self.outer_comm, self.expt_comm, self.expt_ag_comm,
+                  self.ep_comm):
+            if c is not None:
+                c.backend = backend_of(c.group, device)
         self._build(unit_classes, disable_bucketing, init_model_with_meta_device)
+        self._register_state_dict_hook(FullyShardedModule._state_dict_hook)
+        self._register_load_state_dict_pre_hook(self._load_pre_hook)
+        self.register_load_state_dict_post_hook(FullyShardedModule._load_post_hook)
 
     # ------------------------------------------------------------------------------------------
     # memory
@@ -193,28 +222,76 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
     # hooks
     # ------------------------------------------------------------------------------------------
     def _pre_forward_hook(self, unit: FSDPUnit):
-        def hook(module, args):
+        def hook(module, args, kwargs):
+            if _in_backward():
+                # Recompute under activation checkpointing: the weights are (or are being)
+                # gathered for this unit's backward; no prefetch, no post-backward hook.
+                self._gather(unit)
+                self._unshard_views(unit)
+                return None
             if unit.is_root:
                 self._begin_forward()
             elif not self._order_recorded and unit not in self._order:
                 self._order.append(unit)
             self._gather(unit)
-            if self.overlap_param_gather and torch.is_grad_enabled():
-                self._prefetch(unit, +1)
+            self._unshard_views(unit)
+            if torch.is_grad_enabled():
+                if self.overlap_param_gather:
+                    self._prefetch(unit, +1)
+                args, kwargs = self._register_post_backward(unit, args, kwargs)
             self._poll()
+            return args, kwargs
         return hook
 
     def _post_forward_hook(self, unit: FSDPUnit):
         def hook(module, args, output):
-            if unit.is_root:
+            in_backward = _in_backward()
+            if unit.is_root and not in_backward:
                 self._order_recorded = True
-            self._reshard(unit)
+            if not self._user_unsharded:
+                self._shard_views(unit)
+                if not in_backward:  # a recompute keeps the weights for the backward under way
+                    self._reshard(unit)
             tensors = _tensors(output)
             if tensors and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grad: self._pre_backward(unit), mode="any")
             return output
         return hook
+
+    def _unshard_views(self, unit: FSDPUnit) -> None:
+        for sp in unit.params:
+            sp.to_unsharded()
+
+    def _shard_views(self, unit: FSDPUnit) -> None:
+        for sp in unit.params:
+            sp.to_sharded()
+
+    def _register_post_backward(self, unit: FSDPUnit, args, kwargs):
+        """Route the unit's floating-point inputs through :class:`_PostBackward`, whose backward
+        runs once autograd has computed the gradients of everything the unit did with them:
+        then every gradient of the unit's parameters has arrived (unused ones never will)."""
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx or not any(b.requires_grad for b in unit.buckets):
+            return args, kwargs
+        unit.fwd_pending += 1
+        outs = _PostBackward.apply(lambda: self._post_backward(unit), *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _post_backward(self, unit: FSDPUnit) -> None:
+        unit.fwd_pending -= 1
+        if unit.fwd_pending > 0:
+            return
+        unit.post_backward_done = True
+        for b in unit.buckets:
+            if b.requires_grad and not b.is_ready:
+                self._bucket_ready(b)
+        if self.strategy.shards_params and not unit.is_root and not self._user_unsharded:
+            self._reshard(unit)
+        self._poll()
 
     def gather_recursively(self, module: nn.Module) -> None:
         """Gather every unit inside ``module`` before its forward and release them after it.
@@ -235,10 +312,15 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
         def pre(mod, args):
             for unit in inner:
                 self._gather(unit)
+                self._unshard_views(unit)
 
         def post(mod, args, output):
+            if self._user_unsharded:
+                return output
             for unit in inner:
-                self._reshard(unit)
+                self._shard_views(unit)
+                if not _in_backward():
+                    self._reshard(unit)
             tensors = _tensors(output)
             if tensors and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(
@@ -263,6 +345,12 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
             param.grad = None
             if grad is None:
                 return
+            if bucket.is_ready:
+                raise RuntimeError(
+                    f"a gradient of {bucket.names[i]!r} arrived after its FSDP unit "
+                    f"{bucket.unit or '(root)'!r} finished its backward: the parameter was used "
+                    "outside the forward of the module that owns it; make that module (or a "
+                    "common parent) the FSDP unit, or call it through its owner's forward")
             self._grad_full(bucket)
             with torch.no_grad():
                 bucket.add_grad(i, grad)
@@ -274,6 +362,9 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
         return hook
 
     def _grad_full(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.replicated and bucket.holds_reduced and bucket.grad_full is bucket.grad_shard:
+            # [Note: no_shard accumulation] in reduce.py
+            bucket.grad_full = torch.zeros_like(bucket.grad_shard)
         if bucket.grad_full is None:
             bucket.ensure_grad_full()
             if bucket.sharded_grads:
@@ -287,6 +378,9 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
     # ------------------------------------------------------------------------------------------
     def _begin_forward(self) -> None:
         self.wait_param_sync()
+        if torch.is_grad_enabled():
+            for sp in self._sparams:
+                sp.check_requires_grad()
 
     def wait_param_sync(self) -> None:
         """Wait for the weight all-gathers launched after the last optimizer step (ZeRO-1/2,
@@ -330,11 +424,34 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
             b.outer_pending = None
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
-            if b.grad_full is not None and not b.replicated:
+            if b.replicated:
+                b.grad_full = b.grad_shard  # drop the second buffer, if any
+                b.holds_reduced = False
+            elif b.grad_full is not None:
                 b.release_grad_full()
                 if b.sharded_grads:
                     self.memory["grad_full_bytes"] = 0
+        for sp in self._sparams:
+            sp.set_grad(None)
         self._unreduced = False
+
+    zero_grad_buffer = zero_grad_buffers  # upstream Megatron-FSDP's name
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients: the reduced ones and the accumulation buffers (see
+        :meth:`zero_grad_buffers`); ``nn.Module.zero_grad`` alone would leave the buffers."""
+        self.zero_grad_buffers()
+
+    @torch.no_grad()
+    def _install_grads(self) -> None:
+        """After a synchronising backward: hand every parameter its reduced gradient rows."""
+        for sp in self._sparams:
+            b = sp.bucket
+            if not b.requires_grad or not b.used[sp.index]:
+                sp.set_grad(None)
+                continue
+            g = b.local_view(b.grad_shard, sp.index).view(sp.local.shape)
+            sp.set_grad(g if g.dtype == sp.local.dtype else g.to(sp.local.dtype))
 
     def no_sync(self):
         """Skip the gradient reduction of backwards run inside (for all but the last micro-batch).
@@ -360,6 +477,101 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
     def set_model_auto_sync(self, sync: bool) -> None:
         """Set whether every backward reduces gradients (``sync_model_each_microbatch``)."""
         self._auto_sync = bool(sync)
+
+    # ------------------------------------------------------------------------------------------
+    # full weights on demand, state dicts
+    # ------------------------------------------------------------------------------------------
+    def unshard(self) -> None:
+        """Gather every unit's full weights (compute dtype) and put them in the modules, until
+        :meth:`reshard` (a collective call under ``optim_grads_params``).
+
+        For inference, generation and export: forward then neither releases nor swaps weights.
+        Prefer the context manager :meth:`unsharded`.
+        """
+        if self.pool is not None:
+            raise RuntimeError("unshard() needs every unit gathered at once, which the two-slot "
+                               "fsdp_double_buffer cannot hold; use fsdp_double_buffer=False")
+        if self._user_unsharded:
+            return
+        self.wait_param_sync()
+        for unit in self.units:
+            self._gather(unit)
+            self._unshard_views(unit)
+        self._user_unsharded = True
+
+    def reshard(self) -> None:
+        """Undo :meth:`unshard`: modules hold the sharded parameters again, gathered weights are
+        released (ZeRO-3)."""
+        if not self._user_unsharded:
+            return
+        self._user_unsharded = False
+        for unit in self.units:
+            self._shard_views(unit)
+            self._reshard(unit)
+
+    @contextlib.contextmanager
+    def unsharded(self):
+        """``with model.unsharded(): ...``: full weights in the modules inside (see
+        :meth:`unshard`)."""
+        self.unshard()
+        try:
+            yield self
+        finally:
+            self.reshard()
+
+    def _state_keys(self, sp, prefix: str) -> list[str]:
+        return [f"{prefix}module.{name}" for name in sp.names]
+
+    @staticmethod
+    def _state_dict_hook(self, state_dict, prefix, local_metadata):
+        # Every entry of a parameter is a fresh DTensor over its main-weight rows that carries
+        # its own chunk metadata (a detached parameter would not), so DCP saves it as it is.
+        for sp in self._sparams:
+            for key in self._state_keys(sp, prefix):
+                if key in state_dict:
+                    state_dict[key] = sp.wrap(sp.local.detach())
+        return state_dict
+
+    def _load_pre_hook(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                       unexpected_keys, error_msgs):
+        # Loaded values go straight into the main weights (a later install copies them into the
+        # model weights), so a bf16 model with fp32 main weights keeps what it loaded.
+        loaded = set()
+        for sp in self._sparams:
+            for key in self._state_keys(sp, prefix):
+                if key in state_dict:
+                    value = state_dict.pop(key)
+                    if sp not in loaded:
+                        try:
+                            sp.load_(value)
+                        except ValueError as e:
+                            error_msgs.append(f"{key}: {e}")
+                        loaded.add(sp)
+                    self._loaded_keys.add(key)
+        if loaded:
+            self._after_load()
+
+    @staticmethod
+    def _load_post_hook(self, incompatible_keys):
+        keys = self._loaded_keys
+        incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys
+                                             if k not in keys]
+        keys.clear()
+
+    @property
+    def _loaded_keys(self) -> set:
+        return self.__dict__.setdefault("_loaded_key_set", set())
+
+    @torch.no_grad()
+    def _after_load(self) -> None:
+        """Make the model weights agree with freshly loaded main weights."""
+        again = self._user_unsharded
+        if again:
+            self.reshard()
+        self.install_main_weights()
+        self.wait_param_sync()
+        if again:
+            self.unshard()
 
     # ------------------------------------------------------------------------------------------
     # inspection

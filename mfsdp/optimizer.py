@@ -2,53 +2,80 @@
 
 :func:`mfsdp.fully_shard_optimizer` swaps every parameter of the optimizer's groups for that
 parameter's local main-weight rows (fp32 by default), so optimizer state exists for the local shard
-only. ``step()`` waits for gradient reduction, hands each shard its reduced gradient, steps, and
-writes the new weights back into the model (re-replicating them where the strategy needs it).
-The optimizer's own ``step`` counters start at zero and advance exactly as in plain PyTorch.
+only. The result is a ``torch.optim.Optimizer``: LR schedulers, ``torch.amp.GradScaler`` and edits of
+``param_groups`` work on it as on the optimizer it wraps. After a synchronising backward every
+parameter's reduced gradient rows are installed (``local.grad``, and ``.grad`` of the model's
+sharded parameters: the same memory), so ``clip_grad_norm_`` and ``GradScaler.unscale_`` act on what
+``step()`` uses. ``step()`` steps on the shards and writes the new weights back into the model
+(re-replicating them where the strategy needs it). ``state_dict()`` holds the state by parameter
+index as ``torch.optim`` does, tensors as DTensors of the parameter's full shape, present from
+construction (see :meth:`ShardedOptimizer.state_dict`), so ``torch.distributed.checkpoint`` saves and
+loads it directly.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 __all__ = ["ShardedOptimizer"]
 
+# GradScaler hands itself to optimizers that handle scaling (``_step_supports_amp_scaling``) and
+# warns that it will stop doing so; we need it to agree on infs across ranks (see step()).
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself",
+                        category=FutureWarning)
 
-class ShardedOptimizer:
+
+class ShardedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` so that it steps on the main-weight shards of ``model``.
 
-    Attribute access falls through to the wrapped optimizer (``param_groups``, ``state``, ...).
+    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's (the same objects), so
+    schedulers and hand edits reach it; other attributes fall through to it.
     """
 
+    # torch.amp.GradScaler then calls step(grad_scaler=...) and lets us skip steps on all ranks
+    # together when any rank found an inf.
+    _step_supports_amp_scaling = True
+
     def __init__(self, optimizer: torch.optim.Optimizer, model):
+        # Optimizer.__init__ is not called: it would rebuild the groups we share with `optimizer`.
         if optimizer.state:
             raise ValueError("fully_shard_optimizer: the optimizer already has state; shard it "
                              "before its first step (state is created for the local shard only)")
         self.optimizer = optimizer
         self.model = model
+        self.defaults = optimizer.defaults
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._sparams = []
         self._mains: list[tuple[torch.Tensor, object, int]] = []  # (main rows, bucket, index)
         for g, group in enumerate(optimizer.param_groups):
             new_params = []
             for j, p in enumerate(group["params"]):
-                slot = model._slot.get(id(p))
-                if slot is None:
-                    slot = model._slot_by_new.get(id(p))
-                if slot is None:
+                sp = model._sparam_by_id.get(id(p))
+                if sp is None:
                     raise ValueError(
                         f"fully_shard_optimizer: param_groups[{g}]['params'][{j}] (shape "
                         f"{tuple(p.shape)}) is not a parameter of the sharded model; call "
                         "fully_shard_model(model) first and build the optimizer from its "
                         "parameters, or pass the optimizer to fully_shard(model, optimizer)")
-                bucket, i = slot
-                main = bucket.local_view(bucket.main_shard, i)
-                new_params.append(main)
-                self._mains.append((main, bucket, i))
+                new_params.append(sp.local)
+                self._sparams.append(sp)
+                self._mains.append((sp.local, sp.bucket, sp.index))
             group["params"] = new_params
 
     def __getattr__(self, name):
+        if name == "optimizer":
+            raise AttributeError(name)
         return getattr(self.optimizer, name)
 
     @property
@@ -59,39 +86,49 @@ class ShardedOptimizer:
     def state(self):
         return self.optimizer.state
 
-    def _install_grads(self) -> None:
-        for main, bucket, i in self._mains:
-            if not bucket.requires_grad or not bucket.used[i]:
-                main.grad = None
-                continue
-            grad = bucket.local_view(bucket.grad_shard, i)
-            main.grad = grad if grad.dtype == main.dtype else grad.to(main.dtype)
+    def add_param_group(self, param_group: dict) -> None:
+        """Not supported: every parameter of the sharded model is placed when it is wrapped."""
+        raise RuntimeError("add_param_group on a sharded optimizer: build the optimizer with all "
+                           "its parameter groups before fully_shard_optimizer")
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer({self.optimizer!r})"
+
+    # -- gradients ------------------------------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor]:
+        self.model.finish_grad_sync()
+        return [sp.grad for sp in self._sparams if sp.grad is not None]
 
     @torch.no_grad()
     def grad_norm(self) -> float:
         """The global L2 norm of the reduced gradients over all shards (a collective call)."""
         self.model.finish_grad_sync()
         model = self.model
+        # Sum squares over the ranks holding *different* rows: each parameter's shard group (the
+        # hybrid group under HFSDP, none under no_shard) and, for experts, the EP group. Groups
+        # are visited in parameter order, which is the same on every rank.
+        sums: dict = {}
+        for sp in model._sparams:
+            key = (id(sp.group), sp.bucket.is_expert)
+            if key not in sums:
+                sums[key] = [sp.group, sp.bucket.is_expert,
+                             torch.zeros((), dtype=torch.float64, device=model.device)]
+            if sp.grad is not None and sp in self._sparam_set:
+                sums[key][2] += sp.grad.double().pow(2).sum()
         total = 0.0
-        for expert in (False, True):
-            for replicated in (False, True):
-                buckets = [b for b in model.buckets if b.grad_shard is not None
-                           and b.is_expert == expert and b.replicated == replicated]
-                if not buckets:
-                    continue
-                sq = sum(b.grad_shard.double().pow(2).sum() for b in buckets)
-                # Sum over the ranks holding *different* pieces: the shard group (and the outer
-                # group under HFSDP) unless replicated, and the EP group for experts.
-                comms = [] if replicated else [buckets[0].comm]
-                if not replicated and model.outer_sharded:
-                    comms.append(model.outer_comm)
-                if expert and model.ep_comm is not None:
-                    comms.append(model.ep_comm)
-                for comm in comms:
-                    if comm.size > 1:
-                        comm.all_reduce(sq, async_op=False, kind="grad_norm")
-                total += sq.item()
+        for group, expert, sq in sums.values():
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(sq, group=group)
+            if expert and model.ep_comm is not None:
+                model.ep_comm.all_reduce(sq, async_op=False, kind="grad_norm")
+            total += sq.item()
         return math.sqrt(total)
+
+    @property
+    def _sparam_set(self) -> set:
+        if "_sparam_set_cache" not in self.__dict__:
+            self.__dict__["_sparam_set_cache"] = set(self._sparams)
+        return self.__dict__["_sparam_set_cache"]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -101,9 +138,8 @@ class ShardedOptimizer:
         norm = self.grad_norm()
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
-            for b in self.model.buckets:
-                if b.grad_shard is not None:
-                    b.grad_shard.mul_(coef)
+            for g in self._grads():
+                g.mul_(coef)
         return norm
 
     @torch.no_grad()
@@ -112,10 +148,9 @@ class ShardedOptimizer:
 
         With a loss scale (fp16), skip the step when this is False and lower the scale.
         """
-        self.model.finish_grad_sync()
         bad = torch.zeros((), device=self.model.device)
-        for b in self.model.buckets:
-            if b.grad_shard is not None and not torch.isfinite(b.grad_shard).all():
+        for g in self._grads():
+            if not torch.isfinite(g).all():
                 bad.fill_(1.0)
         if dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -126,32 +161,128 @@ class ShardedOptimizer:
         """Divide the reduced gradients by ``loss_scale`` (the loss was multiplied by it)."""
         if loss_scale <= 0:
             raise ValueError(f"loss_scale={loss_scale} must be positive")
-        self.model.finish_grad_sync()
-        for b in self.model.buckets:
-            if b.grad_shard is not None:
-                b.grad_shard.div_(loss_scale)
+        for g in self._grads():
+            g.div_(loss_scale)
 
-    def step(self, closure=None):
-        """Step on the shards with the reduced gradients, then update the model weights."""
+    # -- steps ----------------------------------------------------------------------------------
+    def step(self, closure=None, grad_scaler=None):
+        """Step on the shards with the reduced gradients, then update the model weights.
+
+        Under ``torch.amp.GradScaler`` (which passes itself as ``grad_scaler``) the gradients are
+        unscaled unless they already were, and the step is skipped on every rank when any rank
+        found an inf or NaN (the scaler's records are made to agree, so every rank's ``update()``
+        moves the scale the same way).
+        """
         if closure is not None:
             raise ValueError("closures are not supported: the loss is computed outside step()")
         self.model.finish_grad_sync()
-        self._install_grads()
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            if not self._agree_no_inf(grad_scaler):
+                return None
         out = self.optimizer.step()
         self.model.install_main_weights()
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
         return out
+
+    @torch.no_grad()
+    def _agree_no_inf(self, scaler) -> bool:
+        from torch.amp.grad_scaler import OptState
+
+        state = scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.READY:
+            scaler.unscale_(self)
+        found = state["found_inf_per_device"]
+        total = torch.zeros((), device=self.model.device)
+        for t in found.values():
+            total += t.to(total.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        for t in found.values():
+            t.copy_(total.to(t.device))
+        return not bool(total.item())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers of the model and drop the shards' ``.grad``."""
         self.model.zero_grad_buffers()
-        for main, _, _ in self._mains:
-            main.grad = None
 
-    def state_dict(self):
-        return self.optimizer.state_dict()
+    # -- state ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _ensure_state(self) -> None:
+        """Create optimizer state for every parameter that has none yet, at its initial value.
 
-    def load_state_dict(self, state_dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        A DCP load fills the tensors of a state dict in place, so they must exist before the first
+        step (upstream Megatron-LM initialises the same way). One step of the wrapped optimizer on
+        zero gradients with ``lr`` and ``weight_decay`` set to 0 creates them without changing a
+        weight; step counters are then reset to 0. For Adam(W), SGD and Adagrad the state created
+        so equals a fresh one (zeros, or Adagrad's initial accumulator); SGD with momentum and
+        dampening > 0 then treats its first real step as a later one.
+        """
+        opt = self.optimizer
+        missing = [sp for sp in self._sparams if not opt.state.get(sp.local)]
+        if not missing:
+            return
+        saved = [(sp.local, sp.local.grad) for sp in self._sparams]
+        hyper = [{k: g[k] for k in ("lr", "weight_decay") if k in g} for g in opt.param_groups]
+        try:
+            for g in opt.param_groups:
+                for k in ("lr", "weight_decay"):
+                    if k in g:
+                        g[k] = 0.0
+            for sp in self._sparams:
+                sp.local.grad = torch.zeros_like(sp.local) if sp in missing else None
+            opt.step()
+            for sp in missing:
+                st = opt.state.get(sp.local, {})
+                if "step" in st:
+                    st["step"] = (torch.zeros_like(st["step"]) if torch.is_tensor(st["step"])
+                                  else 0)
+        finally:
+            for g, h in zip(opt.param_groups, hyper):
+                g.update(h)
+            for t, grad in saved:
+                t.grad = grad
+
+    def state_dict(self) -> dict:
+        """``{"state": {index: {key: value}}, "param_groups": [...]}`` as ``torch.optim`` has it,
+        with every state tensor shaped like its parameter's rows as a DTensor of the full shape
+        (sharing memory with the state, so loading into it loads the state). Every parameter has
+        state, also before the first step (see :meth:`_ensure_state`)."""
+        self._ensure_state()
+        sd = self.optimizer.state_dict()
+        for i, st in sd["state"].items():
+            sp = self._sparams[i]
+            for k, v in list(st.items()):
+                if (sp.is_dtensor and torch.is_tensor(v) and v.dim() > 0
+                        and tuple(v.shape) == tuple(sp.local.shape)):
+                    st[k] = sp.wrap(v)
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of :meth:`state_dict`'s form; DTensor entries of any row split (or
+        full tensors) are cut to this rank's rows."""
+        state = {}
+        for i, st in state_dict["state"].items():
+            sp = self._sparams[int(i)]
+            out = {}
+            for k, v in st.items():
+                if isinstance(v, DTensor):
+                    local = v._local_tensor
+                    if (getattr(local, "_mfsdp_row_start", None) != sp.row_start
+                            or tuple(local.shape) != tuple(sp.local.shape)):
+                        full = v.full_tensor()
+                        local = full.reshape(-1, *full.shape[1:])[
+                            sp.row_start:sp.row_start + (sp.local.shape[0] if sp.local.dim() else 1)]
+                        local = local.reshape(sp.local.shape)
+                    v = local
+                elif (torch.is_tensor(v) and sp.is_dtensor and v.dim() > 0
+                      and tuple(v.shape) == sp.global_shape and v.shape != sp.local.shape):
+                    v = v[sp.row_start:sp.row_start + sp.local.shape[0]]
+                out[k] = v
+            state[int(i)] = out
+        self.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
 
     def local_state_bytes(self) -> int:
         """Bytes of optimizer state tensors on this rank."""

@@ -10,6 +10,12 @@ between ranks (different routing, unused units). So gradient buckets are launche
 for its predecessors, and at the end of backward every remaining bucket is launched, with zero
 gradients where none arrived.
 
+[Note: no_shard accumulation] Under ``no_shard`` the reduced gradients accumulate in
+``grad_shard`` (the whole bucket) over synchronised micro-batches. The first backward after
+``zero_grad`` accumulates and all-reduces in place there (one buffer, as DDP). A later backward that
+reduces again must not all-reduce what was already reduced, so it accumulates into a separate
+buffer that is all-reduced and added (see ``_grad_full``); ``zero_grad`` drops that buffer.
+
 [Note: bounded reduce-scatters] At most ``max_inflight_reduce`` reduce-scatters are in flight; the
 oldest is finished (its full gradient buffer released) before another is launched, so full gradient
 buffers never pile up until the end of backward.
@@ -36,9 +42,13 @@ class GradReduction:
     def _bucket_ready(self, bucket: Bucket) -> None:
         bucket.is_ready = True
         unit = self._unit_by_name[bucket.unit]
-        if self.strategy.shards_params and not unit.is_root:
-            if all(b.is_ready for b in unit.buckets):  # frozen buckets wait for the end
-                self._reshard(unit)
+        # Release the unit's weights once its backward cannot read them any more: when every
+        # parameter's gradient has arrived (a node computing a weight's gradient is done with the
+        # weight), unless frozen weights remain, which only the post-backward hook can vouch for.
+        if (self.strategy.shards_params and not unit.is_root and not self._user_unsharded
+                and all(b.is_ready if b.requires_grad else unit.post_backward_done
+                        for b in unit.buckets)):
+            self._reshard(unit)
         if self.overlap_grad_reduce:
             self._launch_ready()
 
@@ -65,8 +75,13 @@ class GradReduction:
             def finish(value, src=src, g=g, b=b):
                 if self.outer_comm is not None:  # HSDP over no_shard: the same buffer again
                     self._outer_reduce(b, src)
-                if src is not g:
-                    g.copy_(src)
+                if g is b.grad_shard:  # nothing reduced since zero_grad: reduce in place
+                    if src is not g:
+                        g.copy_(src)
+                else:  # [Note: no_shard accumulation]
+                    b.grad_shard.add_(src)
+                    g.zero_()
+                b.holds_reduced = True
         else:
             handle = b.comm.reduce_scatter(src, op=op)
 
@@ -153,11 +168,17 @@ class GradReduction:
         while self._outer_inflight:
             handle, finish = self._outer_inflight.popleft()
             finish(handle.wait())
+        if not self._user_unsharded:
+            for unit in self.units:
+                self._reshard(unit)
         for unit in self.units:
-            self._reshard(unit)
+            unit.fwd_pending = 0
+            unit.post_backward_done = False
         for b in self.buckets:
             b.ready = 0
             b.is_ready = False
         self._launch_cursor = 0
         self._backward_started = False
         self._unreduced = not (self._reducing() and self._reducing_outer())
+        if not self._unreduced:
+            self._install_grads()

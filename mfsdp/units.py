@@ -13,12 +13,36 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from mfsdp.buffers import Bucket, DoubleBuffer, plan_bucket
 from mfsdp.collectives import Handle
 from mfsdp.config import ShardingStrategy
+from mfsdp.params import ShardedParam
 
 __all__ = ["FSDPUnit", "Groups", "UnitConstruction"]
+
+
+def _hybrid_group(inner: dist.ProcessGroup, outer: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group of every rank of ``inner`` and of its replicas over ``outer`` (a collective call
+    over the world: every rank creates every such group, in the same order)."""
+    world = dist.get_world_size()
+    mine = (sorted(dist.get_process_group_ranks(inner)), sorted(dist.get_process_group_ranks(outer)))
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    inner_of = {r: ranks for ranks, _ in everyone for r in ranks}
+    sets = []
+    for inner_ranks, outer_ranks in everyone:
+        hybrid = sorted({r for o in outer_ranks for r in inner_of[o]})
+        if hybrid not in sets:
+            sets.append(hybrid)
+    me = dist.get_rank()
+    found = None
+    for ranks in sorted(sets):
+        g = dist.new_group(ranks)
+        if me in ranks:
+            found = g
+    return found
 
 
 @dataclass
@@ -42,6 +66,10 @@ class FSDPUnit:
     module: nn.Module
     buckets: list[Bucket] = field(default_factory=list)
     pending: list[Handle] = field(default_factory=list)  # in-flight all-gathers into its buckets
+    params: list = field(default_factory=list)  # its ShardedParams
+    # Forwards of this backward whose inputs carry a post-backward hook that has not fired yet.
+    fwd_pending: int = 0
+    post_backward_done: bool = False
 
     @property
     def is_root(self) -> bool:
@@ -145,23 +173,36 @@ class UnitConstruction:
             self.pool = DoubleBuffer(self.units[1:], self.device)
         self._load_values(params, meta_init)
         self._original_params = [e["param"] for e in params.values()]  # read once by the API
-        # Replace every parameter by a view of its bucket and hook it.
+        # Replace every parameter by a ShardedParam: a view of its bucket during forward, a
+        # DTensor over its main-weight rows outside (see mfsdp/params.py).
+        paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)}
         self._new_params: dict[int, nn.Parameter] = {}
-        self._slot_by_new: dict[int, tuple[Bucket, int]] = {}  # id(view parameter) -> slot
+        self._slot_by_new: dict[int, tuple[Bucket, int]] = {}  # id(any face) -> slot
         self._param_names: list[tuple[str, nn.Parameter]] = []
+        self._sparams: list[ShardedParam] = []
+        self._sparam_by_id: dict[int, ShardedParam] = {}
         for e in params.values():
             bucket, i = self._slot[id(e["param"])]
             new = nn.Parameter(bucket.param_view(i), requires_grad=e["param"].requires_grad)
-            for m, attr in e["uses"]:
-                m._parameters[attr] = new
-            self._new_params[id(e["param"])] = new
+            mesh, group = self._param_mesh(bucket)
+            sp = ShardedParam(e["name"], bucket, i, e["uses"], new, mesh, group,
+                              e["param"].requires_grad)
+            sp.names = [f"{paths[id(m)]}.{a}" if paths[id(m)] else a for m, a in e["uses"]]
+            sp.to_sharded()
+            self._unit_by_name[bucket.unit].params.append(sp)
+            self._sparams.append(sp)
+            self._new_params[id(e["param"])] = sp.sharded
             self._param_names.append((e["name"], new))
-            self._slot_by_new[id(new)] = (bucket, i)
+            self._sparam_by_id[id(e["param"])] = sp  # the optimizer may hold the original
+            for face in (new, sp.sharded, sp.local):
+                self._slot_by_new[id(face)] = (bucket, i)
+                self._sparam_by_id[id(face)] = sp
             if new.requires_grad:
                 new.register_post_accumulate_grad_hook(self._grad_hook(bucket, i))
         for b in self.buckets:
             b.n_grad_params = len(b.names) if b.requires_grad else 0
             b.is_ready = False
+            b.holds_reduced = False  # no_shard: grad_shard holds reduced gradients
             # Which parameters received a gradient (on any rank) since the last zero_grad: the
             # optimizer skips the others, as plain PyTorch skips parameters whose .grad is None.
             b.used = torch.zeros(len(b.names), device=self.device)
@@ -174,8 +215,23 @@ class UnitConstruction:
         # Fixed launch order of gradient buckets: see [Note: reduction order] in reduce.py.
         self._grad_order = [b for b in reversed(self.buckets) if b.requires_grad]
         for unit in self.units:
-            unit.module.register_forward_pre_hook(self._pre_forward_hook(unit))
+            unit.module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
             unit.module.register_forward_hook(self._post_forward_hook(unit))
+
+    def _param_mesh(self, bucket: Bucket):
+        """(device mesh, process group) of the ranks holding distinct rows of ``bucket``'s
+        parameters, or ``(None, None)`` when every rank holds them whole (``no_shard``)."""
+        if bucket.replicated:
+            return None, None
+        cache = self.__dict__.setdefault("_meshes", {})
+        comm = bucket.comm
+        key = (id(comm), bucket.outer_factor)
+        if key not in cache:
+            group = comm.group if comm.group is not None else dist.group.WORLD
+            if bucket.outer_factor > 1:  # HFSDP: main rows differ over inner x outer
+                group = _hybrid_group(group, self.outer_comm.group)
+            cache[key] = (DeviceMesh.from_group(group, self.device.type), group)
+        return cache[key]
 
     @property
     def buckets(self) -> list[Bucket]:

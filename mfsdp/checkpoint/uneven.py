@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.metadata import TensorProperties
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["uneven_dtensor", "row_chunk"]
+__all__ = ["uneven_dtensor", "attach_uneven", "row_chunk"]
 
 
 def row_chunk(global_shape: tuple[int, ...], row_start: int, rows: int) -> ChunkStorageMetadata:
@@ -33,17 +33,33 @@ def row_chunk(global_shape: tuple[int, ...], row_start: int, rows: int) -> Chunk
 
 
 def uneven_dtensor(local: torch.Tensor, mesh, global_shape: tuple[int, ...],
-                   row_start: int) -> DTensor:
+                   row_start: int, group=None) -> DTensor:
     """Wrap ``local`` (rows ``[row_start, row_start + len(local))`` of the global tensor).
 
     The result is a DTensor of the global shape, sharded on dim 0 over ``mesh``; writes and reads
-    by DCP go straight to ``local``'s memory.
+    by DCP go straight to ``local``'s memory. With ``group`` (the ranks holding distinct rows),
+    ``full_tensor()`` gathers the uneven rows correctly (see :func:`attach_uneven`).
     """
     global_shape = tuple(global_shape)
     stride = torch.empty(global_shape, device="meta").stride()
     dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(global_shape),
                             stride=stride)
+    return attach_uneven(dt, global_shape, row_start, group)
+
+
+def attach_uneven(dt: DTensor, global_shape: tuple[int, ...], row_start: int,
+                  group=None) -> DTensor:
+    """Give ``dt`` (whose local tensor holds rows from ``row_start``) its own chunk metadata.
+
+    DCP then writes and reads exactly those rows. When ``group`` is given, ``dt.full_tensor()`` and
+    ``dt.redistribute(placements=[Replicate()])`` gather the rows of every rank of ``group``
+    (DTensor's own versions assume ``torch.chunk``'s split, which uneven rows do not follow).
+    Ops on ``dt`` that make new DTensors (``dt + 1``, ``dt.detach()``) lose this: call
+    ``full_tensor()`` on the parameter or state-dict entry itself.
+    """
+    global_shape = tuple(global_shape)
     inner = dt._local_tensor
+    local = inner
     rows = local.shape[0] if local.dim() else 1
     chunk = row_chunk(global_shape, row_start, rows)
 
@@ -64,4 +80,20 @@ def uneven_dtensor(local: torch.Tensor, mesh, global_shape: tuple[int, ...],
     inner.__create_chunk_list__ = types.MethodType(chunk_list, inner)
     inner.__create_write_items__ = types.MethodType(write_items, inner)
     inner.__get_tensor_shard__ = types.MethodType(tensor_shard, inner)
+    inner._mfsdp_row_start = row_start
+    if group is not None:
+        from mfsdp.params import gather_rows
+
+        def full_tensor(self, *, grad_placements=None):
+            return gather_rows(self._local_tensor.detach(), row_start, global_shape, group)
+
+        def redistribute(self, device_mesh=None, placements=None, **kwargs):
+            if placements is not None and all(isinstance(p, Replicate) for p in placements):
+                full = full_tensor(self)
+                return DTensor.from_local(full, device_mesh or self.device_mesh, list(placements),
+                                          run_check=False)
+            return DTensor.redistribute(self, device_mesh, placements, **kwargs)
+
+        dt.full_tensor = types.MethodType(full_tensor, dt)
+        dt.redistribute = types.MethodType(redistribute, dt)
     return dt

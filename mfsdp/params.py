@@ -1,0 +1,161 @@
+"""One parameter of a sharded model: its two faces and the rows it owns.
+
+Every parameter of a :class:`mfsdp.FullyShardedModule` is a :class:`ShardedParam`, which owns
+
+* ``unsharded``: an ``nn.Parameter`` viewing the parameter's place in its bucket's gathered weights
+  (compute dtype, full shape). Modules hold it *during their forward*; autograd records it, and its
+  post-accumulate-grad hook moves gradients into the bucket;
+* ``sharded``: what modules hold *outside forward*, so that reading a parameter never touches
+  released memory. Under a sharding strategy it is a ``DTensor`` of the full shape, sharded on
+  dim 0 over the bucket's shard group (uneven row split, see :mod:`mfsdp.checkpoint.uneven`), whose
+  local tensor is this rank's rows of the *main* weights (fp32 by default), as FSDP2 and upstream
+  Megatron-FSDP hand out; under ``no_shard`` it is a plain parameter over the (full) main weights;
+* ``local``: this rank's main-weight rows as a plain tensor: what the optimizer steps on;
+* after a synchronising backward, ``local.grad`` and ``sharded.grad`` hold this rank's reduced
+  gradient rows (the same memory), so ``torch.nn.utils.clip_grad_norm_(model.parameters())``,
+  ``GradScaler.unscale_`` and the optimizer all see and change one gradient.
+
+Swapping is a dictionary assignment in the owning modules' ``_parameters``: cheap, and invisible
+to code that looks parameters up by attribute on every call (as ``nn.Module`` does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mfsdp.checkpoint.uneven import attach_uneven, uneven_dtensor
+
+__all__ = ["ShardedParam", "gather_rows"]
+
+
+def gather_rows(local: torch.Tensor, row_start: int, global_shape: tuple[int, ...],
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The full tensor of ``global_shape`` from every rank's rows (a collective over ``group``).
+
+    Each rank passes its rows ``[row_start, row_start + len(local))``; ranks may hold any number
+    of rows (none included), in any order. Uses two all-gathers: row ranges, then padded rows.
+    """
+    global_shape = tuple(global_shape)
+    n = dist.get_world_size(group)
+    row_numel = math.prod(global_shape[1:]) if len(global_shape) > 1 else 1
+    rows = local.numel() // row_numel
+    meta = torch.tensor([row_start, rows], dtype=torch.int64, device=local.device)
+    metas = [torch.empty_like(meta) for _ in range(n)]
+    dist.all_gather(metas, meta, group=group)
+    most = max(int(m[1]) for m in metas)
+    padded = torch.zeros(most, row_numel, dtype=local.dtype, device=local.device)
+    if rows:
+        padded[:rows].copy_(local.reshape(rows, row_numel))
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded, group=group)
+    total_rows = global_shape[0] if global_shape else 1
+    out = torch.zeros(total_rows, row_numel, dtype=local.dtype, device=local.device)
+    for m, part in zip(metas, parts):
+        start, count = int(m[0]), int(m[1])
+        out[start:start + count].copy_(part[:count])
+    return out.reshape(global_shape)
+
+
+class ShardedParam:
+    """A parameter of a sharded model (see the module notes): its views, its rows, its grad."""
+
+    def __init__(self, name: str, bucket, index: int, uses: list[tuple[nn.Module, str]],
+                 unsharded: nn.Parameter, mesh, group, requires_grad: bool):
+        self.name = name
+        self.bucket = bucket
+        self.index = index
+        self.uses = uses
+        self.unsharded = unsharded
+        self.requires_grad = requires_grad
+        slot = bucket.plan.params[index]
+        self.global_shape = tuple(slot.shape)
+        self.row_start = slot.local_rows(bucket.main_index)[0]
+        self.local = bucket.local_view(bucket.main_shard, index)
+        if not self.global_shape and mesh is None:  # a replicated 0-dim parameter keeps its shape
+            self.local = self.local.reshape(())
+        self.mesh = mesh
+        self.group = group  # the ranks holding distinct rows (None: replicated, no_shard)
+        if mesh is None:
+            self.sharded = nn.Parameter(self.local, requires_grad=requires_grad)
+        else:
+            # (a 0-dim parameter is sharded as one row: its DTensor has shape (1,))
+            dt = uneven_dtensor(self.local, mesh, self.global_shape or (1,), self.row_start)
+            self.sharded = nn.Parameter(dt, requires_grad=requires_grad)
+            self._attach(self.sharded)  # the parameter has a local tensor of its own
+        self.grad: torch.Tensor | None = None
+
+    # -- faces ----------------------------------------------------------------------------------
+    @property
+    def is_dtensor(self) -> bool:
+        return self.mesh is not None
+
+    def _attach(self, dt: DTensor) -> DTensor:
+        attach_uneven(dt, self.global_shape or (1,), self.row_start, self.group)
+        return dt
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (a tensor shaped like this rank's rows) in the form of :attr:`sharded`."""
+        if self.mesh is None:
+            return local
+        return uneven_dtensor(local, self.mesh, self.global_shape or (1,), self.row_start,
+                              self.group)
+
+    def to_unsharded(self) -> None:
+        for module, attr in self.uses:
+            module._parameters[attr] = self.unsharded
+
+    def to_sharded(self) -> None:
+        for module, attr in self.uses:
+            module._parameters[attr] = self.sharded
+
+    def check_requires_grad(self) -> None:
+        """Raise if ``requires_grad`` was changed after wrapping (the buckets were laid out by it)."""
+        if self.sharded.requires_grad != self.requires_grad:
+            now = "unfrozen" if self.sharded.requires_grad else "frozen"
+            raise RuntimeError(
+                f"parameter {self.name!r} was {now} after fully_shard (requires_grad "
+                f"{self.requires_grad} -> {self.sharded.requires_grad}); mfsdp lays out gradient "
+                "buffers by requires_grad when it wraps the model, so set requires_grad on the "
+                "model before fully_shard_model / fully_shard")
+
+    # -- gradients ------------------------------------------------------------------------------
+    def set_grad(self, grad: torch.Tensor | None) -> None:
+        """Install this rank's reduced gradient rows (``None``: no gradient on any rank)."""
+        self.grad = grad
+        self.local.grad = grad
+        if grad is None:
+            self.sharded.grad = None
+        elif self.mesh is None:
+            self.sharded.grad = grad if grad.dtype == self.sharded.dtype else None
+        else:
+            self.sharded.grad = self.wrap(grad)
+
+    # -- values ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_(self, value: torch.Tensor) -> None:
+        """Write ``value`` (a full tensor, or a DTensor of the full shape) into the main rows."""
+        shape = tuple(value.shape)
+        if shape != self.global_shape and not (isinstance(value, DTensor) and shape == (1,)
+                                               and not self.global_shape):
+            raise ValueError(f"{self.name}: loaded shape {shape} does not match the parameter's "
+                             f"{self.global_shape}")
+        if isinstance(value, DTensor):
+            local = value._local_tensor
+            if tuple(local.shape) == tuple(self.local.shape) and _same_rows(value, self):
+                self.local.copy_(local)
+                return
+            value = value.full_tensor()
+        rows = value.reshape(self.global_shape or (1,))
+        local = self.local.reshape(-1, *rows.shape[1:])
+        local.copy_(rows[self.row_start:self.row_start + local.shape[0]].to(local.device))
+
+
+def _same_rows(value: DTensor, p: ShardedParam) -> bool:
+    """Whether ``value``'s local rows are ``p``'s (both made by :func:`uneven_dtensor`)."""
+    start = getattr(value._local_tensor, "_mfsdp_row_start", None)
+    return start == p.row_start
