@@ -526,6 +526,7 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
     def _state_dict_hook(self, state_dict, prefix, local_metadata):
         # Every entry of a parameter is a fresh DTensor over its main-weight rows that carries
         # its own chunk metadata (a detached parameter would not), so DCP saves it as it is.
+        self.wait_param_sync()  # (ZeRO-1/2: the post-step all-gather writes the same memory)
         for sp in self._sparams:
             for key in self._state_keys(sp, prefix):
                 if key in state_dict:
@@ -536,6 +537,7 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
                        unexpected_keys, error_msgs):
         # Loaded values go straight into the main weights (a later install copies them into the
         # model weights), so a bf16 model with fp32 main weights keeps what it loaded.
+        self.wait_param_sync()  # an all-gather still in flight would overwrite what we load
         loaded = set()
         for sp in self._sparams:
             for key in self._state_keys(sp, prefix):

@@ -252,8 +252,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state, also before the first step (see :meth:`_ensure_state`)."""
         self._ensure_state()
         sd = self.optimizer.state_dict()
-        for i, st in sd["state"].items():
+        for i, live in list(sd["state"].items()):
             sp = self._sparams[i]
+            sd["state"][i] = st = dict(live)  # (torch.optim hands out the live state dicts)
             for k, v in list(st.items()):
                 if (sp.is_dtensor and torch.is_tensor(v) and v.dim() > 0
                         and tuple(v.shape) == tuple(sp.local.shape)):

@@ -71,7 +71,9 @@ def _fused(mode: str) -> dict:
 
 def test_fused_experts_without_hook_replay_lose_their_weights():
     r = _fused("none")
-    assert r["error"] is not None and "storage of size 0" in r["error"], r
+    # The children's weights are never put in place: the fused kernel meets their sharded
+    # DTensors (before parameters were DTensors outside forward, it read released storage).
+    assert r["error"] is not None and "DTensor" in r["error"], r
     assert r["losses"] == []  # the first forward already fails: the weights were never gathered
 
 

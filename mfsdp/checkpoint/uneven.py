@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["uneven_dtensor", "attach_uneven", "row_chunk"]
+__all__ = ["uneven_dtensor", "attach_uneven", "row_chunk", "UnevenDTensor"]
 
 
 def row_chunk(global_shape: tuple[int, ...], row_start: int, rows: int) -> ChunkStorageMetadata:
@@ -51,11 +51,13 @@ def attach_uneven(dt: DTensor, global_shape: tuple[int, ...], row_start: int,
                   group=None) -> DTensor:
     """Give ``dt`` (whose local tensor holds rows from ``row_start``) its own chunk metadata.
 
-    DCP then writes and reads exactly those rows. When ``group`` is given, ``dt.full_tensor()`` and
-    ``dt.redistribute(placements=[Replicate()])`` gather the rows of every rank of ``group``
+    DCP then writes and reads exactly those rows. When ``group`` is given (it must be the group of
+    ``dt``'s mesh), ``dt`` becomes an :class:`UnevenDTensor`, whose ``full_tensor()`` and
+    ``redistribute(placements=[Replicate()])`` gather the rows of every rank of ``group``
     (DTensor's own versions assume ``torch.chunk``'s split, which uneven rows do not follow).
     Ops on ``dt`` that make new DTensors (``dt + 1``, ``dt.detach()``) lose this: call
-    ``full_tensor()`` on the parameter or state-dict entry itself.
+    ``full_tensor()`` on the parameter or state-dict entry itself. Reductions are unaffected
+    (``dt.pow(2).sum().full_tensor()`` is right).
     """
     global_shape = tuple(global_shape)
     inner = dt._local_tensor
@@ -82,18 +84,40 @@ def attach_uneven(dt: DTensor, global_shape: tuple[int, ...], row_start: int,
     inner.__get_tensor_shard__ = types.MethodType(tensor_shard, inner)
     inner._mfsdp_row_start = row_start
     if group is not None:
+        dt._mfsdp_row_start = row_start
+        dt.__class__ = UnevenDTensor
+    return dt
+
+
+class UnevenDTensor(DTensor):
+    """A DTensor whose dim-0 shards are this rank's uneven rows (see :func:`attach_uneven`).
+
+    Only ``full_tensor()`` and ``redistribute`` to ``Replicate`` differ from DTensor's: they gather
+    the rows where they are (DTensor's own assume ``torch.chunk``'s split). Every op on it returns a
+    plain DTensor, as with any DTensor subclass.
+    """
+
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        """The whole tensor on every rank of the mesh (a collective call)."""
         from mfsdp.params import gather_rows
 
-        def full_tensor(self, *, grad_placements=None):
-            return gather_rows(self._local_tensor.detach(), row_start, global_shape, group)
+        return gather_rows(self._local_tensor.detach(), self.__dict__["_mfsdp_row_start"],
+                           tuple(self.shape), self.device_mesh.get_group())
 
-        def redistribute(self, device_mesh=None, placements=None, **kwargs):
-            if placements is not None and all(isinstance(p, Replicate) for p in placements):
-                full = full_tensor(self)
-                return DTensor.from_local(full, device_mesh or self.device_mesh, list(placements),
-                                          run_check=False)
-            return DTensor.redistribute(self, device_mesh, placements, **kwargs)
+    def __reduce_ex__(self, protocol):
+        # torch.save of a DTensor whose local tensor is a view at a non-zero offset fails in
+        # DTensor's own path ("invalid python storage"); rebuild from the local rows instead.
+        return (_rebuild_uneven, (self._local_tensor.detach(), self.device_mesh, tuple(self.shape),
+                                  self.__dict__["_mfsdp_row_start"], self.requires_grad))
 
-        dt.full_tensor = types.MethodType(full_tensor, dt)
-        dt.redistribute = types.MethodType(redistribute, dt)
-    return dt
+    def redistribute(self, device_mesh=None, placements=None, **kwargs):
+        """As DTensor's; to ``[Replicate()]`` it gathers the uneven rows first."""
+        if placements is not None and all(isinstance(p, Replicate) for p in placements):
+            return DTensor.from_local(self.full_tensor(), device_mesh or self.device_mesh,
+                                      list(placements), run_check=False)
+        return DTensor.redistribute(self, device_mesh, placements, **kwargs)
+
+
+def _rebuild_uneven(local, mesh, global_shape, row_start, requires_grad):
+    dt = uneven_dtensor(local, mesh, global_shape, row_start, mesh.get_group())
+    return dt.requires_grad_(requires_grad) if requires_grad else dt
