@@ -196,6 +196,8 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
             b.pool_held = False
 
     def _reshard(self, unit: FSDPUnit) -> None:
+        if not self._user_unsharded:
+            self._shard_views(unit)
         if self.strategy.shards_params:
             for h in unit.pending:  # never free a buffer a collective is still writing
                 h.wait()
@@ -289,7 +291,7 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
         for b in unit.buckets:
             if b.requires_grad and not b.is_ready:
                 self._bucket_ready(b)
-        if self.strategy.shards_params and not unit.is_root and not self._user_unsharded:
+        if not unit.is_root and not self._user_unsharded:
             self._reshard(unit)
         self._poll()
 
@@ -335,6 +337,9 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
             self._backward_started = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._gather(unit)
+        # A recompute that bypasses module hooks (checkpoint of a function that reads the
+        # module's weights) finds the full weights in place, as in forward.
+        self._unshard_views(unit)
         if self.overlap_param_gather:
             self._prefetch(unit, -1)
         self._poll()

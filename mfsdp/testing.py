@@ -32,7 +32,7 @@ DEFAULTS = dict(
     model_kwargs={}, grad_comm_dtype=None, main_grads_dtype=None, clip=None,
     per_token_loss=False, return_params=True, track_memory=False, fsdp_kwargs={},
     model="toy", num_experts=4, dp_outer=1, ep=1, outer_strategy="no_shard", ag_groups=False,
-    device_mesh=False, global_batch=None, save_dir=None, save_at=None, load_dir=None, grad_norms=False,
+    device_mesh=False, global_batch=None, sync_micro_batches=False, save_dir=None, save_at=None, load_dir=None, grad_norms=False,
 )
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
@@ -184,7 +184,8 @@ def train_sharded(cfg: dict) -> dict:
         total = 0.0
         for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
             last = i == m - 1
-            with contextlib.nullcontext() if last else model.no_sync():
+            # sync_micro_batches: every micro-batch reduces (no no_sync), as plain loops do
+            with contextlib.nullcontext() if last or c["sync_micro_batches"] else model.no_sync():
                 out = model(xm.to(dtype))
                 loss = torch.nn.functional.mse_loss(out.float(), ym, reduction="sum")
                 # per-token loss: gradients are summed over ranks, so normalise by global count
