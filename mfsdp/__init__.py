@@ -5,6 +5,10 @@ The public surface is listed in ``__all__``; everything else is importable but n
 
 from __future__ import annotations
 
+# Code written for upstream Megatron-FSDP calls torch.distributed.checkpoint.save(...) after
+# importing only torch and megatron_fsdp (whose import loads it); importing mfsdp does the same.
+import torch.distributed.checkpoint  # noqa: F401
+
 from mfsdp.api import fully_shard, fully_shard_model, fully_shard_optimizer
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
 from mfsdp.fsdp import FullyShardedModule

@@ -30,10 +30,38 @@ def _mesh_group(mesh, dim: str | None, arg: str) -> dist.ProcessGroup | None:
         if mesh.ndim == 1:
             return mesh.get_group()
         raise ValueError(f"{arg} is required for a {mesh.ndim}-D device_mesh (dims {names})")
-    if dim not in names:
+    if dim in names:
+        return mesh.get_group(dim)
+    try:  # a flattened dimension (mesh["dp", "cp"]._flatten("dp_shard_cp")) is reached by name
+        return mesh[dim].get_group()
+    except (KeyError, RuntimeError, ValueError):
         raise ValueError(f"{arg}={dim!r} is not a dimension of device_mesh; its dimensions are "
-                         f"{names}")
-    return mesh.get_group(dim)
+                         f"{names} (flatten several with mesh[(...)]._flatten({dim!r}))") from None
+
+
+def _mesh_size(mesh, dim: str) -> int:
+    return mesh[dim].size()
+
+
+# Upstream arguments for CUDA-only features: accepted at their default, refused otherwise.
+_CUDA_ONLY = {
+    "nccl_ub": (False, "NCCL user-buffer registration"),
+    "disable_symmetric_registration": (False, "NCCL symmetric (window) registration"),
+    "keep_fp8_transpose_cache": (False, "the FP8 transpose cache of TransformerEngine"),
+    "enable_fine_grained_param_gather": (False, "per-module all-gathers of MXFP8 parameters"),
+    "maxpool_double_buffer": (False, "the max-pooled double buffer of NCCL user buffers"),
+    "cuda_graph_mode": (None, "CUDA graph capture of the FSDP hooks"),
+}
+
+
+def _refuse_unsupported(**given) -> None:
+    for name, value in given.items():
+        default, what = _CUDA_ONLY[name]
+        if value != default and not (default is None and value in (False, "none")):
+            raise ValueError(
+                f"{name}={value!r}: {what} is not implemented by mfsdp (it needs CUDA features "
+                f"that mfsdp does not use); leave {name} at {default!r}, or use upstream "
+                "megatron_fsdp on GPUs for it")
 
 
 def _default_device() -> torch.device:
@@ -76,6 +104,18 @@ def fully_shard_model(
     prefetch_depth: int = 1,
     process_groups: ProcessGroups | None = None,
     recursive_gather_modules: Any = None,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    report_nan_in_param_grad: bool = False,
+    use_decoupled_grad: bool = False,
+    grad_reduce_in_fp32: bool | None = None,
+    preserve_fp32_weights: bool | None = None,
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
+    keep_fp8_transpose_cache: bool = False,
+    nccl_ub: bool = False,
+    disable_symmetric_registration: bool = False,
+    enable_fine_grained_param_gather: bool = False,
+    maxpool_double_buffer: bool = False,
+    cuda_graph_mode: Any = None,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters over the data-parallel group and return the wrapped module.
 
@@ -115,7 +155,38 @@ def fully_shard_model(
         recursive_gather_modules: module classes whose forward bypasses their children's
             ``forward`` (fused kernels); each such module gathers all units inside it
             (see :meth:`FullyShardedModule.gather_recursively`).
+        preproc_state_dict_for_dcp_ckpt: ``model.state_dict()`` (and the optimizer's) hold
+            DTensors that carry their uneven row chunks for ``torch.distributed.checkpoint``;
+            ``False`` hands out the sharded parameters themselves (as upstream does without
+            preprocessing).
+        report_nan_in_param_grad: after each synchronising backward, raise an error naming every
+            parameter whose reduced gradient holds a NaN (costs one pass over the gradients).
+        use_decoupled_grad: install the reduced gradients as ``param.decoupled_grad`` (on the
+            sharded parameters and the optimizer's tensors) instead of ``.grad``, for optimizers
+            that read them there (TransformerEngine's ``FusedAdam``).
+        grad_reduce_in_fp32, preserve_fp32_weights: older upstream spellings of
+            ``MixedPrecisionPolicy(main_grads_dtype=torch.float32, grad_comm_dtype=torch.float32)``
+            and of ``main_params_dtype=torch.float32`` (``False``: the model's dtype); not
+            together with ``mixed_precision_policy``.
+        fsdp_db_use_persist_buf_on_alloc_fail: accepted either way: mfsdp sizes the double
+            buffer's slots for the largest unit, so a unit never fails to fit.
+        keep_fp8_transpose_cache, nccl_ub, disable_symmetric_registration,
+        enable_fine_grained_param_gather, maxpool_double_buffer, cuda_graph_mode: upstream's
+            CUDA-only features; a non-default value is an error that says so.
     """
+    _refuse_unsupported(
+        nccl_ub=nccl_ub, disable_symmetric_registration=disable_symmetric_registration,
+        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+        enable_fine_grained_param_gather=enable_fine_grained_param_gather,
+        maxpool_double_buffer=maxpool_double_buffer, cuda_graph_mode=cuda_graph_mode)
+    if grad_reduce_in_fp32 is not None or preserve_fp32_weights is not None:
+        if mixed_precision_policy is not None:
+            raise ValueError("grad_reduce_in_fp32 / preserve_fp32_weights are the older spelling "
+                             "of mixed_precision_policy; pass one or the other")
+        fp32 = torch.float32 if grad_reduce_in_fp32 else None
+        mixed_precision_policy = MixedPrecisionPolicy(
+            main_params_dtype=torch.float32 if preserve_fp32_weights in (None, True) else None,
+            main_grads_dtype=fp32, grad_comm_dtype=fp32)
     strategy = ShardingStrategy.parse(zero_dp_strategy)
     for name, value, low in (("prefetch_depth", prefetch_depth, 0),
                              ("max_inflight_reduce", max_inflight_reduce, 1)):
@@ -155,9 +226,9 @@ def fully_shard_model(
                              f"{dist.get_world_size()}; build the mesh over every rank")
         if tp_dim is not None:
             _mesh_group(device_mesh, tp_dim, "tp_dim")
-            if device_mesh[tp_dim].size() != 1:
-                raise ValueError(f"tp_dim={tp_dim!r} has size {device_mesh[tp_dim].size()}; tensor "
-                                 "parallelism is not supported by mfsdp, only a size of 1")
+            if _mesh_size(device_mesh, tp_dim) != 1:
+                raise ValueError(f"tp_dim={tp_dim!r} has size {_mesh_size(device_mesh, tp_dim)}; "
+                                 "tensor parallelism is not supported by mfsdp, only a size of 1")
         if dp_outer_dim is not None:
             groups.dp_outer = _mesh_group(device_mesh, dp_outer_dim, "dp_outer_dim")
         elif device_mesh.ndim > 1 and dp_shard_dim is None:
@@ -189,8 +260,9 @@ def fully_shard_model(
             raise ValueError(f"{name} has {dist.get_world_size(group)} ranks but the shard "
                              f"group x dp_outer is {inner} x {outer_size}; it must span both")
     if outer is ShardingStrategy.OPTIM and outer_size == 1:
-        raise ValueError("outer_dp_sharding_strategy='optim' needs an outer dimension of size > 1 "
-                         "(dp_outer_dim or process_groups from ParallelLayout(dp_outer=...))")
+        # Sharding over an outer dimension of one rank shards nothing: plain FSDP (as upstream).
+        outer = ShardingStrategy.NO_SHARD
+        groups.outer_strategy = outer
     device = torch.device(device) if device is not None else _default_device()
     units = resolve_unit_classes(fsdp_unit_modules, module)
     if fsdp_double_buffer and not strategy.shards_params:
@@ -205,7 +277,8 @@ def fully_shard_model(
         average_in_collective=average_in_collective,
         calculate_per_token_loss=calculate_per_token_loss, disable_bucketing=disable_bucketing,
         max_inflight_reduce=max_inflight_reduce, fsdp_double_buffer=fsdp_double_buffer,
-        prefetch_depth=prefetch_depth,
+        prefetch_depth=prefetch_depth, preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt,
+        report_nan_in_param_grad=report_nan_in_param_grad, use_decoupled_grad=use_decoupled_grad,
     )
     recursive = resolve_unit_classes(recursive_gather_modules, module)
     for m in module.modules():
@@ -235,8 +308,13 @@ def _owner(p: torch.Tensor):
     return ref()
 
 
-def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
-    """Make ``optimizer`` step on the main-weight shards of the model its parameters belong to."""
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
+                          preproc_state_dict_for_dcp_ckpt: bool = True) -> ShardedOptimizer:
+    """Make ``optimizer`` step on the main-weight shards of the model its parameters belong to.
+
+    ``preproc_state_dict_for_dcp_ckpt=False``: ``state_dict()`` holds this rank's local state
+    tensors as ``torch.optim`` has them (no DTensors, not for ``torch.distributed.checkpoint``).
+    """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} is not a torch.optim.Optimizer")
     model = None
@@ -255,7 +333,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
             model = owner
     if model is None:
         raise ValueError("fully_shard_optimizer: the optimizer has no parameters")
-    return ShardedOptimizer(optimizer, model)
+    return ShardedOptimizer(optimizer, model, dcp_state_dict=preproc_state_dict_for_dcp_ckpt)
 
 
 def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -266,4 +344,5 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     Megatron-FSDP allows; its state must still be empty.
     """
     model = fully_shard_model(module, **kwargs)
-    return model, (fully_shard_optimizer(optimizer) if optimizer is not None else None)
+    dcp_ready = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
+    return model, (fully_shard_optimizer(optimizer, dcp_ready) if optimizer is not None else None)

@@ -67,3 +67,58 @@ def step_after_no_sync() -> None:
     with model.no_sync():
         model(torch.randn(2, 8)).sum().backward()
     optimizer.step()  # raises: the gradients were never reduced
+
+
+def pytorch_idioms(strategy: str = "optim_grads_params") -> dict:
+    """Ordinary PyTorch code around a sharded model: what the guide's "PyTorch idioms" page runs.
+
+    Reads a parameter outside forward, clips gradients with ``torch.nn.utils.clip_grad_norm_``,
+    steps an LR scheduler, saves and loads model and optimizer with ``torch.distributed.checkpoint``
+    and gathers full weights with ``unsharded()``. Returns what each idiom saw. ``strategy`` is
+    one of the sharded ones (under ``no_shard`` parameters are plain tensors).
+    """
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    import mfsdp
+    from mfsdp.models import Block, ToyModel
+
+    torch.manual_seed(0)
+    model = mfsdp.fully_shard_model(ToyModel(dim=16, hidden=32, num_blocks=2),
+                                    fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+    optimizer = mfsdp.fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    weight = model.module.blocks[0].fc1.weight  # outside forward: this rank's rows, as a DTensor
+    report = {"type": type(weight).__mro__[1].__name__ if isinstance(weight, DTensor)
+              else type(weight).__name__,
+              "global_shape": tuple(weight.shape),
+              "local_rows": weight.to_local().shape[0] if isinstance(weight, DTensor) else None,
+              "full_equals_gathered": None}
+    x = torch.randn(4, 16)
+    model(x).pow(2).mean().backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    report["grad_norm_is_global"] = isinstance(norm, DTensor) or dist.get_world_size() == 1
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    report["lr"] = optimizer.param_groups[0]["lr"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = [tmp]
+        dist.broadcast_object_list(path, src=0)  # every rank writes into rank 0's directory
+        dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                 checkpoint_id=path[0])
+        saved = weight.full_tensor().clone()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=path[0])
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        report["restored"] = torch.equal(model.module.blocks[0].fc1.weight.full_tensor(), saved)
+        dist.barrier()
+    with model.unsharded():
+        full = model.module.blocks[0].fc1.weight  # the gathered weight, a plain tensor
+        report["full_equals_gathered"] = torch.equal(full, saved)
+    return report

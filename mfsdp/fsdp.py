@@ -93,6 +93,9 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
         max_inflight_reduce: int = 2,
         fsdp_double_buffer: bool = False,
         prefetch_depth: int = 1,
+        preproc_state_dict_for_dcp_ckpt: bool = True,
+        report_nan_in_param_grad: bool = False,
+        use_decoupled_grad: bool = False,
     ):
         super().__init__()
         self.module = module
@@ -151,8 +154,11 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
                   self.ep_comm):
             if c is not None:
                 c.backend = backend_of(c.group, device)
+        self.report_nan_in_param_grad = report_nan_in_param_grad
+        self.use_decoupled_grad = use_decoupled_grad
         self._build(unit_classes, disable_bucketing, init_model_with_meta_device)
-        self._register_state_dict_hook(FullyShardedModule._state_dict_hook)
+        if preproc_state_dict_for_dcp_ckpt:
+            self._register_state_dict_hook(FullyShardedModule._state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_pre_hook)
         self.register_load_state_dict_post_hook(FullyShardedModule._load_post_hook)
 
@@ -437,7 +443,7 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
                 if b.sharded_grads:
                     self.memory["grad_full_bytes"] = 0
         for sp in self._sparams:
-            sp.set_grad(None)
+            sp.set_grad(None, self.use_decoupled_grad)
         self._unreduced = False
 
     zero_grad_buffer = zero_grad_buffers  # upstream Megatron-FSDP's name
@@ -450,13 +456,46 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
     @torch.no_grad()
     def _install_grads(self) -> None:
         """After a synchronising backward: hand every parameter its reduced gradient rows."""
+        nan = []
         for sp in self._sparams:
             b = sp.bucket
             if not b.requires_grad or not b.used[sp.index]:
-                sp.set_grad(None)
+                sp.set_grad(None, self.use_decoupled_grad)
                 continue
             g = b.local_view(b.grad_shard, sp.index).view(sp.local.shape)
-            sp.set_grad(g if g.dtype == sp.local.dtype else g.to(sp.local.dtype))
+            g = g if g.dtype == sp.local.dtype else g.to(sp.local.dtype)
+            sp.set_grad(g, self.use_decoupled_grad)
+            if self.report_nan_in_param_grad and torch.isnan(g).any():
+                nan.append(sp.name)
+        if self.report_nan_in_param_grad:
+            flag = torch.tensor([float(bool(nan))], device=self.device)
+            if dist.get_world_size() > 1:  # every rank raises, none hangs in the next collective
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                where = ", ".join(nan[:8]) + (" ..." if len(nan) > 8 else "") if nan else (
+                    "on another rank's shards")
+                raise RuntimeError(f"report_nan_in_param_grad: NaN in the reduced gradients of "
+                                   f"{len(nan)} parameter(s) on rank {dist.get_rank()}: {where}")
+
+    # -- upstream Megatron-FSDP's names for the same steps ----------------------------------------
+    @property
+    def model_auto_sync(self) -> bool:
+        """Whether every backward synchronises (``sync_model_each_microbatch``)."""
+        return self._auto_sync
+
+    def start_grad_sync(self) -> None:
+        """Launch the gradient reductions that have not started (after a backward run with
+        ``overlap_grad_reduce=False`` they all start at its end already: nothing to do then)."""
+        if self._backward_started:
+            self._launch_ready(flush=True)
+
+    def start_param_sync(self) -> None:
+        """Nothing to start: weights are gathered by the forward hooks (ZeRO-3) or right after
+        the optimizer step (ZeRO-1/2, waited for by :meth:`wait_param_sync`)."""
+
+    def install_optimized_model_weights(self) -> None:
+        """Upstream's name of :meth:`install_main_weights`."""
+        self.install_main_weights()
 
     def no_sync(self):
         """Skip the gradient reduction of backwards run inside (for all but the last micro-batch).

@@ -42,13 +42,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # together when any rank found an inf.
     _step_supports_amp_scaling = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model):
+    def __init__(self, optimizer: torch.optim.Optimizer, model, dcp_state_dict: bool = True):
         # Optimizer.__init__ is not called: it would rebuild the groups we share with `optimizer`.
         if optimizer.state:
             raise ValueError("fully_shard_optimizer: the optimizer already has state; shard it "
                              "before its first step (state is created for the local shard only)")
         self.optimizer = optimizer
         self.model = model
+        self.dcp_state_dict = dcp_state_dict
         self.defaults = optimizer.defaults
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
@@ -165,24 +166,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
             g.div_(loss_scale)
 
     # -- steps ----------------------------------------------------------------------------------
-    def step(self, closure=None, grad_scaler=None):
+    def step(self, closure=None, grad_scaler=None, sync_grad_before_optimizer_step: bool = True,
+             install_optimized_model_weights: bool = True):
         """Step on the shards with the reduced gradients, then update the model weights.
 
         Under ``torch.amp.GradScaler`` (which passes itself as ``grad_scaler``) the gradients are
         unscaled unless they already were, and the step is skipped on every rank when any rank
         found an inf or NaN (the scaler's records are made to agree, so every rank's ``update()``
-        moves the scale the same way).
+        moves the scale the same way). ``install_optimized_model_weights=False`` (upstream's
+        keyword) leaves the model weights as they were until
+        ``model.install_optimized_model_weights()``.
         """
         if closure is not None:
             raise ValueError("closures are not supported: the loss is computed outside step()")
-        self.model.finish_grad_sync()
+        if sync_grad_before_optimizer_step:
+            self.model.finish_grad_sync()
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         if grad_scaler is not None and grad_scaler.is_enabled():
             if not self._agree_no_inf(grad_scaler):
                 return None
         out = self.optimizer.step()
-        self.model.install_main_weights()
+        if install_optimized_model_weights:
+            self.model.install_main_weights()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return out
@@ -204,9 +210,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             t.copy_(total.to(t.device))
         return not bool(total.item())
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers of the model and drop the shards' ``.grad``."""
-        self.model.zero_grad_buffers()
+    def zero_grad(self, set_to_none: bool = True, zero_grad_buffer: bool = True) -> None:
+        """Zero the gradient buffers of the model and drop the shards' ``.grad``
+        (``zero_grad_buffer=False``, upstream's keyword: drop ``.grad`` only)."""
+        if zero_grad_buffer:
+            self.model.zero_grad_buffers()
+        else:
+            for sp in self._sparams:
+                sp.set_grad(None, self.model.use_decoupled_grad)
 
     # -- state ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -252,6 +263,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state, also before the first step (see :meth:`_ensure_state`)."""
         self._ensure_state()
         sd = self.optimizer.state_dict()
+        if not self.dcp_state_dict:
+            return sd
         for i, live in list(sd["state"].items()):
             sp = self._sparams[i]
             sd["state"][i] = st = dict(live)  # (torch.optim hands out the live state dicts)

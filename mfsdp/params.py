@@ -124,16 +124,17 @@ class ShardedParam:
                 "model before fully_shard_model / fully_shard")
 
     # -- gradients ------------------------------------------------------------------------------
-    def set_grad(self, grad: torch.Tensor | None) -> None:
-        """Install this rank's reduced gradient rows (``None``: no gradient on any rank)."""
+    def set_grad(self, grad: torch.Tensor | None, decoupled: bool = False) -> None:
+        """Install this rank's reduced gradient rows (``None``: no gradient on any rank), as
+        ``.grad``, or as ``.decoupled_grad`` (upstream's ``use_decoupled_grad``)."""
         self.grad = grad
-        self.local.grad = grad
-        if grad is None:
-            self.sharded.grad = None
-        elif self.mesh is None:
-            self.sharded.grad = grad if grad.dtype == self.sharded.dtype else None
+        face = None if grad is None else (grad if self.mesh is None else self.wrap(grad))
+        if decoupled:
+            self.local.decoupled_grad = grad
+            self.sharded.decoupled_grad = face
         else:
-            self.sharded.grad = self.wrap(grad)
+            self.local.grad = grad
+            self.sharded.grad = face
 
     # -- values ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -260,13 +260,16 @@ class UnitConstruction:
             own = [(a, p) for a, p in m._parameters.items() if p is not None and id(p) not in done]
             if not own:
                 continue
-            if not hasattr(m, "reset_parameters"):
+            # reset_parameters(), or _reset_parameters() as nn.MultiheadAttention and upstream's
+            # meta-device initialisation accept
+            reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+            if reset is None:
                 raise ValueError(f"module {path or type(m).__name__!r} ({type(m).__name__}) has "
-                                 "parameters but no reset_parameters(); meta-device "
-                                 "initialisation needs it to create their values")
+                                 "parameters but no reset_parameters() (or _reset_parameters()); "
+                                 "meta-device initialisation needs it to create their values")
             originals = {a: p for a, p in own}
             m.to_empty(device=self.device, recurse=False)
-            m.reset_parameters()
+            reset()
             temp = sum(p.numel() * p.element_size() for p in m._parameters.values() if p is not None)
             self.memory["init_peak_bytes"] = max(self.memory["init_peak_bytes"], held + temp)
             for a, p in originals.items():

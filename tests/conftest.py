@@ -11,6 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Scripts run as programs by the tests (under torchrun), not imported: --doctest-modules would
+# import them and start their code.
+collect_ignore_glob = ["upstream/*.py"]
+
 
 @pytest.fixture(scope="session")
 def built_site(tmp_path_factory):

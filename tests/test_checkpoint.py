@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from mfsdp.checkpoint import CheckpointError
 from mfsdp.checkpoint.convert import (
@@ -220,15 +221,21 @@ def _rng_round_trip(root: str) -> bool:
     from mfsdp.checkpoint import load_checkpoint, save_checkpoint
     from mfsdp.models import Block, ToyModel
 
+    torch.manual_seed(0)
     model = ToyModel(dim=8, hidden=16, num_blocks=2)
+    model.register_buffer("step_count", torch.zeros(()))  # a persistent module buffer
     model, opt = mfsdp.fully_shard(model, torch.optim.AdamW(model.parameters()),
                                    fsdp_unit_modules=[Block])
-    torch.manual_seed(5)
+    rank = dist.get_rank()
+    torch.manual_seed(5 + rank)  # each rank's generator in its own state, as dropout needs
+    model.module.step_count.fill_(7)
     save_checkpoint(root, model, opt, iteration=1, extra={"consumed_samples": 128})
     expected = torch.rand(3)
     torch.manual_seed(99)
+    model.module.step_count.fill_(0)
     extra = load_checkpoint(root, model, opt)
-    return torch.equal(torch.rand(3), expected) and extra["consumed_samples"] == 128
+    return (torch.equal(torch.rand(3), expected) and extra["consumed_samples"] == 128
+            and model.module.step_count.item() == 7)
 
 
 def test_rng_state_and_extra_are_restored(tmp_path):

@@ -35,7 +35,7 @@ from mfsdp.checkpoint.state import (
 )
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
-           "resolve_checkpoint", "read_manifest"]
+           "resolve_checkpoint", "read_manifest", "buffer_state"]
 
 FORMAT_VERSION = 1
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
@@ -60,6 +60,24 @@ def _layout(model) -> dict:
     return {"world_size": dist.get_world_size(), "strategy": model.strategy.value,
             "dp_outer": outer, "outer_sharded": model.outer_sharded,
             "ep": model.ep_comm.size if model.ep_comm is not None else 1}
+
+
+def buffer_state(model) -> dict:
+    """``model.<name>`` -> the persistent module buffers (plain tensors, the same on every rank);
+    a load writes into them in place."""
+    out = {}
+    for path, m in model.module.named_modules():
+        for name, buf in m._buffers.items():
+            if buf is not None and name not in m._non_persistent_buffers_set:
+                out[f"model.{path}.{name}" if path else f"model.{name}"] = buf
+    return out
+
+
+def _rng_state(model) -> dict:
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and model.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(model.device)
+    return rng
 
 
 def _fsync_dir(path: Path) -> None:
@@ -89,19 +107,22 @@ def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: i
     if optimizer is not None:
         state.update(optimizer_state(model, optimizer))
         state["optimizer.param_groups"] = pickle.dumps(param_groups_state(optimizer))
-    # Non-tensor values travel as one pickled blob each (DCP would flatten nested dicts).
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and model.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(model.device)
+    state.update(buffer_state(model))
+    # Non-tensor values travel as one pickled blob each (DCP would flatten nested dicts). Every
+    # rank's RNG state has a key of its own (one shared key would keep one rank's for all).
+    rng = _rng_state(model)
     state["extra"] = pickle.dumps(dict(extra or {}, iteration=iteration, rng_state=rng))
+    state[f"rng_state.rank{dist.get_rank()}"] = pickle.dumps(rng)
     model.finish_grad_sync()
     dcp.save(state, checkpoint_id=str(tmp))
     described = _describe(state)
+    blobs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(blobs, [k for k, v in state.items() if isinstance(v, bytes)])
     dist.barrier()
     if dist.get_rank() == 0:
         manifest = {"format": "fsdp_dtensor", "format_version": FORMAT_VERSION,
                     "layout": _layout(model), "tensors": described,
-                    "blobs": sorted(k for k, v in state.items() if isinstance(v, bytes)),
+                    "blobs": sorted({k for part in blobs for k in part}),
                     "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
         if optimizer is not None:
@@ -190,8 +211,14 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
         state["optimizer.param_groups"] = b""
     else:
         theirs = {k: v for k, v in theirs.items() if not k.startswith("optimizer.")}
+    # Buffers load where the checkpoint has them (checkpoints before format 1.1 have none).
+    buffers = {k: v for k, v in buffer_state(model).items() if k in theirs}
+    state.update(buffers)
     _check_keys(_describe(state), theirs, ckpt)
     state["extra"] = b""
+    own_rng = f"rng_state.rank{dist.get_rank()}"
+    if own_rng in manifest.get("blobs", []):
+        state[own_rng] = b""
     dcp.load(state, checkpoint_id=str(ckpt))
     if optimizer is not None:
         groups = pickle.loads(state["optimizer.param_groups"])
@@ -203,7 +230,10 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     model.install_main_weights()
     model._begin_forward()
     extra = pickle.loads(state["extra"])
-    rng = extra.get("rng_state") or {}
+    # This rank's own RNG state; rank 0's for ranks the writing job did not have (or for
+    # checkpoints that kept one state for all ranks).
+    rng = pickle.loads(state[own_rng]) if own_rng in state else (extra.get("rng_state") or {})
+    extra["rng_state"] = rng
     if "torch" in rng:
         torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available() and model.device.type == "cuda":
