@@ -170,9 +170,10 @@ def fully_shard_model(
             together with ``mixed_precision_policy``.
         fsdp_db_use_persist_buf_on_alloc_fail: accepted either way: mfsdp sizes the double
             buffer's slots for the largest unit, so a unit never fails to fit.
-        keep_fp8_transpose_cache, nccl_ub, disable_symmetric_registration,
-        enable_fine_grained_param_gather, maxpool_double_buffer, cuda_graph_mode: upstream's
-            CUDA-only features; a non-default value is an error that says so.
+        nccl_ub: upstream's CUDA-only features (also ``keep_fp8_transpose_cache``,
+            ``disable_symmetric_registration``, ``enable_fine_grained_param_gather``,
+            ``maxpool_double_buffer``, ``cuda_graph_mode``): a non-default value is an error
+            that says so.
     """
     _refuse_unsupported(
         nccl_ub=nccl_ub, disable_symmetric_registration=disable_symmetric_registration,

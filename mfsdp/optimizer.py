@@ -9,7 +9,7 @@ sharded parameters: the same memory), so ``clip_grad_norm_`` and ``GradScaler.un
 ``step()`` uses. ``step()`` steps on the shards and writes the new weights back into the model
 (re-replicating them where the strategy needs it). ``state_dict()`` holds the state by parameter
 index as ``torch.optim`` does, tensors as DTensors of the parameter's full shape, present from
-construction (see :meth:`ShardedOptimizer.state_dict`), so ``torch.distributed.checkpoint`` saves and
+construction (see ``ShardedOptimizer.state_dict``), so ``torch.distributed.checkpoint`` saves and
 loads it directly.
 """
 
@@ -260,7 +260,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``{"state": {index: {key: value}}, "param_groups": [...]}`` as ``torch.optim`` has it,
         with every state tensor shaped like its parameter's rows as a DTensor of the full shape
         (sharing memory with the state, so loading into it loads the state). Every parameter has
-        state, also before the first step (see :meth:`_ensure_state`)."""
+        state, also before the first step (see ``_ensure_state``)."""
         self._ensure_state()
         sd = self.optimizer.state_dict()
         if not self.dcp_state_dict:
