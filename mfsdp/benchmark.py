@@ -9,8 +9,10 @@
 * **memory** (one launch per system, a fresh process each): peak RSS after the steps, and for mfsdp
   the tensor bytes by kind.
 
-Every system trains the same ``ToyModel`` (6 blocks, ~9M parameters by default) with AdamW on the
-same global batch, and the losses are reported so that one can see they train the same thing.
+Every system trains the same model with AdamW on the same global batch, and the losses are reported
+so that one can see they train the same thing: ``--model toy`` (default), the residual MLP
+``ToyModel`` (6 blocks, ~9M parameters); ``--model gpt``, a GPT (token and position embeddings,
+attention, GELU MLP, vocabulary head) trained on token sequences.
 
 >>> SYSTEMS
 ('ddp', 'fsdp2', 'fsdp2-no-reshard', 'mfsdp-no_shard', 'mfsdp-optim', 'mfsdp-optim_grads', 'mfsdp-optim_grads_params')
@@ -34,7 +36,23 @@ __all__ = ["SYSTEMS", "bench_memory", "bench_time", "build_parser", "loopback_by
 SYSTEMS = ("ddp", "fsdp2", "fsdp2-no-reshard", "mfsdp-no_shard", "mfsdp-optim",
            "mfsdp-optim_grads", "mfsdp-optim_grads_params")
 DEFAULTS = dict(dim=512, hidden=1408, blocks=6, local_batch=16, warmup=2, rounds=8, lr=1e-3,
-                seed=0)
+                seed=0, model="toy", seq_length=64, vocab_size=2048, heads=6)
+
+
+def _model(cfg: dict):
+    """(model, its FSDP unit class) of the configured shape."""
+    if cfg["model"] == "gpt":
+        from mfsdp.models.gpt import GPT, GPTConfig, TransformerLayer
+
+        return GPT(GPTConfig(vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["seq_length"],
+                             num_layers=cfg["blocks"], hidden_size=cfg["dim"],
+                             ffn_hidden_size=cfg["hidden"],
+                             num_attention_heads=cfg["heads"])), TransformerLayer
+    if cfg["model"] != "toy":
+        raise ValueError(f"model={cfg['model']!r}: use 'toy' or 'gpt'")
+    from mfsdp.models import Block, ToyModel
+
+    return ToyModel(cfg["dim"], cfg["hidden"], cfg["blocks"]), Block
 
 
 def loopback_bytes() -> int:
@@ -57,10 +75,8 @@ def loopback_bytes() -> int:
 
 def _build(system: str, cfg: dict):
     """(model, optimizer) of one system, built from the same seed."""
-    from mfsdp.models import Block, ToyModel
-
     torch.manual_seed(cfg["seed"])
-    model = ToyModel(cfg["dim"], cfg["hidden"], cfg["blocks"])
+    model, unit = _model(cfg)
     if system == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -70,7 +86,7 @@ def _build(system: str, cfg: dict):
         from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
         reshard = system == "fsdp2"
-        for block in model.blocks:
+        for block in [m for m in model.modules() if isinstance(m, unit)]:
             fsdp2_shard(block, reshard_after_forward=reshard)
         fsdp2_shard(model, reshard_after_forward=reshard)
         return model, torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
@@ -81,20 +97,30 @@ def _build(system: str, cfg: dict):
     if extra.pop("all_gather_group", False):  # all-gathers on their own communicator
         extra["fsdp_group_ag"] = dist.new_group(list(range(dist.get_world_size())))
     return fully_shard(model, torch.optim.AdamW(model.parameters(), lr=cfg["lr"]),
-                       fsdp_unit_modules=[Block], zero_dp_strategy=strategy, **extra)
+                       fsdp_unit_modules=[unit], zero_dp_strategy=strategy, **extra)
 
 
 def _batch(cfg: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(cfg["seed"] * 7919 + step)
     n = cfg["local_batch"]
+    if cfg["model"] == "gpt":  # token sequences; the targets are the next tokens
+        tokens = torch.randint(0, cfg["vocab_size"], (n * world, cfg["seq_length"]), generator=g)
+        tokens = tokens[rank * n:(rank + 1) * n]
+        return tokens, tokens.roll(-1, dims=1).reshape(-1)
     x = torch.randn(n * world, cfg["dim"], generator=g)[rank * n:(rank + 1) * n]
     return x, torch.sin(x)
 
 
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if y.dtype == torch.long:
+        return torch.nn.functional.cross_entropy(out.float(), y)
+    return torch.nn.functional.mse_loss(out, y)
+
+
 def _step(model, opt, x, y) -> float:
     opt.zero_grad(set_to_none=True)
-    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss = _loss(model(x), y)
     loss.backward()
     opt.step()
     if hasattr(model, "wait_param_sync"):  # mfsdp ZeRO-1/2: the step ends when weights are back
@@ -150,10 +176,8 @@ def bench_time(systems: list[str], cfg: dict | None = None) -> dict:
 
 
 def _build_reference_numel(cfg: dict):
-    from mfsdp.models import ToyModel
-
     with torch.device("meta"):
-        return list(ToyModel(cfg["dim"], cfg["hidden"], cfg["blocks"]).parameters())
+        return list(_model(cfg)[0].parameters())
 
 
 def bench_memory(system: str, cfg: dict | None = None) -> dict:
@@ -211,7 +235,8 @@ def table(results: dict) -> str:
         t, mem = r["time"], r["memory"]
         model_bytes = 4 * t["numel"]
         ref = t["systems"].get("fsdp2", {}).get("median_s")
-        lines.append(f"{world} ranks, {t['numel'] / 1e6:.2f}M parameters, AdamW; "
+        lines.append(f"{world} ranks, {t['cfg'].get('model', 'toy')} model, "
+                     f"{t['numel'] / 1e6:.2f}M parameters, AdamW; "
                      f"median of {t['cfg']['rounds']} interleaved steps")
         lines.append(f"{'system':<26} {'step ms':>8} {'IQR ms':>7} {'vs FSDP2':>8} "
                      f"{'wire/model':>10} {'asked/model':>11} {'peak RSS MiB':>12}")
@@ -234,6 +259,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4],
                         help="ranks to benchmark with (default: 2 4)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--model", choices=("toy", "gpt"), default=DEFAULTS["model"],
+                        help="toy: residual MLP blocks on vectors; gpt: a GPT on token sequences")
+    parser.add_argument("--seq-length", type=int, default=DEFAULTS["seq_length"],
+                        help="tokens per sample (gpt)")
+    parser.add_argument("--vocab-size", type=int, default=DEFAULTS["vocab_size"],
+                        help="vocabulary (gpt)")
+    parser.add_argument("--heads", type=int, default=DEFAULTS["heads"],
+                        help="attention heads (gpt)")
     parser.add_argument("--dim", type=int, default=DEFAULTS["dim"], help="model width")
     parser.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="MLP width")
     parser.add_argument("--blocks", type=int, default=DEFAULTS["blocks"], help="blocks")
@@ -254,7 +287,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp bench`` command."""
     cfg = dict(dim=args.dim, hidden=args.hidden, blocks=args.blocks, local_batch=args.local_batch,
-               rounds=args.rounds, warmup=args.warmup)
+               rounds=args.rounds, warmup=args.warmup, model=args.model,
+               seq_length=args.seq_length, vocab_size=args.vocab_size, heads=args.heads)
     if args.profile:
         from mfsdp.launch import launch
 

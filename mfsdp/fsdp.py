@@ -457,9 +457,16 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
     def _install_grads(self) -> None:
         """After a synchronising backward: hand every parameter its reduced gradient rows."""
         nan = []
+        # Which parameters got a gradient: read once per step (one host sync on a GPU).
+        grad_buckets = [b for b in self.buckets if b.requires_grad]
+        flags = (torch.cat([b.used for b in grad_buckets]).tolist() if grad_buckets else [])
+        used, at = {}, 0
+        for b in grad_buckets:
+            used[id(b)] = flags[at:at + len(b.names)]
+            at += len(b.names)
         for sp in self._sparams:
             b = sp.bucket
-            if not b.requires_grad or not b.used[sp.index]:
+            if not b.requires_grad or not used[id(b)][sp.index]:
                 sp.set_grad(None, self.use_decoupled_grad)
                 continue
             g = b.local_view(b.grad_shard, sp.index).view(sp.local.shape)

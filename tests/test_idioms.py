@@ -85,12 +85,22 @@ def _step(model, ref, opt, ropt, scheds, x, clip: float) -> tuple[float, float]:
     return float(_full(norm)), float(rnorm)
 
 
-def idioms(strategy: str, ckpt_dir: str) -> dict:
-    """The idioms on this rank (run with :func:`mfsdp.launch.launch`)."""
+def idioms(strategy: str, ckpt_dir: str, outer: str | None = None) -> dict:
+    """The idioms on this rank (run with :func:`mfsdp.launch.launch`); ``outer``: HSDP
+    (``"no_shard"``) or HFSDP (``"optim"``) over a (2, world/2) mesh."""
     torch.manual_seed(0)
     ref = _Net()
+    mesh = {}
+    if outer is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        mesh = dict(device_mesh=init_device_mesh("cpu", (2, world // 2),
+                                                 mesh_dim_names=("dp_outer", "dp_shard")),
+                    dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                    outer_dp_sharding_strategy=outer)
     model = fully_shard_model(copy.deepcopy(ref), fsdp_unit_modules=[_Block],
-                              zero_dp_strategy=strategy)
+                              zero_dp_strategy=strategy, **mesh)
     opt = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
     ropt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ropt)]
@@ -163,3 +173,16 @@ def test_pytorch_idioms_match_plain_pytorch(strategy, tmp_path):
             assert norm == pytest.approx(rnorm, rel=1e-5)
         assert "after fully_shard" in r["requires_grad_error"]
         assert r["param_is_dtensor"] == (strategy != "no_shard")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+def test_pytorch_idioms_under_hsdp_and_hfsdp(outer, tmp_path):
+    """4 ranks, outer 2 x shard 2: parameters are DTensors over the shard group (HSDP) or over
+    the inner x outer group their main rows are spread on (HFSDP)."""
+    reports = launch(idioms, 4, args=("optim_grads_params", str(tmp_path / "ckpt"), outer),
+                     timeout=300)
+    for r in reports:
+        for norm, rnorm in r["norms"]:
+            assert norm == pytest.approx(rnorm, rel=1e-5)
+        assert r["param_is_dtensor"]
