@@ -275,8 +275,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict of :meth:`state_dict`'s form; DTensor entries of any row split (or
-        full tensors) are cut to this rank's rows."""
+        """Load a state dict of :meth:`state_dict`'s form; DTensor entries of any split (or full
+        tensors) are cut to this rank's piece."""
         state = {}
         for i, st in state_dict["state"].items():
             sp = self._sparams[int(i)]
@@ -284,16 +284,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for k, v in st.items():
                 if isinstance(v, DTensor):
                     local = v._local_tensor
-                    if (getattr(local, "_mfsdp_row_start", None) != sp.row_start
-                            or tuple(local.shape) != tuple(sp.local.shape)):
-                        full = v.full_tensor()
-                        local = full.reshape(-1, *full.shape[1:])[
-                            sp.row_start:sp.row_start + (sp.local.shape[0] if sp.local.dim() else 1)]
-                        local = local.reshape(sp.local.shape)
-                    v = local
+                    if (getattr(local, "_mfsdp_start", None) != sp.start
+                            or local.numel() != sp.local.numel()):
+                        local = v.full_tensor().reshape(-1)[
+                            sp.start:sp.start + sp.local.numel()]
+                    v = local.reshape(sp.local.shape)
                 elif (torch.is_tensor(v) and sp.is_dtensor and v.dim() > 0
                       and tuple(v.shape) == sp.global_shape and v.shape != sp.local.shape):
-                    v = v[sp.row_start:sp.row_start + sp.local.shape[0]]
+                    v = v.reshape(-1)[sp.start:sp.start + sp.local.numel()].view(sp.local.shape)
                 out[k] = v
             state[int(i)] = out
         self.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})

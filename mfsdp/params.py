@@ -8,7 +8,8 @@ Every parameter of a :class:`mfsdp.FullyShardedModule` is a :class:`ShardedParam
 * ``sharded``: what modules hold *outside forward*, so that reading a parameter never touches
   released memory. Under a sharding strategy it is a ``DTensor`` of the full shape, sharded on
   dim 0 over the bucket's shard group (uneven row split, see :mod:`mfsdp.checkpoint.uneven`), whose
-  local tensor is this rank's rows of the *main* weights (fp32 by default), as FSDP2 and upstream
+  local tensor is this rank's piece of the *main* weights (fp32 by default; whole rows, or a flat
+  range where the bucket is cut on element boundaries), as FSDP2 and upstream
   Megatron-FSDP hand out; under ``no_shard`` it is a plain parameter over the (full) main weights;
 * ``local``: this rank's main-weight rows as a plain tensor: what the optimizer steps on;
 * after a synchronising backward, ``local.grad`` and ``sharded.grad`` hold this rank's reduced
@@ -30,34 +31,32 @@ from torch.distributed.tensor import DTensor
 
 from mfsdp.checkpoint.uneven import attach_uneven, uneven_dtensor
 
-__all__ = ["ShardedParam", "gather_rows"]
+__all__ = ["ShardedParam", "gather_pieces"]
 
 
-def gather_rows(local: torch.Tensor, row_start: int, global_shape: tuple[int, ...],
-                group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The full tensor of ``global_shape`` from every rank's rows (a collective over ``group``).
+def gather_pieces(local: torch.Tensor, start: int, global_shape: tuple[int, ...],
+                  group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The full tensor of ``global_shape`` from every rank's piece (a collective over ``group``).
 
-    Each rank passes its rows ``[row_start, row_start + len(local))``; ranks may hold any number
-    of rows (none included), in any order. Uses two all-gathers: row ranges, then padded rows.
+    Each rank passes its elements ``[start, start + local.numel())`` of the flattened tensor;
+    ranks may hold any number of elements (none included), in any order. Two all-gathers: the
+    ranges, then the padded pieces.
     """
     global_shape = tuple(global_shape)
     n = dist.get_world_size(group)
-    row_numel = math.prod(global_shape[1:]) if len(global_shape) > 1 else 1
-    rows = local.numel() // row_numel
-    meta = torch.tensor([row_start, rows], dtype=torch.int64, device=local.device)
+    count = local.numel()
+    meta = torch.tensor([start, count], dtype=torch.int64, device=local.device)
     metas = [torch.empty_like(meta) for _ in range(n)]
     dist.all_gather(metas, meta, group=group)
     most = max(int(m[1]) for m in metas)
-    padded = torch.zeros(most, row_numel, dtype=local.dtype, device=local.device)
-    if rows:
-        padded[:rows].copy_(local.reshape(rows, row_numel))
+    padded = torch.zeros(most, dtype=local.dtype, device=local.device)
+    padded[:count].copy_(local.reshape(-1))
     parts = [torch.empty_like(padded) for _ in range(n)]
     dist.all_gather(parts, padded, group=group)
-    total_rows = global_shape[0] if global_shape else 1
-    out = torch.zeros(total_rows, row_numel, dtype=local.dtype, device=local.device)
+    out = torch.zeros(math.prod(global_shape), dtype=local.dtype, device=local.device)
     for m, part in zip(metas, parts):
-        start, count = int(m[0]), int(m[1])
-        out[start:start + count].copy_(part[:count])
+        lo, k = int(m[0]), int(m[1])
+        out[lo:lo + k].copy_(part[:k])
     return out.reshape(global_shape)
 
 
@@ -74,7 +73,7 @@ class ShardedParam:
         self.requires_grad = requires_grad
         slot = bucket.plan.params[index]
         self.global_shape = tuple(slot.shape)
-        self.row_start = slot.local_rows(bucket.main_index)[0]
+        self.start = slot.local_range(bucket.main_index)[0]  # first element of the local piece
         self.local = bucket.local_view(bucket.main_shard, index)
         if not self.global_shape and mesh is None:  # a replicated 0-dim parameter keeps its shape
             self.local = self.local.reshape(())
@@ -84,7 +83,7 @@ class ShardedParam:
             self.sharded = nn.Parameter(self.local, requires_grad=requires_grad)
         else:
             # (a 0-dim parameter is sharded as one row: its DTensor has shape (1,))
-            dt = uneven_dtensor(self.local, mesh, self.global_shape or (1,), self.row_start)
+            dt = uneven_dtensor(self.local, mesh, self.global_shape or (1,), self.start)
             self.sharded = nn.Parameter(dt, requires_grad=requires_grad)
             self._attach(self.sharded)  # the parameter has a local tensor of its own
         self.grad: torch.Tensor | None = None
@@ -95,14 +94,14 @@ class ShardedParam:
         return self.mesh is not None
 
     def _attach(self, dt: DTensor) -> DTensor:
-        attach_uneven(dt, self.global_shape or (1,), self.row_start, self.group)
+        attach_uneven(dt, self.global_shape or (1,), self.start, self.group)
         return dt
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (a tensor shaped like this rank's rows) in the form of :attr:`sharded`."""
         if self.mesh is None:
             return local
-        return uneven_dtensor(local, self.mesh, self.global_shape or (1,), self.row_start,
+        return uneven_dtensor(local, self.mesh, self.global_shape or (1,), self.start,
                               self.group)
 
     def to_unsharded(self) -> None:
@@ -147,16 +146,11 @@ class ShardedParam:
                              f"{self.global_shape}")
         if isinstance(value, DTensor):
             local = value._local_tensor
-            if tuple(local.shape) == tuple(self.local.shape) and _same_rows(value, self):
-                self.local.copy_(local)
+            if (getattr(local, "_mfsdp_start", None) == self.start
+                    and local.numel() == self.local.numel()):
+                self.local.copy_(local.reshape(self.local.shape))
                 return
             value = value.full_tensor()
-        rows = value.reshape(self.global_shape or (1,))
-        local = self.local.reshape(-1, *rows.shape[1:])
-        local.copy_(rows[self.row_start:self.row_start + local.shape[0]].to(local.device))
-
-
-def _same_rows(value: DTensor, p: ShardedParam) -> bool:
-    """Whether ``value``'s local rows are ``p``'s (both made by :func:`uneven_dtensor`)."""
-    start = getattr(value._local_tensor, "_mfsdp_row_start", None)
-    return start == p.row_start
+        flat = value.reshape(-1)
+        self.local.copy_(flat[self.start:self.start + self.local.numel()]
+                         .view(self.local.shape).to(self.local.device))

@@ -33,14 +33,14 @@ def _mesh(model) -> DeviceMesh:
 
 
 def _where(model, bucket, i: int) -> tuple[str, tuple, int]:
-    """(checkpoint name, global shape, first local row) of parameter ``i`` of ``bucket``."""
+    """(checkpoint name, global shape, first local element) of parameter ``i`` of ``bucket``."""
     slot = bucket.plan.params[i]
-    start, _ = slot.local_rows(bucket.main_index)
+    start, _ = slot.local_range(bucket.main_index)
     return model.global_name(bucket.names[i]), (slot.shape or (1,)), start
 
 
 def param_entries(model) -> list[tuple[str, torch.Tensor, tuple, int]]:
-    """(checkpoint name, local main-weight rows, global shape, first local row) per parameter."""
+    """(checkpoint name, local main-weight piece, global shape, its first element) per parameter."""
     out = []
     for _, local, b, i in model.named_main_shards():
         name, shape, start = _where(model, b, i)
