@@ -17,7 +17,7 @@ import argparse
 import math
 from dataclasses import dataclass, field, replace
 
-__all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "state_bytes",
+__all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes",
            "smallest_world", "main", "build_parser"]
 
 GiB = 2**30
@@ -60,6 +60,34 @@ class ModelConfig:
             return dense + 3 * self.hidden * self.ffn_hidden, 0
         dense += self.hidden * self.num_experts + 3 * self.hidden * self.shared_expert_ffn_hidden
         return dense, self.num_experts * 3 * self.hidden * self.moe_ffn_hidden
+
+    def bucket_shapes(self, ep: int = 1) -> dict[str, tuple[list[tuple[int, ...]], int]]:
+        """The engine's buckets for this model: name -> (parameter shapes, how many such buckets).
+
+        One bucket per dense layer, per MoE layer's dense part and per MoE layer's local experts
+        (``num_experts / ep`` of them), and the root (embeddings, final norm, head).
+        """
+        h, heads = self.hidden, self.num_heads
+        if self.mla:
+            q_lora, kv_lora, nope, rope, v = self.mla
+            attn = [(q_lora, h), (heads * (nope + rope), q_lora), (kv_lora + rope, h),
+                    (heads * (nope + v), kv_lora), (h, heads * v)]
+        else:
+            head, kv = h // heads, self.num_kv_heads or heads
+            attn = [(h, h), (kv * head, h), (kv * head, h), (h, h)]
+        norms = [(h,), (h,)]
+        moe_layers = self.num_layers - self.first_dense_layers if self.num_experts else 0
+        out = {"dense layer": (attn + [(self.ffn_hidden, h)] * 2 + [(h, self.ffn_hidden)] + norms,
+                               self.num_layers - moe_layers)}
+        if moe_layers:
+            shared = self.shared_expert_ffn_hidden
+            out["moe layer"] = (attn + [(self.num_experts, h)] + norms
+                                + ([(shared, h)] * 2 + [(h, shared)] if shared else []), moe_layers)
+            local = self.num_experts // ep
+            out["experts"] = ([(self.moe_ffn_hidden, h)] * 2 * local
+                              + [(h, self.moe_ffn_hidden)] * local, moe_layers)
+        out["root"] = ([(self.vocab, h)] * (1 if self.tied_embeddings else 2) + [(h,)], 1)
+        return out
 
     def param_counts(self) -> tuple[int, int]:
         """(dense, expert) parameters of the whole model."""
@@ -142,6 +170,8 @@ class Plan:
     expert_params: int
     memory: dict[str, float]
     comm: dict[str, float] = field(default_factory=dict)
+    padding: float = 0.0
+    """Shard padding of the buckets, as a fraction of the parameters (counted in ``memory``)."""
 
     @property
     def total(self) -> float:
@@ -180,12 +210,52 @@ def _activations(model: ModelConfig, layout: Layout) -> float:
     return model.num_layers * per_layer
 
 
+def padding(model: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """(dense, expert) shard padding as a fraction of the parameters, from the engine's own bucket
+    planner (:func:`mfsdp.buffers.plan_bucket`) on the model's buckets.
+
+    >>> d, _ = padding(PRESETS["llama3-70b"], Layout(world_size=1024))
+    >>> d < 0.01
+    True
+    """
+    from mfsdp.buffers import plan_bucket
+    from mfsdp.config import ShardingStrategy
+
+    if ShardingStrategy.parse(layout.strategy).zero_stage == 0:
+        return 0.0, 0.0
+    shard = layout.world_size // layout.dp_outer
+    factor = layout.dp_outer if ShardingStrategy.parse(layout.outer_strategy).zero_stage else 1
+    pad = {"dense": [0, 0], "expert": [0, 0]}  # [padding, numel]
+    for name, (shapes, count) in model.bucket_shapes(layout.ep).items():
+        kind = "expert" if name == "experts" else "dense"
+        n = (shard // layout.ep if kind == "expert" else shard) * factor
+        b = _plan_bucket(tuple(shapes), n)
+        pad[kind][0] += count * (b.padded_numel - b.numel)
+        pad[kind][1] += count * b.numel
+    return tuple(p / n if n else 0.0 for p, n in pad.values())
+
+
+_BUCKET_PLANS: dict = {}
+
+
+def _plan_bucket(shapes: tuple, n: int):
+    from mfsdp.buffers import plan_bucket
+
+    if (shapes, n) not in _BUCKET_PLANS:
+        _BUCKET_PLANS[(shapes, n)] = plan_bucket(list(shapes), n)
+    return _BUCKET_PLANS[(shapes, n)]
+
+
 def plan(model: ModelConfig, layout: Layout) -> Plan:
-    """Estimate per-rank memory and per-step communication for ``model`` under ``layout``."""
+    """Estimate per-rank memory and per-step communication for ``model`` under ``layout``.
+
+    State terms count the shard padding of the engine's buckets (:func:`padding`).
+    """
     from mfsdp.config import ShardingStrategy
 
     dense, expert = model.param_counts()
-    memory = state_bytes(dense, expert, layout)
+    pad_dense, pad_expert = padding(model, layout)
+    memory = state_bytes(dense * (1 + pad_dense), expert * (1 + pad_expert), layout)
     s = ShardingStrategy.parse(layout.strategy).zero_stage
     unit_dense, unit_expert = model.layer_params(bool(model.num_experts))
     unit = (unit_dense + unit_expert / layout.ep) * layout.compute_bytes
@@ -204,7 +274,8 @@ def plan(model: ModelConfig, layout: Layout) -> Plan:
         # dispatch + combine, forward + backward, topk copies of each token
         comm["ep"] = 4 * moe_layers * tokens * model.topk * model.hidden * layout.compute_bytes \
             * (layout.ep - 1) / layout.ep
-    return Plan(dense + expert, dense, expert, memory, comm)
+    return Plan(dense + expert, dense, expert, memory, comm,
+                padding=(pad_dense * dense + pad_expert * expert) / (dense + expert))
 
 
 def smallest_world(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
