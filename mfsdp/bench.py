@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_group_timeline"]
+__all__ = ["all_gather_group_timeline", "unused_parameter_peak"]
 
 _DEFAULTS = dict(dim=256, hidden=1024, blocks=6, local_batch=32, steps=6, warmup=2, seed=0)
 
@@ -68,3 +68,37 @@ def all_gather_group_timeline(cfg: dict | None = None) -> dict:
                    "exposed_s": statistics.median(v["waits"]),
                    "step_spread_s": max(v["steps"]) - min(v["steps"]),
                    "timeline": v["timeline"]} for name, v in variants.items()}
+
+
+def unused_parameter_peak(blocks: int = 8, dim: int = 256, unused: bool = True) -> float:
+    """Peak full-gradient buffer bytes of a ZeRO-3 model as a share of all its gradient buckets,
+    when every block holds a parameter that gets no gradient (``unused``) or not (run in every
+    rank; rank 0's value is the one to read).
+
+    Full gradient buffers live from a bucket's first gradient to the end of its reduce-scatter;
+    with per-unit completion, an unused parameter no longer keeps them until the end of backward.
+    """
+    from torch import nn
+
+    import mfsdp
+
+    class _Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(dim, 4 * dim)
+            self.fc2 = nn.Linear(4 * dim, dim)
+            self.spare = nn.Linear(dim, dim) if unused else None  # never called
+
+        def forward(self, x):
+            return x + self.fc2(torch.tanh(self.fc1(x)))
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, dim), *[_Block() for _ in range(blocks)], nn.Linear(dim, 1))
+    model, opt = mfsdp.fully_shard(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                   fsdp_unit_modules=[_Block], zero_dp_strategy=3)
+    for _ in range(2):
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    total = sum(b.plan.padded_numel * 4 for b in model.buckets if b.requires_grad)
+    return model.memory["peak_grad_full_bytes"] / total
