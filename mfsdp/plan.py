@@ -249,7 +249,7 @@ def _plan_bucket(shapes: tuple, n: int):
 def plan(model: ModelConfig, layout: Layout) -> Plan:
     """Estimate per-rank memory and per-step communication for ``model`` under ``layout``.
 
-    State terms count the shard padding of the engine's buckets (:func:`padding`).
+    State terms count the shard padding of the engine's buckets (``padding``).
     """
     from mfsdp.config import ShardingStrategy
 
