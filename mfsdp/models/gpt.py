@@ -1,4 +1,14 @@
-"""A small GPT and a small MoE GPT (a "DeepSeek-proxy"), both on packed THD sequences.
+"""The decoder-only transformer families people train, on packed THD sequences: one configurable
+model (as Megatron-LM's ``GPTModel`` is one class) that builds GPT-2-like, Llama / Qwen2 / Qwen3
+dense, Mixtral / Qwen2-MoE / Qwen3-MoE and DeepSeek-V3 (multi-head latent attention) architectures.
+
+Each architecture maps one to one onto a Hugging Face ``transformers`` class
+(:mod:`mfsdp.models.hf` converts configurations and weights both ways): RMSNorm or LayerNorm,
+rotary (with Llama-3 frequency scaling, interleaved for DeepSeek) or learned positions,
+grouped-query attention with Megatron-LM's fused ``linear_qkv`` layout (per query group: the
+group's query heads, then its key head, then its value head), SwiGLU or GELU, optional biases,
+QK-norm, tied or untied output, and MoE layers with softmax or sigmoid group-limited routing,
+an expert score-correction bias, a routed scaling factor and shared experts (gated or not).
 
 Every batch is *packed*: the tokens of several sequences are concatenated into one ``[T]`` tensor
 (T = total tokens) and ``cu_seqlens`` (``[0, len_0, len_0 + len_1, ...]``) marks where each starts.
@@ -15,11 +25,16 @@ fixed-length batch ``[B, S]`` is the special case of equal lengths.
 ...                       num_attention_heads=2))
 >>> model(tokens, cu).shape
 torch.Size([5, 32])
+>>> llama = GPT(GPT_PRESETS["llama-tiny"])      # RMSNorm, RoPE, GQA, SwiGLU, no biases
+>>> [n for n, _ in llama.layers[0].named_parameters()]
+['input_layernorm.weight', 'self_attention.linear_qkv.weight', 'self_attention.linear_proj.weight', 'pre_mlp_layernorm.weight', 'mlp.linear_fc1.weight', 'mlp.linear_fc2.weight']
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +42,12 @@ from torch import nn
 
 from mfsdp.moe.layer import MoELayer
 
-__all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "TransformerLayer", "gpt_loss", "pack_sequences",
-           "position_ids", "thd_attention_mask"]
+__all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "MLAttention", "RMSNorm", "TransformerLayer",
+           "apply_rotary", "gpt_loss", "pack_sequences", "position_ids", "rope_inv_freq",
+           "thd_attention_mask"]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 
 
 @dataclass(frozen=True)
@@ -41,7 +60,36 @@ class GPTConfig:
     hidden_size: int = 64
     ffn_hidden_size: int = 128
     num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    """Key/value heads of grouped-query attention (``None``: one per query head)."""
+    kv_channels: int | None = None
+    """Width of one attention head (``None``: ``hidden_size // num_attention_heads``)."""
     swiglu: bool = False
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    rotary_interleaved: bool = False
+    """Rotate interleaved pairs ``(x0, x1), (x2, x3)...`` (DeepSeek) instead of the two halves."""
+    rope_scaling_factor: float | None = None
+    """Llama-3 frequency scaling (``None``: off); the three fields below are its other parameters."""
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    share_embeddings_and_output_weights: bool = False
+    init_method_std: float | None = None
+    """Initialise linear and embedding weights from N(0, std) and biases with zeros, as
+    Megatron-LM and ``transformers`` do (``None``: PyTorch's module defaults)."""
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-head latent attention (the five fields below size it)."""
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     num_experts: int = 0
     """How many routed experts each MoE layer has (a dense model has none). Layers from
     ``moe_first_dense_layers`` on are MoE layers."""
@@ -49,12 +97,19 @@ class GPTConfig:
     moe_ffn_hidden_size: int | None = None
     moe_router_topk: int = 2
     moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    """Softmax scores: ``False`` (Megatron-LM's default, Mixtral) renormalises the chosen experts'
+    weights to sum to one; ``True`` uses the softmax over all experts as it is (Qwen2-MoE).
+    Sigmoid scores are always renormalised."""
+    moe_router_topk_scaling_factor: float | None = None
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     moe_router_enable_expert_bias: bool = False
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
     moe_shared_expert_intermediate_size: int = 0
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by ``sigmoid(gate(x))`` (Qwen2-MoE)."""
     moe_token_dispatcher_type: str = "alltoall"
     moe_flex_dispatcher_backend: str = "torch"
     moe_expert_capacity_factor: float | None = None
@@ -64,13 +119,35 @@ class GPTConfig:
     """Fused experts (:class:`mfsdp.moe.FusedExperts`) instead of one module per expert."""
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and not self.multi_latent_attention and \
+                self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
-                             f"num_attention_heads={self.num_attention_heads}")
+                             f"num_attention_heads={self.num_attention_heads}; set kv_channels")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization={self.normalization!r}: choose one of {NORMALIZATIONS}")
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ValueError(f"position_embedding_type={self.position_embedding_type!r}: choose one "
+                             f"of {POSITION_EMBEDDINGS}")
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.num_attention_heads % groups:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                             f"num_query_groups={groups}")
+        if self.multi_latent_attention and self.position_embedding_type != "rope":
+            raise ValueError("multi_latent_attention needs position_embedding_type='rope'")
         for f in ("vocab_size", "num_layers", "hidden_size", "ffn_hidden_size",
                   "num_attention_heads"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head (``kv_channels`` or ``hidden_size // heads``)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim
 
     def to_dict(self) -> dict:
         """The configuration as a plain dict (for checkpoints' ``config.json``)."""
@@ -86,15 +163,51 @@ class GPTConfig:
         return cls(**d)
 
 
+_LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+              add_bias_linear=False, init_method_std=0.02)
+
 GPT_PRESETS = {
+    # GPT-2-like: LayerNorm with bias, learned positions, multi-head attention, GELU.
     "gpt-tiny": GPTConfig(),
-    # DeepSeek-V3 in miniature: a dense first layer, then MoE layers with a shared expert and
-    # routed experts behind a sigmoid router with group-limited top-k and a balancing bias.
-    "deepseek-proxy": GPTConfig(num_layers=3, swiglu=True, num_experts=8, moe_first_dense_layers=1,
-                                moe_ffn_hidden_size=32, moe_router_topk=2,
-                                moe_router_score_function="sigmoid", moe_router_num_groups=4,
-                                moe_router_group_topk=2, moe_router_enable_expert_bias=True,
-                                moe_shared_expert_intermediate_size=32, moe_aux_loss_coeff=1e-3),
+    # Llama 3 in miniature (the same code as llama3-8b, at a CPU size).
+    "llama-tiny": GPTConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
+                            num_query_groups=2, rotary_base=500000.0, rope_scaling_factor=8.0,
+                            **_LLAMA),
+    "llama3-8b": GPTConfig(vocab_size=128256, max_position_embeddings=8192, num_layers=32,
+                           hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                           num_query_groups=8, rotary_base=500000.0, rope_scaling_factor=8.0,
+                           **_LLAMA),
+    "llama3-70b": GPTConfig(vocab_size=128256, max_position_embeddings=8192, num_layers=80,
+                            hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                            num_query_groups=8, rotary_base=500000.0, rope_scaling_factor=8.0,
+                            **_LLAMA),
+    # DeepSeek-V3 in miniature: multi-head latent attention, a dense first layer, then MoE layers
+    # with a shared expert and routed experts behind a sigmoid router with group-limited top-k, the
+    # score-correction bias and the routed scaling factor.
+    "deepseek-proxy": GPTConfig(num_layers=3, hidden_size=64, ffn_hidden_size=128,
+                                num_attention_heads=4, norm_epsilon=1e-6, rotary_interleaved=True,
+                                multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
+                                qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                                num_experts=8, moe_first_dense_layers=1, moe_ffn_hidden_size=32,
+                                moe_router_topk=2, moe_router_score_function="sigmoid",
+                                moe_router_num_groups=4, moe_router_group_topk=2,
+                                moe_router_enable_expert_bias=True,
+                                moe_router_topk_scaling_factor=2.5,
+                                moe_shared_expert_intermediate_size=32, moe_aux_loss_coeff=1e-3,
+                                **_LLAMA),
+    # DeepSeek-V3 (671B) at full size, for the planner and the sbatch preset. Its released
+    # checkpoint also uses YaRN rotary scaling, which mfsdp does not implement yet.
+    "deepseek-v3": GPTConfig(vocab_size=129280, max_position_embeddings=4096, num_layers=61,
+                             hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
+                             norm_epsilon=1e-6, rotary_interleaved=True,
+                             multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512,
+                             qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+                             num_experts=256, moe_first_dense_layers=3, moe_ffn_hidden_size=2048,
+                             moe_router_topk=8, moe_router_score_function="sigmoid",
+                             moe_router_num_groups=8, moe_router_group_topk=4,
+                             moe_router_enable_expert_bias=True,
+                             moe_router_topk_scaling_factor=2.5,
+                             moe_shared_expert_intermediate_size=2048, **_LLAMA),
 }
 
 
@@ -129,31 +242,163 @@ def thd_attention_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return causal & (ids.unsqueeze(0) == ids.unsqueeze(1))
 
 
-class Attention(nn.Module):
-    """Multi-head self-attention on packed tokens with a block-diagonal causal mask."""
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation computed in fp32, scaled by a learned ``weight`` (as Llama)."""
 
-    def __init__(self, hidden: int, heads: int):
+    def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        self.heads = heads
-        self.linear_qkv = nn.Linear(hidden, 3 * hidden)
-        self.linear_proj = nn.Linear(hidden, hidden)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        T, H = x.shape
-        q, k, v = self.linear_qkv(x).view(T, 3, self.heads, H // self.heads).unbind(1)
+    def reset_parameters(self) -> None:
+        """Weight back to ones."""
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _norm(cfg: GPTConfig, dim: int) -> nn.Module:
+    if cfg.normalization == "RMSNorm":
+        return RMSNorm(dim, cfg.norm_epsilon)
+    return nn.LayerNorm(dim, eps=cfg.norm_epsilon)
+
+
+def rope_inv_freq(cfg: GPTConfig, device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies ``[rotary_dim / 2]`` with Llama-3 scaling when configured.
+
+    >>> rope_inv_freq(GPTConfig(position_embedding_type="rope", hidden_size=8, num_attention_heads=2))
+    tensor([1.0000, 0.0100])
+    """
+    dim = cfg.rotary_dim
+    inv = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device)
+                                     .float() / dim))
+    if cfg.rope_scaling_factor is not None:
+        factor, low, high = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
+                             cfg.rope_high_freq_factor)
+        old = cfg.rope_original_max_position_embeddings
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool = False) -> torch.Tensor:
+    """Rotate ``x`` (``[T, heads, dim]``) by the angles whose ``cos``/``sin`` are ``[T, dim]``.
+
+    The two halves of the channels form the pairs (Llama), or with ``interleaved`` the even and
+    odd channels do (DeepSeek), whose output lists the rotated even channels then the odd ones.
+    """
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    if interleaved:
+        half = cos.shape[-1] // 2
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _linear(cfg: GPTConfig, n_in: int, n_out: int, bias: bool | None = None) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=cfg.add_bias_linear if bias is None else bias)
+
+
+class Attention(nn.Module):
+    """Self-attention on packed tokens with a block-diagonal causal mask: multi-head or grouped-query.
+
+    ``linear_qkv`` stacks, for each of the ``num_query_groups`` groups, the group's query heads, its
+    key head and its value head (Megatron-LM's layout); ``q_layernorm`` / ``k_layernorm`` (QK-norm,
+    Qwen3) normalise each head before RoPE.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads, self.groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
+        self.dim, self.interleaved = cfg.head_dim, cfg.rotary_interleaved
+        self.linear_qkv = _linear(cfg, cfg.hidden_size, (self.heads + 2 * self.groups) * self.dim,
+                                  cfg.add_bias_linear or cfg.add_qkv_bias)
+        if cfg.qk_layernorm:
+            self.q_layernorm = RMSNorm(self.dim, cfg.norm_epsilon)
+            self.k_layernorm = RMSNorm(self.dim, cfg.norm_epsilon)
+        self.linear_proj = _linear(cfg, self.heads * self.dim, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope=None) -> torch.Tensor:
+        T = x.shape[0]
+        per = self.heads // self.groups
+        qkv = self.linear_qkv(x).view(T, self.groups, per + 2, self.dim)
+        q = qkv[:, :, :per].reshape(T, self.heads, self.dim)
+        k, v = qkv[:, :, per], qkv[:, :, per + 1]
+        if hasattr(self, "q_layernorm"):
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope, self.interleaved), apply_rotary(k, *rope, self.interleaved)
+        if per > 1:
+            k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
                                              v.transpose(0, 1), attn_mask=mask)
-        return self.linear_proj(out.transpose(0, 1).reshape(T, H))
+        return self.linear_proj(out.transpose(0, 1).reshape(T, self.heads * self.dim))
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank latents.
+
+    Queries: ``linear_q_down_proj`` -> ``q_layernorm`` -> ``linear_q_up_proj`` (or one
+    ``linear_q_proj`` without ``q_lora_rank``), ``qk_head_dim`` plain and ``qk_pos_emb_head_dim``
+    rotary channels per head. Keys and values: ``linear_kv_down_proj`` gives the latent and one
+    rotary key shared by all heads; ``kv_layernorm`` -> ``linear_kv_up_proj`` gives each head's
+    plain key and value.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        h, n = cfg.hidden_size, cfg.num_attention_heads
+        self.heads, self.kv_lora_rank = n, cfg.kv_lora_rank
+        self.dn, self.dr, self.dv = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+        self.interleaved = cfg.rotary_interleaved
+        if cfg.q_lora_rank:
+            self.linear_q_down_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.linear_q_up_proj = nn.Linear(cfg.q_lora_rank, n * (self.dn + self.dr), bias=False)
+        else:
+            self.linear_q_proj = nn.Linear(h, n * (self.dn + self.dr), bias=False)
+        self.linear_kv_down_proj = nn.Linear(h, cfg.kv_lora_rank + self.dr, bias=False)
+        self.kv_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.linear_kv_up_proj = nn.Linear(cfg.kv_lora_rank, n * (self.dn + self.dv), bias=False)
+        self.linear_proj = nn.Linear(n * self.dv, h, bias=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope=None) -> torch.Tensor:
+        T, n = x.shape[0], self.heads
+        if hasattr(self, "linear_q_proj"):
+            q = self.linear_q_proj(x)
+        else:
+            q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))
+        q_nope, q_rot = q.view(T, n, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
+        latent, k_rot = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.dr], dim=-1)
+        kv = self.linear_kv_up_proj(self.kv_layernorm(latent)).view(T, n, self.dn + self.dv)
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)
+        q_rot = apply_rotary(q_rot, *rope, self.interleaved)
+        k_rot = apply_rotary(k_rot.view(T, 1, self.dr), *rope, self.interleaved)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(T, n, self.dr)], dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                             v.transpose(0, 1), attn_mask=mask)
+        return self.linear_proj(out.transpose(0, 1).reshape(T, n * self.dv))
 
 
 class MLP(nn.Module):
     """The dense feed-forward block (SwiGLU stacks gate and up in ``linear_fc1``)."""
 
-    def __init__(self, hidden: int, ffn: int, swiglu: bool):
+    def __init__(self, hidden: int, ffn: int, swiglu: bool, bias: bool = True):
         super().__init__()
         self.swiglu = swiglu
-        self.linear_fc1 = nn.Linear(hidden, 2 * ffn if swiglu else ffn)
-        self.linear_fc2 = nn.Linear(ffn, hidden)
+        self.linear_fc1 = nn.Linear(hidden, 2 * ffn if swiglu else ffn, bias=bias)
+        self.linear_fc2 = nn.Linear(ffn, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
@@ -171,43 +416,76 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg: GPTConfig, moe: bool):
         super().__init__()
         h = cfg.hidden_size
-        self.input_layernorm = nn.LayerNorm(h)
-        self.self_attention = Attention(h, cfg.num_attention_heads)
-        self.pre_mlp_layernorm = nn.LayerNorm(h)
+        self.input_layernorm = _norm(cfg, h)
+        self.self_attention = MLAttention(cfg) if cfg.multi_latent_attention else Attention(cfg)
+        self.pre_mlp_layernorm = _norm(cfg, h)
         if moe:
             self.mlp = MoELayer(
                 h, cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, cfg.num_experts,
                 cfg.moe_router_topk, dispatcher=cfg.moe_token_dispatcher_type,
                 flex_backend=cfg.moe_flex_dispatcher_backend, fused=cfg.moe_grouped_gemm,
                 swiglu=cfg.swiglu, shared_ffn=cfg.moe_shared_expert_intermediate_size,
+                shared_gate=cfg.moe_shared_expert_gate,
                 score_func=cfg.moe_router_score_function, num_groups=cfg.moe_router_num_groups,
                 group_topk=cfg.moe_router_group_topk,
                 expert_bias=cfg.moe_router_enable_expert_bias,
                 aux_loss_coeff=cfg.moe_aux_loss_coeff, z_loss_coeff=cfg.moe_z_loss_coeff,
                 capacity_factor=cfg.moe_expert_capacity_factor,
                 drop_policy=cfg.moe_token_drop_policy,
-                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
+                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity,
+                scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0,
+                normalize=(cfg.moe_router_score_function == "sigmoid"
+                           or not cfg.moe_router_pre_softmax))
         else:
-            self.mlp = MLP(h, cfg.ffn_hidden_size, cfg.swiglu)
+            self.mlp = MLP(h, cfg.ffn_hidden_size, cfg.swiglu, cfg.add_bias_linear)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attention(self.input_layernorm(x), mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope=None) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x), mask, rope)
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
 class GPT(nn.Module):
-    """Token and position embeddings, :class:`~mfsdp.models.gpt.TransformerLayer` stack, final norm, output head."""
+    """Embeddings, a :class:`~mfsdp.models.gpt.TransformerLayer` stack, final norm and output head.
+
+    With ``share_embeddings_and_output_weights`` the output projection reuses
+    ``embedding.weight`` (there is no ``output_layer``).
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embedding = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        if cfg.position_embedding_type == "learned_absolute":
+            self.position_embedding = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.layers = nn.ModuleList(
             TransformerLayer(cfg, moe=cfg.num_experts > 0 and i >= cfg.moe_first_dense_layers)
             for i in range(cfg.num_layers))
-        self.final_layernorm = nn.LayerNorm(cfg.hidden_size)
-        self.output_layer = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.final_layernorm = _norm(cfg, cfg.hidden_size)
+        if not cfg.share_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.init_method_std is not None:
+            self.apply(self.init_weights)
+
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialise ``module``'s own weights as Megatron-LM does with ``init_method_std``.
+
+        Linear and embedding weights from N(0, std), biases zero, norms to one; other modules
+        keep their ``reset_parameters``. Usable as ``param_init_fn`` for meta-device init.
+        """
+        std = self.config.init_method_std
+        if std is None:
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            return
+        with torch.no_grad():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                module.reset_parameters()
+            elif hasattr(module, "reset_parameters") and not list(module.children()):
+                module.reset_parameters()
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[T, vocab]`` for packed ``tokens`` ``[T]`` (or ``[B, S]``, flattened)."""
@@ -219,14 +497,26 @@ class GPT(nn.Module):
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, tokens.numel()], device=tokens.device)
         pos = position_ids(cu_seqlens)
-        if int(pos.max()) >= self.config.max_position_embeddings:
+        cfg = self.config
+        if int(pos.max()) >= cfg.max_position_embeddings and \
+                cfg.position_embedding_type == "learned_absolute":
             raise ValueError(f"a sequence of {int(pos.max()) + 1} tokens exceeds "
-                             f"max_position_embeddings={self.config.max_position_embeddings}")
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
         mask = thd_attention_mask(cu_seqlens)
-        x = self.embedding(tokens) + self.position_embedding(pos)
+        x = self.embedding(tokens)
+        rope = None
+        if cfg.position_embedding_type == "learned_absolute":
+            x = x + self.position_embedding(pos)
+        else:
+            freqs = pos.float().unsqueeze(1) * rope_inv_freq(cfg, tokens.device).unsqueeze(0)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            rope = (emb.cos(), emb.sin())
         for layer in self.layers:
-            x = layer(x, mask)
-        return self.output_layer(self.final_layernorm(x))
+            x = layer(x, mask, rope)
+        x = self.final_layernorm(x)
+        if cfg.share_embeddings_and_output_weights:
+            return F.linear(x, self.embedding.weight)
+        return self.output_layer(x)
 
 
 def gpt_loss(logits: torch.Tensor, tokens: torch.Tensor,

@@ -31,20 +31,25 @@ class MoELayer(nn.Module):
             ``"torch"`` or ``"deepep"``).
         fused: :class:`~mfsdp.moe.experts.FusedExperts` instead of one module per expert.
         shared_ffn: hidden width of a shared expert every token also goes through (0: none).
+        shared_gate: scale the shared expert's output by ``sigmoid(shared_expert_gate(x))``
+            (Qwen2-MoE's gated shared expert).
         router_kwargs: passed to :class:`~mfsdp.moe.router.TopKRouter` (``score_func``,
             ``num_groups``, ``group_topk``, ``expert_bias``, ``aux_loss_coeff``, ...).
     """
 
     def __init__(self, dim: int, ffn: int, num_experts: int, topk: int = 1,
                  dispatcher: str = "alltoall", flex_backend: str = "torch", fused: bool = False,
-                 swiglu: bool = False, shared_ffn: int = 0, hook_mode: str = "replay",
-                 **router_kwargs):
+                 swiglu: bool = False, shared_ffn: int = 0, shared_gate: bool = False,
+                 hook_mode: str = "replay", **router_kwargs):
         super().__init__()
         self.num_experts, self.dispatcher_kind, self.flex_backend = num_experts, dispatcher, flex_backend
         self.router = TopKRouter(dim, num_experts, topk, **router_kwargs)
         seq = SequentialExperts(num_experts, dim, ffn, swiglu)
         self.experts = FusedExperts.from_sequential(seq, hook_mode) if fused else seq
         self.shared_expert = ExpertMLP(dim, shared_ffn, swiglu) if shared_ffn else None
+        if shared_gate and not shared_ffn:
+            raise ValueError("shared_gate needs a shared expert (shared_ffn > 0)")
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         self.dispatcher = make_dispatcher(dispatcher, num_experts, None, flex_backend)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -54,7 +59,10 @@ class MoELayer(nn.Module):
         probs, routing_map = self.router(flat)
         out = self.dispatcher(flat, probs.to(flat.dtype), routing_map, self.experts)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         return out.reshape(shape)
 
 

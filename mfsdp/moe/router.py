@@ -53,11 +53,14 @@ def topk_routing(
     group_topk: int | None = None,
     expert_bias: torch.Tensor | None = None,
     scaling_factor: float = 1.0,
+    normalize: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose ``topk`` experts per token; return ``(probs, routing_map)``, both ``[tokens, experts]``.
 
-    Scores: ``softmax`` over all experts (the chosen scores are used as they are) or ``sigmoid``
-    per expert (the chosen scores are normalised to sum to one, as DeepSeek-V3 does). The selection
+    Scores: ``softmax`` over all experts or ``sigmoid`` per expert. ``normalize`` rescales the
+    chosen scores to sum to one (default: for sigmoid, as DeepSeek-V3 does, not for softmax;
+    ``normalize=True`` with softmax is Mixtral's and Megatron-LM's default routing), then every
+    weight is multiplied by ``scaling_factor`` (DeepSeek-V3's routed scaling factor). The selection
     ranks ``score + expert_bias``; the bias steers the choice but never enters the weights.
     Group-limited routing splits the experts into ``num_groups`` equal groups, scores each group
     by the sum of its two best (biased) scores (its best one when a group has one expert), keeps
@@ -81,7 +84,9 @@ def topk_routing(
     index = choice.topk(topk, dim=-1).indices
     routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, index, True)
     chosen = scores.gather(1, index)
-    if score_func == "sigmoid" and topk > 1:
+    if normalize is None:
+        normalize = score_func == "sigmoid"
+    if normalize and topk > 1:
         chosen = chosen / (chosen.sum(-1, keepdim=True) + 1e-20)
     probs = torch.zeros_like(scores).scatter(1, index, chosen * scaling_factor)
     return probs, routing_map
@@ -170,7 +175,8 @@ class TopKRouter(nn.Module):
                  num_groups: int | None = None, group_topk: int | None = None,
                  expert_bias: bool = False, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                  capacity_factor: float | None = None, drop_policy: str = "probs",
-                 pad_to_capacity: bool = False, scaling_factor: float = 1.0):
+                 pad_to_capacity: bool = False, scaling_factor: float = 1.0,
+                 normalize: bool | None = None):
         super().__init__()
         _check_topk(topk, num_experts, num_groups, group_topk)
         if score_func not in SCORE_FUNCS:
@@ -184,6 +190,7 @@ class TopKRouter(nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.pad_to_capacity, self.scaling_factor = pad_to_capacity, scaling_factor
+        self.normalize = normalize
         self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
         self.losses: dict[str, torch.Tensor] = {}
         # Tokens routed to each expert since the last update_expert_bias() (with expert_bias).
@@ -197,7 +204,8 @@ class TopKRouter(nn.Module):
         """Route ``hidden`` (``[tokens, hidden]``); return ``(probs, routing_map)``."""
         logits = hidden.float() @ self.weight.float().t()
         probs, routing_map = topk_routing(logits, self.topk, self.score_func, self.num_groups,
-                                          self.group_topk, self.expert_bias, self.scaling_factor)
+                                          self.group_topk, self.expert_bias, self.scaling_factor,
+                                          self.normalize)
         self.losses = {}
         if self.expert_bias is not None and torch.is_grad_enabled():
             self.load = self.load.to(routing_map.device) + routing_map.sum(0).float()
