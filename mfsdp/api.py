@@ -89,6 +89,7 @@ def fully_shard_model(
     outer_dp_sharding_strategy: int | str = 0,
     device: torch.device | str | None = None,
     init_model_with_meta_device: bool = False,
+    param_init_fn=None,
     mixed_precision_policy: MixedPrecisionPolicy | None = None,
     overlap_grad_reduce: bool = True,
     overlap_param_gather: bool = True,
@@ -133,7 +134,11 @@ def fully_shard_model(
         outer_dp_sharding_strategy: ``"no_shard"`` (HSDP) or ``"optim"`` across the outer dimension.
         device: where buffers live; default from the mesh (CPU with gloo, the current GPU with NCCL).
         init_model_with_meta_device: materialise a model built on ``meta`` one module at a time,
-            straight into the shards (calls each module's ``reset_parameters()``).
+            straight into the shards: each module's parameters and buffers are allocated, then
+            ``param_init_fn(module)`` fills them (or the module's ``reset_parameters()``).
+        param_init_fn: ``fn(module)`` initialising one module's own parameters and buffers
+            (e.g. a Hugging Face model's ``_init_weights``, which also recomputes rotary
+            ``inv_freq``). Needs ``init_model_with_meta_device=True``.
         mixed_precision_policy: main-weight, gradient and communication dtypes.
         overlap_grad_reduce: launch each bucket's reduction as soon as its gradients are ready.
         overlap_param_gather: prefetch the next unit's weights (ZeRO-3).
@@ -202,6 +207,9 @@ def fully_shard_model(
     elif not isinstance(mixed_precision_policy, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision_policy={mixed_precision_policy!r} must be a "
                         "mfsdp.MixedPrecisionPolicy")
+    if param_init_fn is not None and not init_model_with_meta_device:
+        raise ValueError("param_init_fn is used by meta-device initialisation; pass "
+                         "init_model_with_meta_device=True (or initialise the model yourself)")
     if init_model_with_meta_device and strategy is ShardingStrategy.NO_SHARD:
         raise ValueError("init_model_with_meta_device=True needs a sharded strategy, got "
                          "zero_dp_strategy='no_shard': every rank would hold the full model anyway; "
@@ -273,6 +281,7 @@ def fully_shard_model(
         module, groups=groups, strategy=strategy, unit_classes=units, device=device,
         mixed_precision_policy=mixed_precision_policy,
         init_model_with_meta_device=init_model_with_meta_device,
+        param_init_fn=param_init_fn,
         overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
         sync_model_each_microbatch=sync_model_each_microbatch,
         average_in_collective=average_in_collective,

@@ -84,6 +84,7 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
         device: torch.device,
         mixed_precision_policy: MixedPrecisionPolicy,
         init_model_with_meta_device: bool = False,
+        param_init_fn=None,
         overlap_grad_reduce: bool = True,
         overlap_param_gather: bool = True,
         sync_model_each_microbatch: bool = True,
@@ -156,6 +157,7 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
                 c.backend = backend_of(c.group, device)
         self.report_nan_in_param_grad = report_nan_in_param_grad
         self.use_decoupled_grad = use_decoupled_grad
+        self._param_init_fn = param_init_fn
         self._build(unit_classes, disable_bucketing, init_model_with_meta_device)
         if preproc_state_dict_for_dcp_ckpt:
             self._register_state_dict_hook(FullyShardedModule._state_dict_hook)

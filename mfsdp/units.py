@@ -8,6 +8,8 @@ constructor); it is split out only to keep one idea per file. The grouping rules
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import torch
@@ -256,20 +258,35 @@ class UnitConstruction:
                     for b in self.buckets for t in (b.model_shard, b.main_shard, b.full)}
         held = sum(storages.values())  # what the buckets hold already (shards, under ZeRO-3)
         done: set[int] = set()
+        init_fn = getattr(self, "_param_init_fn", None)
         for path, m in self.module.named_modules():
             own = [(a, p) for a, p in m._parameters.items() if p is not None and id(p) not in done]
-            if not own:
+            meta_bufs = [a for a, b in m._buffers.items() if b is not None and b.is_meta]
+            if not own and not meta_bufs:
                 continue
-            # reset_parameters(), or _reset_parameters() as nn.MultiheadAttention and upstream's
-            # meta-device initialisation accept
+            where = f"module {path or type(m).__name__!r} ({type(m).__name__})"
+            # param_init_fn, else reset_parameters(), or _reset_parameters() as
+            # nn.MultiheadAttention and upstream's meta-device initialisation accept
             reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
-            if reset is None:
-                raise ValueError(f"module {path or type(m).__name__!r} ({type(m).__name__}) has "
-                                 "parameters but no reset_parameters() (or _reset_parameters()); "
-                                 "meta-device initialisation needs it to create their values")
+            if init_fn is not None:
+                reset = functools.partial(init_fn, m)
+            if reset is None and own:
+                raise ValueError(f"{where} has parameters but no reset_parameters() (or "
+                                 "_reset_parameters()); meta-device initialisation needs one, or "
+                                 "pass param_init_fn=fn to fully_shard (fn(module) initialises "
+                                 "one module, e.g. a Hugging Face model's _init_weights)")
+            transient = [a for a in meta_bufs if a in m._non_persistent_buffers_set]
+            if reset is None and transient:
+                raise ValueError(f"{where} has non-persistent buffers {transient} on the meta "
+                                 "device and no way to recompute them; pass param_init_fn=fn to "
+                                 "fully_shard (for Hugging Face models: model._init_weights, "
+                                 "which recomputes rotary inv_freq)")
             originals = {a: p for a, p in own}
             m.to_empty(device=self.device, recurse=False)
-            reset()
+            for a in meta_bufs:  # persistent buffers start at zero (a checkpoint overwrites them)
+                m._buffers[a].zero_()
+            if reset is not None:
+                reset()
             temp = sum(p.numel() * p.element_size() for p in m._parameters.values() if p is not None)
             self.memory["init_peak_bytes"] = max(self.memory["init_peak_bytes"], held + temp)
             for a, p in originals.items():

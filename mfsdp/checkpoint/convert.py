@@ -6,8 +6,13 @@ Run as ``mfsdp convert`` or ``python -m mfsdp.checkpoint.convert``::
     mfsdp convert --from fsdp_dtensor --to torch_dist IN OUT
     mfsdp convert --from fsdp_dtensor --to safetensors IN OUT [--swiglu] [--dtype bf16]
     mfsdp convert --from safetensors --to fsdp_dtensor IN OUT [--swiglu]
+    mfsdp convert --from hf --to fsdp_dtensor HF_DIR OUT
+    mfsdp convert --from fsdp_dtensor --to hf IN HF_DIR [--dtype bf16] [--max-shard-size 5GB]
 
-Conversion runs in one process on full tensors; the result of a conversion to ``fsdp_dtensor`` is
+``hf`` is a Hugging Face model directory (``config.json`` and safetensors, sharded with an index
+for large models) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads; the model
+families are those of :mod:`mfsdp.models.hf`. The ``hf`` conversions stream: one tensor (and the
+few it is made of) is in memory at a time. The others run in one process on full tensors; the result of a conversion to ``fsdp_dtensor`` is
 read into any layout by :func:`mfsdp.checkpoint.load_checkpoint`, which reshards on load.
 
 The formats (all but safetensors are ``torch.distributed.checkpoint`` directories with a
@@ -18,32 +23,40 @@ The formats (all but safetensors are ``torch.distributed.checkpoint`` directorie
 * ``torch_dist``: the same weights, and optimizer state keyed by *position*, as
   ``torch.optim.Optimizer.state_dict()`` does (``optimizer.state.<index>.<key>``, groups listing
   indices), with ``param_to_param_group_map.json`` naming each position's parameter and group.
-* ``safetensors``: ``model.safetensors`` (weights by name, no optimizer) and ``config.json``.
+* ``safetensors``: ``model.safetensors`` (weights by mfsdp name, no optimizer) and ``config.json``.
+
+Checkpoints written by ``mfsdp train`` and by ``--from hf`` also hold ``model_config.json`` (the
+:class:`~mfsdp.models.gpt.GPTConfig`), which ``--to hf`` and ``mfsdp train --load`` read.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import pickle
 import secrets
+import shutil
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from mfsdp.checkpoint.io import FORMAT_VERSION, CheckpointError, read_manifest
 from mfsdp.checkpoint.safetensors import load_file, save_file
 
-__all__ = ["read_full", "write_full", "fsdp_to_torch_dist", "torch_dist_to_fsdp",
+__all__ = ["read_full", "write_full", "write_streaming", "DCPSource", "hf_to_fsdp", "fsdp_to_hf", "fsdp_to_torch_dist", "torch_dist_to_fsdp",
            "fsdp_to_safetensors", "safetensors_to_fsdp", "split_swiglu", "join_swiglu",
            "save_torch_dist", "load_torch_dist", "main"]
 
 MAP_FILE = "param_to_param_group_map.json"
+MODEL_CONFIG_FILE = "model_config.json"
 _DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -88,6 +101,240 @@ def write_full(path: str | Path, tensors: dict[str, torch.Tensor], blobs: dict[s
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     tmp.rename(path)
     return path
+
+
+class _LazyPlanner(DefaultSavePlanner):
+    """A save planner whose tensors are produced one at a time, when the writer asks for them."""
+
+    def __init__(self, produce):
+        super().__init__()
+        self._produce = produce
+
+    def resolve_data(self, write_item):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        return self._produce(write_item.index.fqn)
+
+
+def write_streaming(path: str | Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                    produce, blobs: dict[str, object], fmt: str, layout: dict | None = None,
+                    files: dict[str, str] | None = None) -> Path:
+    """Like :func:`write_full`, but tensor ``key`` (of shape and dtype ``specs[key]``) is made by
+    ``produce(key)`` only when it is written: one file per tensor, so the writer holds one."""
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} exists; choose a new output directory")
+    tmp = path.parent / f".tmp-{path.name}-{secrets.token_hex(4)}"
+    state: dict[str, object] = {k: torch.empty(shape, dtype=dtype, device="meta")
+                                for k, (shape, dtype) in specs.items()}
+    state.update({k: pickle.dumps(v) for k, v in blobs.items()})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False,
+                                                            thread_count=1),
+                     planner=_LazyPlanner(produce), no_dist=True)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
+        manifest = {"format": fmt, "format_version": FORMAT_VERSION, "layout": layout or {},
+                    "tensors": {k: {"shape": list(shape), "dtype": str(dtype)}
+                                for k, (shape, dtype) in specs.items()},
+                    "blobs": sorted(blobs),
+                    "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind
+        raise
+    return path
+
+
+class _CachedReader(FileSystemReader):
+    def read_metadata(self):
+        if not hasattr(self, "_cached"):
+            self._cached = super().read_metadata()
+        return self._cached
+
+
+class DCPSource:
+    """Read one tensor of a DCP checkpoint at a time (whatever layout wrote it), in one process."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._reader = _CachedReader(str(self.path))
+        meta = self._reader.read_metadata()
+        self.tensors = {k: (tuple(md.size), md.properties.dtype)
+                        for k, md in meta.state_dict_metadata.items()
+                        if not isinstance(md, BytesStorageMetadata)}
+        self.blob_keys = [k for k, md in meta.state_dict_metadata.items()
+                          if isinstance(md, BytesStorageMetadata)]
+
+    def get(self, key: str) -> torch.Tensor:
+        """The full tensor ``key``."""
+        shape, dtype = self.tensors[key]
+        state = {key: torch.empty(shape, dtype=dtype)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=self._reader, no_dist=True)
+        return state[key]
+
+    def blob(self, key: str) -> object:
+        """An unpickled non-tensor entry."""
+        state = {key: b""}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=self._reader, no_dist=True)
+        return pickle.loads(state[key])
+
+
+class _Progress:
+    """A one-line progress report on stderr: a bar on a terminal, a line every 10% otherwise."""
+
+    def __init__(self, what: str, total_bytes: int, enabled: bool = True):
+        self.what, self.total, self.done, self.enabled = what, max(total_bytes, 1), 0, enabled
+        self.tty = sys.stderr.isatty()
+        self._last = -1
+
+    def __call__(self, nbytes: int) -> None:
+        if not self.enabled:
+            return
+        self.done += nbytes
+        pct = min(100, int(100 * self.done / self.total))
+        if self.tty:
+            bar = "#" * (pct // 4)
+            sys.stderr.write(f"\r{self.what} [{bar:<25}] {pct:3d}% "
+                             f"{self.done / 2**30:.2f}/{self.total / 2**30:.2f} GiB")
+            if pct == 100:
+                sys.stderr.write("\n")
+        elif pct // 10 != self._last:
+            self._last = pct // 10
+            sys.stderr.write(f"{self.what}: {pct}% ({self.done / 2**30:.2f} of "
+                             f"{self.total / 2**30:.2f} GiB)\n")
+        sys.stderr.flush()
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def hf_to_fsdp(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
+    """A Hugging Face model directory -> ``fsdp_dtensor`` (fp32 main weights, no optimizer state).
+
+    Streams: each mfsdp tensor is built from its Hugging Face tensors when the writer reaches it.
+    The checkpoint also holds ``model_config.json`` (the model's :class:`GPTConfig`).
+    """
+    from mfsdp.checkpoint.safetensors import SafetensorsReader
+    from mfsdp.models.gpt import GPT
+    from mfsdp.models.hf import config_from_hf, hf_to_ours, read_hf_config, weight_rules
+
+    src = Path(src)
+    hf = read_hf_config(src)
+    cfg = config_from_hf(hf)
+    reader = SafetensorsReader(src)
+    with torch.device("meta"):
+        ref = GPT(cfg).state_dict()
+    rules = {f"model.{r.ours}": r for r in weight_rules(cfg, hf["model_type"])}
+    used = set()
+    for key, rule in rules.items():
+        missing = [n for n in rule.hf if n not in reader]
+        if missing:
+            raise CheckpointError(f"{src} has no tensor {missing[0]!r} (needed for {rule.ours})")
+        used.update(rule.hf)
+    if cfg.share_embeddings_and_output_weights:
+        used.add("lm_head.weight")
+    extra = sorted(set(reader.keys()) - used)
+    if extra:
+        raise CheckpointError(f"{src} holds {len(extra)} tensors a {hf['model_type']} model of "
+                              f"this config does not have, e.g. {extra[0]!r}")
+    specs = {key: (tuple(ref[r.ours].shape), torch.float32) for key, r in rules.items()}
+    bar = _Progress(f"import {src.name}", sum(_nbytes(*v) for v in specs.values()), progress)
+
+    def produce(key: str) -> torch.Tensor:
+        rule = rules[key]
+        t = hf_to_ours(rule, [reader.get(n) for n in rule.hf], cfg).float()
+        if tuple(t.shape) != specs[key][0]:
+            raise CheckpointError(f"{rule.hf[0]} makes {rule.ours} of shape {tuple(t.shape)}; "
+                                  f"config.json implies {specs[key][0]}")
+        bar(t.numel() * 4)
+        return t
+
+    files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1),
+             "hf_config.json": json.dumps(hf, indent=1)}
+    return write_streaming(dst, specs, produce, {"extra": {"iteration": 0}}, "fsdp_dtensor",
+                           {"source": "hf", "model_type": hf["model_type"]}, files)
+
+
+def fsdp_to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = None,
+               max_shard_bytes: int = 5 * 2**30, model_config: dict | None = None,
+               progress: bool = True) -> Path:
+    """``fsdp_dtensor`` -> a Hugging Face model directory (``config.json`` + safetensors).
+
+    Streams: each Hugging Face tensor is cut from its mfsdp tensor as the writer reaches it, the
+    last mfsdp tensor read is kept for its siblings (q/k/v, gate/up). ``model_config`` (a
+    :class:`GPTConfig` dict) is needed when the checkpoint has no ``model_config.json``.
+    """
+    from mfsdp.checkpoint.safetensors import write_sharded
+    from mfsdp.models.gpt import GPTConfig
+    from mfsdp.models.hf import config_to_hf, hf_model_type, ours_to_hf, weight_rules
+
+    from mfsdp.checkpoint.io import resolve_checkpoint
+
+    src, dst = resolve_checkpoint(src), Path(dst)
+    manifest = read_manifest(src)
+    _check_format(manifest, "fsdp_dtensor", src)
+    if model_config is None:
+        f = src / MODEL_CONFIG_FILE
+        if not f.exists():
+            raise CheckpointError(f"{src} has no {MODEL_CONFIG_FILE} (checkpoints of mfsdp train "
+                                  "and of --from hf have one); pass --model-preset NAME or "
+                                  "--model-config FILE naming the model's configuration")
+        model_config = json.loads(f.read_text())
+    cfg = GPTConfig.from_dict(model_config)
+    mt = hf_model_type(cfg)
+    source = DCPSource(src)
+    rules = weight_rules(cfg, mt)
+    for r in rules:
+        if f"model.{r.ours}" not in source.tensors:
+            raise CheckpointError(f"{src} has no tensor 'model.{r.ours}' that a {mt} export needs "
+                                  "(was it written for another model configuration?)")
+    out_dtype = {}
+    specs, origin = {}, {}
+    for r in rules:
+        shape, sdtype = source.tensors[f"model.{r.ours}"]
+        parts = ours_to_hf(r, torch.empty(shape, device="meta"), cfg)
+        for name, t in zip(r.hf, parts):
+            out_dtype[name] = dtype or sdtype
+            specs[name] = (tuple(t.shape), out_dtype[name])
+            origin[name] = r
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty; choose a new output directory")
+    tmp = dst.parent / f".tmp-{dst.name}-{secrets.token_hex(4)}"
+    tmp.mkdir(parents=True)
+    bar = _Progress(f"export {dst.name}", sum(_nbytes(*v) for v in specs.values()), progress)
+    cache: dict[str, list[torch.Tensor]] = {}
+
+    def stream():
+        for name in specs:
+            r = origin[name]
+            if r.ours not in cache:
+                cache.clear()  # one mfsdp tensor (and its pieces) at a time
+                cache[r.ours] = ours_to_hf(r, source.get(f"model.{r.ours}"), cfg)
+            t = cache[r.ours][r.hf.index(name)]
+            yield name, t.to(out_dtype[name]).contiguous()
+
+    try:
+        write_sharded(stream(), specs, tmp, max_shard_bytes,
+                      progress=lambda name, t: bar(t.numel() * t.element_size()))
+        hf = config_to_hf(cfg, dtype or torch.float32)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps({"_from_model_config": True}))
+        if dst.exists():
+            dst.rmdir()
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
 
 
 def _check_format(manifest: dict, expected: str, path: Path) -> None:
@@ -276,15 +523,36 @@ def load_torch_dist(path: str | Path, model: torch.nn.Module,
     return int(blobs.get("extra", {}).get("iteration", 0))
 
 
+FORMATS = ["torch_dist", "fsdp_dtensor", "safetensors", "hf"]
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as ``5GB``, ``500MB``, ``2GiB`` or ``1000000``.
+
+    >>> parse_size("5GB"), parse_size("2GiB"), parse_size("100")
+    (5000000000, 2147483648, 100)
+    """
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    try:
+        value, unit = float(num), t[len(num):]
+        if unit not in units or value <= 0:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"mfsdp convert: --max-shard-size {text!r} is not a size; write e.g. "
+                         "5GB, 500MB or 2GiB") from None
+    return int(value * units[unit])
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``mfsdp convert`` argument parser."""
     parser = parser or argparse.ArgumentParser(prog="mfsdp convert", description=__doc__.splitlines()[0])
     parser.add_argument("--from", dest="src_format", required=True,
-                        choices=["torch_dist", "fsdp_dtensor", "safetensors"],
-                        help="format of INPUT")
+                        choices=FORMATS, help="format of INPUT")
     parser.add_argument("--to", dest="dst_format", required=True,
-                        choices=["torch_dist", "fsdp_dtensor", "safetensors"],
-                        help="format of OUTPUT")
+                        choices=FORMATS, help="format of OUTPUT")
     parser.add_argument("input", metavar="INPUT", help="checkpoint directory (or its root with a 'latest' file)")
     parser.add_argument("output", metavar="OUTPUT", help="new directory to write")
     parser.add_argument("--param-to-param-group-map", metavar="FILE",
@@ -293,8 +561,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="split (to safetensors) or join (from safetensors) fused gate/up "
                              "projection weights named *.fc1.*")
     parser.add_argument("--dtype", choices=sorted(_DTYPE_NAMES),
-                        help="cast weights when writing safetensors (default: keep fp32)")
-    parser.add_argument("--config", metavar="JSON", help="model config merged into config.json")
+                        help="cast weights when writing safetensors or hf (default: keep fp32)")
+    parser.add_argument("--config", metavar="JSON",
+                        help="(--to safetensors) model config merged into config.json")
+    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="(--to hf) largest safetensors file, e.g. 5GB or 500MB "
+                             "(default: %(default)s)")
+    parser.add_argument("--model-preset", metavar="NAME",
+                        help="(--to hf) the model's preset, for checkpoints without "
+                             "model_config.json")
+    parser.add_argument("--model-config", metavar="FILE",
+                        help="(--to hf) the model's GPTConfig as JSON, for checkpoints without "
+                             "model_config.json")
+    parser.add_argument("--no-progress", action="store_true", help="no progress report")
     return parser
 
 
@@ -303,8 +582,25 @@ def run(args: argparse.Namespace) -> int:
     from mfsdp.checkpoint.io import resolve_checkpoint
 
     pair = (args.src_format, args.dst_format)
-    src = args.input if args.src_format == "safetensors" else resolve_checkpoint(args.input)
-    if pair == ("fsdp_dtensor", "torch_dist"):
+    src = (args.input if args.src_format in ("safetensors", "hf")
+           else resolve_checkpoint(args.input))
+    if pair == ("hf", "fsdp_dtensor"):
+        out = hf_to_fsdp(src, args.output, progress=not args.no_progress)
+    elif pair == ("fsdp_dtensor", "hf"):
+        model_config = None
+        if args.model_config:
+            model_config = json.loads(Path(args.model_config).read_text())
+        elif args.model_preset:
+            from mfsdp.models.gpt import GPT_PRESETS
+
+            if args.model_preset not in GPT_PRESETS:
+                raise SystemExit(f"mfsdp convert: --model-preset {args.model_preset!r} is not one "
+                                 f"of {', '.join(sorted(GPT_PRESETS))}")
+            model_config = GPT_PRESETS[args.model_preset].to_dict()
+        out = fsdp_to_hf(src, args.output, _DTYPE_NAMES[args.dtype] if args.dtype else None,
+                         parse_size(args.max_shard_size), model_config,
+                         progress=not args.no_progress)
+    elif pair == ("fsdp_dtensor", "torch_dist"):
         out = fsdp_to_torch_dist(src, args.output)
     elif pair == ("torch_dist", "fsdp_dtensor"):
         out = torch_dist_to_fsdp(src, args.output, args.param_to_param_group_map)
@@ -316,7 +612,8 @@ def run(args: argparse.Namespace) -> int:
         out = safetensors_to_fsdp(src, args.output, True if args.swiglu else None)
     else:
         raise SystemExit(f"mfsdp convert: no conversion from {pair[0]} to {pair[1]}; supported: "
-                         "torch_dist<->fsdp_dtensor, fsdp_dtensor<->safetensors")
+                         "torch_dist<->fsdp_dtensor, fsdp_dtensor<->safetensors, "
+                         "fsdp_dtensor<->hf")
     print(f"wrote {args.dst_format} checkpoint {out}")
     return 0
 
