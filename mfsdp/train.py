@@ -58,8 +58,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     if parser is None:
         parser = argparse.ArgumentParser(prog="mfsdp train", description=__doc__.splitlines()[0])
     m = parser.add_argument_group("model")
-    m.add_argument("--model-preset", choices=sorted(GPT_PRESETS), default="gpt-tiny",
-                   help="starting sizes; the flags below override them (default: %(default)s)")
+    m.add_argument("--model-preset", choices=sorted(GPT_PRESETS), default=None,
+                   help="starting sizes; the flags below override them (default: the "
+                        "configuration saved in the --load checkpoint, else gpt-tiny)")
     m.add_argument("--num-layers", type=_positive, help="transformer layers")
     m.add_argument("--hidden-size", type=_positive, help="model width")
     m.add_argument("--ffn-hidden-size", type=_positive, help="dense MLP width")
@@ -208,11 +209,36 @@ def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
 # ---------------------------------------------------------------------------------------------
 # setup
 # ---------------------------------------------------------------------------------------------
-def _config(args):
-    from mfsdp.models.gpt import GPT_PRESETS, with_overrides
+def _saved_config(load: str | None) -> dict | None:
+    """The ``model_config.json`` of the checkpoint ``--load`` resolves to, if it has one."""
+    from mfsdp.checkpoint.convert import MODEL_CONFIG_FILE
+    from mfsdp.checkpoint.io import CheckpointError, resolve_checkpoint
 
+    if not load:
+        return None
+    try:
+        path = resolve_checkpoint(load)
+    except CheckpointError:
+        return None  # reported by _load
+    f = path / MODEL_CONFIG_FILE
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def _config(args):
+    from mfsdp.models.gpt import GPT_PRESETS, GPTConfig, with_overrides
+
+    saved = _saved_config(getattr(args, "load", None))
+    if args.model_preset:
+        base = GPT_PRESETS[args.model_preset]
+    elif saved is not None:
+        base = GPTConfig.from_dict(saved)
+    else:
+        base = GPT_PRESETS["gpt-tiny"]
+    max_pos = args.max_position_embeddings
+    if max_pos is None and base.position_embedding_type == "learned_absolute":
+        max_pos = max(args.seq_length, 1)
     cfg = with_overrides(
-        GPT_PRESETS[args.model_preset], num_layers=args.num_layers, hidden_size=args.hidden_size,
+        base, num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=args.vocab_size, swiglu=args.swiglu, num_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk, moe_first_dense_layers=args.moe_first_dense_layers,
@@ -228,9 +254,20 @@ def _config(args):
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
-        moe_grouped_gemm=args.moe_grouped_gemm,
-        max_position_embeddings=args.max_position_embeddings or max(args.seq_length, 1))
+        moe_grouped_gemm=args.moe_grouped_gemm, max_position_embeddings=max_pos)
     return cfg
+
+
+def _family(args, cfg) -> str:
+    """What the log calls the model: its preset, or its Hugging Face family."""
+    from mfsdp.models.hf import UnsupportedModel, hf_model_type
+
+    if args.model_preset:
+        return args.model_preset
+    try:
+        return hf_model_type(cfg)
+    except UnsupportedModel:
+        return "gpt"
 
 
 def _check(args, world: int, cfg) -> int:
@@ -318,18 +355,19 @@ def _rss_mib() -> float:
 # ---------------------------------------------------------------------------------------------
 # checkpoints
 # ---------------------------------------------------------------------------------------------
-def _save(args, model, opt, iteration: int, routers) -> None:
+def _save(args, model, opt, iteration: int, routers, cfg) -> None:
     from mfsdp.checkpoint import save_checkpoint
-    from mfsdp.checkpoint.convert import fsdp_to_torch_dist
+    from mfsdp.checkpoint.convert import MODEL_CONFIG_FILE, fsdp_to_torch_dist
 
     extra = {"expert_bias": {n: m.expert_bias.detach().cpu().clone() for n, m in routers},
              "data_position": iteration}
+    files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
     root = Path(args.save)
     if args.ckpt_format == "fsdp_dtensor":
-        save_checkpoint(root, model, opt, iteration=iteration, extra=extra)
+        save_checkpoint(root, model, opt, iteration=iteration, extra=extra, files=files)
         return
     staging = root / ".staging-fsdp_dtensor"
-    written = save_checkpoint(staging, model, opt, iteration=iteration, extra=extra)
+    written = save_checkpoint(staging, model, opt, iteration=iteration, extra=extra, files=files)
     if dist.get_rank() == 0:
         final = root / written.name
         if final.exists():
@@ -362,6 +400,9 @@ def _load(args, model, opt, routers) -> int:
         dist.barrier()
         path = tmp
     extra = load_checkpoint(path, model, opt)
+    if int(extra["iteration"]) == 0 and dist.get_rank() == 0:
+        print(f"--load {root}: loaded the weights of {path} (iteration 0, e.g. imported from "
+              "Hugging Face); training starts from them", flush=True)
     dist.barrier()
     if tmp is not None and dist.get_rank() == 0:
         shutil.rmtree(tmp)
@@ -444,7 +485,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     numel = sum(p.numel() for p in inner.parameters())
     layout_name = (f"{args.data_parallel_sharding_strategy}" if args.use_megatron_fsdp else "ddp")
     log(f"mfsdp train: {world} ranks ({dist.get_backend()}), {layout_name}, outer "
-        f"{args.num_distributed_optimizer_instances}, EP {ep}, model {args.model_preset} "
+        f"{args.num_distributed_optimizer_instances}, EP {ep}, model {_family(args, cfg)} "
         f"({cfg.num_layers} layers, hidden {cfg.hidden_size}, experts {cfg.num_experts}), "
         f"{num_micro} micro-batches of {args.micro_batch_size} per rank", flush=True)
 
@@ -509,7 +550,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             if args.save and args.use_megatron_fsdp and (
                     (args.save_interval and iteration % args.save_interval == 0)
                     or iteration == args.train_iters):
-                _save(args, model, opt, iteration, routers)
+                _save(args, model, opt, iteration, routers, cfg)
                 log(f"saved iteration {iteration} to {args.save} ({args.ckpt_format})", flush=True)
     finally:
         if jsonl:

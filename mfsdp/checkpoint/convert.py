@@ -203,14 +203,21 @@ class _Progress:
         if self.tty:
             bar = "#" * (pct // 4)
             sys.stderr.write(f"\r{self.what} [{bar:<25}] {pct:3d}% "
-                             f"{self.done / 2**30:.2f}/{self.total / 2**30:.2f} GiB")
+                             f"{_human(self.done)} of {_human(self.total)}")
             if pct == 100:
                 sys.stderr.write("\n")
         elif pct // 10 != self._last:
             self._last = pct // 10
-            sys.stderr.write(f"{self.what}: {pct}% ({self.done / 2**30:.2f} of "
-                             f"{self.total / 2**30:.2f} GiB)\n")
+            sys.stderr.write(f"{self.what}: {pct}% ({_human(self.done)} of "
+                             f"{_human(self.total)})\n")
         sys.stderr.flush()
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def _nbytes(shape, dtype) -> int:
@@ -343,13 +350,19 @@ def _check_format(manifest: dict, expected: str, path: Path) -> None:
                               f"{expected!r}; pass --from {manifest.get('format')}")
 
 
+def _carried(src: Path) -> dict[str, str]:
+    """Files a conversion copies along: the model configuration."""
+    f = Path(src) / MODEL_CONFIG_FILE
+    return {MODEL_CONFIG_FILE: f.read_text()} if f.exists() else {}
+
+
 def fsdp_to_torch_dist(src: str | Path, dst: str | Path) -> Path:
     """``fsdp_dtensor`` -> ``torch_dist``: optimizer state re-keyed from names to positions."""
     src = Path(src)
     tensors, blobs, manifest = read_full(src)
     _check_format(manifest, "fsdp_dtensor", src)
     out = {k: v for k, v in tensors.items() if k.startswith("model.")}
-    files = {}
+    files = _carried(src)
     groups = blobs.get("optimizer.param_groups")
     if groups is not None:
         group_of: dict[str, int] = json.loads((src / MAP_FILE).read_text())
@@ -397,7 +410,7 @@ def torch_dist_to_fsdp(src: str | Path, dst: str | Path,
         if key.startswith("optimizer.state."):
             idx, _, k = key[len("optimizer.state."):].partition(".")
             out[f"optimizer.state.{order[int(idx)]}.{k}"] = value
-    files = {}
+    files = _carried(src)
     if groups is not None:
         for gi, g in enumerate(groups):
             expected = [i for i, n in enumerate(order) if group_of[n] == gi]
@@ -486,10 +499,14 @@ def safetensors_to_fsdp(src: str | Path, dst: str | Path, swiglu: bool | None = 
 def save_torch_dist(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     path: str | Path, iteration: int = 0) -> Path:
     """Write what a single-process (or 3D-parallel, gathered) job writes: ``torch_dist``."""
+    from mfsdp.models.gpt import GPTConfig
+
     names = {id(p): n for n, p in model.named_parameters()}
     tensors = {f"model.{n}": p.detach().float().clone() for n, p in model.named_parameters()}
     blobs: dict[str, object] = {"extra": {"iteration": iteration}}
     files = {}
+    if isinstance(getattr(model, "config", None), GPTConfig):
+        files[MODEL_CONFIG_FILE] = json.dumps(model.config.to_dict(), indent=1)
     if optimizer is not None:
         sd = optimizer.state_dict()
         for idx, state in sd["state"].items():

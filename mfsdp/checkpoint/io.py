@@ -89,11 +89,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: int = 0,
-                    extra: dict | None = None) -> Path:
+                    extra: dict | None = None, files: dict[str, str] | None = None) -> Path:
     """Save model (main weights), optimizer and ``extra`` under ``root`` (a collective call).
 
     ``extra`` is for what only the caller knows (data position, scheduler state); the iteration and
-    the torch RNG state (CPU, and the GPU's) are added. Returns ``root/iter_<iteration>``.
+    the torch RNG state (CPU, and the GPU's) are added. ``files`` (name -> text) are written into
+    the checkpoint directory (e.g. ``model_config.json``). Returns ``root/iter_<iteration>``.
     """
     root = Path(root)
     name = f"iter_{iteration:07d}"
@@ -120,6 +121,8 @@ def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: i
     dist.all_gather_object(blobs, [k for k, v in state.items() if isinstance(v, bytes)])
     dist.barrier()
     if dist.get_rank() == 0:
+        for fname, text in (files or {}).items():
+            (tmp / fname).write_text(text)
         manifest = {"format": "fsdp_dtensor", "format_version": FORMAT_VERSION,
                     "layout": _layout(model), "tensors": described,
                     "blobs": sorted({k for part in blobs for k in part}),

@@ -41,8 +41,9 @@ import torch
 
 from mfsdp.models.gpt import GPTConfig
 
-__all__ = ["HF_MODEL_TYPES", "Rule", "config_from_hf", "config_to_hf", "hf_model_type",
-           "hf_to_ours", "ours_to_hf", "weight_rules"]
+__all__ = ["HF_MODEL_TYPES", "Rule", "UnsupportedModel", "config_from_hf", "config_to_hf",
+           "hf_model_type", "hf_state_dict", "hf_to_ours", "load_hf", "ours_to_hf",
+           "read_hf_config", "save_hf", "weight_rules"]
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
                   "deepseek_v3")
