@@ -159,6 +159,9 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
         self.use_decoupled_grad = use_decoupled_grad
         self._param_init_fn = param_init_fn
         self._build(unit_classes, disable_bucketing, init_model_with_meta_device)
+        # shard_experts() recorded the global names of the experts this rank kept
+        if getattr(self.module, "_mfsdp_expert_names", None):
+            self.set_global_names(self.module._mfsdp_expert_names)
         if preproc_state_dict_for_dcp_ckpt:
             self._register_state_dict_hook(FullyShardedModule._state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_pre_hook)
