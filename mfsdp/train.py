@@ -69,6 +69,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     m.add_argument("--max-position-embeddings", type=_positive,
                    help="longest sequence (default: --seq-length)")
     m.add_argument("--swiglu", action="store_true", default=None, help="gated MLPs")
+    m.add_argument("--recompute-granularity", choices=("full", "selective"),
+                   help="activation recomputation: whole layers (full) or the core attention "
+                        "(selective)")
+    m.add_argument("--recompute-method", choices=("uniform", "block"),
+                   help="with full: recompute chunks of --recompute-num-layers layers (uniform) "
+                        "or the first --recompute-num-layers layers (block)")
+    m.add_argument("--recompute-num-layers", type=_positive,
+                   help="with full: layers per chunk (uniform) or layers recomputed (block)")
     e = parser.add_argument_group("mixture of experts")
     e.add_argument("--num-experts", type=int, help="routed experts per MoE layer (0: dense)")
     e.add_argument("--moe-router-topk", type=_positive, help="experts per token")
@@ -237,6 +245,15 @@ def _config(args):
     max_pos = args.max_position_embeddings
     if max_pos is None and base.position_embedding_type == "learned_absolute":
         max_pos = max(args.seq_length, 1)
+    try:
+        return _overridden(base, args, max_pos)
+    except ValueError as e:  # an inconsistent combination of model flags
+        raise SystemExit(f"mfsdp train: {e}") from None
+
+
+def _overridden(base, args, max_pos):
+    from mfsdp.models.gpt import with_overrides
+
     cfg = with_overrides(
         base, num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
@@ -254,7 +271,9 @@ def _config(args):
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
-        moe_grouped_gemm=args.moe_grouped_gemm, max_position_embeddings=max_pos)
+        moe_grouped_gemm=args.moe_grouped_gemm, max_position_embeddings=max_pos,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
     return cfg
 
 

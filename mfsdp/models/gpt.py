@@ -38,6 +38,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from mfsdp.moe.layer import MoELayer
@@ -83,6 +84,14 @@ class GPTConfig:
     init_method_std: float | None = None
     """Initialise linear and embedding weights from N(0, std) and biases with zeros, as
     Megatron-LM and ``transformers`` do (``None``: PyTorch's module defaults)."""
+    recompute_granularity: str | None = None
+    """Activation recomputation as Megatron-LM names it: ``"full"`` (whole layers, see the two
+    fields below) or ``"selective"`` (only the core attention: scores, softmax, weighted sum)."""
+    recompute_method: str | None = None
+    """With ``"full"``: ``"uniform"`` checkpoints the input of every chunk of
+    ``recompute_num_layers`` layers and recomputes the chunk; ``"block"`` recomputes the first
+    ``recompute_num_layers`` layers one by one and keeps the others' activations."""
+    recompute_num_layers: int | None = None
     multi_latent_attention: bool = False
     """DeepSeek's multi-head latent attention (the five fields below size it)."""
     q_lora_rank: int | None = None
@@ -132,6 +141,19 @@ class GPTConfig:
         if self.num_attention_heads % groups:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
                              f"num_query_groups={groups}")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(f"recompute_granularity={self.recompute_granularity!r}: choose "
+                             "'full' or 'selective'")
+        if self.recompute_granularity == "full":
+            if self.recompute_method not in ("uniform", "block"):
+                raise ValueError("recompute_granularity='full' needs recompute_method 'uniform' "
+                                 "or 'block' (and recompute_num_layers)")
+            if not self.recompute_num_layers or self.recompute_num_layers < 1:
+                raise ValueError("recompute_granularity='full' needs recompute_num_layers >= 1 "
+                                 "(uniform: layers per recomputed chunk; block: how many layers)")
+        elif self.recompute_method is not None or self.recompute_num_layers is not None:
+            raise ValueError("recompute_method and recompute_num_layers apply to "
+                             "recompute_granularity='full' only")
         if self.multi_latent_attention and self.position_embedding_type != "rope":
             raise ValueError("multi_latent_attention needs position_embedding_type='rope'")
         for f in ("vocab_size", "num_layers", "hidden_size", "ffn_hidden_size",
@@ -305,6 +327,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+def _core_attention(q, k, v, mask, recompute: bool) -> torch.Tensor:
+    """Scores, softmax and weighted sum (``[T, heads, dim]`` each); with ``recompute`` nothing
+    inside is kept for backward (Megatron-LM's selective recomputation)."""
+    if recompute and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(_sdpa, q, k, v, mask, use_reentrant=False)
+    return _sdpa(q, k, v, mask)
+
+
 def _linear(cfg: GPTConfig, n_in: int, n_out: int, bias: bool | None = None) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=cfg.add_bias_linear if bias is None else bias)
 
@@ -327,6 +363,7 @@ class Attention(nn.Module):
             self.q_layernorm = RMSNorm(self.dim, cfg.norm_epsilon)
             self.k_layernorm = RMSNorm(self.dim, cfg.norm_epsilon)
         self.linear_proj = _linear(cfg, self.heads * self.dim, cfg.hidden_size)
+        self.selective = cfg.recompute_granularity == "selective"
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, rope=None) -> torch.Tensor:
         T = x.shape[0]
@@ -340,9 +377,8 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rope, self.interleaved), apply_rotary(k, *rope, self.interleaved)
         if per > 1:
             k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                             v.transpose(0, 1), attn_mask=mask)
-        return self.linear_proj(out.transpose(0, 1).reshape(T, self.heads * self.dim))
+        out = _core_attention(q, k, v, mask, self.selective)
+        return self.linear_proj(out.reshape(T, self.heads * self.dim))
 
 
 class MLAttention(nn.Module):
@@ -371,6 +407,7 @@ class MLAttention(nn.Module):
         self.kv_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.linear_kv_up_proj = nn.Linear(cfg.kv_lora_rank, n * (self.dn + self.dv), bias=False)
         self.linear_proj = nn.Linear(n * self.dv, h, bias=False)
+        self.selective = cfg.recompute_granularity == "selective"
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, rope=None) -> torch.Tensor:
         T, n = x.shape[0], self.heads
@@ -386,9 +423,8 @@ class MLAttention(nn.Module):
         k_rot = apply_rotary(k_rot.view(T, 1, self.dr), *rope, self.interleaved)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(T, n, self.dr)], dim=-1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                             v.transpose(0, 1), attn_mask=mask)
-        return self.linear_proj(out.transpose(0, 1).reshape(T, n * self.dv))
+        out = _core_attention(q, k, v, mask, self.selective)
+        return self.linear_proj(out.reshape(T, n * self.dv))
 
 
 class MLP(nn.Module):
@@ -487,6 +523,29 @@ class GPT(nn.Module):
             elif hasattr(module, "reset_parameters") and not list(module.children()):
                 module.reset_parameters()
 
+    def _layers(self, x: torch.Tensor, mask: torch.Tensor, rope) -> torch.Tensor:
+        cfg = self.config
+        full = cfg.recompute_granularity == "full" and torch.is_grad_enabled()
+        if not full:
+            for layer in self.layers:
+                x = layer(x, mask, rope)
+            return x
+        n, layers = cfg.recompute_num_layers, list(self.layers)
+        ckpt = torch.utils.checkpoint.checkpoint
+        if cfg.recompute_method == "block":
+            for i, layer in enumerate(layers):
+                x = ckpt(layer, x, mask, rope, use_reentrant=False) if i < n else layer(x, mask, rope)
+            return x
+
+        def chunk(x, *group):
+            for layer in group:
+                x = layer(x, mask, rope)
+            return x
+
+        for start in range(0, len(layers), n):
+            x = ckpt(chunk, x, *layers[start:start + n], use_reentrant=False)
+        return x
+
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[T, vocab]`` for packed ``tokens`` ``[T]`` (or ``[B, S]``, flattened)."""
         if tokens.dim() == 2:
@@ -511,8 +570,7 @@ class GPT(nn.Module):
             freqs = pos.float().unsqueeze(1) * rope_inv_freq(cfg, tokens.device).unsqueeze(0)
             emb = torch.cat([freqs, freqs], dim=-1)
             rope = (emb.cos(), emb.sin())
-        for layer in self.layers:
-            x = layer(x, mask, rope)
+        x = self._layers(x, mask, rope)
         x = self.final_layernorm(x)
         if cfg.share_embeddings_and_output_weights:
             return F.linear(x, self.embedding.weight)

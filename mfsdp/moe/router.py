@@ -207,7 +207,10 @@ class TopKRouter(nn.Module):
                                           self.group_topk, self.expert_bias, self.scaling_factor,
                                           self.normalize)
         self.losses = {}
-        if self.expert_bias is not None and torch.is_grad_enabled():
+        # count the load once: not again when activation checkpointing recomputes this forward
+        # inside backward
+        recomputing = torch._C._current_graph_task_id() != -1
+        if self.expert_bias is not None and torch.is_grad_enabled() and not recomputing:
             self.load = self.load.to(routing_map.device) + routing_map.sum(0).float()
         if self.aux_loss_coeff:
             scores = (torch.softmax(logits, -1) if self.score_func == "softmax"
