@@ -41,17 +41,51 @@ class ModelConfig:
     first_dense_layers: int = 0  # leading layers with a dense MLP in an MoE model
     mla: tuple[int, int, int, int, int] | None = None
     """Multi-head latent attention ranks (q_lora, kv_lora, qk_nope, qk_rope, v_head)."""
+    head_dim: int | None = None  # None: hidden / num_heads
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    shared_expert_gate: bool = False
+
+    @classmethod
+    def from_gpt(cls, cfg) -> "ModelConfig":
+        """The planner's view of a :class:`~mfsdp.models.gpt.GPTConfig` (SwiGLU, no linear
+        biases: the Llama and DeepSeek families), so that both count the same parameters."""
+        if not cfg.swiglu or cfg.add_bias_linear:
+            raise ValueError("the planner models SwiGLU MLPs without linear biases (the Llama and "
+                             "DeepSeek families); this configuration has "
+                             + ("GELU MLPs" if not cfg.swiglu else "linear biases"))
+        mla = None
+        if cfg.multi_latent_attention:
+            mla = (cfg.q_lora_rank or 0, cfg.kv_lora_rank, cfg.qk_head_dim,
+                   cfg.qk_pos_emb_head_dim, cfg.v_head_dim)
+        return cls(cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads,
+                   cfg.vocab_size, num_kv_heads=cfg.num_query_groups,
+                   tied_embeddings=cfg.share_embeddings_and_output_weights,
+                   num_experts=cfg.num_experts,
+                   moe_ffn_hidden=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+                   shared_expert_ffn_hidden=cfg.moe_shared_expert_intermediate_size,
+                   topk=cfg.moe_router_topk, first_dense_layers=cfg.moe_first_dense_layers,
+                   mla=mla, head_dim=cfg.kv_channels, qkv_bias=cfg.add_qkv_bias,
+                   qk_norm=cfg.qk_layernorm, shared_expert_gate=cfg.moe_shared_expert_gate)
 
     def attention_params(self) -> int:
         h = self.hidden
         if self.mla:
             q_lora, kv_lora, nope, rope, v = self.mla
             heads = self.num_heads
-            return (h * q_lora + q_lora * heads * (nope + rope) + h * (kv_lora + rope)
-                    + kv_lora * heads * (nope + v) + heads * v * h)
-        head = h // self.num_heads
+            q = (h * q_lora + q_lora + q_lora * heads * (nope + rope) if q_lora
+                 else h * heads * (nope + rope))  # down, norm, up (or one projection)
+            return (q + h * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v)
+                    + heads * v * h)
+        head = self.head_dim or h // self.num_heads
         kv = self.num_kv_heads or self.num_heads
-        return h * h + 2 * h * kv * head + h * h
+        q = self.num_heads * head
+        out = h * q + 2 * h * kv * head + q * h
+        if self.qkv_bias:
+            out += q + 2 * kv * head
+        if self.qk_norm:
+            out += 2 * head
+        return out
 
     def layer_params(self, moe: bool) -> tuple[int, int]:
         """(dense, expert) parameters of one layer."""
@@ -59,6 +93,7 @@ class ModelConfig:
         if not moe:
             return dense + 3 * self.hidden * self.ffn_hidden, 0
         dense += self.hidden * self.num_experts + 3 * self.hidden * self.shared_expert_ffn_hidden
+        dense += self.hidden if self.shared_expert_gate else 0
         return dense, self.num_experts * 3 * self.hidden * self.moe_ffn_hidden
 
     def bucket_shapes(self, ep: int = 1) -> dict[str, tuple[list[tuple[int, ...]], int]]:
@@ -99,13 +134,21 @@ class ModelConfig:
         return dense, moe_layers * e2
 
 
-PRESETS: dict[str, ModelConfig] = {
-    "llama3-8b": ModelConfig(32, 4096, 14336, 32, 128256, num_kv_heads=8),
-    "llama3-70b": ModelConfig(80, 8192, 28672, 64, 128256, num_kv_heads=8),
-    "deepseek-v3": ModelConfig(61, 7168, 18432, 128, 129280, num_experts=256, moe_ffn_hidden=2048,
-                               shared_expert_ffn_hidden=2048, topk=8, first_dense_layers=3,
-                               mla=(1536, 512, 128, 64, 128)),
-}
+def _presets() -> dict[str, ModelConfig]:
+    from mfsdp.models.gpt import GPT_PRESETS
+
+    out = {}
+    for name, cfg in GPT_PRESETS.items():
+        try:
+            out[name] = ModelConfig.from_gpt(cfg)
+        except ValueError:  # GPT-2-like presets: not a planner model
+            pass
+    return out
+
+
+PRESETS: dict[str, ModelConfig] = _presets()
+"""The trainer's presets (:data:`mfsdp.models.gpt.GPT_PRESETS`) the planner models: the same
+definitions, so both count the same parameters."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +167,10 @@ class Layout:
     micro_batch: int = 1
     seq_length: int = 4096
     prefetch_depth: int = 1
-    recompute: bool = False  # full activation recomputation: keep only layer inputs
+    recompute: bool = False  # shorthand for recompute_granularity="full", uniform, 1 layer
+    recompute_granularity: str | None = None  # "full" or "selective" (Megatron-LM's names)
+    recompute_method: str = "uniform"  # with full: "uniform" chunks or the first layers ("block")
+    recompute_num_layers: int = 1
     flash_attention: bool = True  # no s x s attention scores kept for backward
 
     def __post_init__(self) -> None:
@@ -199,15 +245,24 @@ def _activations(model: ModelConfig, layout: Layout) -> float:
     """Activation bytes of one micro-batch in bf16 (Korthikanti et al., 2022), an estimate.
 
     Per layer ``s b h (34 + 5 a s / h)`` bytes without recomputation (the second term vanishes
-    with flash attention), ``2 s b h`` with full recomputation.
+    with flash attention or selective recomputation). Full recomputation keeps ``2 s b h`` per
+    recomputed chunk's input plus one chunk's activations while it is recomputed (uniform), or
+    ``2 s b h`` for each of the first ``recompute_num_layers`` layers (block).
     """
     s, b, h, a = layout.seq_length, layout.micro_batch, model.hidden, model.num_heads
-    if layout.recompute:
-        return model.num_layers * 2 * s * b * h
-    per_layer = s * b * h * (34 + (0 if layout.flash_attention else 5 * a * s / h))
+    granularity = layout.recompute_granularity or ("full" if layout.recompute else None)
+    scores = 0 if layout.flash_attention or granularity == "selective" else 5 * a * s / h
+    per_layer = s * b * h * (34 + scores)
     if model.num_experts:  # routed tokens: topk copies of the MLP activations
         per_layer += s * b * (model.topk - 1) * 3 * model.moe_ffn_hidden * 2
-    return model.num_layers * per_layer
+    L = model.num_layers
+    if granularity != "full":
+        return L * per_layer
+    n = min(layout.recompute_num_layers, L)
+    if layout.recompute_method == "block":  # the first n layers keep only their input
+        return n * 2 * s * b * h + (L - n) * per_layer
+    # uniform: every chunk keeps its input; one chunk is recomputed at a time
+    return math.ceil(L / n) * 2 * s * b * h + n * per_layer
 
 
 def padding(model: ModelConfig, layout: Layout) -> tuple[float, float]:
@@ -302,9 +357,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--dp-outer", type=int, default=1)
     parser.add_argument("--outer-strategy", default="no_shard", choices=["no_shard", "optim"])
     parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int,
+                        default=1, help="sequences per micro-batch (the trainer's name)")
     parser.add_argument("--seq-length", type=int, default=4096)
-    parser.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    parser.add_argument("--recompute-granularity", choices=("full", "selective"),
+                        help="activation recomputation, as mfsdp train and Megatron-LM name it")
+    parser.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
+    parser.add_argument("--recompute-num-layers", type=int, default=1)
+    parser.add_argument("--recompute", action="store_true",
+                        help="shorthand for --recompute-granularity full (uniform, 1 layer)")
     parser.add_argument("--device-gib", type=float, default=80.0)
     parser.add_argument("--smallest", action="store_true",
                         help="also find the smallest number of devices (whole 8-GPU nodes) that fits")
@@ -316,7 +377,9 @@ def run(args: argparse.Namespace) -> int:
     model = PRESETS[args.preset]
     layout = Layout(args.world_size, args.strategy, args.dp_outer, args.outer_strategy, args.ep,
                     micro_batch=args.micro_batch, seq_length=args.seq_length,
-                    recompute=args.recompute)
+                    recompute=args.recompute, recompute_granularity=args.recompute_granularity,
+                    recompute_method=args.recompute_method,
+                    recompute_num_layers=args.recompute_num_layers)
     p = plan(model, layout)
     print(f"{args.preset}: {p.params / 1e9:.1f}B parameters ({p.expert_params / 1e9:.1f}B in "
           f"experts), {args.world_size} ranks, {args.strategy}")

@@ -95,16 +95,11 @@ _TRAIN = dict(_SLURM, strategy="optim_grads_params", outer=1, outer_strategy="no
               all_gather_group=False, save="", save_interval=1000, ckpt_format="fsdp_dtensor",
               load="", log_interval=1, log_jsonl="", extra_args="", bf16=False)
 
-_LLAMA3_8B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 "
-              "--num-attention-heads 32 --swiglu --vocab-size 128256 "
-              "--max-position-embeddings 8192")
-_DEEPSEEK_V3 = ("--model-preset deepseek-proxy --num-layers 61 --moe-first-dense-layers 3 "
-                "--hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 --swiglu "
-                "--vocab-size 129280 --max-position-embeddings 4096 --num-experts 256 "
-                "--moe-router-topk 8 --moe-ffn-hidden-size 2048 "
-                "--moe-shared-expert-intermediate-size 2048 --moe-router-score-function sigmoid "
-                "--moe-router-num-groups 8 --moe-router-group-topk 4 "
-                "--moe-router-enable-expert-bias --moe-aux-loss-coeff 0.0001 --moe-grouped-gemm")
+# The real architectures (RMSNorm, RoPE, grouped-query or multi-latent attention, SwiGLU) are
+# the trainer's presets; the planner reads the same definitions (``mfsdp plan``).
+_LLAMA3_8B = "--model-preset llama3-8b"
+_DEEPSEEK_V3 = ("--model-preset deepseek-v3 --moe-aux-loss-coeff 0.0001 --moe-grouped-gemm "
+                "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
 
 
 @dataclass(frozen=True)

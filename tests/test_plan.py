@@ -75,3 +75,40 @@ def test_padding_stays_under_one_percent_at_scale(ranks):
     for name in ("llama3-8b", "llama3-70b"):
         p = mfsdp_plan.plan(mfsdp_plan.PRESETS[name], mfsdp_plan.Layout(world_size=ranks))
         assert p.padding < 0.01, (name, p.padding)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_planner_counts_the_parameters_the_trainer_builds(name):
+    """The planner's presets are the trainer's: parameter counts equal the built model's."""
+    import torch
+
+    from mfsdp.models.gpt import GPT, GPT_PRESETS
+    from mfsdp.moe.experts import ExpertMLP
+
+    with torch.device("meta"):
+        model = GPT(GPT_PRESETS[name])
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".local_experts." in n)
+    dense = sum(p.numel() for p in model.parameters()) - expert
+    assert PRESETS[name].param_counts() == (dense, expert)
+    assert ExpertMLP  # the experts counted above are the routed ones (not the shared expert)
+
+
+def test_recompute_granularity_orders_activation_memory():
+    model = PRESETS["llama3-70b"]
+    acts = {}
+    for key, kw in {"none": {}, "selective": dict(recompute_granularity="selective"),
+                    "block-40": dict(recompute_granularity="full", recompute_method="block",
+                                     recompute_num_layers=40),
+                    "uniform-1": dict(recompute_granularity="full", recompute_num_layers=1),
+                    "uniform-8": dict(recompute_granularity="full", recompute_num_layers=8)}.items():
+        acts[key] = plan(model, Layout(32, flash_attention=False, **kw)).memory["activations"]
+    assert acts["none"] > acts["selective"]
+    assert acts["none"] > acts["block-40"] > acts["uniform-8"] > acts["uniform-1"]
+    # without flash attention, dropping the s x s scores is worth more than recomputing half the
+    # layers in full
+    assert acts["selective"] < acts["block-40"]
+    # block over every layer keeps exactly the layer inputs, as uniform chunks of one layer
+    # without the one recomputed layer's working set
+    every = plan(model, Layout(32, recompute_granularity="full", recompute_method="block",
+                               recompute_num_layers=80)).memory["activations"]
+    assert every == pytest.approx(80 * 2 * 4096 * 8192)

@@ -70,6 +70,32 @@ def test_deepseek_script_builds_the_intended_model():
     assert args.expert_model_parallel_size == 8 and args.num_distributed_optimizer_instances == 4
 
 
+@pytest.mark.parametrize("name", ["llama3-8b", "deepseek-v3"])
+def test_gpu_presets_build_the_real_architecture_and_fit(name):
+    """The script's flags build the published architecture, and the planner, on the script's
+    own layout, says it fits on 80 GB GPUs."""
+    from mfsdp.models.gpt import GPT_PRESETS
+    from mfsdp.plan import Layout, ModelConfig, plan
+
+    args = train.build_parser().parse_args(_array((SCRIPTS / f"{name}.sbatch").read_text(),
+                                                  "TRAIN_ARGS"))
+    cfg = train._config(args)
+    assert cfg.normalization == "RMSNorm" and cfg.position_embedding_type == "rope"
+    assert cfg.swiglu and not cfg.add_bias_linear
+    assert cfg.multi_latent_attention == (name == "deepseek-v3")
+    for field in ("hidden_size", "num_layers", "num_query_groups", "num_experts", "vocab_size"):
+        assert getattr(cfg, field) == getattr(GPT_PRESETS[name], field), field
+    world = int(sbatch.PRESETS[name].values["nodes"]) * int(sbatch.PRESETS[name].values["gpus_per_node"])
+    layout = Layout(world, args.data_parallel_sharding_strategy,
+                    args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy,
+                    args.expert_model_parallel_size, micro_batch=args.micro_batch_size,
+                    seq_length=args.seq_length, recompute_granularity=args.recompute_granularity,
+                    recompute_method=args.recompute_method or "uniform",
+                    recompute_num_layers=args.recompute_num_layers or 1)
+    p = plan(ModelConfig.from_gpt(cfg), layout)
+    assert p.fits(80), p.table()
+
+
 def test_container_flags_only_with_an_image():
     assert "--container-image" not in sbatch.render("llama3-8b")
     text = sbatch.render("llama3-8b", {"container_image": "nvcr.io#nvidia/pytorch:25.01-py3",
