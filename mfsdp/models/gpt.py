@@ -513,7 +513,18 @@ class GPT(nn.Module):
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
             return
+        from mfsdp.moe.experts import FusedExperts, GroupedLinear
+
         with torch.no_grad():
+            if isinstance(module, GroupedLinear):
+                return  # drawn by its FusedExperts, expert by expert (below)
+            if isinstance(module, FusedExperts):
+                # the draws of one module per expert, in the same order: fused and sequential
+                # experts start from the same weights
+                for j in range(module.linear_fc1.weight.shape[0]):
+                    module.linear_fc1.weight[j].normal_(0.0, std)
+                    module.linear_fc2.weight[j].normal_(0.0, std)
+                return
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std)
                 if getattr(module, "bias", None) is not None:
