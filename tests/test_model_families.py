@@ -299,3 +299,97 @@ def test_cli_import_train_export(tmp_path):
     with torch.no_grad():
         logits = model(input_ids=torch.randint(0, VOCAB, (1, 8))).logits
     assert torch.isfinite(logits).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# meta-device initialisation of models we did not write
+# ---------------------------------------------------------------------------------------------
+def _llama3_config():
+    return hf_config("llama3-tied").__class__(**{**hf_config("llama3-tied").to_dict(),
+                                                 "tie_word_embeddings": False})
+
+
+def _meta_llama(use_init_fn: bool):
+    """Every rank: a Hugging Face Llama built on meta, materialised shard by shard."""
+    from mfsdp import fully_shard
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(_llama3_config())
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    sharded, _ = fully_shard(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             fsdp_unit_modules=[layer], zero_dp_strategy="optim_grads_params",
+                             init_model_with_meta_device=True,
+                             param_init_fn=model._init_weights if use_init_fn else None)
+    ids = torch.arange(12).view(1, 12) % VOCAB
+    with torch.no_grad():
+        logits = sharded(input_ids=ids).logits
+    return (sharded.full_parameters(), {n: b.clone() for n, b in model.named_buffers()}, logits)
+
+
+@pytest.mark.slow
+def test_meta_init_of_a_transformers_llama():
+    """``param_init_fn=model._init_weights``: the model's own initialiser, rotary ``inv_freq``
+    (Llama-3 scaled) recomputed, the same values on 1 and 2 ranks, the eager distribution."""
+    one = launch(_meta_llama, 1, args=(True,))[0]
+    two = launch(_meta_llama, 2, args=(True,))
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(_llama3_config())
+    std = eager.config.initializer_range
+    for name, p in eager.named_parameters():
+        assert torch.equal(one[0][name], two[0][0][name]), name   # identical across world sizes
+        assert torch.equal(two[0][0][name], two[1][0][name]), name
+        if p.dim() == 2:  # N(0, 0.02) as eager: std within 15% over >= 1,000 draws
+            assert abs(one[0][name].std().item() - std) < 0.15 * std, name
+            assert abs(one[0][name].mean().item()) < 4 * std / p.numel() ** 0.5, name
+        else:
+            assert torch.equal(one[0][name], p.detach()), name  # norms: ones
+    for name, b in eager.named_buffers():
+        assert torch.equal(one[1][name], b), name  # inv_freq recomputed, not left on meta
+    with torch.no_grad():
+        eager.load_state_dict(one[0])
+        want = eager(input_ids=torch.arange(12).view(1, 12) % VOCAB).logits
+    assert _rel(one[2], want) < 1e-5  # the materialised model computes what its weights say
+
+
+@pytest.mark.slow
+def test_meta_init_without_an_initialiser_names_the_module_and_the_fix():
+    with pytest.raises(Exception, match=r"model.layers.0.input_layernorm' \(LlamaRMSNorm\).*"
+                                        r"param_init_fn"):
+        launch(_meta_llama, 1, args=(False,))
+
+
+def _meta_gpt(preset: str, fused: bool):
+    from dataclasses import replace
+
+    from mfsdp import fully_shard
+    from mfsdp.models.gpt import GPT, GPT_PRESETS, TransformerLayer
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(replace(GPT_PRESETS[preset], moe_grouped_gemm=fused))
+    sharded, _ = fully_shard(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             fsdp_unit_modules=[TransformerLayer],
+                             zero_dp_strategy="optim_grads_params",
+                             init_model_with_meta_device=True, param_init_fn=model.init_weights)
+    return sharded.full_parameters()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fused", [False, True])
+def test_meta_init_of_our_families_equals_eager(fused):
+    """With ``param_init_fn=model.init_weights`` the materialised model is the eager one, bit for
+    bit (module-by-module draws in construction order), one-module-per-expert; fused experts
+    draw per fused weight and keep the distribution."""
+    from dataclasses import replace
+
+    from mfsdp.models.gpt import GPT, GPT_PRESETS
+
+    got = launch(_meta_gpt, 2, args=("deepseek-proxy", fused))[0]
+    torch.manual_seed(0)
+    eager = GPT(replace(GPT_PRESETS["deepseek-proxy"], moe_grouped_gemm=fused))
+    for name, p in eager.named_parameters():
+        if fused and ".experts." in name:
+            assert abs(got[name].std().item() - 0.02) < 0.003, name
+        else:
+            assert torch.equal(got[name], p.detach()), name

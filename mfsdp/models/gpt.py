@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
+import contextlib
 import math
 
 import torch
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from mfsdp.moe.experts import FusedExperts
 from mfsdp.moe.layer import MoELayer
 
 __all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "MLAttention", "RMSNorm", "TransformerLayer",
@@ -459,7 +461,7 @@ class TransformerLayer(nn.Module):
             self.mlp = MoELayer(
                 h, cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, cfg.num_experts,
                 cfg.moe_router_topk, dispatcher=cfg.moe_token_dispatcher_type,
-                flex_backend=cfg.moe_flex_dispatcher_backend, fused=cfg.moe_grouped_gemm,
+                flex_backend=cfg.moe_flex_dispatcher_backend, fused=False,  # GPT fuses them
                 swiglu=cfg.swiglu, shared_ffn=cfg.moe_shared_expert_intermediate_size,
                 shared_gate=cfg.moe_shared_expert_gate,
                 score_func=cfg.moe_router_score_function, num_groups=cfg.moe_router_num_groups,
@@ -490,6 +492,20 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
+        # With init_method_std the constructors' own draws are discarded and init_weights draws
+        # module by module: eager construction and meta-device init (param_init_fn=init_weights,
+        # same order) give the same weights.
+        with (torch.random.fork_rng(devices=[]) if cfg.init_method_std is not None
+              else contextlib.nullcontext()):
+            self._build(cfg)
+        if cfg.init_method_std is not None:
+            self.apply(self.init_weights)
+        if cfg.moe_grouped_gemm:  # fuse after initialising: fused and sequential experts agree
+            for layer in self.layers:
+                if isinstance(layer.mlp, MoELayer):
+                    layer.mlp.experts = FusedExperts.from_sequential(layer.mlp.experts)
+
+    def _build(self, cfg: GPTConfig) -> None:
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         if cfg.position_embedding_type == "learned_absolute":
             self.position_embedding = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
@@ -499,8 +515,6 @@ class GPT(nn.Module):
         self.final_layernorm = _norm(cfg, cfg.hidden_size)
         if not cfg.share_embeddings_and_output_weights:
             self.output_layer = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.init_method_std is not None:
-            self.apply(self.init_weights)
 
     def init_weights(self, module: nn.Module) -> None:
         """Initialise ``module``'s own weights as Megatron-LM does with ``init_method_std``.
@@ -513,17 +527,11 @@ class GPT(nn.Module):
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
             return
-        from mfsdp.moe.experts import FusedExperts, GroupedLinear
+        from mfsdp.moe.experts import GroupedLinear
 
         with torch.no_grad():
-            if isinstance(module, GroupedLinear):
-                return  # drawn by its FusedExperts, expert by expert (below)
-            if isinstance(module, FusedExperts):
-                # the draws of one module per expert, in the same order: fused and sequential
-                # experts start from the same weights
-                for j in range(module.linear_fc1.weight.shape[0]):
-                    module.linear_fc1.weight[j].normal_(0.0, std)
-                    module.linear_fc2.weight[j].normal_(0.0, std)
+            if isinstance(module, GroupedLinear):  # fused experts (meta-device init)
+                module.weight.normal_(0.0, std)
                 return
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std)
