@@ -393,3 +393,44 @@ def test_meta_init_of_our_families_equals_eager(fused):
             assert abs(got[name].std().item() - 0.02) < 0.003, name
         else:
             assert torch.equal(got[name], p.detach()), name
+
+
+# ---------------------------------------------------------------------------------------------
+# regressions of the old export (mfsdp names, --swiglu looked for fc1 only, no expert bias)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_trainer_checkpoint_exports_swiglu_split_and_expert_bias(tmp_path):
+    from mfsdp.checkpoint.convert import DCPSource, fsdp_to_hf, fsdp_to_safetensors
+    from mfsdp.checkpoint.io import CheckpointError, resolve_checkpoint
+    from mfsdp.checkpoint.safetensors import SafetensorsReader, load_file
+
+    argv = ["--use-megatron-fsdp", "--model-preset", "deepseek-proxy", "--train-iters", "3",
+            "--global-batch-size", "4", "--micro-batch-size", "2", "--save", str(tmp_path / "run"),
+            "--moe-router-bias-update-rate", "0.01"]
+    launch("mfsdp.train:run_in_rank", 1, args=(argv,))
+    ckpt = resolve_checkpoint(tmp_path / "run")
+    src = DCPSource(ckpt)
+    bias = src.get("model.layers.1.mlp.router.expert_bias")
+    assert bias.abs().sum() > 0  # the balancing updates moved it
+
+    fsdp_to_safetensors(ckpt, tmp_path / "st", swiglu=True)
+    weights, _ = load_file(tmp_path / "st" / "model.safetensors")
+    assert not [n for n in weights if "linear_fc1" in n]  # every fused weight was split
+    fc1 = src.get("model.layers.0.mlp.linear_fc1.weight")
+    assert torch.equal(torch.cat([weights["layers.0.mlp.gate_proj.weight"],
+                                  weights["layers.0.mlp.up_proj.weight"]]), fc1)
+    cfg = json.loads((tmp_path / "st" / "config.json").read_text())
+    assert cfg["mfsdp"]["swiglu"] and cfg["mfsdp"]["swiglu_module"] == "linear_fc1"
+
+    fsdp_to_hf(ckpt, tmp_path / "hf", progress=False)
+    hf = SafetensorsReader(tmp_path / "hf")
+    assert torch.equal(hf.get("model.layers.1.mlp.gate.e_score_correction_bias"), bias)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(model.model.layers[1].mlp.gate.e_score_correction_bias, bias)
+
+    # --swiglu on a checkpoint without fused weights is an error, not a silent no-op
+    launch("mfsdp.train:run_in_rank", 1, args=(["--use-megatron-fsdp", "--train-iters", "1",
+                                                 "--global-batch-size", "2", "--micro-batch-size",
+                                                 "2", "--save", str(tmp_path / "gelu")],))
+    with pytest.raises(CheckpointError, match="no fused gate/up weight"):
+        fsdp_to_safetensors(resolve_checkpoint(tmp_path / "gelu"), tmp_path / "st2", swiglu=True)

@@ -424,8 +424,12 @@ def torch_dist_to_fsdp(src: str | Path, dst: str | Path,
     return write_full(dst, out, blobs, "fsdp_dtensor", manifest.get("layout"), files)
 
 
-def split_swiglu(weights: dict[str, torch.Tensor], pattern: str = "fc1") -> dict[str, torch.Tensor]:
+def split_swiglu(weights: dict[str, torch.Tensor],
+                 pattern: str | tuple[str, ...] = ("fc1", "linear_fc1")) -> dict[str, torch.Tensor]:
     """Split fused gate/up weights ``<p>.<pattern>.<w>`` into ``<p>.gate_proj.<w>``, ``<p>.up_proj.<w>``.
+
+    ``pattern``: the fused module's name or names (the toy models' ``fc1``, the trainer's and
+    Megatron-LM's ``linear_fc1``).
 
     >>> split_swiglu({"mlp.fc1.weight": torch.arange(4.0).view(4, 1)})["mlp.up_proj.weight"].ravel()
     tensor([2., 3.])
@@ -434,7 +438,7 @@ def split_swiglu(weights: dict[str, torch.Tensor], pattern: str = "fc1") -> dict
     for name, t in weights.items():
         prefix, _, leaf = name.rpartition(".")
         head, _, module = prefix.rpartition(".")
-        if module == pattern:
+        if module in ((pattern,) if isinstance(pattern, str) else pattern):
             if t.shape[0] % 2:
                 raise ValueError(f"{name} has {t.shape[0]} rows; a fused gate/up weight has an "
                                  "even number (gate rows, then up rows)")
@@ -471,12 +475,28 @@ def fsdp_to_safetensors(src: str | Path, dst: str | Path, swiglu: bool = False,
     _check_format(manifest, "fsdp_dtensor", src)
     weights = {k[len("model."):]: (v.to(dtype) if dtype else v) for k, v in tensors.items()
                if k.startswith("model.")}
+    fused_name = None
+    saved = src / MODEL_CONFIG_FILE
+    if swiglu and saved.exists() and not json.loads(saved.read_text()).get("swiglu"):
+        raise CheckpointError(f"--swiglu: the model of {src} has no fused gate/up weight (its "
+                              f"{MODEL_CONFIG_FILE} says swiglu is false: GELU MLPs); leave "
+                              "--swiglu out")
     if swiglu:
-        weights = split_swiglu(weights)
+        fused = {n.rpartition(".")[0].rpartition(".")[2] for n in weights} & {"fc1", "linear_fc1"}
+        if not fused:
+            raise CheckpointError(f"--swiglu: {src} has no fused gate/up weight (a module named "
+                                  "fc1 or linear_fc1); leave --swiglu out, or use --to hf for "
+                                  "the trainer's models")
+        if len(fused) > 1:
+            raise CheckpointError(f"--swiglu: {src} has fused weights named both fc1 and "
+                                  "linear_fc1; cannot tell which to split")
+        fused_name = fused.pop()
+        weights = split_swiglu(weights, fused_name)
     dst.mkdir(parents=True, exist_ok=False)
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
     cfg = dict(config or {})
-    cfg["mfsdp"] = {"source": str(src.name), "swiglu": swiglu, "layout": manifest.get("layout")}
+    cfg["mfsdp"] = {"source": str(src.name), "swiglu": bool(fused_name),
+                    "swiglu_module": fused_name, "layout": manifest.get("layout")}
     (dst / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
     return dst
 
@@ -490,7 +510,7 @@ def safetensors_to_fsdp(src: str | Path, dst: str | Path, swiglu: bool | None = 
     if swiglu is None:
         swiglu = bool(cfg.get("mfsdp", {}).get("swiglu", False))
     if swiglu:
-        weights = join_swiglu(weights)
+        weights = join_swiglu(weights, cfg.get("mfsdp", {}).get("swiglu_module") or "fc1")
     tensors = {f"model.{k}": v.float() if v.is_floating_point() else v for k, v in weights.items()}
     return write_full(dst, tensors, {"extra": {"iteration": 0}}, "fsdp_dtensor",
                       (cfg.get("mfsdp") or {}).get("layout"))
