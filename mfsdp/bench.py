@@ -13,13 +13,14 @@ communication). Run it from Python::
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_group_timeline", "unused_parameter_peak"]
+__all__ = ["all_gather_group_timeline", "conversion_memory", "unused_parameter_peak"]
 
 _DEFAULTS = dict(dim=256, hidden=1024, blocks=6, local_batch=32, steps=6, warmup=2, seed=0)
 
@@ -102,3 +103,81 @@ def unused_parameter_peak(blocks: int = 8, dim: int = 256, unused: bool = True) 
         opt.zero_grad()
     total = sum(b.plan.padded_numel * 4 for b in model.buckets if b.requires_grad)
     return model.memory["peak_grad_full_bytes"] / total
+
+
+_HWM = ("import sys, runpy\n"
+        "argv = sys.argv[1:]\n"
+        "try:\n"
+        "    if argv:\n"
+        "        sys.argv = argv\n"
+        "        runpy.run_module(argv[0], run_name='__main__')\n"
+        "    else:\n"
+        "        import mfsdp.checkpoint.convert, mfsdp.models.hf\n"
+        "except SystemExit as e:\n"
+        "    if e.code:\n"
+        "        raise\n"
+        "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
+        "print('PEAK', int(hwm.split()[1]) * 1024)\n")
+
+
+def _peak_rss_of(argv: list[str]) -> int:
+    """Peak resident memory (bytes, the kernel's ``VmHWM``) of a fresh Python process running
+    module ``argv[0]`` with arguments ``argv[1:]`` (or only importing mfsdp when empty)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _HWM, *argv], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}):\n{out.stderr}")
+    return int(out.stdout.split("PEAK")[-1])
+
+
+def conversion_memory(workdir, layers: int = 4, hidden: int = 2048, vocab: int = 32000) -> dict:
+    """Peak memory of ``mfsdp convert --from hf`` and ``--to hf`` on a Llama checkpoint of about
+    1.2 GiB (fp32; larger with more ``layers``), each in a fresh process.
+
+    Returns the checkpoint size, its largest tensor and, per direction, the conversion's peak
+    resident memory above that of a process that only imports the same modules (bytes).
+
+    The checkpoint is written tensor by tensor (random values), so building it holds one tensor.
+    """
+    import json
+    from pathlib import Path
+
+    from mfsdp.checkpoint.safetensors import write_sharded
+    from mfsdp.models.gpt import GPT, GPTConfig
+    from mfsdp.models.hf import config_to_hf, weight_rules
+
+    work = Path(workdir)
+    src = work / "hf"
+    src.mkdir(parents=True)
+    cfg = GPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=hidden * 11 // 4,
+                    num_layers=layers, num_attention_heads=16, num_query_groups=4,
+                    normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                    add_bias_linear=False)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
+    specs = {}
+    for rule in weight_rules(cfg):
+        rows = shapes[rule.ours][0] // (len(rule.hf) if rule.kind == "cat" else 1)
+        for name in rule.hf:
+            if rule.kind == "qkv":
+                h = cfg.head_dim
+                rows = (cfg.num_attention_heads * h if name.endswith("q_proj.weight")
+                        else cfg.num_query_groups * h)
+            specs[name] = ((rows, *shapes[rule.ours][1:]), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    write_sharded(((n, torch.randn(s, generator=g) * 0.02) for n, (s, _) in specs.items()),
+                  specs, src, max_shard_bytes=2**30)
+    (src / "config.json").write_text(json.dumps(config_to_hf(cfg)))
+    total = sum(math.prod(s) * 4 for s, _ in specs.values())
+    largest = max(math.prod(s) * 4 for s, _ in specs.values())
+    base = _peak_rss_of([])
+    cli = ["mfsdp.cli", "convert", "--no-progress"]
+    to_dcp = _peak_rss_of(cli + ["--from", "hf", "--to", "fsdp_dtensor", str(src),
+                                 str(work / "dcp")])
+    to_hf = _peak_rss_of(cli + ["--from", "fsdp_dtensor", "--to", "hf", str(work / "dcp"),
+                                str(work / "back")])
+    return {"checkpoint_bytes": total, "largest_tensor_bytes": largest,
+            "import_peak_bytes": to_dcp - base, "export_peak_bytes": to_hf - base,
+            "baseline_bytes": base}

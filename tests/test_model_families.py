@@ -434,3 +434,17 @@ def test_trainer_checkpoint_exports_swiglu_split_and_expert_bias(tmp_path):
                                                  "2", "--save", str(tmp_path / "gelu")],))
     with pytest.raises(CheckpointError, match="no fused gate/up weight"):
         fsdp_to_safetensors(resolve_checkpoint(tmp_path / "gelu"), tmp_path / "st2", swiglu=True)
+
+
+@pytest.mark.slow
+def test_conversion_streams_a_1gib_checkpoint(tmp_path):
+    """``--from hf`` and ``--to hf`` on a 1.16 GiB Llama checkpoint, each in a fresh process:
+    peak memory above an idle process's stays under two of its largest tensor (measured about
+    1.1x for the import and 1.0x for the export, where a whole-model conversion needs 4.7x)."""
+    from mfsdp.bench import conversion_memory
+
+    r = conversion_memory(tmp_path)
+    assert r["checkpoint_bytes"] >= 2**30
+    assert r["largest_tensor_bytes"] * 4 < r["checkpoint_bytes"]  # so 2 tensors << the model
+    for key in ("import_peak_bytes", "export_peak_bytes"):
+        assert r[key] < 2 * r["largest_tensor_bytes"], (key, r)

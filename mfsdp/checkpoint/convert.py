@@ -32,6 +32,7 @@ Checkpoints written by ``mfsdp train`` and by ``--from hf`` also hold ``model_co
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import pickle
@@ -46,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from mfsdp.checkpoint.io import FORMAT_VERSION, CheckpointError, read_manifest
 from mfsdp.checkpoint.safetensors import load_file, save_file
@@ -156,6 +157,37 @@ class _CachedReader(FileSystemReader):
         return self._cached
 
 
+class _Window(io.RawIOBase):
+    """A seekable read-only view of ``length`` bytes of ``f`` from ``offset`` (one DCP item)."""
+
+    def __init__(self, f, offset: int, length: int):
+        super().__init__()
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, min(self._len, base + pos))
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self._len - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(buf)[:n])
+        self._pos += got
+        return got
+
+
 class DCPSource:
     """Read one tensor of a DCP checkpoint at a time (whatever layout wrote it), in one process."""
 
@@ -170,7 +202,30 @@ class DCPSource:
                           if isinstance(md, BytesStorageMetadata)]
 
     def get(self, key: str) -> torch.Tensor:
-        """The full tensor ``key``."""
+        """The full tensor ``key``, read chunk by chunk (a tensor saved whole is returned as read,
+        without a second copy)."""
+        shape, dtype = self.tensors[key]
+        md = self._reader.read_metadata()
+        chunks = md.state_dict_metadata[key].chunks
+        storage = md.storage_data or {}
+        infos = [storage.get(MetadataIndex(key, c.offsets)) for c in chunks]
+        if any(i is None or getattr(i, "transform_descriptors", None) for i in infos):
+            return self._get_dcp(key)  # compressed or unusual storage: let DCP read it
+        out = None
+        for chunk, info in zip(chunks, infos):
+            with open(self.path / info.relative_path, "rb") as f:
+                part = torch.load(_Window(f, info.offset, info.length), map_location="cpu",
+                                  weights_only=True)
+            if tuple(chunk.sizes) == tuple(shape):
+                return part.reshape(shape)
+            if out is None:
+                out = torch.empty(shape, dtype=dtype)
+            index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+            out[index].copy_(part.reshape(chunk.sizes))
+            del part
+        return out if out is not None else torch.empty(shape, dtype=dtype)
+
+    def _get_dcp(self, key: str) -> torch.Tensor:
         shape, dtype = self.tensors[key]
         state = {key: torch.empty(shape, dtype=dtype)}
         with warnings.catch_warnings():

@@ -40,6 +40,14 @@ def _bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
 
 
+def _write_tensor(f, t: torch.Tensor) -> None:
+    """Write ``t``'s bytes to ``f`` without copying them (a view of its memory)."""
+    t = t.detach().to("cpu").contiguous()
+    n = t.numel() * t.element_size()
+    if n:
+        f.write(memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B"))
+
+
 def save_file(tensors: dict[str, torch.Tensor], path: str | Path,
               metadata: dict[str, str] | None = None) -> None:
     """Write ``tensors`` to ``path`` in safetensors format (sorted by name)."""
@@ -225,7 +233,7 @@ def write_sharded(tensors, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
                 if got != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                     raise ValueError(f"write_sharded expected {name} {tuple(shape)} {dtype}, "
                                      f"got {got} {tuple(t.shape)} {t.dtype}")
-                f.write(_bytes(t))
+                _write_tensor(f, t)
                 total += t.numel() * t.element_size()
                 if progress is not None:
                     progress(name, t)
