@@ -122,3 +122,33 @@ def pytorch_idioms(strategy: str = "optim_grads_params") -> dict:
         full = model.module.blocks[0].fc1.weight  # the gathered weight, a plain tensor
         report["full_equals_gathered"] = torch.equal(full, saved)
     return report
+
+
+def meta_init_transformers_llama() -> dict:
+    """Build a tiny Hugging Face Llama on ``meta`` and materialise it shard by shard with the
+    model's own initialiser (needs ``transformers``); return per-tensor statistics and the
+    rotary ``inv_freq`` next to an eagerly built copy's."""
+    import transformers
+
+    import mfsdp
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    sharded, _ = mfsdp.fully_shard(model, torch.optim.AdamW(model.parameters()),
+                                   fsdp_unit_modules=[layer], zero_dp_strategy="optim_grads_params",
+                                   init_model_with_meta_device=True,
+                                   param_init_fn=model._init_weights)
+    full = sharded.full_parameters()
+    eager = transformers.LlamaForCausalLM(config)
+    return {"std": {n: round(full[n].std().item(), 3) for n in ("model.layers.0.mlp.up_proj.weight",
+                                                               "lm_head.weight")},
+            "eager_std": {n: round(p.std().item(), 3) for n, p in eager.named_parameters()
+                          if n in ("model.layers.0.mlp.up_proj.weight", "lm_head.weight")},
+            "norm_is_ones": bool((full["model.norm.weight"] == 1).all()),
+            "inv_freq_equal": torch.equal(dict(model.named_buffers())["model.rotary_emb.inv_freq"],
+                                          dict(eager.named_buffers())["model.rotary_emb.inv_freq"])}
