@@ -120,7 +120,7 @@ class _LazyPlanner(DefaultSavePlanner):
 def write_streaming(path: str | Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
                     produce, blobs: dict[str, object], fmt: str, layout: dict | None = None,
                     files: dict[str, str] | None = None) -> Path:
-    """Like :func:`write_full`, but tensor ``key`` (of shape and dtype ``specs[key]``) is made by
+    """Like ``write_full``, but tensor ``key`` (of shape and dtype ``specs[key]``) is made by
     ``produce(key)`` only when it is written: one file per tensor, so the writer holds one."""
     path = Path(path)
     if path.exists():
@@ -283,7 +283,8 @@ def hf_to_fsdp(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
     """A Hugging Face model directory -> ``fsdp_dtensor`` (fp32 main weights, no optimizer state).
 
     Streams: each mfsdp tensor is built from its Hugging Face tensors when the writer reaches it.
-    The checkpoint also holds ``model_config.json`` (the model's :class:`GPTConfig`).
+    The checkpoint also holds ``model_config.json`` (the model's
+    :class:`~mfsdp.models.gpt.GPTConfig`).
     """
     from mfsdp.checkpoint.safetensors import SafetensorsReader
     from mfsdp.models.gpt import GPT
@@ -333,7 +334,8 @@ def fsdp_to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = Non
 
     Streams: each Hugging Face tensor is cut from its mfsdp tensor as the writer reaches it, the
     last mfsdp tensor read is kept for its siblings (q/k/v, gate/up). ``model_config`` (a
-    :class:`GPTConfig` dict) is needed when the checkpoint has no ``model_config.json``.
+    :class:`~mfsdp.models.gpt.GPTConfig` dict) is needed when the checkpoint has no
+    ``model_config.json``.
     """
     from mfsdp.checkpoint.safetensors import write_sharded
     from mfsdp.models.gpt import GPTConfig

@@ -87,8 +87,9 @@ class GPTConfig:
     """Initialise linear and embedding weights from N(0, std) and biases with zeros, as
     Megatron-LM and ``transformers`` do (``None``: PyTorch's module defaults)."""
     recompute_granularity: str | None = None
-    """Activation recomputation as Megatron-LM names it: ``"full"`` (whole layers, see the two
-    fields below) or ``"selective"`` (only the core attention: scores, softmax, weighted sum)."""
+    """Activation recomputation as Megatron-LM names it, ``"full"`` (whole layers, see the two
+    fields below) or ``"selective"`` (only the core attention, i.e. scores, softmax and the
+    weighted sum)."""
     recompute_method: str | None = None
     """With ``"full"``: ``"uniform"`` checkpoints the input of every chunk of
     ``recompute_num_layers`` layers and recomputes the chunk; ``"block"`` recomputes the first
@@ -109,9 +110,9 @@ class GPTConfig:
     moe_router_topk: int = 2
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
-    """Softmax scores: ``False`` (Megatron-LM's default, Mixtral) renormalises the chosen experts'
-    weights to sum to one; ``True`` uses the softmax over all experts as it is (Qwen2-MoE).
-    Sigmoid scores are always renormalised."""
+    """With softmax scores, ``False`` (Megatron-LM's default, Mixtral) renormalises the chosen
+    experts' weights to sum to one and ``True`` uses the softmax over all experts as it is
+    (Qwen2-MoE). Sigmoid scores are always renormalised."""
     moe_router_topk_scaling_factor: float | None = None
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
