@@ -14,7 +14,7 @@ export MFSDP_DOCS_OFFLINE ?= 1
 MERMAID_VERSION ?= 11.12.1
 VENDOR := build/vendor
 
-.PHONY: docs test venv vendor clean
+.PHONY: docs test test-gpu venv vendor clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ docs: $(VENV)/.installed vendor
 
 test: $(VENV)/.installed vendor
 	$(PY) -m pytest
+
+# On a machine with a CUDA GPU: the NCCL/CUDA suite (tests/gpu). Elsewhere every test skips.
+test-gpu: $(VENV)/.installed
+	$(PY) -m pytest -m gpu tests/gpu -rs
 
 clean:
 	rm -rf build/html build/test-html docs/recipes docs/generated

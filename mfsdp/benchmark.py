@@ -12,7 +12,14 @@
 Every system trains the same model with AdamW on the same global batch, and the losses are reported
 so that one can see they train the same thing: ``--model toy`` (default), the residual MLP
 ``ToyModel`` (6 blocks, ~9M parameters); ``--model gpt``, a GPT (token and position embeddings,
-attention, GELU MLP, vocabulary head) trained on token sequences.
+attention, GELU MLP, vocabulary head) trained on token sequences; ``--model llama``, the Llama
+family of :mod:`mfsdp.models.gpt` (``--model llama-1b``: 1.1B parameters, TinyLlama's shape).
+
+``--device cuda`` runs on GPUs with NCCL (one rank per GPU): steps are timed with CUDA events,
+memory is ``torch.cuda.max_memory_allocated``, and the table adds tokens/s and model FLOPs
+utilisation against ``--peak-tflops`` (989, an H100's dense bf16, by default); ``--bf16`` trains
+in bf16 with fp32 main weights. The system ``megatron_fsdp`` (upstream's package, when it is
+installed) runs next to the others.
 
 >>> SYSTEMS
 ('ddp', 'fsdp2', 'fsdp2-no-reshard', 'mfsdp-no_shard', 'mfsdp-optim', 'mfsdp-optim_grads', 'mfsdp-optim_grads_params')
@@ -30,26 +37,57 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["SYSTEMS", "bench_memory", "bench_time", "build_parser", "loopback_bytes", "main",
-           "plot", "profile_step", "run_benchmark", "table"]
+__all__ = ["LLAMA_1B", "SYSTEMS", "bench_memory", "bench_time", "build_parser", "loopback_bytes",
+           "main", "model_flops_per_token", "plot", "profile_step", "run_benchmark", "table"]
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2-no-reshard", "mfsdp-no_shard", "mfsdp-optim",
            "mfsdp-optim_grads", "mfsdp-optim_grads_params")
+OPTIONAL_SYSTEMS = ("megatron_fsdp",)  # upstream Megatron-FSDP, ZeRO-3, when installed
 DEFAULTS = dict(dim=512, hidden=1408, blocks=6, local_batch=16, warmup=2, rounds=8, lr=1e-3,
-                seed=0, model="toy", seq_length=64, vocab_size=2048, heads=6)
+                seed=0, model="toy", seq_length=64, vocab_size=2048, heads=6, kv_heads=None,
+                device="cpu", bf16=False, peak_tflops=989.0)
+# TinyLlama-1.1B's shape: 22 layers, width 2048, 32 heads over 4 key/value groups, SwiGLU 5632.
+LLAMA_1B = dict(model="llama", dim=2048, hidden=5632, blocks=22, heads=32, kv_heads=4,
+                vocab_size=32000, seq_length=2048)
+
+
+def _gpt_config(cfg: dict):
+    from mfsdp.models.gpt import GPTConfig
+
+    if cfg["model"] == "llama":
+        return GPTConfig(vocab_size=cfg["vocab_size"], num_layers=cfg["blocks"],
+                         hidden_size=cfg["dim"], ffn_hidden_size=cfg["hidden"],
+                         num_attention_heads=cfg["heads"], num_query_groups=cfg["kv_heads"],
+                         max_position_embeddings=cfg["seq_length"], normalization="RMSNorm",
+                         position_embedding_type="rope", swiglu=True, add_bias_linear=False,
+                         init_method_std=0.02)
+    return GPTConfig(vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["seq_length"],
+                     num_layers=cfg["blocks"], hidden_size=cfg["dim"],
+                     ffn_hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"])
+
+
+def model_flops_per_token(cfg: dict) -> float:
+    """Training FLOPs per token of the configured model: ``6 N`` for the weights (forward and
+    backward) plus causal attention's ``6 L s h`` (scores and weighted sum, half masked).
+
+    >>> round(model_flops_per_token(dict(DEFAULTS, **LLAMA_1B)) / 1e9, 2)
+    7.18
+    """
+    n = sum(p.numel() for p in _build_reference_numel(cfg))
+    if cfg["model"] in ("gpt", "llama"):
+        n -= cfg["vocab_size"] * cfg["dim"]  # the embedding lookup is not a matmul
+        return 6 * n + 6 * cfg["blocks"] * cfg["seq_length"] * cfg["dim"]
+    return 6 * n
 
 
 def _model(cfg: dict):
     """(model, its FSDP unit class) of the configured shape."""
-    if cfg["model"] == "gpt":
-        from mfsdp.models.gpt import GPT, GPTConfig, TransformerLayer
+    if cfg["model"] in ("gpt", "llama"):
+        from mfsdp.models.gpt import GPT, TransformerLayer
 
-        return GPT(GPTConfig(vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["seq_length"],
-                             num_layers=cfg["blocks"], hidden_size=cfg["dim"],
-                             ffn_hidden_size=cfg["hidden"],
-                             num_attention_heads=cfg["heads"])), TransformerLayer
+        return GPT(_gpt_config(cfg)), TransformerLayer
     if cfg["model"] != "toy":
-        raise ValueError(f"model={cfg['model']!r}: use 'toy' or 'gpt'")
+        raise ValueError(f"model={cfg['model']!r}: use 'toy', 'gpt' or 'llama'")
     from mfsdp.models import Block, ToyModel
 
     return ToyModel(cfg["dim"], cfg["hidden"], cfg["blocks"]), Block
@@ -73,49 +111,84 @@ def loopback_bytes() -> int:
     return 0
 
 
+def _device(cfg: dict) -> torch.device:
+    if cfg.get("device", "cpu") == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _build(system: str, cfg: dict):
-    """(model, optimizer) of one system, built from the same seed."""
+    """(model, optimizer) of one system, built from the same seed on the configured device.
+
+    With ``bf16``: DDP and FSDP2 compute in bf16 with fp32 parameters (autocast-free: FSDP2's
+    ``MixedPrecisionPolicy``; DDP keeps fp32 weights and runs under autocast), mfsdp keeps fp32
+    main weights and bf16 compute weights, as Megatron-FSDP does.
+    """
     torch.manual_seed(cfg["seed"])
-    model, unit = _model(cfg)
+    device = _device(cfg)
+    with device:
+        model, unit = _model(cfg)
+    lr = cfg["lr"]
     if system == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(model)
-        return model, torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr)
     if system.startswith("fsdp2"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
         from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
         reshard = system == "fsdp2"
+        mp = FSDP2Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if cfg.get("bf16") else FSDP2Policy()
         for block in [m for m in model.modules() if isinstance(m, unit)]:
-            fsdp2_shard(block, reshard_after_forward=reshard)
-        fsdp2_shard(model, reshard_after_forward=reshard)
-        return model, torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
-    from mfsdp import fully_shard
+            fsdp2_shard(block, reshard_after_forward=reshard, mp_policy=mp)
+        fsdp2_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    if system == "megatron_fsdp":
+        try:
+            import megatron_fsdp
+        except ImportError:
+            raise SystemExit("mfsdp bench: the system megatron_fsdp needs upstream's package "
+                             "(pip install megatron-fsdp)") from None
+        if cfg.get("bf16"):
+            model = model.to(torch.bfloat16)
+        return megatron_fsdp.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=lr),
+                                         fsdp_unit_modules=[unit], zero_dp_strategy=3,
+                                         preserve_fp32_weights=True)
+    from mfsdp import MixedPrecisionPolicy, fully_shard
 
     strategy = system.removeprefix("mfsdp-")
     extra = dict(cfg.get("mfsdp_kwargs", {}))
     if extra.pop("all_gather_group", False):  # all-gathers on their own communicator
         extra["fsdp_group_ag"] = dist.new_group(list(range(dist.get_world_size())))
-    return fully_shard(model, torch.optim.AdamW(model.parameters(), lr=cfg["lr"]),
-                       fsdp_unit_modules=[unit], zero_dp_strategy=strategy, **extra)
+    if cfg.get("bf16"):
+        model = model.to(torch.bfloat16)
+        extra.setdefault("mixed_precision_policy", MixedPrecisionPolicy(
+            main_params_dtype=torch.float32, main_grads_dtype=torch.float32))
+    return fully_shard(model, torch.optim.AdamW(model.parameters(), lr=lr),
+                       fsdp_unit_modules=[unit], zero_dp_strategy=strategy, device=device, **extra)
 
 
 def _batch(cfg: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(cfg["seed"] * 7919 + step)
     n = cfg["local_batch"]
-    if cfg["model"] == "gpt":  # token sequences; the targets are the next tokens
+    device = _device(cfg)
+    if cfg["model"] in ("gpt", "llama"):  # token sequences; the targets are the next tokens
         tokens = torch.randint(0, cfg["vocab_size"], (n * world, cfg["seq_length"]), generator=g)
-        tokens = tokens[rank * n:(rank + 1) * n]
+        tokens = tokens[rank * n:(rank + 1) * n].to(device)
         return tokens, tokens.roll(-1, dims=1).reshape(-1)
-    x = torch.randn(n * world, cfg["dim"], generator=g)[rank * n:(rank + 1) * n]
+    x = torch.randn(n * world, cfg["dim"], generator=g)[rank * n:(rank + 1) * n].to(device)
+    if cfg.get("bf16"):
+        x = x.to(torch.bfloat16)
     return x, torch.sin(x)
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if y.dtype == torch.long:
         return torch.nn.functional.cross_entropy(out.float(), y)
-    return torch.nn.functional.mse_loss(out, y)
+    return torch.nn.functional.mse_loss(out.float(), y.float())
 
 
 def _step(model, opt, x, y) -> float:
@@ -126,6 +199,22 @@ def _step(model, opt, x, y) -> float:
     if hasattr(model, "wait_param_sync"):  # mfsdp ZeRO-1/2: the step ends when weights are back
         model.wait_param_sync()
     return loss.item()
+
+
+def _timed_step(model, opt, x, y) -> tuple[float, float]:
+    """(seconds, loss) of one step: CUDA events on a GPU (host timers would stop when the work
+    is queued, not done), the host clock on CPU."""
+    if x.is_cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        loss = _step(model, opt, x, y)  # loss.item() synchronises the loss, not the step
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, loss
+    t0 = time.perf_counter()
+    loss = _step(model, opt, x, y)
+    return time.perf_counter() - t0, loss
 
 
 def bench_time(systems: list[str], cfg: dict | None = None) -> dict:
@@ -146,9 +235,7 @@ def bench_time(systems: list[str], cfg: dict | None = None) -> dict:
                 model.comm_log.clear()
             dist.barrier()
             before = loopback_bytes() if rank == 0 else 0
-            t0 = time.perf_counter()
-            loss = _step(model, opt, x, y)
-            dt = time.perf_counter() - t0
+            dt, loss = _timed_step(model, opt, x, y)
             dist.barrier()
             after = loopback_bytes() if rank == 0 else 0
             if r >= cfg["warmup"]:
@@ -172,6 +259,12 @@ def bench_time(systems: list[str], cfg: dict | None = None) -> dict:
             "asked_bytes_per_rank": asked.get(s),
             "final_loss": losses[s][-1],
         }
+    if cfg["model"] in ("gpt", "llama"):  # throughput and model FLOPs utilisation
+        tokens = cfg["local_batch"] * cfg["seq_length"] * world
+        flops = model_flops_per_token(cfg) * tokens
+        for v in result.values():
+            v["tokens_per_s"] = tokens / v["median_s"]
+            v["mfu"] = flops / v["median_s"] / world / (cfg["peak_tflops"] * 1e12)
     return {"systems": result, "numel": numel, "world": world, "cfg": cfg}
 
 
@@ -184,10 +277,16 @@ def bench_memory(system: str, cfg: dict | None = None) -> dict:
     """Peak RSS (MiB) of a fresh process training ``system`` for a few steps, and mfsdp's tensor
     bytes by kind (run in every rank)."""
     cfg = dict(DEFAULTS, **(cfg or {}))
+    cuda = cfg["device"] == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     model, opt = _build(system, cfg)
     for r in range(cfg["warmup"] + 2):
         _step(model, opt, *_batch(cfg, r))
     out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if cuda:
+        torch.cuda.synchronize()
+        out["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
     if hasattr(model, "memory_by_kind"):
         out["state_bytes"] = {**model.memory_by_kind(), "optimizer_state": opt.local_state_bytes()}
         out["comm_scratch_bytes"] = model.comm_scratch_bytes()
@@ -203,10 +302,14 @@ def profile_step(system: str, cfg: dict | None = None, steps: int = 3, top: int 
     model, opt = _build(system, cfg)
     for r in range(cfg["warmup"]):
         _step(model, opt, *_batch(cfg, r))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU]
+    if cfg.get("device") == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
         for r in range(steps):
             _step(model, opt, *_batch(cfg, cfg["warmup"] + r))
-    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=top)
+    sort = "cuda_time_total" if cfg.get("device") == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=top)
 
 
 def run_benchmark(world_sizes=(2, 4), systems=SYSTEMS, cfg: dict | None = None,
@@ -217,13 +320,16 @@ def run_benchmark(world_sizes=(2, 4), systems=SYSTEMS, cfg: dict | None = None,
     out = {}
     for world in world_sizes:
         progress(f"[bench] {world} ranks: interleaved timing of {len(systems)} systems ...")
-        t = launch("mfsdp.benchmark:bench_time", world, args=(list(systems), cfg), timeout=1800)[0]
+        backend = "nccl" if (cfg or {}).get("device") == "cuda" else "gloo"
+        t = launch("mfsdp.benchmark:bench_time", world, args=(list(systems), cfg), timeout=1800,
+                   backend=backend)[0]
         mem = {}
         if memory:
             for s in systems:
                 progress(f"[bench] {world} ranks: memory of {s} ...")
-                mem[s] = max((m for m in launch("mfsdp.benchmark:bench_memory", world, args=(s, cfg), timeout=900)),
-                             key=lambda m: m["peak_rss_mib"])
+                runs = launch("mfsdp.benchmark:bench_memory", world, args=(s, cfg), timeout=900,
+                              backend=backend)
+                mem[s] = max(runs, key=lambda m: (m.get("peak_cuda_mib", 0), m["peak_rss_mib"]))
         out[world] = {"time": t, "memory": mem}
     return out
 
@@ -238,16 +344,22 @@ def table(results: dict) -> str:
         lines.append(f"{world} ranks, {t['cfg'].get('model', 'toy')} model, "
                      f"{t['numel'] / 1e6:.2f}M parameters, AdamW; "
                      f"median of {t['cfg']['rounds']} interleaved steps")
+        gpu = t["cfg"].get("device") == "cuda"
+        rate = any("tokens_per_s" in v for v in t["systems"].values())
+        mem_head = "peak GPU MiB" if gpu else "peak RSS MiB"
         lines.append(f"{'system':<26} {'step ms':>8} {'IQR ms':>7} {'vs FSDP2':>8} "
-                     f"{'wire/model':>10} {'asked/model':>11} {'peak RSS MiB':>12}")
+                     f"{'wire/model':>10} {'asked/model':>11} {mem_head:>12}"
+                     + (f" {'tokens/s':>10} {'MFU':>6}" if rate else ""))
         for s, v in t["systems"].items():
             ratio = f"{v['median_s'] / ref:.2f}x" if ref else "-"
             asked = (f"{v['asked_bytes_per_rank'] / model_bytes:.2f}"
                      if v["asked_bytes_per_rank"] is not None else "-")
-            rss = f"{mem[s]['peak_rss_mib']:.0f}" if s in mem else "-"
+            key = "peak_cuda_mib" if gpu else "peak_rss_mib"
+            peak = f"{mem[s][key]:.0f}" if s in mem and key in mem[s] else "-"
             lines.append(f"{s:<26} {v['median_s'] * 1e3:8.1f} {v['spread_s'] * 1e3:7.1f} "
                          f"{ratio:>8} {v['wire_bytes_per_rank'] / model_bytes:10.2f} {asked:>11} "
-                         f"{rss:>12}")
+                         f"{peak:>12}"
+                         + (f" {v['tokens_per_s']:10,.0f} {v['mfu']:6.1%}" if rate else ""))
         lines.append("")
     return "\n".join(lines)
 
@@ -258,9 +370,20 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         parser = argparse.ArgumentParser(prog="mfsdp bench", description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4],
                         help="ranks to benchmark with (default: 2 4)")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    parser.add_argument("--model", choices=("toy", "gpt"), default=DEFAULTS["model"],
-                        help="toy: residual MLP blocks on vectors; gpt: a GPT on token sequences")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS + OPTIONAL_SYSTEMS,
+                        default=list(SYSTEMS))
+    parser.add_argument("--model", choices=("toy", "gpt", "llama", "llama-1b"),
+                        default=DEFAULTS["model"],
+                        help="toy: residual MLP blocks on vectors; gpt: a GPT on token sequences; "
+                             "llama: the Llama family with the sizes below; llama-1b: 1.1B "
+                             "parameters (TinyLlama's shape)")
+    parser.add_argument("--kv-heads", type=int, help="key/value heads (llama; default: --heads)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: NCCL, one rank per GPU, CUDA-event timing and GPU memory")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 compute, fp32 main weights (every system)")
+    parser.add_argument("--peak-tflops", type=float, default=DEFAULTS["peak_tflops"],
+                        help="the device's dense peak for MFU (default: H100 bf16, %(default)s)")
     parser.add_argument("--seq-length", type=int, default=DEFAULTS["seq_length"],
                         help="tokens per sample (gpt)")
     parser.add_argument("--vocab-size", type=int, default=DEFAULTS["vocab_size"],
@@ -288,12 +411,23 @@ def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp bench`` command."""
     cfg = dict(dim=args.dim, hidden=args.hidden, blocks=args.blocks, local_batch=args.local_batch,
                rounds=args.rounds, warmup=args.warmup, model=args.model,
-               seq_length=args.seq_length, vocab_size=args.vocab_size, heads=args.heads)
+               seq_length=args.seq_length, vocab_size=args.vocab_size, heads=args.heads,
+               kv_heads=args.kv_heads, device=args.device, bf16=args.bf16,
+               peak_tflops=args.peak_tflops)
+    if args.model == "llama-1b":
+        cfg.update(LLAMA_1B)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("mfsdp bench: --device cuda, but CUDA is not available here")
+        if max(args.world_sizes) > torch.cuda.device_count():
+            raise SystemExit(f"mfsdp bench: --world-sizes {max(args.world_sizes)} needs as many "
+                             f"GPUs; this machine has {torch.cuda.device_count()}")
     if args.profile:
         from mfsdp.launch import launch
 
         print(launch("mfsdp.benchmark:profile_step", args.world_sizes[0],
-                     args=(args.profile, cfg), timeout=900)[0])
+                     args=(args.profile, cfg), timeout=900,
+                     backend="nccl" if args.device == "cuda" else "gloo")[0])
         return 0
     results = run_benchmark(tuple(args.world_sizes), tuple(args.systems), cfg,
                             memory=not args.no_memory,

@@ -72,19 +72,36 @@ class CommLog:
         return sum(r[key] for r in self.records if op is None or r["op"] == op)
 
     def wait_seconds(self) -> float:
-        """Seconds spent blocked in ``Handle.wait`` (the communication not hidden by compute)."""
-        return sum(r.get("wait_s", 0.0) for r in self.records)
+        """Seconds of communication not hidden by compute (the *exposed* communication).
+
+        On CPU (gloo) a wait blocks the host: the host time spent in ``Handle.wait``. On a GPU a
+        wait does not block the host (NCCL makes the compute stream wait instead), so a host
+        timer would read about 0: there each wait is bracketed by CUDA events on the compute
+        stream and the GPU time between them is summed (this synchronises on the last event).
+        """
+        total = 0.0
+        for r in self.records:
+            events = r.get("wait_events")
+            if events:
+                for start, end in events:
+                    end.synchronize()
+                    total += start.elapsed_time(end) / 1e3
+            else:
+                total += r.get("wait_s", 0.0)
+        return total
 
 
 class Handle:
     """An in-flight collective. ``wait()`` blocks, runs the finishing step once, returns its value."""
 
-    def __init__(self, work, finish: Callable[[], object] | None, record: dict):
+    def __init__(self, work, finish: Callable[[], object] | None, record: dict,
+                 cuda: bool = False):
         self._work = work
         self._finish = finish
         self._record = record
         self._done = False
         self._value = None
+        self._cuda = cuda
 
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
@@ -92,8 +109,16 @@ class Handle:
     def wait(self):
         if not self._done:
             t0 = time.perf_counter()
+            events = None
+            if self._cuda and self._work is not None:  # GPU time the compute stream waits
+                events = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+                events[0].record()
             if self._work is not None:
                 self._work.wait()
+            if events is not None:
+                events[1].record()
+                self._record.setdefault("wait_events", []).append(events)
             self._value = self._finish() if self._finish is not None else None
             t1 = time.perf_counter()
             self._record["wait_s"] = self._record.get("wait_s", 0.0) + (t1 - t0)
@@ -170,7 +195,7 @@ class Communicator:
                 finish = lambda: self._give(send)  # noqa: E731
             else:
                 work = _all_gather(out, shard, group=self.group, async_op=True)
-        handle = Handle(work, finish, record)
+        handle = Handle(work, finish, record, cuda=out.is_cuda and self.log.enabled)
         if not async_op:
             handle.wait()
         return handle
@@ -196,7 +221,7 @@ class Communicator:
                 out = torch.empty(chunk, dtype=full.dtype, device=full.device)
                 work = _reduce_scatter(out, full, op=op, group=self.group, async_op=True)
                 finish = lambda: out  # noqa: E731
-        handle = Handle(work, finish, record)
+        handle = Handle(work, finish, record, cuda=out.is_cuda and self.log.enabled)
         if not async_op:
             handle.wait()
         return handle
@@ -210,7 +235,7 @@ class Communicator:
             return Handle(None, lambda: t, record)
         with torch.profiler.record_function("mfsdp::all_reduce"):
             work = dist.all_reduce(t, op=op, group=self.group, async_op=True)
-        handle = Handle(work, lambda: t, record)
+        handle = Handle(work, lambda: t, record, cuda=t.is_cuda and self.log.enabled)
         if not async_op:
             handle.wait()
         return handle

@@ -75,7 +75,7 @@ class _Job:
     kwargs: dict
     world_size: int
     store_port: int
-    backend: str
+    backend: str | None
     threads: int
 
 
@@ -112,7 +112,7 @@ def launch(
     kwargs: dict | None = None,
     *,
     timeout: float = 300.0,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     threads_per_rank: int = 1,
     echo: bool = False,
     env: dict[str, str] | None = None,
@@ -124,7 +124,8 @@ def launch(
         world_size: number of ranks (processes) to start.
         args, kwargs: passed to ``fn`` on every rank; must be picklable, as must the results.
         timeout: seconds until all ranks are killed and :class:`LaunchTimeout` is raised.
-        backend: ``torch.distributed`` backend (``"gloo"`` on CPU, ``"nccl"`` with one GPU per rank).
+        backend: ``torch.distributed`` backend (``"gloo"`` on CPU, ``"nccl"`` with one GPU per rank,
+            ``None`` for what ``init_process_group()`` picks without one).
         threads_per_rank: ``torch.set_num_threads`` in each rank (1 keeps 8 ranks on 2 cores sane).
         echo: print every rank's captured stdout/stderr after the run (prefixed with the rank).
         env: extra environment variables for the workers.
@@ -269,7 +270,7 @@ def _worker(workdir: Path, rank: int) -> int:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job.world_size),
                           LOCAL_WORLD_SIZE=str(job.world_size))
         store = dist.TCPStore("127.0.0.1", job.store_port, job.world_size, False)
-        if job.backend == "nccl":
+        if job.backend == "nccl" or (job.backend is None and torch.cuda.is_available()):
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(job.backend, store=store, rank=rank, world_size=job.world_size)
         result = _resolve(job.target)(*job.args, **job.kwargs)
