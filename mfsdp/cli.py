@@ -1,52 +1,117 @@
 """The ``mfsdp`` console entry point.
 
-Run ``mfsdp --help`` for the list of subcommands.
+Run ``mfsdp --help`` for the list of subcommands. A user error (a bad value, a missing file, a
+checkpoint of the wrong format) prints one line naming the input and exits with status 2;
+``mfsdp --debug COMMAND ...`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from mfsdp import __version__
 
+_ROLES = re.compile(r":(?:func|class|meth|mod|attr|data|doc|py:\w+):`~?([^`<]*?)(?:\s*<[^>]*>)?`")
+
+
+def plain(text: str | None) -> str | None:
+    """Docstring markup (reST roles, double backquotes) as plain terminal text.
+
+    >>> plain("see :func:`~mfsdp.plan.plan` and ``--world-size``")
+    'see plan and --world-size'
+    """
+    if not text:
+        return text
+    text = _ROLES.sub(lambda m: m.group(1).rsplit(".", 1)[-1], text)
+    return text.replace("``", "")
+
+
+class PlainFormatter(argparse.HelpFormatter):
+    """argparse help without reST markup."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain(text))
+
+    def _expand_help(self, action) -> str:
+        return plain(super()._expand_help(action))
+
+
+_USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, FileExistsError,
+                                                 NotADirectoryError, IsADirectoryError,
+                                                 ValueError, KeyError)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from mfsdp.checkpoint.io import CheckpointError
+    from mfsdp.sbatch import RenderError
+
+    return _USER_ERRORS + (CheckpointError, RenderError)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level ``mfsdp`` argument parser with one subparser per subcommand."""
-    parser = argparse.ArgumentParser(prog="mfsdp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="mfsdp", formatter_class=PlainFormatter,
+        description="Megatron-FSDP-style sharded training on torch.distributed: convert "
+                    "checkpoints, plan memory, train, render Slurm scripts, benchmark.",
+        epilog="Run 'mfsdp COMMAND --help' for the options of a command.")
     parser.add_argument("--version", action="version", version=f"mfsdp {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the Python traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, help: str, doc: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=plain(doc.splitlines()[0]),
+                              formatter_class=PlainFormatter)
+
     from mfsdp.checkpoint import convert
 
-    convert.build_parser(sub.add_parser(
-        "convert", help="convert checkpoints: torch_dist <-> fsdp_dtensor <-> safetensors",
-        description=convert.__doc__.splitlines()[0]))
+    convert.build_parser(add("convert", "convert checkpoints: torch_dist, fsdp_dtensor, "
+                                        "safetensors and Hugging Face (hf)", convert.__doc__))
     from mfsdp import plan
 
-    plan.build_parser(sub.add_parser(
-        "plan", help="estimate per-rank memory and per-step communication of a layout",
-        description=plan.__doc__.splitlines()[0]))
+    plan.build_parser(add("plan", "estimate per-rank memory and per-step communication of a "
+                                  "layout", plan.__doc__))
     from mfsdp import benchmark, sbatch, train
 
-    train.build_parser(sub.add_parser(
-        "train", help="train the small GPT or MoE GPT with Megatron-LM's flags (under torchrun)",
-        description=train.__doc__.splitlines()[0]))
-    sbatch.build_parser(sub.add_parser(
-        "sbatch", help="render Slurm batch scripts from presets",
-        description=sbatch.__doc__.splitlines()[0]))
-    benchmark.build_parser(sub.add_parser(
-        "bench", help="step time, memory and bytes: DDP, PyTorch FSDP2 and mfsdp side by side",
-        description=benchmark.__doc__.splitlines()[0]))
+    train.build_parser(add("train", "train Llama, Qwen, Mixtral, DeepSeek-V3 or GPT models with "
+                                    "Megatron-LM's flags (under torchrun)", train.__doc__))
+    sbatch.build_parser(add("sbatch", "render Slurm batch scripts from presets", sbatch.__doc__))
+    benchmark.build_parser(add("bench", "step time, memory and bytes: DDP, PyTorch FSDP2 and "
+                                        "mfsdp side by side", benchmark.__doc__))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand."""
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand.
+
+    User errors print ``mfsdp COMMAND: error: ...`` and return 2 (``--debug``: raise them).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    if args.debug:
+        return _run(parser, args)
+    try:
+        return _run(parser, args)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):  # a command's own message: one line, status 2
+            print(exc.code if exc.code.startswith("mfsdp") else
+                  f"mfsdp {args.command}: error: {exc.code}", file=sys.stderr)
+            return 2
+        raise
+    except _user_errors() as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"mfsdp {args.command}: error: {message} (run with --debug for the traceback)",
+              file=sys.stderr)
+        return 2
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "convert":
         from mfsdp.checkpoint import convert
 
@@ -66,10 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sbatch":
         from mfsdp import sbatch
 
-        try:
-            return sbatch.run(args)
-        except sbatch.RenderError as exc:
-            parser.exit(2, f"mfsdp sbatch: error: {exc}\n")
+        return sbatch.run(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
