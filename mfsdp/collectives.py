@@ -221,7 +221,7 @@ class Communicator:
                 out = torch.empty(chunk, dtype=full.dtype, device=full.device)
                 work = _reduce_scatter(out, full, op=op, group=self.group, async_op=True)
                 finish = lambda: out  # noqa: E731
-        handle = Handle(work, finish, record, cuda=out.is_cuda and self.log.enabled)
+        handle = Handle(work, finish, record, cuda=full.is_cuda and self.log.enabled)
         if not async_op:
             handle.wait()
         return handle

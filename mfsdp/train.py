@@ -69,6 +69,37 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     m.add_argument("--max-position-embeddings", type=_positive,
                    help="longest sequence (default: --seq-length)")
     m.add_argument("--swiglu", action="store_true", default=None, help="gated MLPs")
+    m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
+    m.add_argument("--norm-epsilon", type=float, help="epsilon of the norms")
+    m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"))
+    m.add_argument("--rotary-base", type=float, help="RoPE base (theta)")
+    m.add_argument("--use-rope-scaling", action="store_true", default=None,
+                   help="Llama-3 RoPE frequency scaling (factor: --rope-scaling-factor)")
+    m.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="with --use-rope-scaling (default: %(default)s)")
+    m.add_argument("--rotary-interleaved", action="store_true", default=None,
+                   help="rotate interleaved channel pairs (DeepSeek)")
+    m.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value heads")
+    m.add_argument("--num-query-groups", type=_positive, help="key/value heads (with the above)")
+    m.add_argument("--kv-channels", type=_positive, help="width of one attention head")
+    m.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")
+    m.add_argument("--add-qkv-bias", action="store_true", default=None,
+                   help="biases on query, key and value only (Qwen2)")
+    m.add_argument("--qk-layernorm", action="store_true", default=None,
+                   help="RMSNorm on each query and key head (Qwen3)")
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="a separate output layer (the presets' default; see the migrating page)")
+    m.add_argument("--multi-latent-attention", action="store_true", default=None,
+                   help="DeepSeek's multi-head latent attention (the five sizes below)")
+    m.add_argument("--q-lora-rank", type=_positive)
+    m.add_argument("--kv-lora-rank", type=_positive)
+    m.add_argument("--qk-head-dim", type=_positive, help="MLA: plain query/key channels per head")
+    m.add_argument("--qk-pos-emb-head-dim", type=_positive,
+                   help="MLA: rotary query/key channels per head")
+    m.add_argument("--v-head-dim", type=_positive, help="MLA: value channels per head")
+    m.add_argument("--init-method-std", type=float,
+                   help="initialise weights from N(0, std) (the Llama and DeepSeek presets: 0.02)")
     m.add_argument("--recompute-granularity", choices=("full", "selective"),
                    help="activation recomputation: whole layers (full) or the core attention "
                         "(selective)")
@@ -86,6 +117,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     e.add_argument("--moe-shared-expert-intermediate-size", type=int,
                    help="width of the shared expert (0: none)")
     e.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"))
+    e.add_argument("--moe-router-pre-softmax", action="store_true", default=None,
+                   help="softmax over all experts, not renormalised over the chosen ones")
+    e.add_argument("--moe-router-topk-scaling-factor", type=float,
+                   help="multiply the routing weights (DeepSeek-V3: 2.5)")
+    e.add_argument("--moe-shared-expert-gate", action="store_true", default=None,
+                   help="sigmoid gate on the shared expert (Qwen2-MoE)")
     e.add_argument("--moe-router-num-groups", type=_positive, help="expert groups (group-limited)")
     e.add_argument("--moe-router-group-topk", type=_positive, help="groups each token may use")
     e.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
@@ -242,11 +279,11 @@ def _config(args):
         base = GPTConfig.from_dict(saved)
     else:
         base = GPT_PRESETS["gpt-tiny"]
-    max_pos = args.max_position_embeddings
-    if max_pos is None and base.position_embedding_type == "learned_absolute":
-        max_pos = max(args.seq_length, 1)
     try:
-        return _overridden(base, args, max_pos)
+        cfg = _overridden(base, args, args.max_position_embeddings)
+        if args.max_position_embeddings is None and cfg.position_embedding_type == "learned_absolute":
+            cfg = with_overrides(cfg, max_position_embeddings=max(args.seq_length, 1))
+        return cfg
     except ValueError as e:  # an inconsistent combination of model flags
         raise SystemExit(f"mfsdp train: {e}") from None
 
@@ -273,7 +310,26 @@ def _overridden(base, args, max_pos):
         moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
         moe_grouped_gemm=args.moe_grouped_gemm, max_position_embeddings=max_pos,
         recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        normalization=args.normalization, norm_epsilon=args.norm_epsilon,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
+        rotary_interleaved=args.rotary_interleaved, kv_channels=args.kv_channels,
+        add_bias_linear=False if args.disable_bias_linear else None,
+        add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+        share_embeddings_and_output_weights=(False if args.untie_embeddings_and_output_weights
+                                             else None),
+        multi_latent_attention=args.multi_latent_attention, q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+        init_method_std=args.init_method_std, moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_shared_expert_gate=args.moe_shared_expert_gate)
+    if args.group_query_attention != bool(args.num_query_groups):
+        raise ValueError("--group-query-attention and --num-query-groups go together (as in "
+                         "Megatron-LM): pass both, or neither for multi-head attention")
+    if args.num_query_groups:
+        cfg = with_overrides(cfg, num_query_groups=args.num_query_groups)
     return cfg
 
 

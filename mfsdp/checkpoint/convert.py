@@ -676,6 +676,7 @@ def run(args: argparse.Namespace) -> int:
     from mfsdp.checkpoint.io import resolve_checkpoint
 
     pair = (args.src_format, args.dst_format)
+    shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work
     src = (args.input if args.src_format in ("safetensors", "hf")
            else resolve_checkpoint(args.input))
     if pair == ("hf", "fsdp_dtensor"):
@@ -692,7 +693,7 @@ def run(args: argparse.Namespace) -> int:
                                  f"of {', '.join(sorted(GPT_PRESETS))}")
             model_config = GPT_PRESETS[args.model_preset].to_dict()
         out = fsdp_to_hf(src, args.output, _DTYPE_NAMES[args.dtype] if args.dtype else None,
-                         parse_size(args.max_shard_size), model_config,
+                         shard_bytes, model_config,
                          progress=not args.no_progress)
     elif pair == ("fsdp_dtensor", "torch_dist"):
         out = fsdp_to_torch_dist(src, args.output)
