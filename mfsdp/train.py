@@ -459,7 +459,18 @@ def _load(args, model, opt, routers) -> int:
     from mfsdp.checkpoint.convert import torch_dist_to_fsdp
     from mfsdp.checkpoint.io import resolve_checkpoint
 
+    from mfsdp.checkpoint.upstream import describe_unreadable, is_megatron_fsdp
+
     root = Path(args.load)
+    if is_megatron_fsdp(root):
+        load_checkpoint(root, model, opt)
+        if dist.get_rank() == 0:
+            print(f"--load {root}: loaded an upstream Megatron-FSDP checkpoint (weights and "
+                  "optimizer state); training starts at iteration 0", flush=True)
+        return 0
+    unreadable = describe_unreadable(root)
+    if unreadable:  # never a silent fresh start over a checkpoint we cannot read
+        raise SystemExit(f"--load: {unreadable}")
     if not root.exists() or not ((root / "latest").exists() or (root / "manifest.json").exists()):
         if dist.get_rank() == 0:
             print(f"--load {root}: no checkpoint there yet, starting from iteration 0", flush=True)

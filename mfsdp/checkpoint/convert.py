@@ -234,12 +234,13 @@ class DCPSource:
         return state[key]
 
     def blob(self, key: str) -> object:
-        """An unpickled non-tensor entry."""
+        """A non-tensor entry (mfsdp's pickled blobs unpickled; others as DCP stored them)."""
         state = {key: b""}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=self._reader, no_dist=True)
-        return pickle.loads(state[key])
+        value = state[key]
+        return pickle.loads(value) if isinstance(value, bytes) else value
 
 
 class _Progress:
@@ -617,7 +618,7 @@ def load_torch_dist(path: str | Path, model: torch.nn.Module,
     return int(blobs.get("extra", {}).get("iteration", 0))
 
 
-FORMATS = ["torch_dist", "fsdp_dtensor", "safetensors", "hf"]
+FORMATS = ["torch_dist", "fsdp_dtensor", "safetensors", "hf", "megatron_fsdp"]
 
 
 def parse_size(text: str) -> int:
@@ -649,8 +650,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         choices=FORMATS, help="format of OUTPUT")
     parser.add_argument("input", metavar="INPUT", help="checkpoint directory (or its root with a 'latest' file)")
     parser.add_argument("output", metavar="OUTPUT", help="new directory to write")
-    parser.add_argument("--param-to-param-group-map", metavar="FILE",
-                        help="JSON map parameter name -> optimizer group (torch_dist input)")
+    parser.add_argument("--param-to-param-group-map", "--param-to-param-group-map-json",
+                        dest="param_to_param_group_map", metavar="FILE",
+                        help="JSON map parameter name -> optimizer group, in the optimizer's "
+                             "order (torch_dist and megatron_fsdp input; upstream's flag name "
+                             "--param-to-param-group-map-json works too)")
     parser.add_argument("--swiglu", action="store_true",
                         help="split (to safetensors) or join (from safetensors) fused gate/up "
                              "projection weights named *.fc1.*")
@@ -662,11 +666,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="(--to hf) largest safetensors file, e.g. 5GB or 500MB "
                              "(default: %(default)s)")
     parser.add_argument("--model-preset", metavar="NAME",
-                        help="(--to hf) the model's preset, for checkpoints without "
-                             "model_config.json")
+                        help="(--to hf, --from megatron_fsdp) the model's preset, for "
+                             "checkpoints without model_config.json")
     parser.add_argument("--model-config", metavar="FILE",
-                        help="(--to hf) the model's GPTConfig as JSON, for checkpoints without "
-                             "model_config.json")
+                        help="(--to hf, --from megatron_fsdp) the model's GPTConfig as JSON, for "
+                             "checkpoints without model_config.json")
     parser.add_argument("--no-progress", action="store_true", help="no progress report")
     return parser
 
@@ -677,21 +681,45 @@ def run(args: argparse.Namespace) -> int:
 
     pair = (args.src_format, args.dst_format)
     shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work
-    src = (args.input if args.src_format in ("safetensors", "hf")
+    src = (args.input if args.src_format in ("safetensors", "hf", "megatron_fsdp")
            else resolve_checkpoint(args.input))
+    model_config = None
+    if args.model_config:
+        model_config = json.loads(Path(args.model_config).read_text())
+    elif args.model_preset:
+        from mfsdp.models.gpt import GPT_PRESETS
+
+        if args.model_preset not in GPT_PRESETS:
+            raise SystemExit(f"mfsdp convert: --model-preset {args.model_preset!r} is not one "
+                             f"of {', '.join(sorted(GPT_PRESETS))}")
+        model_config = GPT_PRESETS[args.model_preset].to_dict()
+    if pair == ("megatron_fsdp", "fsdp_dtensor"):
+        from mfsdp.checkpoint.upstream import megatron_fsdp_to_fsdp
+
+        group_of = (json.loads(Path(args.param_to_param_group_map).read_text())
+                    if args.param_to_param_group_map else None)
+        model_names = None
+        if model_config is not None:
+            from mfsdp.models.gpt import GPT, GPTConfig
+
+            with torch.device("meta"):
+                model_names = [n for n, _ in GPT(GPTConfig.from_dict(model_config))
+                               .named_parameters()]
+        elif group_of is not None:
+            model_names = list(group_of)
+        out = megatron_fsdp_to_fsdp(args.input, args.output, model_names=model_names,
+                                    group_of=group_of, model_config=model_config)
+        print(f"wrote fsdp_dtensor checkpoint {out}")
+        return 0
+    if pair == ("fsdp_dtensor", "megatron_fsdp"):
+        from mfsdp.checkpoint.upstream import fsdp_to_megatron_fsdp
+
+        out = fsdp_to_megatron_fsdp(args.input, args.output)
+        print(f"wrote megatron_fsdp checkpoint {out}")
+        return 0
     if pair == ("hf", "fsdp_dtensor"):
         out = hf_to_fsdp(src, args.output, progress=not args.no_progress)
     elif pair == ("fsdp_dtensor", "hf"):
-        model_config = None
-        if args.model_config:
-            model_config = json.loads(Path(args.model_config).read_text())
-        elif args.model_preset:
-            from mfsdp.models.gpt import GPT_PRESETS
-
-            if args.model_preset not in GPT_PRESETS:
-                raise SystemExit(f"mfsdp convert: --model-preset {args.model_preset!r} is not one "
-                                 f"of {', '.join(sorted(GPT_PRESETS))}")
-            model_config = GPT_PRESETS[args.model_preset].to_dict()
         out = fsdp_to_hf(src, args.output, _DTYPE_NAMES[args.dtype] if args.dtype else None,
                          shard_bytes, model_config,
                          progress=not args.no_progress)
@@ -708,7 +736,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise SystemExit(f"mfsdp convert: no conversion from {pair[0]} to {pair[1]}; supported: "
                          "torch_dist<->fsdp_dtensor, fsdp_dtensor<->safetensors, "
-                         "fsdp_dtensor<->hf")
+                         "fsdp_dtensor<->hf, fsdp_dtensor<->megatron_fsdp")
     print(f"wrote {args.dst_format} checkpoint {out}")
     return 0
 

@@ -156,6 +156,11 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             raise CheckpointError(f"{latest} names {target.name}, which has no manifest.json "
                                   "(incomplete or deleted checkpoint)")
         return target
+    from mfsdp.checkpoint.upstream import describe_unreadable
+
+    unreadable = describe_unreadable(path)
+    if unreadable:
+        raise CheckpointError(unreadable)
     raise CheckpointError(f"no checkpoint at {path}: neither {path}/manifest.json nor "
                           f"{path}/latest exists (a directory named .tmp-* is an unfinished save)")
 
@@ -197,9 +202,17 @@ def _check_keys(ours: dict[str, dict], theirs: dict[str, dict], where: Path) -> 
 def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it.
 
+    ``path`` is an mfsdp checkpoint (or its root) or a checkpoint written by upstream
+    Megatron-FSDP (``dcp.save`` of its model and optimizer state dicts; see
+    :mod:`mfsdp.checkpoint.upstream`).
+
     Restores the RNG state that was saved and returns the ``extra`` dict (with ``iteration``
     and ``rng_state``). A collective call.
     """
+    from mfsdp.checkpoint.upstream import is_megatron_fsdp, load_megatron_fsdp
+
+    if is_megatron_fsdp(path):  # upstream Megatron-FSDP's README checkpoint
+        return load_megatron_fsdp(path, model, optimizer)
     ckpt = resolve_checkpoint(path)
     manifest = read_manifest(ckpt)
     theirs = manifest["tensors"]
