@@ -204,7 +204,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
 
     ``path`` is an mfsdp checkpoint (or its root) or a checkpoint written by upstream
     Megatron-FSDP (``dcp.save`` of its model and optimizer state dicts; see
-    :mod:`mfsdp.checkpoint.upstream`).
+    ``mfsdp.checkpoint.upstream``).
 
     Restores the RNG state that was saved and returns the ``extra`` dict (with ``iteration``
     and ``rng_state``). A collective call.
