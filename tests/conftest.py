@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Scripts run as programs by the tests (under torchrun), not imported: --doctest-modules would
 # import them and start their code.
-collect_ignore_glob = ["upstream/*.py"]
+collect_ignore_glob = ["upstream/*.py", "fixtures/*/*.py"]  # scripts run by others, not tests
 
 
 @pytest.fixture(scope="session")
