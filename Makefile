@@ -14,7 +14,7 @@ export MFSDP_DOCS_OFFLINE ?= 1
 MERMAID_VERSION ?= 11.12.1
 VENDOR := build/vendor
 
-.PHONY: docs test test-gpu venv vendor clean
+.PHONY: docs serve test test-gpu venv vendor clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ docs: $(VENV)/.installed vendor
 	$(PY) -m sphinx -b html -W --keep-going -j 1 . build/html
 	@$(PY) docs/_ext/recipe_times.py
 	@echo "The guide is in build/html/index.html"
+
+# The built guide over http://localhost:8000 (browsers load the diagrams' module script from
+# http:// but not from file://).
+serve:
+	$(PY) -m http.server --directory build/html 8000
 
 test: $(VENV)/.installed vendor
 	$(PY) -m pytest
