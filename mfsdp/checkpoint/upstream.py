@@ -251,6 +251,8 @@ def describe_unreadable(path: str | Path) -> str | None:
     """What a directory holds when it is a checkpoint mfsdp cannot read yet (``None`` otherwise):
     a message naming the format, for an error instead of a silent fresh start."""
     path = Path(path)
+    if (path / "manifest.json").exists() or (path / "latest").exists():
+        return None  # mfsdp's own
     if (path / "latest_checkpointed_iteration.txt").exists():
         return (f"{path} holds a Megatron-LM checkpoint (latest_checkpointed_iteration.txt and "
                 "iter_XXXXXXX directories: torch_dist or fsdp_dtensor), which mfsdp does not "
