@@ -71,7 +71,7 @@ def model_flops_per_token(cfg: dict) -> float:
     backward) plus causal attention's ``6 L s h`` (scores and weighted sum, half masked).
 
     >>> round(model_flops_per_token(dict(DEFAULTS, **LLAMA_1B)) / 1e9, 2)
-    7.18
+    6.76
     """
     n = sum(p.numel() for p in _build_reference_numel(cfg))
     if cfg["model"] in ("gpt", "llama"):
