@@ -64,10 +64,15 @@ def _refuse_unsupported(**given) -> None:
                 "megatron_fsdp on GPUs for it")
 
 
-def _default_device() -> torch.device:
-    """The device the default process group carries tensors of: the current GPU when NCCL is
-    among its backends (``init_process_group()`` with no backend argument on a GPU machine says
-    ``"undefined"`` but has one), the CPU otherwise."""
+def _default_device(module: nn.Module | None = None) -> torch.device:
+    """The device to shard onto when ``device=`` is not given: where the model already is, if
+    that is a GPU (gloo carries CUDA tensors too); else the device the default process group
+    carries tensors of: the current GPU when NCCL is among its backends (``init_process_group()``
+    with no backend argument on a GPU machine says ``"undefined"`` but has one), the CPU otherwise."""
+    if module is not None:
+        where = {p.device for p in module.parameters() if p.device.type != "meta"}
+        if len(where) == 1 and next(iter(where)).type == "cuda":
+            return next(iter(where))
     if not dist.is_initialized():
         return torch.device("cpu")
     config = str(dist.get_backend_config()).lower()
@@ -272,7 +277,7 @@ def fully_shard_model(
         # Sharding over an outer dimension of one rank shards nothing: plain FSDP (as upstream).
         outer = ShardingStrategy.NO_SHARD
         groups.outer_strategy = outer
-    device = torch.device(device) if device is not None else _default_device()
+    device = torch.device(device) if device is not None else _default_device(module)
     units = resolve_unit_classes(fsdp_unit_modules, module)
     if fsdp_double_buffer and not strategy.shards_params:
         raise ValueError("fsdp_double_buffer=True needs zero_dp_strategy='optim_grads_params' "

@@ -151,11 +151,14 @@ def _build(system: str, cfg: dict):
         except ImportError:
             raise SystemExit("mfsdp bench: the system megatron_fsdp needs upstream's package "
                              "(pip install megatron-fsdp)") from None
-        if cfg.get("bf16"):
+        extra = {}
+        if cfg.get("bf16"):  # bf16 compute, fp32 main weights and gradients, as for mfsdp
             model = model.to(torch.bfloat16)
+            extra["mixed_precision_policy"] = megatron_fsdp.MixedPrecisionPolicy(
+                main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
         return megatron_fsdp.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=lr),
                                          fsdp_unit_modules=[unit], zero_dp_strategy=3,
-                                         preserve_fp32_weights=True)
+                                         device=device, **extra)
     from mfsdp import MixedPrecisionPolicy, fully_shard
 
     strategy = system.removeprefix("mfsdp-")
@@ -407,6 +410,37 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
+# Bytes per parameter a system keeps on its ranks in total with AdamW, whatever the sharding:
+# fp32 weights, gradients and two moments (16), plus bf16 compute weights with --bf16 (2).
+_STATE_BYTES = {False: 16, True: 18}
+
+
+def check_gpu_fit(cfg: dict, systems, world: int, gpu_bytes: int) -> None:
+    """Refuse, naming ``--systems``, a timing run whose systems' states cannot fit on the GPUs.
+
+    The interleaved timing keeps every system's model and optimizer alive in one process per
+    rank, so their states add up; on a GPU that is the limit (a 1.1B model with AdamW and bf16
+    holds 18 GiB per system on one H100), while on CPU the host's memory is usually larger.
+
+    >>> cfg = dict(DEFAULTS, **LLAMA_1B, bf16=True)
+    >>> check_gpu_fit(cfg, ["fsdp2", "mfsdp-optim_grads_params"], 1, 80 * 2**30)
+    >>> check_gpu_fit(cfg, ["ddp", "fsdp2", "mfsdp-optim_grads_params"], 1, 80 * 2**30)
+    Traceback (most recent call last):
+    ...
+    SystemExit: mfsdp bench: 3 systems hold 55.3 GiB of weights, gradients and AdamW state per GPU (1 ranks), 69% of the 80.0 GiB GPU before activations; pass fewer --systems per run (e.g. two), or more ranks
+    """
+    numel = sum(p.numel() for p in _build_reference_numel(cfg))
+    per_rank = [numel * _STATE_BYTES[bool(cfg.get("bf16"))] / (1 if s.startswith("ddp") or
+                                                                  s == "mfsdp-no_shard" else world)
+                for s in systems]
+    need = sum(per_rank)
+    if need > 0.6 * gpu_bytes:
+        raise SystemExit(f"mfsdp bench: {len(per_rank)} systems hold {need / 2**30:.1f} GiB of "
+                         f"weights, gradients and AdamW state per GPU ({world} ranks), "
+                         f"{need / gpu_bytes:.0%} of the {gpu_bytes / 2**30:.1f} GiB GPU before "
+                         "activations; pass fewer --systems per run (e.g. two), or more ranks")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp bench`` command."""
     cfg = dict(dim=args.dim, hidden=args.hidden, blocks=args.blocks, local_batch=args.local_batch,
@@ -422,6 +456,8 @@ def run(args: argparse.Namespace) -> int:
         if max(args.world_sizes) > torch.cuda.device_count():
             raise SystemExit(f"mfsdp bench: --world-sizes {max(args.world_sizes)} needs as many "
                              f"GPUs; this machine has {torch.cuda.device_count()}")
+        check_gpu_fit(cfg, args.systems, min(args.world_sizes),
+                      torch.cuda.get_device_properties(0).total_memory)
     if args.profile:
         from mfsdp.launch import launch
 

@@ -592,7 +592,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             # The engine averages gradients over ranks unless per-token loss asks it to sum.
             scale = (1.0 if args.calculate_per_token_loss else world) / global_tokens
             aux_scale = (1.0 / world if args.calculate_per_token_loss else 1.0) / num_micro
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for i in range(num_micro):
                 chunk = mine[i * args.micro_batch_size:(i + 1) * args.micro_batch_size]
                 tokens, cu = pack_sequences(chunk)
@@ -603,7 +603,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     loss, _ = gpt_loss(logits, tokens, cu)
                     total = loss * scale + collect_aux_losses(inner).to(loss.device) * aux_scale
                     total.backward()
-                loss_sum += loss.detach().double().cpu()
+                loss_sum += loss.detach().double()
             if args.use_megatron_fsdp:
                 grad_norm = (opt.clip_grad_norm_(args.clip_grad) if args.clip_grad > 0
                              else opt.grad_norm())

@@ -49,7 +49,7 @@ def _train(model, opt, steps: int, rank: int = 0, world: int = 1) -> list[float]
         ids = _tokens(step, rank, world)
         cu = torch.arange(0, ids.numel() + 1, ids.shape[1], device=ids.device)
         loss, n = gpt_loss(model(ids), ids, cu)
-        (loss / (n * world)).backward()  # the global mean over ranks' equal token counts
+        (loss / n).backward()  # this rank's mean: mfsdp averages gradients over the ranks
         opt.step()
         opt.zero_grad()
         losses.append(loss.item() / n)
@@ -103,13 +103,15 @@ def test_every_strategy_on_nccl(strategy, bf16):
         assert _rel(got["params"][name], p) < tol, name
 
 
-def test_two_ranks_share_the_gpu_where_nccl_allows():
+def test_two_ranks_share_the_gpu():
+    """Two ranks on the one GPU: NCCL where it allows that, else gloo on the CUDA tensors."""
     try:
         got = launch(_sharded, 2, args=("optim_grads_params", False), backend="nccl")[0]
     except RankError as e:
-        if "uplicate GPU" in str(e) or "invalid usage" in str(e):
-            pytest.skip(f"NCCL refuses two ranks on one GPU here: {str(e).splitlines()[0]}")
-        raise
+        if "uplicate GPU" not in str(e) and "invalid usage" not in str(e):
+            raise
+        # NCCL 2.x refuses two communicators' ranks on one device ("invalid usage")
+        got = launch(_sharded, 2, args=("optim_grads_params", False), backend="gloo")[0]
     want = _reference()
     for name, p in want["params"].items():
         assert _rel(got["params"][name], p) < 1e-5, name
