@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mfsdp", formatter_class=PlainFormatter,
         description="Megatron-FSDP-style sharded training on torch.distributed: convert "
-                    "checkpoints, plan memory, train, render Slurm scripts, benchmark.",
+                    "checkpoints, plan memory, train, render Slurm scripts, benchmark, "
+                    "preprocess data.",
         epilog="Run 'mfsdp COMMAND --help' for the options of a command.")
     parser.add_argument("--version", action="version", version=f"mfsdp {__version__}")
     parser.add_argument("--debug", action="store_true",
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     sbatch.build_parser(add("sbatch", "render Slurm batch scripts from presets", sbatch.__doc__))
     benchmark.build_parser(add("bench", "step time, memory and bytes: DDP, PyTorch FSDP2 and "
                                         "mfsdp side by side", benchmark.__doc__))
+    from mfsdp.data import preprocess
+
+    preprocess.build_parser(add("preprocess", "tokenize JSONL into Megatron .bin/.idx datasets",
+                                preprocess.__doc__))
     return parser
 
 
@@ -132,6 +137,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from mfsdp import sbatch
 
         return sbatch.run(args)
+    if args.command == "preprocess":
+        from mfsdp.data import preprocess
+
+        return preprocess.run(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -196,10 +196,30 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     t.add_argument("--seed", type=int, default=1234, help="model init and data order")
     t.add_argument("--mock-data", action="store_true",
                    help="synthetic sequences (the default when no --data-path is given)")
-    t.add_argument("--data-path", help="a text file read as bytes (vocab 256); 'bundled' uses "
-                   "the small text shipped with mfsdp")
+    t.add_argument("--data-path", nargs="+", metavar="PATH",
+                   help="Megatron indexed dataset prefixes (PREFIX.bin/.idx), optionally "
+                   "weighted: '0.3 a 0.7 b'; or one text file read as bytes (vocab 256); "
+                   "'bundled' uses the small text shipped with mfsdp")
+    t.add_argument("--split", default="969,30,1",
+                   help="train,valid,test weights over each dataset's documents "
+                   "(default: %(default)s)")
+    t.add_argument("--data-cache-path", metavar="DIR",
+                   help="keep the sample index arrays here and reuse them")
+    t.add_argument("--tokenizer-type", choices=("NullTokenizer", "HuggingFaceTokenizer"),
+                   help="sets the model's vocabulary (padded) and the EOD id")
+    t.add_argument("--tokenizer-model", metavar="PATH",
+                   help="HuggingFaceTokenizer: a local tokenizer directory")
+    t.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128,
+                   help="pad the tokenizer's vocabulary to a multiple (default: %(default)s)")
+    t.add_argument("--train-samples", type=_positive,
+                   help="samples to train on (sets --train-iters = samples / global batch)")
+    t.add_argument("--eval-interval", type=_positive, default=1000,
+                   help="validation every N iterations and at the end (default: %(default)s)")
+    t.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches per validation (0: none; default: %(default)s)")
     t.add_argument("--sequence-packing", action="store_true",
-                   help="variable-length sequences packed per micro-batch (THD)")
+                   help="variable-length sequences packed per micro-batch (THD); with indexed "
+                   "datasets, each sample is cut into its documents at EOD tokens")
     c = parser.add_argument_group("checkpoints")
     c.add_argument("--save", help="checkpoint directory to write")
     c.add_argument("--load", help="checkpoint directory to resume from (latest)")
@@ -217,13 +237,76 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 # ---------------------------------------------------------------------------------------------
 # data
 # ---------------------------------------------------------------------------------------------
-def _read_data(path: str | None) -> torch.Tensor | None:
-    if path is None:
+class MegatronData:
+    """Train/valid/test samples of Megatron indexed datasets and the tokenizer's EOD id."""
+
+    def __init__(self, splits, eod: int | None):
+        self.train, self.valid, self.test = splits
+        self.eod = eod
+
+    def sample(self, split, i: int) -> torch.Tensor:
+        """Sample ``i`` (``seq_length + 1`` tokens) of ``split``."""
+        return torch.from_numpy(split[i][1])
+
+
+def _tokenizer(args):
+    if not args.tokenizer_type:
         return None
-    file = DATA_FILE if path == "bundled" else Path(path)
-    if not file.is_file():
-        raise SystemExit(f"--data-path {path}: no such file")
-    return torch.frombuffer(bytearray(file.read_bytes()), dtype=torch.uint8).long()
+    from mfsdp.data.tokenizers import build_tokenizer
+
+    try:
+        return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"mfsdp train: {e}") from None
+
+
+def _read_data(args) -> "torch.Tensor | MegatronData | None":
+    """None (mock data), a byte tensor (one text file), or :class:`MegatronData`."""
+    from mfsdp.data.indexed import MAGIC, is_indexed_prefix
+
+    paths = args.data_path
+    if not paths:
+        return None
+    if len(paths) == 1 and not is_indexed_prefix(paths[0]):
+        path = paths[0]
+        if path.endswith((".bin", ".idx")) and is_indexed_prefix(path[:-4]):
+            raise SystemExit(f"--data-path {path}: a Megatron dataset is named by its prefix; "
+                             f"pass --data-path {path[:-4]}")
+        file = DATA_FILE if path == "bundled" else Path(path)
+        if not file.is_file():
+            raise SystemExit(f"--data-path {path}: neither {path}.bin/.idx (a Megatron indexed "
+                             "dataset) nor a text file exists")
+        raw = file.read_bytes()
+        if raw.startswith(MAGIC):
+            raise SystemExit(f"--data-path {path} is a Megatron index without its .bin; pass the "
+                             "prefix of a complete .bin/.idx pair")
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+    from mfsdp.data.gpt_dataset import build_gpt_datasets
+
+    gbs = args.global_batch_size
+    sizes = [args.train_iters * gbs,
+             (args.train_iters // args.eval_interval + 1) * args.eval_iters * gbs,
+             args.eval_iters * gbs]
+    try:
+        splits = build_gpt_datasets(paths, args.split, sizes, args.seq_length, args.seed,
+                                    args.data_cache_path)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"mfsdp train: {e}") from None
+    if splits[0] is None:
+        raise SystemExit(f"--split {args.split} leaves no training documents")
+    tok = _tokenizer(args)
+    if args.sequence_packing and tok is None:
+        raise SystemExit("--sequence-packing with indexed datasets cuts samples at EOD tokens: "
+                         "name the tokenizer (--tokenizer-type) so its EOD id is known")
+    return MegatronData(splits, tok.eod if tok is not None else None)
+
+
+def _documents(sample: torch.Tensor, eod: int) -> list[torch.Tensor]:
+    """Cut a sample after each EOD token into its documents (pieces of one token are dropped:
+    they predict nothing)."""
+    ends = (sample == eod).nonzero().flatten() + 1
+    pieces = torch.tensor_split(sample, ends.tolist())
+    return [p for p in pieces if len(p) > 1]
 
 
 def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
@@ -234,6 +317,17 @@ def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
     context); with ``--sequence-packing`` lengths vary between a quarter of and the full
     ``--seq-length``.
     """
+    if isinstance(data, MegatronData):  # Megatron-LM's order: consumed samples = (iteration-1) x GBS
+        base = (iteration - 1) * args.global_batch_size
+        seqs = [data.sample(data.train, base + j) for j in range(args.global_batch_size)]
+        high = max(int(t.max()) for t in seqs)
+        if high >= vocab_size:
+            raise SystemExit(f"--data-path holds token id {high}, beyond the model's vocabulary of "
+                             f"{vocab_size}: pass --tokenizer-type/--tokenizer-model (or a larger "
+                             "--vocab-size)")
+        if args.sequence_packing:
+            return [_documents(t, data.eod) for t in seqs]
+        return seqs
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
     vocab, S = vocab_size, args.seq_length
     seqs = []
@@ -282,7 +376,12 @@ def _config(args):
     try:
         cfg = _overridden(base, args, args.max_position_embeddings)
         if args.max_position_embeddings is None and cfg.position_embedding_type == "learned_absolute":
-            cfg = with_overrides(cfg, max_position_embeddings=max(args.seq_length, 1))
+            # indexed-dataset samples hold seq_length + 1 tokens (inputs and the last label)
+            cfg = with_overrides(cfg, max_position_embeddings=max(args.seq_length, 1) + 1)
+        tok = _tokenizer(args)
+        if tok is not None:
+            multiple = args.make_vocab_size_divisible_by
+            cfg = with_overrides(cfg, vocab_size=-(-tok.vocab_size // multiple) * multiple)
         return cfg
     except ValueError as e:  # an inconsistent combination of model flags
         raise SystemExit(f"mfsdp train: {e}") from None
@@ -345,6 +444,12 @@ def _family(args, cfg) -> str:
         return "gpt"
 
 
+def _is_indexed(path: str) -> bool:
+    from mfsdp.data.indexed import is_indexed_prefix
+
+    return is_indexed_prefix(path)
+
+
 def _check(args, world: int, cfg) -> int:
     """Validate the combination of flags; return the micro-batches per iteration per rank."""
     per = args.micro_batch_size * world
@@ -352,7 +457,10 @@ def _check(args, world: int, cfg) -> int:
         raise SystemExit(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"--micro-batch-size x data-parallel size = {args.micro_batch_size} x "
                          f"{world}; pick a multiple of {per}")
-    if args.data_path and cfg.vocab_size < 256:
+    if args.train_samples:
+        args.train_iters = max(1, args.train_samples // args.global_batch_size)
+    if args.data_path and len(args.data_path) == 1 and not _is_indexed(args.data_path[0]) \
+            and cfg.vocab_size < 256:
         raise SystemExit(f"--data-path reads bytes: --vocab-size must be at least 256, "
                          f"not {cfg.vocab_size}")
     if world % args.num_distributed_optimizer_instances:
@@ -520,7 +628,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             log(f"note: {what}. " + ("This run is on CPU (gloo), so it is accepted and ignored."
                                      if is_cpu else "mfsdp does not register NCCL buffers yet; "
                                      "the flag is accepted and has no effect."), flush=True)
-    data = _read_data(args.data_path)
+    data = _read_data(args)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
 
     torch.manual_seed(args.seed)  # every rank builds the same model
@@ -583,7 +691,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         for iteration in range(start + 1, args.train_iters + 1):
             t0 = time.perf_counter()
             seqs = global_batch(args, iteration, cfg.vocab_size, data)
-            global_tokens = sum(len(s) - 1 for s in seqs)  # predicted tokens, all ranks
+            # with packing of indexed samples, each sample is a list of its documents
+            pieces = [t for s in seqs for t in (s if isinstance(s, list) else [s])]
+            global_tokens = sum(len(t) - 1 for t in pieces)  # predicted tokens, all ranks
             mine = seqs[rank * per_rank:(rank + 1) * per_rank]
             lr = _lr(args, iteration)
             for g in opt.param_groups:
@@ -595,6 +705,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for i in range(num_micro):
                 chunk = mine[i * args.micro_batch_size:(i + 1) * args.micro_batch_size]
+                chunk = [t for s in chunk for t in (s if isinstance(s, list) else [s])]
                 tokens, cu = pack_sequences(chunk)
                 tokens, cu = tokens.to(device), cu.to(device)
                 last = i == num_micro - 1
@@ -619,8 +730,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             now = time.perf_counter()
             rec = {"iteration": iteration, "loss": loss_sum.item() / global_tokens,
                    "grad_norm": float(grad_norm), "lr": lr,
-                   "tokens_per_s": (global_tokens + len(seqs)) / (now - t0),
-                   "elapsed_s": now - t_start, "tokens": global_tokens + len(seqs),
+                   "tokens_per_s": (global_tokens + len(pieces)) / (now - t0),
+                   "elapsed_s": now - t_start, "tokens": global_tokens + len(pieces),
                    "rss_mib": _rss_mib()}
             if args.use_megatron_fsdp:
                 rec["state_mib"] = (sum(model.memory_by_kind().values())
@@ -633,6 +744,16 @@ def run(args: argparse.Namespace) -> list[dict]:
                 log(f"iteration {iteration:>5}/{args.train_iters} | loss {rec['loss']:.4f} | "
                     f"grad norm {rec['grad_norm']:.3f} | lr {lr:.2e} | tokens/s "
                     f"{rec['tokens_per_s']:,.0f} | rss {rec['rss_mib']:.0f} MiB", flush=True)
+            if (isinstance(data, MegatronData) and data.valid is not None and args.eval_iters > 0
+                    and (iteration % args.eval_interval == 0 or iteration == args.train_iters)):
+                valid_loss = _evaluate(args, model, data, routers, device, iteration)
+                rec.update(valid_loss=valid_loss, valid_ppl=math.exp(min(valid_loss, 700.0)))
+                if jsonl:
+                    jsonl.write(json.dumps({"iteration": iteration, "valid_loss": valid_loss,
+                                            "valid_ppl": rec["valid_ppl"]}) + "\n")
+                    jsonl.flush()
+                log(f"validation after iteration {iteration} | loss {valid_loss:.4f} | "
+                    f"perplexity {rec['valid_ppl']:.2f}", flush=True)
             if args.save and args.use_megatron_fsdp and (
                     (args.save_interval and iteration % args.save_interval == 0)
                     or iteration == args.train_iters):
@@ -642,6 +763,37 @@ def run(args: argparse.Namespace) -> list[dict]:
         if jsonl:
             jsonl.close()
     return records
+
+
+@torch.no_grad()
+def _evaluate(args, model, data: MegatronData, routers, device, iteration: int) -> float:
+    """Mean next-token loss over ``--eval-iters`` global batches of the validation split.
+
+    The validation after iteration ``i`` reads run ``i // eval_interval`` of ``eval_iters x
+    global batch`` validation samples (wrapping around); the routers' token counts are left as training made them.
+    """
+    from mfsdp.models.gpt import gpt_loss, pack_sequences
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    k = iteration // args.eval_interval
+    n = args.eval_iters * args.global_batch_size
+    per_rank = args.global_batch_size // world
+    loads = [router.load.clone() for _, router in routers]
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for b in range(args.eval_iters):
+        base = k * n + b * args.global_batch_size
+        mine = [data.sample(data.valid, (base + j) % len(data.valid))
+                for j in range(rank * per_rank, (rank + 1) * per_rank)]
+        for i in range(0, per_rank, args.micro_batch_size):
+            tokens, cu = pack_sequences(mine[i:i + args.micro_batch_size])
+            tokens, cu = tokens.to(device), cu.to(device)
+            loss, count = gpt_loss(model(tokens, cu), tokens, cu)
+            sums += torch.stack([loss.detach().double(),
+                                 torch.tensor(float(count), dtype=torch.float64, device=device)])
+    for (_, router), load in zip(routers, loads):
+        router.load = load
+    dist.all_reduce(sums)
+    return (sums[0] / sums[1]).item()
 
 
 def run_in_rank(argv: list[str]) -> list[dict]:
