@@ -223,6 +223,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     c = parser.add_argument_group("checkpoints")
     c.add_argument("--save", help="checkpoint directory to write")
     c.add_argument("--load", help="checkpoint directory to resume from (latest)")
+    c.add_argument("--exit-interval", type=_positive,
+                   help="stop (after saving, with --save) when the iteration is a multiple of N")
     c.add_argument("--save-interval", type=_positive, help="save every N iterations (and at the end)")
     c.add_argument("--ckpt-format", choices=("fsdp_dtensor", "torch_dist"), default="fsdp_dtensor",
                    help="format of --save (--load reads either; default: %(default)s)")
@@ -754,11 +756,15 @@ def run(args: argparse.Namespace) -> list[dict]:
                     jsonl.flush()
                 log(f"validation after iteration {iteration} | loss {valid_loss:.4f} | "
                     f"perplexity {rec['valid_ppl']:.2f}", flush=True)
+            leaving = bool(args.exit_interval) and iteration % args.exit_interval == 0
             if args.save and args.use_megatron_fsdp and (
                     (args.save_interval and iteration % args.save_interval == 0)
-                    or iteration == args.train_iters):
+                    or iteration == args.train_iters or leaving):
                 _save(args, model, opt, iteration, routers, cfg)
                 log(f"saved iteration {iteration} to {args.save} ({args.ckpt_format})", flush=True)
+            if leaving:
+                log(f"exiting after iteration {iteration} (--exit-interval)", flush=True)
+                break
     finally:
         if jsonl:
             jsonl.close()
