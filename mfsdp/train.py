@@ -379,7 +379,8 @@ def _config(args):
         cfg = _overridden(base, args, args.max_position_embeddings)
         if args.max_position_embeddings is None and cfg.position_embedding_type == "learned_absolute":
             # indexed-dataset samples hold seq_length + 1 tokens (inputs and the last label)
-            cfg = with_overrides(cfg, max_position_embeddings=max(args.seq_length, 1) + 1)
+            indexed = bool(args.data_path) and any(_is_indexed(p) for p in args.data_path)
+            cfg = with_overrides(cfg, max_position_embeddings=max(args.seq_length, 1) + indexed)
         tok = _tokenizer(args)
         if tok is not None:
             multiple = args.make_vocab_size_divisible_by

@@ -114,7 +114,7 @@ def preprocess(args: argparse.Namespace, log=print) -> dict[str, str]:
                 if docs % args.log_interval == 0:
                     dt = time.perf_counter() - t0
                     log(f"[preprocess] {docs:,} documents, {tokens:,} tokens, "
-                        f"{done_bytes / 2**20 / dt:.1f} MB/s, {100 * done_bytes / total_bytes:.0f}%",
+                        f"{done_bytes / 2**20 / dt:.3g} MB/s, {100 * done_bytes / total_bytes:.0f}%",
                         file=sys.stderr, flush=True)
         for key, b in builders.items():
             b.finalize(prefixes[key] + ".idx")
@@ -128,7 +128,7 @@ def preprocess(args: argparse.Namespace, log=print) -> dict[str, str]:
             pool.join()
     dt = time.perf_counter() - t0
     log(f"[preprocess] wrote {', '.join(prefixes.values())}: {docs:,} documents, {tokens:,} tokens "
-        f"({dtype.__name__}) in {dt:.1f} s, {total_bytes / 2**20 / max(dt, 1e-9):.1f} MB/s",
+        f"({dtype.__name__}) in {dt:.1f} s, {total_bytes / 2**20 / max(dt, 1e-9):.3g} MB/s",
         file=sys.stderr, flush=True)
     return prefixes
 
