@@ -223,6 +223,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     c = parser.add_argument_group("checkpoints")
     c.add_argument("--save", help="checkpoint directory to write")
     c.add_argument("--load", help="checkpoint directory to resume from (latest)")
+    c.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (Slurm's --signal before the time limit): save and exit 0")
+    c.add_argument("--exit-duration-in-mins", type=float,
+                   help="save and exit once the run has lasted this many minutes")
     c.add_argument("--exit-interval", type=_positive,
                    help="stop (after saving, with --save) when the iteration is a multiple of N")
     c.add_argument("--save-interval", type=_positive, help="save every N iterations (and at the end)")
@@ -233,6 +237,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     o = parser.add_argument_group("logging")
     o.add_argument("--log-interval", type=_positive, default=1, help="print every N iterations")
     o.add_argument("--log-jsonl", metavar="PATH", help="one JSON object per iteration (rank 0)")
+    o.add_argument("--tensorboard-dir", metavar="DIR",
+                   help="TensorBoard event files (needs the tensorboard package)")
+    o.add_argument("--log-throughput", action="store_true",
+                   help="add TFLOP/s per rank (model FLOPs estimate) and peak memory to the log")
     return parser
 
 
@@ -687,6 +695,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         f"{num_micro} micro-batches of {args.micro_batch_size} per rank", flush=True)
 
     jsonl = open(args.log_jsonl, "a" if start else "w") if (args.log_jsonl and rank == 0) else None
+    board = _tensorboard(args.tensorboard_dir) if rank == 0 else None
+    flops_per_token = _flops_per_token(cfg, args.seq_length) if args.log_throughput else None
+    stop = _StopRequest(args.exit_signal_handler)
     records: list[dict] = []
     t_start = time.perf_counter()
     per_rank = args.global_batch_size // world
@@ -739,14 +750,30 @@ def run(args: argparse.Namespace) -> list[dict]:
             if args.use_megatron_fsdp:
                 rec["state_mib"] = (sum(model.memory_by_kind().values())
                                     + opt.local_state_bytes()) / 2**20
+            if flops_per_token is not None:
+                rec["tflops_per_rank"] = flops_per_token * rec["tokens_per_s"] / world / 1e12
+                if device.type == "cuda":
+                    rec["max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
             records.append(rec)
             if jsonl:
                 jsonl.write(json.dumps(rec) + "\n")
                 jsonl.flush()
+            if board is not None:
+                for tag, key in (("lm loss", "loss"), ("learning-rate", "lr"),
+                                 ("grad-norm", "grad_norm"), ("throughput/tokens-per-s",
+                                                              "tokens_per_s"),
+                                 ("throughput/tflops-per-rank", "tflops_per_rank")):
+                    if key in rec:
+                        board.add_scalar(tag, rec[key], iteration)
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                extra = ""
+                if "tflops_per_rank" in rec:
+                    extra = f" | TFLOP/s per rank {rec['tflops_per_rank']:.3g}"
+                    if "max_allocated_mib" in rec:
+                        extra += f" | max allocated {rec['max_allocated_mib']:.0f} MiB"
                 log(f"iteration {iteration:>5}/{args.train_iters} | loss {rec['loss']:.4f} | "
                     f"grad norm {rec['grad_norm']:.3f} | lr {lr:.2e} | tokens/s "
-                    f"{rec['tokens_per_s']:,.0f} | rss {rec['rss_mib']:.0f} MiB", flush=True)
+                    f"{rec['tokens_per_s']:,.0f} | rss {rec['rss_mib']:.0f} MiB{extra}", flush=True)
             if (isinstance(data, MegatronData) and data.valid is not None and args.eval_iters > 0
                     and (iteration % args.eval_interval == 0 or iteration == args.train_iters)):
                 valid_loss = _evaluate(args, model, data, routers, device, iteration)
@@ -757,19 +784,103 @@ def run(args: argparse.Namespace) -> list[dict]:
                     jsonl.flush()
                 log(f"validation after iteration {iteration} | loss {valid_loss:.4f} | "
                     f"perplexity {rec['valid_ppl']:.2f}", flush=True)
+                if board is not None:
+                    board.add_scalar("lm loss validation", valid_loss, iteration)
+                    board.add_scalar("lm loss validation ppl", rec["valid_ppl"], iteration)
             leaving = bool(args.exit_interval) and iteration % args.exit_interval == 0
+            why = stop.reason(args, t_start, device)  # every rank agrees (one all-reduce)
+            if why and iteration < args.train_iters:
+                leaving = True
+                if not args.save:
+                    log(f"warning: {why} but no --save: nothing is kept", flush=True)
+                log(f"{why}: stopping after iteration {iteration}", flush=True)
             if args.save and args.use_megatron_fsdp and (
                     (args.save_interval and iteration % args.save_interval == 0)
                     or iteration == args.train_iters or leaving):
                 _save(args, model, opt, iteration, routers, cfg)
                 log(f"saved iteration {iteration} to {args.save} ({args.ckpt_format})", flush=True)
             if leaving:
-                log(f"exiting after iteration {iteration} (--exit-interval)", flush=True)
+                log(f"exiting after iteration {iteration}", flush=True)
                 break
     finally:
+        stop.restore()
         if jsonl:
             jsonl.close()
+        if board is not None:
+            board.close()
     return records
+
+
+class _StopRequest:
+    """SIGTERM (with ``--exit-signal-handler``) and ``--exit-duration-in-mins``, agreed by all ranks.
+
+    The handler only records the signal; the loop checks it after each iteration, so the
+    checkpoint is written between steps, by every rank, and the process exits with status 0.
+    """
+
+    def __init__(self, handle_signal: bool):
+        import signal
+
+        self.received = None
+        self._previous = None
+        if handle_signal:
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.received = signum
+
+    def reason(self, args, t_start: float, device) -> str | None:
+        """Why to stop now ('' to go on), the same on every rank."""
+        if not (args.exit_signal_handler or args.exit_duration_in_mins):
+            return ""
+        minutes = (time.perf_counter() - t_start) / 60
+        flags = torch.tensor([float(self.received is not None),
+                              float(bool(args.exit_duration_in_mins)
+                                    and minutes >= args.exit_duration_in_mins)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] > 0:
+            return "SIGTERM received (--exit-signal-handler)"
+        if flags[1] > 0:
+            return f"--exit-duration-in-mins {args.exit_duration_in_mins} reached"
+        return ""
+
+    def restore(self) -> None:
+        """Put the previous SIGTERM handler back."""
+        if self._previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def _tensorboard(directory: str | None):
+    if not directory:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise SystemExit("--tensorboard-dir needs the tensorboard package "
+                         "(pip install tensorboard)") from None
+    return SummaryWriter(log_dir=directory)
+
+
+def _flops_per_token(cfg, seq_length: int) -> float:
+    """Training FLOPs per token: ``6 x`` the parameters a token passes through (the embedding
+    lookups excluded, routed experts counted ``topk / num_experts``) plus causal attention's
+    ``6 x layers x seq x hidden``."""
+    from mfsdp.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n = 0.0
+    for name, p in model.named_parameters():
+        if name == "position_embedding.weight" or (
+                name == "embedding.weight" and not cfg.share_embeddings_and_output_weights):
+            continue  # lookups, not matrix products
+        routed = ".experts." in name and "shared_expert" not in name
+        n += p.numel() * (cfg.moe_router_topk / cfg.num_experts if routed and cfg.num_experts
+                          else 1.0)
+    return 6 * n + 6 * cfg.num_layers * seq_length * cfg.hidden_size
 
 
 @torch.no_grad()
