@@ -679,9 +679,12 @@ def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp convert`` command."""
     from mfsdp.checkpoint.io import resolve_checkpoint
 
+    from mfsdp.checkpoint.megatron_lm import is_megatron_lm
+
     pair = (args.src_format, args.dst_format)
     shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work
-    src = (args.input if args.src_format in ("safetensors", "hf", "megatron_fsdp")
+    megatron_lm = pair == ("torch_dist", "fsdp_dtensor") and is_megatron_lm(args.input)
+    src = (args.input if args.src_format in ("safetensors", "hf", "megatron_fsdp") or megatron_lm
            else resolve_checkpoint(args.input))
     model_config = None
     if args.model_config:
@@ -693,6 +696,17 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"mfsdp convert: --model-preset {args.model_preset!r} is not one "
                              f"of {', '.join(sorted(GPT_PRESETS))}")
         model_config = GPT_PRESETS[args.model_preset].to_dict()
+    if megatron_lm:  # Megatron-LM's own torch_dist, recognised by its tracker and metadata.json
+        from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+
+        if model_config is None:
+            raise SystemExit(f"mfsdp convert: {args.input} is a Megatron-LM torch_dist checkpoint; "
+                             "name its model with --model-preset or --model-config (Megatron-LM "
+                             "keeps its arguments pickled, not as a config mfsdp can read)")
+        out = megatron_lm_to_fsdp(args.input, args.output, model_config)
+        print(f"wrote fsdp_dtensor checkpoint {out} from the Megatron-LM torch_dist checkpoint "
+              f"{args.input}")
+        return 0
     if pair == ("megatron_fsdp", "fsdp_dtensor"):
         from mfsdp.checkpoint.upstream import megatron_fsdp_to_fsdp
 

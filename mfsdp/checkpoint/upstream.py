@@ -253,11 +253,13 @@ def describe_unreadable(path: str | Path) -> str | None:
     path = Path(path)
     if (path / "manifest.json").exists() or (path / "latest").exists():
         return None  # mfsdp's own
-    if (path / "latest_checkpointed_iteration.txt").exists():
-        return (f"{path} holds a Megatron-LM checkpoint (latest_checkpointed_iteration.txt and "
-                "iter_XXXXXXX directories: torch_dist or fsdp_dtensor), which mfsdp does not "
-                "read yet; mfsdp reads its own checkpoints and upstream Megatron-FSDP's DCP "
-                "checkpoints")
+    from mfsdp.checkpoint.megatron_lm import is_megatron_lm
+
+    if is_megatron_lm(path):
+        return (f"{path} holds a Megatron-LM checkpoint (latest_checkpointed_iteration.txt, "
+                "iter_XXXXXXX/metadata.json), which training does not load directly; for "
+                "Megatron-LM's torch_dist, convert it first: mfsdp convert --from torch_dist "
+                f"--to fsdp_dtensor {path} OUT --model-preset NAME (or --model-config FILE)")
     if (path / ".metadata").exists() and not is_megatron_fsdp(path):
         return (f"{path} holds a torch.distributed.checkpoint whose keys are neither mfsdp's nor "
                 "upstream Megatron-FSDP's (model.module.*, optimizer.state.<position>.*)")
