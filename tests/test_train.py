@@ -189,7 +189,7 @@ def test_flags_the_guide_names_exist():
                      "--rdzv-id", "--standalone"},
         "sbatch": {"--wait", "--test-only", "--nodes", "--export", "--chdir", "--gpus-per-node",
                    "--ntasks-per-node", "--cpus-per-task", "--time", "--output", "--partition",
-                   "--account", "--exclusive", "--job-name"},
+                   "--account", "--exclusive", "--job-name", "--signal"},
         "srun/pyxis": {"--container-image", "--container-mounts", "--container-workdir"},
         "sphinx/pytest/pip": {"--keep-going", "--upgrade"},
         "nsys": {"--trace", "--output"},

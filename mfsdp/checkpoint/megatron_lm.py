@@ -9,13 +9,13 @@ What Megatron-LM's ``save_checkpoint`` writes with ``--ckpt-format torch_dist``:
 
 Model keys have no ``model.`` prefix. The transformer layers are stacked: one tensor
 ``decoder.layers.<name>`` of shape ``[num_layers, ...]`` per parameter name, and the norms carry
-Transformer Engine's fused names whether or not TE was used:
+Transformer Engine's fused names whether or not Transformer Engine was used:
 ``decoder.layers.self_attention.linear_qkv.layer_norm_weight`` is layer ``i``'s
 ``input_layernorm.weight`` and ``decoder.layers.mlp.linear_fc1.layer_norm_weight`` its
 ``pre_mlp_layernorm.weight``. Everything else maps one to one onto mfsdp's GPT
 (``embedding.word_embeddings.weight`` -> ``embedding.weight``, ``decoder.final_layernorm`` ->
 ``final_layernorm``, the per-group ``linear_qkv`` and ``[gate; up]`` ``linear_fc1`` layouts are
-the same). ``*._extra_state`` (TE's FP8 metadata) is dropped.
+the same). ``*._extra_state`` (Transformer Engine's FP8 metadata) is dropped.
 
 Checked against a checkpoint megatron-core 0.19.2 wrote (``tests/fixtures/megatron_lm``): every
 weight equal, and the imported model gives megatron-core's logits.
