@@ -60,6 +60,8 @@ def _init(args) -> None:
 
 
 def _encode(line: str):
+    import numpy
+
     data = json.loads(line)
     out = {}
     for key in _ARGS.json_keys:
@@ -77,7 +79,7 @@ def _encode(line: str):
         if ids and _ARGS.append_eod:
             ids.append(_TOKENIZER.eod)
             lens[-1] += 1
-        out[key] = (ids, lens)
+        out[key] = (numpy.asarray(ids, dtype=numpy.int64), lens)  # arrays pickle fast
     return out, len(line)
 
 
@@ -104,10 +106,10 @@ def preprocess(args: argparse.Namespace, log=print) -> dict[str, str]:
     try:
         with open(args.input, encoding="utf-8") as f:
             lines = (line for line in f if line.strip())
-            results = pool.imap(_encode, lines, chunksize=32) if pool else map(_encode, lines)
+            results = pool.imap(_encode, lines, chunksize=256) if pool else map(_encode, lines)
             for out, nbytes in results:
                 for key, (ids, lens) in out.items():
-                    builders[key].add_document(numpy.asarray(ids, dtype=numpy.int64), lens)
+                    builders[key].add_document(ids, lens)
                     tokens += len(ids)
                 docs += 1
                 done_bytes += nbytes
