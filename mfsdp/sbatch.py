@@ -63,7 +63,12 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "bf16": (bool, "--bf16"),
     "meta_init": (bool, "--init-model-with-meta-device"),
     "all_gather_group": (bool, "--create-all-gather-group"),
-    "save": (str, "--save directory (empty: no checkpoints)"),
+    "data_path": (str, "DATA_PATH: Megatron .bin/.idx prefixes, optionally weighted (empty: "
+                       "mock data)"),
+    "split": (str, "--split of DATA_PATH"),
+    "tokenizer_model": (str, "TOKENIZER_MODEL: a Hugging Face tokenizer directory (empty: none)"),
+    "save": (str, "--save directory, made absolute (empty: no checkpoints); with an empty "
+                  "load, also --load, so a requeued job resumes"),
     "save_interval": (int, "--save-interval"),
     "ckpt_format": (str, "--ckpt-format"),
     "load": (str, "--load directory (empty: start fresh)"),
@@ -93,7 +98,8 @@ _SLURM = dict(partition="", account="", exclusive=False, container_image="",
 _TRAIN = dict(_SLURM, strategy="optim_grads_params", outer=1, outer_strategy="no_shard", ep=1,
               num_experts=0, dispatcher="alltoall", flex_backend="torch", meta_init=False,
               all_gather_group=False, save="", save_interval=1000, ckpt_format="fsdp_dtensor",
-              load="", log_interval=1, log_jsonl="", extra_args="", bf16=False)
+              load="", log_interval=1, log_jsonl="", extra_args="", bf16=False, data_path="",
+              split="969,30,1", tokenizer_model="")
 
 # The real architectures (RMSNorm, RoPE, grouped-query or multi-latent attention, SwiGLU) are
 # the trainer's presets; the planner reads the same definitions (``mfsdp plan``).
