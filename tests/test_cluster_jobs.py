@@ -99,3 +99,4 @@ def test_tensorboard_and_throughput(tmp_path):
     want = 6 * weights + 6 * cfg.num_layers * 32 * cfg.hidden_size  # seq 32
     r = log[-1]
     assert r["tflops_per_rank"] * 1e12 / r["tokens_per_s"] == pytest.approx(want, rel=1e-9)
+
