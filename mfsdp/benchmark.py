@@ -404,6 +404,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--no-memory", action="store_true", help="skip the memory pass")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart of step times")
+    parser.add_argument("--data-path", nargs="+", metavar="PATH",
+                        help="instead: the data loader's throughput on Megatron indexed "
+                        "datasets (prefixes, optionally weighted), in tokens/s")
     parser.add_argument("--profile", metavar="SYSTEM", choices=SYSTEMS,
                         help="instead: print torch.profiler's table for SYSTEM on the first world "
                         "size")
@@ -441,8 +444,39 @@ def check_gpu_fit(cfg: dict, systems, world: int, gpu_bytes: int) -> None:
                          "activations; pass fewer --systems per run (e.g. two), or more ranks")
 
 
+def loader_throughput(data_path: list[str], seq_length: int, samples: int = 4096,
+                      seed: int = 1234) -> dict:
+    """Tokens per second the indexed-dataset loader delivers: ``samples`` training samples of
+    ``seq_length + 1`` tokens read in Megatron-LM's shuffled order (after building the index).
+
+    >>> import os, tempfile, numpy
+    >>> from mfsdp.data.indexed import IndexedDatasetBuilder
+    >>> d = tempfile.mkdtemp(); b = IndexedDatasetBuilder(os.path.join(d, "t.bin"), numpy.uint16)
+    >>> for n in range(200): b.add_document(list(range(1, 50)) + [0])
+    >>> b.finalize(os.path.join(d, "t.idx"))
+    >>> r = loader_throughput([os.path.join(d, "t")], seq_length=32, samples=64)
+    >>> r["samples"], r["tokens"], r["tokens_per_s"] > 0
+    (64, 2112, True)
+    """
+    from mfsdp.data.gpt_dataset import build_gpt_datasets
+
+    t0 = time.perf_counter()
+    train = build_gpt_datasets(data_path, "1,0,0", [samples, 0, 0], seq_length, seed)[0]
+    t1 = time.perf_counter()
+    tokens = sum(len(train[i][1]) for i in range(samples))
+    t2 = time.perf_counter()
+    return {"samples": samples, "tokens": tokens, "index_s": t1 - t0,
+            "tokens_per_s": tokens / (t2 - t1)}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp bench`` command."""
+    if args.data_path:
+        seq = args.seq_length
+        r = loader_throughput(args.data_path, seq)
+        print(f"loader: {r['samples']} samples of {seq + 1} tokens in Megatron-LM's order: "
+              f"{r['tokens_per_s'] / 1e6:.2f} M tokens/s (index built in {r['index_s']:.2f} s)")
+        return 0
     cfg = dict(dim=args.dim, hidden=args.hidden, blocks=args.blocks, local_batch=args.local_batch,
                rounds=args.rounds, warmup=args.warmup, model=args.model,
                seq_length=args.seq_length, vocab_size=args.vocab_size, heads=args.heads,
