@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-COMMANDS = ["convert", "plan", "train", "sbatch", "bench"]
+ROOT = Path(__file__).resolve().parents[1]
+
+COMMANDS = ["convert", "plan", "train", "sbatch", "bench", "preprocess"]
 
 
 def _mfsdp(*args: str) -> subprocess.CompletedProcess:
@@ -55,3 +58,22 @@ def test_shared_options_have_one_name():
                  "--seq-length", "4096", "--recompute-granularity", "selective")
     assert out.returncode == 0, out.stderr
     assert "llama3-8b" in out.stdout
+
+
+def test_the_megatron_defaults_table_compares_real_defaults():
+    """The migrating page's table: our parser against the committed Megatron-LM snapshot."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    from cli_reference import default_differences
+
+    from mfsdp.train import build_parser
+
+    snapshot = json.loads((ROOT / "docs" / "megatron_lm_defaults.json").read_text())
+    assert len(snapshot["commit"]) == 40 and len(snapshot["defaults"]) > 500
+    rows, agree = default_differences(build_parser(), snapshot)
+    differ = {flag: (theirs, ours) for flag, theirs, ours in rows}
+    assert differ["--adam-beta2"] == (0.999, 0.95)
+    assert differ["--log-interval"] == (100, 1)
+    assert "--seed" not in differ and "--clip-grad" not in differ  # 1234 and 1.0 on both sides
+    assert agree >= 30

@@ -93,7 +93,56 @@ class ArgparseDirective(SphinxDirective):
         return list(tree.children)
 
 
+def default_differences(parser: argparse.ArgumentParser, snapshot: dict) -> tuple[list, int]:
+    """``([(flag, Megatron-LM default, mfsdp default)], agreeing)``: the flags of ``parser`` that
+    Megatron-LM also has (per ``snapshot``, ``docs/megatron_lm_defaults.json``) whose defaults
+    differ, and how many shared flags agree."""
+    theirs = snapshot["defaults"]
+    rows, agree = [], 0
+    for action in parser._actions:
+        for flag in action.option_strings:
+            if flag not in theirs or flag in ("-h", "--help"):
+                continue
+            ours = action.default
+            if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+                ours = bool(ours)
+            if ours == theirs[flag] or (isinstance(ours, (int, float)) and
+                                        isinstance(theirs[flag], (int, float)) and
+                                        float(ours) == float(theirs[flag])):
+                agree += 1
+            else:
+                rows.append((flag, theirs[flag], ours))
+    return rows, agree
+
+
+class MegatronDefaultsDirective(SphinxDirective):
+    """Table of the ``mfsdp train`` flags whose defaults differ from Megatron-LM's snapshot."""
+
+    required_arguments = 2  # module:function, snapshot JSON (relative to the source dir)
+
+    def run(self) -> list[nodes.Node]:
+        import json
+        from pathlib import Path
+
+        parser = _load(self.arguments[0])
+        path = Path(self.env.srcdir) / self.arguments[1]
+        self.env.note_dependency(str(path))
+        snapshot = json.loads(path.read_text())
+        rows, agree = default_differences(parser, snapshot)
+        lines = [f"Generated from ``mfsdp train``'s parser and a snapshot of Megatron-LM's defaults "
+                 f"(commit ``{snapshot['commit'][:12]}``): {agree} shared flags have the same "
+                 f"default, {len(rows)} differ.", "",
+                 ".. list-table::", "   :header-rows: 1", "",
+                 "   * - flag", "     - Megatron-LM", "     - mfsdp"]
+        for flag, theirs, ours in rows:
+            lines += [f"   * - ``{flag}``", f"     - ``{theirs}``", f"     - ``{ours}``"]
+        tree = publish_doctree("\n".join(lines),
+                               settings_overrides={"report_level": 2, "halt_level": 2})
+        return list(tree.children)
+
+
 def setup(app):
-    """Register the directive."""
+    """Register the directives."""
     app.add_directive("mfsdp-argparse", ArgparseDirective)
+    app.add_directive("mfsdp-megatron-defaults", MegatronDefaultsDirective)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
