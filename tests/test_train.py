@@ -186,7 +186,7 @@ def test_flags_the_guide_names_exist():
     collect(sbatch.build_parser())
     external = {  # flags of other programs the guide shows, by program
         "torchrun": {"--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint",
-                     "--rdzv-id", "--standalone"},
+                     "--rdzv-id", "--standalone", "--max-restarts"},
         "sbatch": {"--wait", "--test-only", "--nodes", "--export", "--chdir", "--gpus-per-node",
                    "--ntasks-per-node", "--cpus-per-task", "--time", "--output", "--partition",
                    "--account", "--exclusive", "--job-name", "--signal"},
