@@ -27,8 +27,16 @@ def _torchrun(*argv, nproc=2):
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-    return [int(x) for x in out.stdout.split()]
+    """Child processes of ``pid``, from /proc (no procps needed)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:  # the field after the state is the parent's pid
+            kids.append(int(stat.parent.name))
+    return sorted(kids)
 
 
 @pytest.mark.slow
