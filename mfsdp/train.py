@@ -185,9 +185,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="tokens per sequence (the longest one with packing; default: %(default)s)")
     t.add_argument("--train-iters", type=_positive, default=20, help="iterations to reach")
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    t.add_argument("--min-lr", type=float, default=0.0, help="final learning rate (cosine)")
+    t.add_argument("--min-lr", type=float, default=0.0, help="the learning rate decay ends at")
     t.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up iterations")
-    t.add_argument("--lr-decay-style", choices=("constant", "cosine"), default="constant")
+    t.add_argument("--lr-decay-style", default="constant",
+                   choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+                   help="as Megatron-LM's scheduler (default here: %(default)s; Megatron-LM: "
+                   "linear)")
+    t.add_argument("--lr-decay-iters", type=_positive,
+                   help="iterations of decay (default: --train-iters)")
+    t.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="learning rate of the first warm-up step (default: %(default)s)")
+    t.add_argument("--lr-wsd-decay-iters", type=_positive,
+                   help="WSD: the last N decay iterations anneal")
+    t.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=("linear", "cosine", "exponential", "minus_sqrt"),
+                   help="WSD: the shape of the anneal (default: %(default)s)")
     t.add_argument("--weight-decay", type=float, default=0.01,
                    help="AdamW decay (not on biases and norms)")
     t.add_argument("--adam-beta1", type=float, default=0.9)
@@ -470,6 +482,13 @@ def _check(args, world: int, cfg) -> int:
                          f"{world}; pick a multiple of {per}")
     if args.train_samples:
         args.train_iters = max(1, args.train_samples // args.global_batch_size)
+    if args.lr_decay_style == "WSD" and not args.lr_wsd_decay_iters:
+        raise SystemExit("--lr-decay-style WSD needs --lr-wsd-decay-iters (the annealing tail)")
+    decay = args.lr_decay_iters or args.train_iters
+    if args.lr_decay_style not in ("constant", "inverse-square-root") and \
+            decay <= args.lr_warmup_iters:
+        raise SystemExit(f"--lr-decay-iters {decay} must exceed --lr-warmup-iters "
+                         f"{args.lr_warmup_iters}")
     if args.data_path and len(args.data_path) == 1 and not _is_indexed(args.data_path[0]) \
             and cfg.vocab_size < 256:
         raise SystemExit(f"--data-path reads bytes: --vocab-size must be at least 256, "
@@ -518,14 +537,50 @@ def _param_groups(model, args) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _lr(args, iteration: int) -> float:
-    if args.lr_warmup_iters and iteration <= args.lr_warmup_iters:
-        return args.lr * iteration / args.lr_warmup_iters
+def learning_rate(args, iteration: int) -> float:
+    """The learning rate iteration ``iteration`` (1-based) trains with, as Megatron-LM's
+    ``OptimizerParamScheduler`` gives it: the rate after ``iteration - 1`` steps (so with warm-up
+    the first step uses ``--lr-warmup-init``), linear warm-up over ``--lr-warmup-iters``, then
+    ``--lr-decay-style`` down to ``--min-lr`` at ``--lr-decay-iters`` (default ``--train-iters``),
+    ``--min-lr`` after it.
+
+    >>> from types import SimpleNamespace as NS
+    >>> a = NS(lr=1e-3, min_lr=0.0, lr_warmup_iters=2, lr_warmup_init=0.0, lr_decay_iters=None,
+    ...        train_iters=6, lr_decay_style="linear", lr_wsd_decay_iters=None,
+    ...        lr_wsd_decay_style="exponential")
+    >>> [round(learning_rate(a, i), 6) for i in range(1, 8)]
+    [0.0, 0.0005, 0.001, 0.00075, 0.0005, 0.00025, 0.0]
+    """
+    steps, warmup = iteration - 1, args.lr_warmup_iters
+    decay = args.lr_decay_iters or args.train_iters
+    max_lr, min_lr = args.lr, args.min_lr
+    if warmup > 0 and steps <= warmup:
+        return args.lr_warmup_init + (max_lr - args.lr_warmup_init) * steps / warmup
     if args.lr_decay_style == "constant":
-        return args.lr
-    span = max(1, args.train_iters - args.lr_warmup_iters)
-    frac = min(1.0, (iteration - args.lr_warmup_iters) / span)
-    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * frac))
+        return max_lr
+    if steps > decay:
+        return min_lr
+    if args.lr_decay_style == "inverse-square-root":
+        return max(min_lr, max_lr * max(warmup, 1) ** 0.5 / max(steps, 1) ** 0.5)
+    ratio = (steps - warmup) / (decay - warmup)
+    if args.lr_decay_style == "linear":
+        coeff = 1.0 - ratio
+    elif args.lr_decay_style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    else:  # WSD: constant, then the last --lr-wsd-decay-iters anneal
+        wsd = args.lr_wsd_decay_iters
+        start = decay - wsd
+        if steps <= start:
+            coeff = 1.0
+        else:
+            r = (steps - start) / wsd
+            coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                     "exponential": 2.0 * 0.5 ** r - 1.0,
+                     "minus_sqrt": 1.0 - math.sqrt(r)}[args.lr_wsd_decay_style]
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+_lr = learning_rate
 
 
 def _routers(model):

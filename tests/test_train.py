@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -208,3 +209,25 @@ def test_flags_the_guide_names_exist():
             if flag not in allowed:
                 unknown.setdefault(flag, page.name)
     assert not unknown, f"flags in the guide that no parser defines: {unknown}"
+
+
+@pytest.mark.parametrize("case", sorted(json.loads(
+    (Path(__file__).parent / "fixtures" / "megatron_lr" / "expected.json").read_text())["cases"]))
+def test_learning_rates_equal_megatron_cores_scheduler(case):
+    """Every iteration's learning rate against megatron-core 0.19.2's ``OptimizerParamScheduler``
+    (``tests/fixtures/megatron_lr``: warm-up, constant, linear, cosine, inverse square root, WSD)."""
+    from mfsdp.train import build_parser, learning_rate
+
+    data = json.loads((Path(__file__).parent / "fixtures" / "megatron_lr" / "expected.json")
+                      .read_text())
+    c = data["cases"][case]
+    argv = ["--lr", str(c["lr"]), "--min-lr", str(c["min_lr"]), "--lr-warmup-iters",
+            str(c["warmup"]), "--lr-decay-style", c["style"], "--train-iters",
+            str(data["train_iters"]), "--lr-warmup-init", str(c.get("init", 0.0))]
+    if c["decay"] is not None:
+        argv += ["--lr-decay-iters", str(c["decay"])]
+    if "wsd" in c:
+        argv += ["--lr-wsd-decay-iters", str(c["wsd"]), "--lr-wsd-decay-style", c["wsd_style"]]
+    args = build_parser().parse_args(argv)
+    got = [learning_rate(args, i) for i in range(1, data["train_iters"] + 1)]
+    assert got == pytest.approx(c["lrs"], rel=1e-12, abs=1e-15)
