@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["launch", "RankError", "LaunchTimeout", "rank_info"]
+__all__ = ["launch", "RankError", "LaunchTimeout", "rank_info", "init_from_env"]
 
 _GRACE_S = 3.0  # after one rank fails, how long the others get to finish before they are killed
 
@@ -258,6 +258,46 @@ def rank_info() -> dict:
     dist.all_reduce(t)
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
             "backend": dist.get_backend(), "pid": os.getpid(), "all_reduce_sum": t.item()}
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> None:
+    """Initialise the default process group from ``torchrun``'s (or a plain launcher's) variables.
+
+    Like ``dist.init_process_group(backend)`` with the ``env://`` rendezvous (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), with one difference that matters when
+    ``torchrun --max-restarts N`` restarts the workers after a rank died: the rendezvous keys are
+    prefixed with ``TORCHELASTIC_RESTART_COUNT``. Without the prefix the restarted ranks can read
+    the dead worker's gloo address, still in the agent's store from the previous round, and fail
+    with "connectFullMesh failed ... Connection refused" (PyTorch 2.13: a plain script that kills
+    one of two ranks fails about every other restart; with the prefix none did).
+
+    ``backend`` ``None`` picks NCCL when CUDA is available (after ``torch.cuda.set_device`` to
+    ``LOCAL_RANK``) and gloo otherwise.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_from_env: {', '.join(missing)} not set; start the job with "
+                           "torchrun (or set them for a world of one)")
+    cuda = torch.cuda.is_available() if backend is None else "nccl" in backend
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if backend is None:
+        backend = "nccl" if cuda else "gloo"
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Under torchrun the agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=(rank == 0 and not agent), timeout=timeout,
+                          wait_for_workers=False)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"mfsdp/restart{restart}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _worker(workdir: Path, rank: int) -> int:

@@ -45,7 +45,8 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "account": (str, "account to charge (empty: your default)"),
     "exclusive": (bool, "whole nodes only"),
     "container_image": (str, "pyxis/enroot image (empty: no container)"),
-    "container_mounts": (str, "pyxis mounts, src:dst[,src:dst]"),
+    "container_mounts": (str, "more pyxis mounts, src:dst[,src:dst] (data, checkpoints; the "
+                              "mfsdp source is mounted from MFSDP_SRC)"),
     "rdzv_port": (int, "TCP port of the c10d rendezvous on the first node"),
     "strategy": (str, "--data-parallel-sharding-strategy"),
     "outer": (int, "--num-distributed-optimizer-instances (HSDP outer size)"),
@@ -70,6 +71,9 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "save": (str, "--save directory, made absolute (empty: no checkpoints); with an empty "
                   "load, also --load, so a requeued job resumes"),
     "save_interval": (int, "--save-interval"),
+    "signal_seconds": (int, "with save: SIGTERM this many seconds before the time limit "
+                            "(#SBATCH --signal) and --exit-signal-handler (0: off)"),
+    "max_restarts": (int, "torchrun --max-restarts: restarts after a rank dies (0: none)"),
     "ckpt_format": (str, "--ckpt-format"),
     "load": (str, "--load directory (empty: start fresh)"),
     "log_interval": (int, "--log-interval"),
@@ -98,7 +102,8 @@ _SLURM = dict(partition="", account="", exclusive=False, container_image="",
 _TRAIN = dict(_SLURM, strategy="optim_grads_params", outer=1, outer_strategy="no_shard", ep=1,
               num_experts=0, dispatcher="alltoall", flex_backend="torch", meta_init=False,
               all_gather_group=False, save="", save_interval=1000, ckpt_format="fsdp_dtensor",
-              load="", log_interval=1, log_jsonl="", extra_args="", bf16=False, data_path="",
+              load="", signal_seconds=120, max_restarts=0, log_interval=1, log_jsonl="",
+              extra_args="", bf16=False, data_path="",
               split="969,30,1", tokenizer_model="")
 
 # The real architectures (RMSNorm, RoPE, grouped-query or multi-latent attention, SwiGLU) are
@@ -134,6 +139,15 @@ PRESETS: dict[str, Preset] = {
                             train_iters=1000, lr=0.0003, bf16=True, meta_init=True,
                             save="checkpoints/llama3-8b", save_interval=500,
                             log_jsonl="llama3-8b.jsonl")),
+    "llama3-8b-container": Preset(
+        "train", "The llama3-8b job in NGC's PyTorch container (pyxis/enroot): the image's torch, "
+        "mfsdp mounted from its source checkout.", dict(
+            _TRAIN, job_name="mfsdp-llama3-8b", nodes=2, gpus_per_node=8, ranks_per_node=8,
+            cpus_per_task=64, time="04:00:00", output="%x-%j.log", exclusive=True,
+            model_args=_LLAMA3_8B, micro_batch_size=1, global_batch_size=128, seq_length=8192,
+            train_iters=1000, lr=0.0003, bf16=True, meta_init=True, save="checkpoints/llama3-8b",
+            save_interval=500, log_jsonl="llama3-8b.jsonl",
+            container_image="nvcr.io#nvidia/pytorch:25.10-py3")),
     "deepseek-v3": Preset("train", "DeepSeek-V3-style MoE (256 routed experts, top-8, "
                           "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 8 inside a "
                           "node, HFSDP over 4 outer groups (optimizer state sharded across them too), flex "

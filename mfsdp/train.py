@@ -187,10 +187,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     t.add_argument("--min-lr", type=float, default=0.0, help="the learning rate decay ends at")
     t.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up iterations")
-    t.add_argument("--lr-decay-style", default="constant",
+    t.add_argument("--lr-decay-style", default="linear",
                    choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
-                   help="as Megatron-LM's scheduler (default here: %(default)s; Megatron-LM: "
-                   "linear)")
+                   help="as Megatron-LM's scheduler (default: %(default)s)")
     t.add_argument("--lr-decay-iters", type=_positive,
                    help="iterations of decay (default: --train-iters)")
     t.add_argument("--lr-warmup-init", type=float, default=0.0,
@@ -202,8 +201,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="WSD: the shape of the anneal (default: %(default)s)")
     t.add_argument("--weight-decay", type=float, default=0.01,
                    help="AdamW decay (not on biases and norms)")
+    t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                   help="adam: AdamW (decoupled weight decay, as Megatron-LM's adam); sgd: SGD "
+                   "with --sgd-momentum (default: %(default)s)")
+    t.add_argument("--sgd-momentum", type=float, default=0.9, help="(default: %(default)s)")
     t.add_argument("--adam-beta1", type=float, default=0.9)
-    t.add_argument("--adam-beta2", type=float, default=0.95)
+    t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip (0: off)")
     t.add_argument("--seed", type=int, default=1234, help="model init and data order")
     t.add_argument("--mock-data", action="store_true",
@@ -242,12 +245,20 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     c.add_argument("--exit-interval", type=_positive,
                    help="stop (after saving, with --save) when the iteration is a multiple of N")
     c.add_argument("--save-interval", type=_positive, help="save every N iterations (and at the end)")
+    c.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   action="store_true", dest="override_opt_param_scheduler",
+                   help="--load: use this command's learning-rate schedule, not the checkpoint's")
+    c.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="--load: continue the checkpoint's learning-rate schedule (--lr, --min-lr, "
+                   "warm-up, decay iterations and style)")
     c.add_argument("--ckpt-format", choices=("fsdp_dtensor", "torch_dist"), default="fsdp_dtensor",
                    help="format of --save (--load reads either; default: %(default)s)")
     c.add_argument("--dump-param-to-param-group-map", metavar="PATH",
                    help="write the parameter -> optimizer group JSON map and go on training")
     o = parser.add_argument_group("logging")
-    o.add_argument("--log-interval", type=_positive, default=1, help="print every N iterations")
+    o.add_argument("--log-interval", type=_positive, default=100,
+                   help="print every N iterations and the last (default: %(default)s)")
     o.add_argument("--log-jsonl", metavar="PATH", help="one JSON object per iteration (rank 0)")
     o.add_argument("--tensorboard-dir", metavar="DIR",
                    help="TensorBoard event files (needs the tensorboard package)")
@@ -484,6 +495,9 @@ def _check(args, world: int, cfg) -> int:
         args.train_iters = max(1, args.train_samples // args.global_batch_size)
     if args.lr_decay_style == "WSD" and not args.lr_wsd_decay_iters:
         raise SystemExit("--lr-decay-style WSD needs --lr-wsd-decay-iters (the annealing tail)")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise SystemExit("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                         "contradict each other: pass one")
     decay = args.lr_decay_iters or args.train_iters
     if args.lr_decay_style not in ("constant", "inverse-square-root") and \
             decay <= args.lr_warmup_iters:
@@ -535,6 +549,12 @@ def _param_groups(model, args) -> list[dict]:
         (no_decay if p.dim() < 2 or name.endswith(".bias") else decay).append(p)
     return [{"params": decay, "weight_decay": args.weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _optimizer(groups: list[dict], args) -> torch.optim.Optimizer:
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2))
 
 
 def learning_rate(args, iteration: int) -> float:
@@ -609,7 +629,7 @@ def _save(args, model, opt, iteration: int, routers, cfg) -> None:
     from mfsdp.checkpoint.convert import MODEL_CONFIG_FILE, fsdp_to_torch_dist
 
     extra = {"expert_bias": {n: m.expert_bias.detach().cpu().clone() for n, m in routers},
-             "data_position": iteration}
+             "data_position": iteration, "opt_param_scheduler": _scheduler_state(args, iteration)}
     files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
     root = Path(args.save)
     if args.ckpt_format == "fsdp_dtensor":
@@ -626,6 +646,43 @@ def _save(args, model, opt, iteration: int, routers, cfg) -> None:
         os.replace(root / ".latest-tmp", root / "latest")
         shutil.rmtree(staging)
     dist.barrier()
+
+
+# Megatron-LM's OptimizerParamScheduler state keys and the names its messages use; steps are
+# iterations here (Megatron-LM counts samples when it trains by --train-samples).
+_SCHEDULER = (("max_lr", "lr", "learning rate"), ("min_lr", "min_lr", "minimum learning rate"),
+              ("lr_warmup_steps", "lr_warmup_iters", "warmup iterations"),
+              ("lr_decay_steps", "lr_decay_iters", "total number of iterations"),
+              ("lr_decay_style", "lr_decay_style", "learning rate decay style"))
+
+
+def _scheduler_state(args, iteration: int) -> dict:
+    state = {key: getattr(args, attr) for key, attr, _ in _SCHEDULER}
+    state["lr_decay_steps"] = args.lr_decay_iters or args.train_iters
+    state["num_steps"] = iteration
+    return state
+
+
+def _restore_scheduler(args, saved: dict | None) -> None:
+    """Megatron-LM's rule for the schedule of a resumed run: the command's values must equal the
+    checkpoint's, unless ``--override-opt_param-scheduler`` (the command's win) or
+    ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's win)."""
+    if not saved or args.override_opt_param_scheduler:
+        return
+    mine = _scheduler_state(args, 0)
+    if args.use_checkpoint_opt_param_scheduler:
+        for key, attr, _ in _SCHEDULER:
+            setattr(args, attr, saved[key])
+        return
+    for key, attr, name in _SCHEDULER:
+        if mine[key] != saved[key]:
+            flag = "--" + attr.replace("_", "-")
+            if key == "lr_decay_steps":
+                flag = "--lr-decay-iters (default --train-iters)"
+            raise SystemExit(
+                f"--load: the {name} ({flag}) is {mine[key]} here and {saved[key]} in the "
+                "checkpoint; pass the checkpoint's value, --use-checkpoint-opt_param-scheduler to "
+                "continue its schedule, or --override-opt_param-scheduler to use this command's")
 
 
 def _load(args, model, opt, routers) -> int:
@@ -670,6 +727,7 @@ def _load(args, model, opt, routers) -> int:
         for name, m in routers:
             if name in extra.get("expert_bias", {}):
                 m.expert_bias.copy_(extra["expert_bias"][name])
+    _restore_scheduler(args, extra.get("opt_param_scheduler"))
     return int(extra["iteration"])
 
 
@@ -710,8 +768,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                                     cfg.num_experts or None)
             groups = layout.create_groups(all_gather_groups=args.create_all_gather_group)
         global_names = shard_experts(model, groups["ep"] if groups else None)
-        opt = torch.optim.AdamW(_param_groups(model, args), lr=args.lr,
-                                betas=(args.adam_beta1, args.adam_beta2))
+        opt = _optimizer(_param_groups(model, args), args)
         model, opt = fully_shard(
             model, opt, fsdp_unit_modules=[TransformerLayer],
             zero_dp_strategy=args.data_parallel_sharding_strategy,
@@ -729,8 +786,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
         inner = model
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        opt = torch.optim.AdamW(_param_groups(inner, args), lr=args.lr,
-                                betas=(args.adam_beta1, args.adam_beta2))
+        opt = _optimizer(_param_groups(inner, args), args)
     routers = _routers(inner)
     if args.dump_param_to_param_group_map:
         from mfsdp.checkpoint.state import dump_param_to_param_group_map
@@ -987,10 +1043,9 @@ def _main(args: argparse.Namespace) -> int:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get(
                                   "MASTER_PORT", "29511"))
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
+        from mfsdp.launch import init_from_env
+
+        init_from_env()  # NCCL on GPUs, gloo otherwise; survives torchrun restarts
         started = True
     try:
         run(args)

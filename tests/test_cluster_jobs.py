@@ -61,7 +61,9 @@ def test_sigterm_saves_and_the_run_resumes(tmp_path):
     stopped = json.loads(log.read_text().splitlines()[-1])["iteration"]
     assert (ckpt / "latest").read_text().strip().endswith(str(stopped)) or \
         str(stopped) in (ckpt / "latest").read_text()
-    resumed = subprocess.run(_torchrun("--train-iters", str(stopped + 2), "--load", str(ckpt),
+    # the same schedule (--train-iters), stopped two iterations later
+    resumed = subprocess.run(_torchrun("--train-iters", "100000", "--exit-interval",
+                                       str(stopped + 2), "--load", str(ckpt),
                                        "--save", str(ckpt), "--log-jsonl", str(tmp_path / "b.jsonl")),
                              capture_output=True, text=True, timeout=300, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -108,3 +110,38 @@ def test_tensorboard_and_throughput(tmp_path):
     r = log[-1]
     assert r["tflops_per_rank"] * 1e12 / r["tokens_per_s"] == pytest.approx(want, rel=1e-9)
 
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
+    """SIGKILL (no warning, no save) to one of two ranks; ``torchrun --max-restarts 1`` restarts
+    both, they resume from the last checkpoint and the repeated iterations give the same losses."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    cmd = _torchrun("--train-iters", "12", "--save", str(ckpt), "--load", str(ckpt),
+                    "--save-interval", "2", "--log-jsonl", str(log))
+    cmd.insert(cmd.index("--nproc-per-node"), "--max-restarts=1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "iteration     5/" in line:
+            break
+    workers = _children(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGKILL)
+    rest, _ = proc.communicate(timeout=300)
+    out = "".join(lines) + rest
+    assert proc.returncode == 0, out[-4000:]
+    assert "resumed from iteration" in out, out[-4000:]
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    its = [r["iteration"] for r in records]
+    restart = next(i for i in range(1, len(its)) if its[i] <= its[i - 1])
+    assert its[:restart] == list(range(1, its[restart - 1] + 1))
+    assert its[restart:] == list(range(its[restart], 13))  # nothing skipped up to the end
+    assert its[restart] <= its[restart - 1]  # some iterations ran twice
+    first = {r["iteration"]: r["loss"] for r in records[:restart]}
+    again = [(first[r["iteration"]], r["loss"]) for r in records[restart:] if r["iteration"] in first]
+    assert again, "no iteration ran before and after the restart"
+    for before, after in again:
+        assert after == pytest.approx(before, rel=1e-6)

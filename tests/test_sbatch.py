@@ -98,10 +98,26 @@ def test_gpu_presets_build_the_real_architecture_and_fit(name):
 
 def test_container_flags_only_with_an_image():
     assert "--container-image" not in sbatch.render("llama3-8b")
+    assert "MFSDP_SRC" not in sbatch.render("llama3-8b")
     text = sbatch.render("llama3-8b", {"container_image": "nvcr.io#nvidia/pytorch:25.01-py3",
                                        "container_mounts": "/lustre:/lustre"})
-    assert "srun --container-image=nvcr.io#nvidia/pytorch:25.01-py3 " \
-           "--container-mounts=/lustre:/lustre" in text
+    assert "  --container-image=nvcr.io#nvidia/pytorch:25.01-py3\n" in text
+    assert '--container-mounts="$MFSDP_SRC:/opt/mfsdp,$PWD:$PWD,/lustre:/lustre"' in text
+    assert 'srun "${CONTAINER_ARGS[@]}" \\\n' in text
+    assert 'export PYTHONPATH="/opt/mfsdp' in text
+    # the conversion script runs in the same container the same way
+    conv = sbatch.render("convert", {"container_image": "img"})
+    assert 'srun "${CONTAINER_ARGS[@]}" \\\n' in conv and "--container-image=img" in conv
+
+
+def test_signal_handler_and_restarts_follow_the_keys():
+    text = sbatch.render("llama3-8b")
+    assert "#SBATCH --signal=TERM@120\n" in text and "  --exit-signal-handler\n" in text
+    assert "--max-restarts" not in text
+    off = sbatch.render("llama3-8b", {"signal_seconds": "0", "max_restarts": "2"})
+    assert "--signal" not in off and "--exit-signal-handler" not in off
+    assert "    --max-restarts 2 \\\n" in off
+    assert "--signal" not in sbatch.render("cpu-smoke")  # no checkpoints: nothing to save
 
 
 @pytest.mark.parametrize("preset, overrides, message", [

@@ -119,7 +119,7 @@ def test_save_then_load_continues_the_run(fmt, tmp_path):
     args = SHORT + ["--save", str(tmp_path / "ckpt"), "--ckpt-format", fmt]
     straight = launch("mfsdp.train:run_in_rank", 2,
                       args=(SHORT + ["--train-iters", "4"],))[0]
-    launch("mfsdp.train:run_in_rank", 2, args=(args + ["--train-iters", "2"],))
+    launch("mfsdp.train:run_in_rank", 2, args=(args + ["--exit-interval", "2"],))
     resumed = launch("mfsdp.train:run_in_rank", 2,
                      args=(args + ["--train-iters", "4", "--load", str(tmp_path / "ckpt")],))[0]
     assert [r["iteration"] for r in resumed] == [3, 4]
@@ -129,9 +129,39 @@ def test_save_then_load_continues_the_run(fmt, tmp_path):
     assert manifest["format"] == fmt
 
 
+def test_a_resumed_schedule_follows_megatron_lm_rules(tmp_path):
+    """As Megatron-LM's OptimizerParamScheduler: a resumed run whose schedule differs from the
+    checkpoint's stops with the value named, unless told which one wins; SGD so that the learning
+    rate shows in the losses one to one."""
+    ckpt = str(tmp_path / "ckpt")
+    base = SHORT + ["--optimizer", "sgd", "--train-iters", "4"]
+    straight = straight_records(base)
+    launch("mfsdp.train:run_in_rank", 1, args=(base + ["--exit-interval", "2", "--save", ckpt],))
+    with pytest.raises(RankError, match=r"learning rate \(--lr\) is 0.01 here and 0.003 in the "
+                       r"checkpoint; pass the checkpoint's value, --use-checkpoint-opt_param"):
+        launch("mfsdp.train:run_in_rank", 1, args=(base + ["--lr", "0.01", "--load", ckpt],))
+    with pytest.raises(RankError, match=r"total number of iterations \(--lr-decay-iters"):
+        launch("mfsdp.train:run_in_rank", 1, args=(base + ["--train-iters", "6", "--load", ckpt,
+                                                             "--exit-interval", "4"],))
+    kept = launch("mfsdp.train:run_in_rank", 1, args=(
+        base + ["--lr", "0.01", "--load", ckpt, "--use-checkpoint-opt_param-scheduler"],))[0]
+    assert [r["lr"] for r in kept] == [r["lr"] for r in straight[2:]]
+    assert [r["loss"] for r in kept] == pytest.approx([r["loss"] for r in straight[2:]], rel=1e-6)
+    new = launch("mfsdp.train:run_in_rank", 1, args=(
+        base + ["--lr", "0.01", "--load", ckpt, "--override-opt-param-scheduler"],))[0]
+    assert [r["lr"] for r in new] == pytest.approx([0.01 * 2 / 4, 0.01 * 1 / 4])
+    with pytest.raises(RankError, match="contradict"):
+        launch("mfsdp.train:run_in_rank", 1, args=(base + [
+            "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],))
+
+
+def straight_records(argv) -> list[dict]:
+    return launch("mfsdp.train:run_in_rank", 1, args=(list(argv),))[0]
+
+
 def test_resume_on_another_layout(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    launch("mfsdp.train:run_in_rank", 2, args=(SHORT + ["--train-iters", "2", "--save", ckpt],))
+    launch("mfsdp.train:run_in_rank", 2, args=(SHORT + ["--exit-interval", "2", "--save", ckpt],))
     resumed = launch("mfsdp.train:run_in_rank", 4, args=(
         SHORT + ["--num-distributed-optimizer-instances", "2", "--load", ckpt],))[0]
     assert [r["loss"] for r in resumed] == pytest.approx(_losses(1, tuple(SHORT))[2:], rel=1e-5)
