@@ -82,7 +82,7 @@ def fp32_accum_reduce(grads: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def rank_gradients(world: int, preset: str = "llama-tiny", seq_length: int = 64,
                    seed: int = 0) -> torch.Tensor:
     """``[world, parameters]`` fp32: the gradient of one Llama-style model (``preset`` of
-    :mod:`mfsdp.models.gpt`, initialised with ``seed``) on each rank's own micro-batch, a window
+    ``mfsdp.models.gpt``, initialised with ``seed``) on each rank's own micro-batch, a window
     of the text bundled with mfsdp at a seeded offset (next-token loss, mean over tokens).
     Computed in this process, one backward per rank (about 4 ms each for ``llama-tiny``)."""
     from pathlib import Path
@@ -109,7 +109,7 @@ def rank_gradients(world: int, preset: str = "llama-tiny", seq_length: int = 64,
 
 def engine_reduce_scatter(grads: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Run in every rank of :func:`mfsdp.launch.launch`: this rank's row of ``grads`` (cast to
-    ``dtype``) through the engine's own reduce-scatter (:class:`mfsdp.collectives.Communicator`,
+    ``dtype``) through the engine's own reduce-scatter (``mfsdp.collectives.Communicator``,
     the path of ``grad_comm_dtype``); returns this rank's chunk of the sum, in fp32. With gloo it
     equals :func:`fp32_accum_reduce` bit for bit (``tests/test_numerics.py``)."""
     from mfsdp.collectives import Communicator
@@ -121,7 +121,7 @@ def engine_reduce_scatter(grads: torch.Tensor, dtype: torch.dtype = torch.bfloat
 
 def simulate_reduction(grads: torch.Tensor, worlds: list[int]) -> dict[int, dict[str, float]]:
     """Relative L2 error of the mean gradient for each world size in ``worlds`` (the first
-    ``N`` rows of ``grads``) and each path of :data:`SCALE_METHODS`, against the exact mean
+    ``N`` rows of ``grads``) and each path of ``SCALE_METHODS`` (``fp32_ring``, ``bf16_fp32_accum``, ``bf16_ring``), against the exact mean
     (fp64). Use powers of two for ``N``: NCCL's average pre-multiplies by ``1 / N``, exact in bf16
     then, so a sum divided by ``N`` rounds the same way."""
     out = {}
