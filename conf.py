@@ -53,6 +53,14 @@ if (_VENDOR / "mermaid" / "mermaid.esm.min.mjs").exists():
     html_static_path.append(str(_VENDOR))
     mermaid_use_local = "mermaid/mermaid.esm.min.mjs"
 
+# Diagrams at their natural size (text as large as the page's), scaled down only when wider than
+# the column (docs/_static/mfsdp.css); compact sequence diagrams so they fit a 1280 px window.
+mermaid_init_config = {
+    "startOnLoad": False,
+    "flowchart": {"useMaxWidth": False, "nodeSpacing": 30, "rankSpacing": 35},
+    "sequence": {"useMaxWidth": False, "width": 100, "actorMargin": 25, "messageMargin": 30},
+}
+
 myst_enable_extensions = ["colon_fence", "deflist", "attrs_inline"]
 myst_fence_as_directive = ["mermaid"]
 myst_heading_anchors = 3
