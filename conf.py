@@ -104,7 +104,7 @@ sphinx_gallery_conf = {
     "abort_on_example_error": False,  # -W turns each failing recipe into an error anyway
     "only_warn_on_example_error": False,
     "show_memory": False,
-    "run_stale_examples": True,  # every build executes every recipe against the current code
+    "run_stale_examples": True,  # set per build by _recipe_cache below
     "capture_repr": (),  # show what recipes print, not the repr of a last expression
 }
 
@@ -133,5 +133,52 @@ def _redirect_root(app, exception):
             '<a href="docs/index.html">mfsdp user guide</a>\n')
 
 
+# Recipe cache. Recipes import mfsdp, so sphinx-gallery's own check (a recipe is re-run when its
+# file changed) is not enough on its own: a digest of everything a recipe can depend on (the mfsdp
+# package, the recipes folder, the Python and torch versions) is kept next to the gallery output.
+# Same digest as the last build that executed the recipes: unchanged recipes keep their results
+# (sphinx-gallery re-runs only the ones whose file changed). Another digest, or no record: every
+# recipe runs. A build that does not execute recipes (plot_gallery=0) removes the record, since it
+# overwrites the gallery's pages without outputs.
+_RECIPE_DIGEST = ROOT / "docs" / "recipes" / ".inputs-digest"
+
+
+def _recipe_inputs_digest() -> str:
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256(f"{sys.version}|{torch.__version__}".encode())
+    for base in ("mfsdp", "recipes"):
+        for path in sorted((ROOT / base).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _executes_recipes(config) -> bool:
+    return str(config.sphinx_gallery_conf.get("plot_gallery", True)).lower() not in (
+        "0", "false", "no")
+
+
+def _recipe_cache(app, config):
+    if not _executes_recipes(config):
+        _RECIPE_DIGEST.unlink(missing_ok=True)
+        return
+    digest = _recipe_inputs_digest()
+    fresh = _RECIPE_DIGEST.exists() and _RECIPE_DIGEST.read_text().strip() == digest
+    config.sphinx_gallery_conf["run_stale_examples"] = not fresh
+    app._mfsdp_recipe_digest = digest
+
+
+def _record_recipe_digest(app, exception):
+    digest = getattr(app, "_mfsdp_recipe_digest", None)
+    if exception is None and digest and app.statuscode == 0:
+        _RECIPE_DIGEST.parent.mkdir(parents=True, exist_ok=True)
+        _RECIPE_DIGEST.write_text(digest + "\n")
+
+
 def setup(app):
     app.connect("build-finished", _redirect_root)
+    app.connect("config-inited", _recipe_cache)
+    app.connect("build-finished", _record_recipe_digest)
