@@ -380,7 +380,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="toy: residual MLP blocks on vectors; gpt: a GPT on token sequences; "
                              "llama: the Llama family with the sizes below; llama-1b: 1.1B "
                              "parameters (TinyLlama's shape)")
-    parser.add_argument("--kv-heads", type=int, help="key/value heads (llama; default: --heads)")
+    parser.add_argument("--num-query-groups", "--kv-heads", dest="kv_heads", type=int,
+                        help="key/value heads (llama; default: --num-attention-heads)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: NCCL, one rank per GPU, CUDA-event timing and GPU memory")
     parser.add_argument("--bf16", action="store_true",
@@ -391,12 +392,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="tokens per sample (gpt)")
     parser.add_argument("--vocab-size", type=int, default=DEFAULTS["vocab_size"],
                         help="vocabulary (gpt)")
-    parser.add_argument("--heads", type=int, default=DEFAULTS["heads"],
+    parser.add_argument("--num-attention-heads", "--heads", dest="heads", type=int,
+                        default=DEFAULTS["heads"],
                         help="attention heads (gpt)")
-    parser.add_argument("--dim", type=int, default=DEFAULTS["dim"], help="model width")
-    parser.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="MLP width")
-    parser.add_argument("--blocks", type=int, default=DEFAULTS["blocks"], help="blocks")
-    parser.add_argument("--local-batch", type=int, default=DEFAULTS["local_batch"],
+    parser.add_argument("--hidden-size", "--dim", dest="dim", type=int, default=DEFAULTS["dim"],
+                        help="model width")
+    parser.add_argument("--ffn-hidden-size", "--hidden", dest="hidden", type=int,
+                        default=DEFAULTS["hidden"], help="MLP width")
+    parser.add_argument("--num-layers", "--blocks", dest="blocks", type=int,
+                        default=DEFAULTS["blocks"], help="blocks")
+    parser.add_argument("--micro-batch-size", "--local-batch", dest="local_batch", type=int,
+                        default=DEFAULTS["local_batch"],
                         help="samples per rank per step")
     parser.add_argument("--rounds", type=int, default=DEFAULTS["rounds"],
                         help="timed steps per system (after --warmup)")

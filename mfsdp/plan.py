@@ -352,11 +352,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="mfsdp plan", description=__doc__.splitlines()[0])
     parser.add_argument("preset", choices=sorted(PRESETS), help="model")
     parser.add_argument("--world-size", type=int, default=8)
-    parser.add_argument("--strategy", default="optim_grads_params",
+    # The trainer's (Megatron-LM's) names first; the short names stay as aliases.
+    parser.add_argument("--data-parallel-sharding-strategy", "--strategy", dest="strategy",
+                        default="optim_grads_params",
                         choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
-    parser.add_argument("--dp-outer", type=int, default=1)
-    parser.add_argument("--outer-strategy", default="no_shard", choices=["no_shard", "optim"])
-    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--num-distributed-optimizer-instances", "--dp-outer", dest="dp_outer",
+                        type=int, default=1, help="HSDP outer size")
+    parser.add_argument("--outer-dp-sharding-strategy", "--outer-strategy", dest="outer_strategy",
+                        default="no_shard", choices=["no_shard", "optim"])
+    parser.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, default=1)
     parser.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int,
                         default=1, help="sequences per micro-batch (the trainer's name)")
     parser.add_argument("--seq-length", type=int, default=4096)

@@ -80,3 +80,34 @@ def test_the_megatron_defaults_table_compares_real_defaults():
         assert same not in differ, same
     assert "--seed" not in differ and "--clip-grad" not in differ  # 1234 and 1.0 on both sides
     assert agree >= 30
+
+
+def test_shared_options_have_the_trainers_names():
+    """An option that plan or bench shares with the trainer is spelled as the trainer (Megatron-LM)
+    spells it; the older short names stay as aliases."""
+    from mfsdp.benchmark import build_parser as bench_parser
+    from mfsdp.plan import build_parser as plan_parser
+    from mfsdp.train import build_parser as train_parser
+
+    def flags(parser):
+        return {o for a in parser._actions for o in a.option_strings}
+
+    train = flags(train_parser())
+    shared = {
+        plan_parser: ["--data-parallel-sharding-strategy", "--num-distributed-optimizer-instances",
+                      "--outer-dp-sharding-strategy", "--expert-model-parallel-size",
+                      "--micro-batch-size", "--seq-length", "--recompute-granularity",
+                      "--recompute-method", "--recompute-num-layers"],
+        bench_parser: ["--micro-batch-size", "--seq-length", "--hidden-size", "--ffn-hidden-size",
+                       "--num-layers", "--num-attention-heads", "--num-query-groups",
+                       "--vocab-size", "--data-path", "--bf16"],
+    }
+    for make, names in shared.items():
+        mine = flags(make())
+        for name in names:
+            assert name in train and name in mine, (make.__module__, name)
+    args = plan_parser().parse_args(["llama3-8b", "--num-distributed-optimizer-instances", "2",
+                                     "--expert-model-parallel-size", "1", "--dp-outer", "2"])
+    assert args.dp_outer == 2
+    args = bench_parser().parse_args(["--num-layers", "3", "--micro-batch-size", "5"])
+    assert (args.blocks, args.local_batch) == (3, 5)
