@@ -637,15 +637,23 @@ def _save(args, model, opt, iteration: int, routers, cfg) -> None:
         return
     staging = root / ".staging-fsdp_dtensor"
     written = save_checkpoint(staging, model, opt, iteration=iteration, extra=extra, files=files)
+    error = [None]
     if dist.get_rank() == 0:
-        final = root / written.name
-        if final.exists():
-            shutil.rmtree(final)
-        fsdp_to_torch_dist(written, final)
-        (root / ".latest-tmp").write_text(written.name + "\n")
-        os.replace(root / ".latest-tmp", root / "latest")
-        shutil.rmtree(staging)
-    dist.barrier()
+        try:
+            final = root / written.name
+            if final.exists():
+                shutil.rmtree(final)
+            fsdp_to_torch_dist(written, final)
+            (root / ".latest-tmp").write_text(written.name + "\n")
+            os.replace(root / ".latest-tmp", root / "latest")
+        except Exception as exc:  # noqa: BLE001 - every rank stops with the reason
+            error[0] = f"{type(exc).__name__}: {exc}"
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise RuntimeError(f"--ckpt-format torch_dist: writing iteration {iteration} to {root} "
+                           f"failed: {error[0]}")
 
 
 # Megatron-LM's OptimizerParamScheduler state keys and the names its messages use; steps are

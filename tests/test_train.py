@@ -114,11 +114,15 @@ def test_activation_recompute_gives_the_same_loss_curve(name, preset):
     assert _losses(2, tuple(base + RECOMPUTE[name])) == pytest.approx(ref, rel=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["fsdp_dtensor", "torch_dist"])
-def test_save_then_load_continues_the_run(fmt, tmp_path):
-    args = SHORT + ["--save", str(tmp_path / "ckpt"), "--ckpt-format", fmt]
+@pytest.mark.parametrize("fmt, base", [
+    ("fsdp_dtensor", SHORT), ("torch_dist", SHORT),
+    # EP 2: each rank saves other experts (the parameter-group map must list all of them)
+    ("torch_dist", MOE + ["--expert-model-parallel-size", "2"]),
+], ids=["fsdp_dtensor", "torch_dist", "torch_dist-ep2"])
+def test_save_then_load_continues_the_run(fmt, base, tmp_path):
+    args = base + ["--save", str(tmp_path / "ckpt"), "--ckpt-format", fmt]
     straight = launch("mfsdp.train:run_in_rank", 2,
-                      args=(SHORT + ["--train-iters", "4"],))[0]
+                      args=(base + ["--train-iters", "4"],))[0]
     launch("mfsdp.train:run_in_rank", 2, args=(args + ["--exit-interval", "2"],))
     resumed = launch("mfsdp.train:run_in_rank", 2,
                      args=(args + ["--train-iters", "4", "--load", str(tmp_path / "ckpt")],))[0]

@@ -28,10 +28,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from mfsdp.checkpoint.state import (
+    global_param_to_param_group_map,
     model_state,
     optimizer_state,
     param_groups_state,
-    param_to_param_group_map,
 )
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
@@ -119,6 +119,7 @@ def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: i
     described = _describe(state)
     blobs: list = [None] * dist.get_world_size()
     dist.all_gather_object(blobs, [k for k, v in state.items() if isinstance(v, bytes)])
+    group_map = global_param_to_param_group_map(model, optimizer) if optimizer is not None else None
     dist.barrier()
     if dist.get_rank() == 0:
         for fname, text in (files or {}).items():
@@ -129,8 +130,7 @@ def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: i
                     "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
         if optimizer is not None:
-            (tmp / "param_to_param_group_map.json").write_text(
-                json.dumps(param_to_param_group_map(model, optimizer), indent=1))
+            (tmp / "param_to_param_group_map.json").write_text(json.dumps(group_map, indent=1))
         _fsync_dir(tmp)
         final = root / name
         if final.exists():  # an older save of the same iteration: replace it

@@ -22,7 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from mfsdp.checkpoint.uneven import uneven_dtensor
 
 __all__ = ["param_entries", "model_state", "optimizer_state", "param_groups_state",
-           "param_to_param_group_map", "dump_param_to_param_group_map"]
+           "param_to_param_group_map", "global_param_to_param_group_map",
+           "dump_param_to_param_group_map"]
 
 
 def _mesh(model) -> DeviceMesh:
@@ -100,11 +101,30 @@ def param_to_param_group_map(model, optimizer) -> dict[str, int]:
     return out
 
 
+def global_param_to_param_group_map(model, optimizer) -> dict[str, int]:
+    """:func:`param_to_param_group_map` over every rank: with expert parallelism each rank holds
+    other experts, so the ranks' maps are merged (rank 0's order, then each further rank's
+    parameters not seen yet, in its order). Collective: every rank calls it."""
+    mine = list(param_to_param_group_map(model, optimizer).items())
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(mine)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    merged: dict[str, int] = {}
+    for part in parts:
+        for name, group in part:
+            if merged.setdefault(name, group) != group:
+                raise RuntimeError(f"parameter {name} is in optimizer group {merged[name]} on one "
+                                   f"rank and {group} on another; build the same groups on every rank")
+    return merged
+
+
 def dump_param_to_param_group_map(model, optimizer, path) -> None:
-    """Write :func:`param_to_param_group_map` as JSON to ``path`` (rank 0 writes; a local call)."""
+    """Write :func:`global_param_to_param_group_map` as JSON to ``path`` (rank 0 writes; every
+    rank calls it)."""
     import json
     from pathlib import Path
 
-    mapping = param_to_param_group_map(model, optimizer)
+    mapping = global_param_to_param_group_map(model, optimizer)
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(path).write_text(json.dumps(mapping, indent=1))
