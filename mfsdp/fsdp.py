@@ -436,7 +436,7 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
     def zero_grad_buffers(self) -> None:
         """Zero the reduced gradients (and any accumulated full gradients)."""
         for b in self.buckets:
-            b.used.zero_()
+            b.used = [0.0] * len(b.names)
             b.outer_pending = None
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
@@ -462,9 +462,10 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
     def _install_grads(self) -> None:
         """After a synchronising backward: hand every parameter its reduced gradient rows."""
         nan = []
-        # Which parameters got a gradient: read once per step (one host sync on a GPU).
+        # Which parameters got a gradient (host-side flags, agreed over ranks in
+        # _sync_used_flags).
         grad_buckets = [b for b in self.buckets if b.requires_grad]
-        flags = (torch.cat([b.used for b in grad_buckets]).tolist() if grad_buckets else [])
+        flags = [f for b in grad_buckets for f in b.used]
         used, at = {}, 0
         for b in grad_buckets:
             used[id(b)] = flags[at:at + len(b.names)]

@@ -151,12 +151,16 @@ class GradReduction:
             buckets = [b for b in self.buckets if b.requires_grad and b.is_expert == expert]
             if not buckets:
                 continue
-            flags = torch.cat([b.used for b in buckets])
-            for comm in (buckets[0].comm, self.outer_comm):
-                if comm is not None and comm.size > 1:
-                    comm.all_reduce(flags, async_op=False, op=dist.ReduceOp.MAX, kind="flags")
-            for b, part in zip(buckets, flags.split([len(b.names) for b in buckets])):
-                b.used.copy_(part)
+            comms = [c for c in (buckets[0].comm, self.outer_comm) if c is not None and c.size > 1]
+            if not comms:
+                continue  # one rank: the local flags are the answer, nothing to read back
+            flags = torch.tensor([f for b in buckets for f in b.used], device=self.device)
+            for comm in comms:
+                comm.all_reduce(flags, async_op=False, op=dist.ReduceOp.MAX, kind="flags")
+            values, at = flags.tolist(), 0  # one host read per step
+            for b in buckets:
+                b.used = values[at:at + len(b.names)]
+                at += len(b.names)
 
     def _finish_backward(self) -> None:
         """Root callback at the end of backward: launch what is left, wait for everything."""

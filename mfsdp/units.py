@@ -207,7 +207,9 @@ class UnitConstruction:
             b.holds_reduced = False  # no_shard: grad_shard holds reduced gradients
             # Which parameters received a gradient (on any rank) since the last zero_grad: the
             # optimizer skips the others, as plain PyTorch skips parameters whose .grad is None.
-            b.used = torch.zeros(len(b.names), device=self.device)
+            # Host-side flags: a device write per parameter per backward would be a kernel launch
+            # in every gradient hook.
+            b.used = [0.0] * len(b.names)
             if not b.main_aliases_model():
                 b.main_shard.copy_(b.model_sub_shard())
         for m in root.modules():  # buffers follow the device; parameters are done
