@@ -84,7 +84,7 @@ def test_rank_dying_without_result_is_reported():
 
 
 def test_back_to_back_and_concurrent_launches_do_not_collide():
-    for _ in range(4):
+    for _ in range(2):
         assert launch(rank_info, 2, timeout=60)[1]["all_reduce_sum"] == 3.0
     results, errors = [], []
 
