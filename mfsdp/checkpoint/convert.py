@@ -107,8 +107,8 @@ def write_full(path: str | Path, tensors: dict[str, torch.Tensor], blobs: dict[s
 class _LazyPlanner(DefaultSavePlanner):
     """A save planner whose tensors are produced one at a time, when the writer asks for them."""
 
-    def __init__(self, produce):
-        super().__init__()
+    def __init__(self, produce, flatten_state_dict: bool = True):
+        super().__init__(flatten_state_dict=flatten_state_dict)
         self._produce = produce
 
     def resolve_data(self, write_item):
@@ -232,6 +232,19 @@ class DCPSource:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=self._reader, no_dist=True)
         return state[key]
+
+    def object(self, key: str, safe_globals: tuple = ()) -> object:
+        """A non-tensor entry that another program saved with ``torch.save`` (megatron-core's
+        ``ShardedObject``), read with ``weights_only=True``: nothing but ``safe_globals``
+        (e.g. ``argparse.Namespace``) is unpickled."""
+        md = self._reader.read_metadata()
+        info = (md.storage_data or {}).get(MetadataIndex(key))
+        if info is None or getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{self.path}: cannot read {key!r} as a plain torch.save entry")
+        with open(self.path / info.relative_path, "rb") as f, \
+                torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(_Window(f, info.offset, info.length), map_location="cpu",
+                              weights_only=True)
 
     def blob(self, key: str) -> object:
         """A non-tensor entry (mfsdp's pickled blobs unpickled; others as DCP stored them)."""

@@ -17,25 +17,48 @@ Transformer Engine's fused names whether or not Transformer Engine was used:
 ``final_layernorm``, the per-group ``linear_qkv`` and ``[gate; up]`` ``linear_fc1`` layouts are
 the same). ``*._extra_state`` (Transformer Engine's FP8 metadata) is dropped.
 
-Checked against a checkpoint megatron-core 0.19.2 wrote (``tests/fixtures/megatron_lm``): every
-weight equal, and the imported model gives megatron-core's logits.
+Optimizer state is read and written in model space, where each tensor is keyed by the weight it
+belongs to: ``optimizer.state.<field>.<model key>`` with fields ``param`` (the fp32 main weights,
+distributed optimizer only), ``exp_avg``, ``exp_avg_sq`` (Adam) or ``momentum_buffer`` (SGD),
+stacked like the weights. Megatron-LM writes it so with ``--dist-ckpt-optim-fully-reshardable``
+(the distributed optimizer) and without ``--use-distributed-optimizer``; its default for the
+distributed optimizer, ``dp_reshardable``, keeps the state as the optimizer's flat bucket buffers
+(``optimizer.distributed.*``), which only a Megatron-LM job with the same data-parallel layout
+reads: that is refused with the fix. The non-tensor state (``args``, ``iteration``, the
+optimizer's ``param_groups`` with ``step``, ``opt_param_scheduler``, the content metadata naming
+the optimizer layout) is one ``torch.save`` object, ``common_state``, inside the DCP files.
+
+Checked against checkpoints megatron-core 0.19.2 wrote (``tests/fixtures/megatron_lm``): every
+weight and optimizer tensor equal, the imported model gives megatron-core's logits, one more
+iteration from an imported checkpoint gives megatron-core's next weights (Adam and SGD), and the
+export of an import is the checkpoint it came from.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import types
 from pathlib import Path
 
 import torch
 
 from mfsdp.checkpoint.io import CheckpointError
 
-__all__ = ["FORMAT", "is_megatron_lm", "megatron_lm_to_fsdp", "resolve_megatron_lm"]
+__all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "megatron_lm_to_fsdp",
+           "read_common_state", "resolve_megatron_lm"]
 
 FORMAT = "megatron_lm_torch_dist"
 TRACKER = "latest_checkpointed_iteration.txt"
 _FUSED_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm",
                 "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm"}
+COMMON = "common_state/shard_0_1"
+# what megatron-core's checkpoint loader allows in common_state besides plain containers
+_SAFE = (argparse.Namespace, types.SimpleNamespace)
+# optimizer hyperparameters that torch.optim (and Transformer Engine's FusedAdam) read
+_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov",
+          "maximize")
+_MAIN_FIELDS = ("param", "fp32_param")  # the distributed optimizer's fp32 main weights
 
 
 def resolve_megatron_lm(path: str | Path) -> tuple[Path, int | None] | None:
@@ -95,15 +118,79 @@ def _source_key(name: str, keys) -> tuple[str, int | None]:
     return name, None
 
 
-def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict) -> Path:
-    """A Megatron-LM ``torch_dist`` checkpoint -> mfsdp ``fsdp_dtensor`` (weights; streamed).
+def read_common_state(directory: str | Path) -> dict:
+    """The non-tensor state of one Megatron-LM ``torch_dist`` iteration directory (``args``,
+    ``iteration``, the optimizer's ``param_groups``, ``opt_param_scheduler``, ...): the
+    ``common_state`` object inside the DCP files, or ``common.pt`` beside them (megatron-core
+    before 0.15). Read with ``weights_only=True``."""
+    from mfsdp.checkpoint.convert import DCPSource
+
+    directory = Path(directory)
+    legacy = directory / "common.pt"
+    if legacy.is_file():
+        with torch.serialization.safe_globals(list(_SAFE)):
+            return torch.load(legacy, map_location="cpu", weights_only=True)
+    source = DCPSource(directory)
+    if COMMON not in source.blob_keys:
+        raise CheckpointError(f"{directory} has neither common.pt nor a {COMMON!r} entry: not a "
+                              "megatron-core torch_dist checkpoint")
+    value = source.object(COMMON, _SAFE)
+    return value[0] if isinstance(value, list) else value
+
+
+def _optimizer_common(common: dict) -> tuple[list[dict], str | None]:
+    """The saved optimizer's param groups and its state layout (``None``: not distributed)."""
+    opt = common.get("optimizer") or {}
+    layout = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type",
+                                                          opt.get("param_state_sharding_type"))
+    inner = opt.get("optimizer", opt)
+    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    if groups is None:
+        raise CheckpointError("the checkpoint's optimizer holds no param_groups (a chained "
+                              "optimizer of several parts?); mfsdp reads one optimizer")
+    return groups, layout
+
+
+def _mfsdp_groups(groups: list[dict], where: Path) -> list[dict]:
+    """Megatron-LM's groups -> mfsdp's two (weight decay, then none: dims >= 2 and not a bias,
+    the rule both use), by ``wd_mult``."""
+    decay = [g for g in groups if g.get("wd_mult", 1.0) != 0.0]
+    plain = [g for g in groups if g.get("wd_mult", 1.0) == 0.0]
+    odd = [g for g in groups if g.get("is_expert_parallel") or g.get("lr_mult", 1.0) != 1.0
+           or g.get("is_decoupled_lr")]
+    if odd or len(decay) > 1 or len(plain) > 1:
+        raise CheckpointError(f"{where}: the optimizer has {len(groups)} parameter groups, some "
+                              "with expert-parallel, lr_mult or decoupled-lr settings; mfsdp "
+                              "reads the two of a dense model (weight decay and none)")
+    base = decay[0] if decay else plain[0]
+    out = []
+    for found, wd in ((decay, None), (plain, 0.0)):
+        g = found[0] if found else base
+        h = {k: g[k] for k in _HYPER if k in g}
+        if wd is not None:
+            h["weight_decay"] = wd
+        out.append(h)
+    return out
+
+
+def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
+                        weights_only: bool = False) -> Path:
+    """A Megatron-LM ``torch_dist`` checkpoint -> mfsdp ``fsdp_dtensor`` (streamed: one stacked
+    tensor is in memory at a time).
 
     ``model_config`` is the :class:`~mfsdp.models.gpt.GPTConfig` the checkpoint was trained with
     (Megatron-LM keeps its arguments in a pickled ``argparse.Namespace``; name the model with
     ``--model-preset`` or ``--model-config`` instead). Every weight of that model must be in the
     checkpoint with its shape, and every model tensor of the checkpoint must be used.
+
+    The optimizer state, when the checkpoint has it in model space, comes along: Adam moments or
+    SGD momentum by parameter name, ``step`` from the param groups, the two groups' hyperparameters
+    (weight decay and none, told apart by Megatron-LM's ``wd_mult``), the learning-rate schedule
+    (``extra["opt_param_scheduler"]``) and the iteration. The model weights are the optimizer's
+    fp32 main weights where it has them (``optimizer.state.param``). ``weights_only`` leaves the
+    optimizer out (and reads a ``dp_reshardable`` checkpoint's weights).
     """
-    from mfsdp.checkpoint.convert import MODEL_CONFIG_FILE, DCPSource, write_streaming
+    from mfsdp.checkpoint.convert import MAP_FILE, MODEL_CONFIG_FILE, DCPSource, write_streaming
     from mfsdp.models.gpt import GPT, GPTConfig
 
     found = resolve_megatron_lm(src)
@@ -117,7 +204,8 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict) ->
                               "Megatron-LM's torch_dist")
     cfg = GPTConfig.from_dict(model_config)
     with torch.device("meta"):
-        ref = GPT(cfg).state_dict()
+        model = GPT(cfg)
+    ref = model.state_dict()
     source = DCPSource(directory)
     keys = set(source.tensors)
     plan: dict[str, tuple[str, int | None]] = {}
@@ -141,10 +229,68 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict) ->
     if unused:
         raise CheckpointError(f"{directory} holds {len(unused)} model tensors this config does not "
                               f"have, e.g. {unused[0]!r}")
+    common = read_common_state(directory)
+    if iteration is None:
+        iteration = int(common.get("iteration") or 0)
+    state_keys = [k for k in keys if k.startswith("optimizer.state.")]
+    bucket_keys = [k for k in keys if k.startswith("optimizer.distributed.")]
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    origin: dict[str, tuple[str, int | None]] = {}
+    blobs: dict[str, object] = {}
+    files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
+    fields: dict[str, set[str]] = {}  # optimizer field -> the model keys it has state for
+    for key in state_keys:
+        field, _, model_key = key[len("optimizer.state."):].partition(".")
+        fields.setdefault(field, set()).add(model_key)
+    main_field = next((f for f in _MAIN_FIELDS if f in fields), None)
+    for name, (key, layer) in plan.items():
+        src_key = f"optimizer.state.{main_field}.{key}" if main_field else key
+        if main_field and key not in fields[main_field]:
+            src_key = key
+        specs[f"model.{name}"] = (tuple(ref[name].shape), torch.float32)
+        origin[f"model.{name}"] = (src_key, layer)
+    extra: dict[str, object] = {"iteration": iteration, "data_position": iteration,
+                                "source": FORMAT}
+    if common.get("opt_param_scheduler"):
+        extra["opt_param_scheduler"] = dict(common["opt_param_scheduler"])
+    if not weights_only and (state_keys or bucket_keys or common.get("optimizer")):
+        groups, layout = _optimizer_common(common)
+        if bucket_keys or (layout and layout not in ("fully_reshardable",
+                                                     "fully_sharded_model_space")):
+            raise CheckpointError(
+                f"{directory} holds the distributed optimizer's state in its {layout!r} layout "
+                "(the optimizer's flat bucket buffers, which only a Megatron-LM job with the same "
+                "data-parallel layout reads). Save it from Megatron-LM with "
+                "--dist-ckpt-optim-fully-reshardable (the state by weight), or convert the "
+                "weights alone with --weights-only")
+        mine = _mfsdp_groups(groups, directory)
+        step = next((float(g["step"]) for g in groups if "step" in g), None)
+        for field, have in sorted(fields.items()):
+            if field in _MAIN_FIELDS:
+                continue
+            missing = sorted(used - have)
+            if missing:
+                raise CheckpointError(f"{directory} has optimizer state {field!r} for some "
+                                      f"weights but not for {missing[0]!r}")
+            for name, (key, layer) in plan.items():
+                out = f"optimizer.state.{name}.{field}"
+                specs[out] = (tuple(ref[name].shape), torch.float32)
+                origin[out] = (f"optimizer.state.{field}.{key}", layer)
+        if step is not None and "exp_avg" in fields:  # torch.optim.Adam keeps it per parameter
+            for name in plan:
+                specs[f"optimizer.state.{name}.step"] = ((), torch.float32)
+                origin[f"optimizer.state.{name}.step"] = ("", None)
+        blobs["optimizer.param_groups"] = mine
+        group_of = {n: 0 for n, p in model.named_parameters() if _decays(n, p)}
+        group_of.update({n: 1 for n, p in model.named_parameters() if not _decays(n, p)})
+        files[MAP_FILE] = json.dumps(group_of, indent=1)
+    blobs["extra"] = extra
     stacked: dict[str, torch.Tensor] = {}
 
     def produce(key: str) -> torch.Tensor:
-        source_key, layer = plan[key[len("model."):]]
+        source_key, layer = origin[key]
+        if not source_key:
+            return torch.tensor(step, dtype=torch.float32)
         if layer is None:
             return source.get(source_key).float()
         if source_key not in stacked:  # one stacked tensor held at a time
@@ -152,10 +298,202 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict) ->
             stacked[source_key] = source.get(source_key)
         return stacked[source_key][layer].float().clone()
 
-    specs = {f"model.{n}": (tuple(t.shape), torch.float32) for n, t in ref.items()}
     # keep each stacked tensor's layers together, so it is read once
-    order = sorted(specs, key=lambda k: (plan[k[6:]][0], plan[k[6:]][1] or 0))
+    order = sorted(specs, key=lambda k: (origin[k][0], origin[k][1] or 0))
     specs = {k: specs[k] for k in order}
-    return write_streaming(dst, specs, produce, {"extra": {"iteration": iteration or 0}},
-                           "fsdp_dtensor", {"source": FORMAT, "backend": backend},
-                           {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)})
+    return write_streaming(dst, specs, produce, blobs, "fsdp_dtensor",
+                           {"source": FORMAT, "backend": backend}, files)
+
+
+def _decays(name: str, param) -> bool:
+    """Whether a parameter is in the weight-decay group (mfsdp's and Megatron-LM's rule)."""
+    return param.dim() >= 2 and not name.endswith(".bias")
+
+
+def _target_key(name: str) -> tuple[str, int | None]:
+    """The Megatron-LM key (and layer) megatron-core writes for mfsdp parameter ``name``: norms
+    under Transformer Engine's fused names, as megatron-core writes them for every layer spec."""
+    if name.startswith("layers."):
+        _, i, rest = name.split(".", 2)
+        module, _, field = rest.rpartition(".")
+        if module in _FUSED_NORMS:
+            return f"decoder.layers.{_FUSED_NORMS[module]}_{field}", int(i)
+        return f"decoder.layers.{rest}", int(i)
+    return _source_key(name, ())
+
+
+def _args(cfg, optimizer: str | None, distributed: bool, iteration: int):
+    """The ``args`` namespace Megatron-LM's loader reads from a checkpoint: the architecture
+    (compared with the job's, and used by ``--use-checkpoint-args``), a tensor- and
+    pipeline-parallel size of 1, and ``no_save_rng`` (mfsdp's RNG states are not Megatron-LM's)."""
+    heads = cfg.num_attention_heads
+    groups = cfg.num_query_groups or heads
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=heads,
+        group_query_attention=groups != heads, num_query_groups=groups,
+        kv_channels=cfg.kv_channels or cfg.hidden_size // heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        position_embedding_type=("rope" if cfg.position_embedding_type == "rope"
+                                 else "learned_absolute"),
+        add_position_embedding=cfg.position_embedding_type != "rope",
+        rotary_base=int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
+        normalization=cfg.normalization, norm_epsilon=cfg.norm_epsilon, swiglu=cfg.swiglu,
+        add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
+        untie_embeddings_and_output_weights=not cfg.share_embeddings_and_output_weights,
+        padded_vocab_size=cfg.vocab_size, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, ckpt_format="torch_dist", no_save_rng=True,
+        no_save_optim=optimizer is None, optimizer=optimizer or "adam",
+        use_distributed_optimizer=distributed, iteration=iteration, consumed_train_samples=0,
+        skipped_train_samples=0)
+
+
+def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | None = None,
+                        weights_only: bool = False) -> Path:
+    """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``torch_dist`` checkpoint (``dst`` is the root:
+    ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed one stacked tensor at a
+    time.
+
+    Weights are stacked per layer with megatron-core's key names; optimizer state is written in
+    model space: Adam's (``param``, ``exp_avg``, ``exp_avg_sq``) as the distributed optimizer's
+    ``fully_reshardable`` layout, SGD's ``momentum_buffer`` as Megatron-LM's non-distributed
+    optimizer (megatron-core's distributed optimizer takes Adam only). Load it in Megatron-LM with
+    ``--ckpt-format torch_dist`` and, for Adam, ``--use-distributed-optimizer``. ``common_state``
+    carries ``args`` (the architecture, ``no_save_rng``), the iteration, the param groups with
+    ``step`` and the learning-rate schedule when the checkpoint has one (``mfsdp train`` writes
+    it). ``model_config``: for checkpoints without ``model_config.json``.
+    """
+    import secrets
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from mfsdp.checkpoint.convert import MODEL_CONFIG_FILE, DCPSource, _LazyPlanner
+    from mfsdp.checkpoint.io import read_manifest, resolve_checkpoint
+    from mfsdp.models.gpt import GPT, GPTConfig
+
+    src, dst = resolve_checkpoint(src), Path(dst)
+    manifest = read_manifest(src)
+    if manifest.get("format") != "fsdp_dtensor":
+        raise CheckpointError(f"{src} is a {manifest.get('format')!r} checkpoint; convert it to "
+                              "fsdp_dtensor first")
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists; choose a new output directory")
+    if model_config is None:
+        if not (src / MODEL_CONFIG_FILE).is_file():
+            raise CheckpointError(f"{src} has no {MODEL_CONFIG_FILE}; name the model with "
+                                  "--model-preset or --model-config")
+        model_config = json.loads((src / MODEL_CONFIG_FILE).read_text())
+    cfg = GPTConfig.from_dict(model_config)
+    if cfg.num_experts or cfg.multi_latent_attention:
+        raise CheckpointError("writing Megatron-LM's layout is implemented for dense models "
+                              "(attention with linear_qkv); this config has "
+                              + ("experts" if cfg.num_experts else "multi-latent attention"))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    ref = model.state_dict()
+    source = DCPSource(src)
+    extra = source.blob("extra") if "extra" in source.blob_keys else {}
+    iteration = int(extra.get("iteration", 0))
+    stacks: dict[str, list[str]] = {}
+    whole: dict[str, str] = {}
+    for name in ref:
+        if f"model.{name}" not in source.tensors:
+            raise CheckpointError(f"{src} has no weight {name!r} of the model config")
+        key, layer = _target_key(name)
+        if layer is None:
+            whole[key] = name
+        else:
+            stacks.setdefault(key, [None] * cfg.num_layers)[layer] = name
+    groups = (source.blob("optimizer.param_groups")
+              if "optimizer.param_groups" in source.blob_keys and not weights_only else None)
+    fields: list[str] = []
+    if groups is not None:
+        first = next(iter(ref))
+        fields = sorted(k.rpartition(".")[2] for k in source.tensors
+                        if k.startswith(f"optimizer.state.{first}.")
+                        and source.tensors[k][0] == tuple(ref[first].shape))
+    distributed = "exp_avg" in fields
+    if groups is not None and not fields:
+        raise CheckpointError(f"{src}: optimizer state of {sorted(source.tensors)[0]!r}... is "
+                              "neither Adam's nor SGD's; write the weights alone with "
+                              "--weights-only")
+    # what each output tensor is made of: (field or None for the weights, mfsdp names)
+    origin: dict[str, tuple[str | None, list[str] | str]] = {}
+    for key, names in {**stacks, **whole}.items():
+        origin[key] = (None, names)
+        if distributed:
+            origin[f"optimizer.state.param.{key}"] = (None, names)
+        for field in fields:
+            origin[f"optimizer.state.{field}.{key}"] = (field, names)
+    shapes = {k: (tuple(ref[n].shape) if isinstance(n, str) else
+                  (len(n), *ref[n[0]].shape)) for k, (_, n) in origin.items()}
+
+    def read(field, name):
+        return source.get(f"optimizer.state.{name}.{field}" if field else f"model.{name}").float()
+
+    def produce(key: str) -> torch.Tensor:
+        field, names = origin[key]
+        if isinstance(names, str):
+            return read(field, names)
+        return torch.stack([read(field, n) for n in names])
+
+    state: dict[str, object] = {k: torch.empty(s, dtype=torch.float32, device="meta")
+                                for k, s in shapes.items()}
+    for key, names in stacks.items():  # what megatron-core saves for each linear's extra state
+        module = key.rpartition(".")[0]
+        if key.endswith(".weight") and module.rpartition(".")[2].startswith("linear_"):
+            for i in range(cfg.num_layers):
+                state[f"{module}._extra_state/shard_{i}_{cfg.num_layers}"] = [None]
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    common: dict[str, object] = {"checkpoint_version": 3.0, "iteration": iteration,
+                                 "num_floating_point_operations_so_far": 0}
+    scheduler = extra.get("opt_param_scheduler")
+    if groups is not None:
+        step = None
+        if f"optimizer.state.{first}.step" in source.tensors:
+            step = float(source.get(f"optimizer.state.{first}.step"))
+        megatron_groups = []
+        for g, group in enumerate(groups):
+            out = {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
+            out.update(wd_mult=1.0 if g == 0 else 0.0, lr_mult=1.0, is_expert_parallel=False,
+                       is_decoupled_lr=False, default_config=True,
+                       max_lr=(scheduler or {}).get("max_lr", group["lr"]),
+                       min_lr=(scheduler or {}).get("min_lr", group["lr"]))
+            if step is not None:
+                out["step"] = step
+            megatron_groups.append(out)
+        if distributed:
+            metadata.update(distrib_optim_sharding_type="fully_reshardable",
+                            distrib_optim_fully_reshardable_mem_efficient=False)
+            common["optimizer"] = {"optimizer": {"param_groups": megatron_groups},
+                                   "param_state_sharding_type": "fully_reshardable"}
+        else:
+            common["optimizer"] = {"param_groups": megatron_groups}
+        if scheduler:
+            common["opt_param_scheduler"] = dict(scheduler)
+    common["args"] = _args(cfg, None if groups is None else ("adam" if distributed else "sgd"),
+                           distributed, iteration)
+    common["content_metadata"] = metadata
+    # as megatron-core stores a ShardedObject: torch.save of [object], not flattened into keys
+    state[COMMON] = [common]
+    target = dst / (f"iter_{iteration:07d}")
+    tmp = dst.parent / f".tmp-{dst.name}-{secrets.token_hex(4)}"
+    try:
+        tmp_iter = tmp / target.name
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=FileSystemWriter(str(tmp_iter),
+                                                            single_file_per_rank=True,
+                                                            thread_count=1),
+                     planner=_LazyPlanner(produce, flatten_state_dict=False), no_dist=True)
+        (tmp_iter / "metadata.json").write_text(
+            json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+        (tmp / TRACKER).write_text(str(iteration))
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
