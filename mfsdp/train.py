@@ -693,10 +693,28 @@ def _restore_scheduler(args, saved: dict | None) -> None:
                 "continue its schedule, or --override-opt_param-scheduler to use this command's")
 
 
-def _load(args, model, opt, routers) -> int:
+def _convert_on_rank0(tmp: Path, convert) -> None:
+    """``convert(tmp)`` on rank 0 (a stale ``tmp`` removed first); every rank stops with the
+    reason if it fails, none waits at a barrier for a rank that raised."""
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            convert(tmp)
+        except Exception as exc:  # noqa: BLE001 - every rank stops with the reason
+            shutil.rmtree(tmp, ignore_errors=True)
+            error[0] = f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise SystemExit(f"--load: {error[0]}")
+
+
+def _load(args, model, opt, routers, cfg) -> int:
     from mfsdp.checkpoint import load_checkpoint, read_manifest
     from mfsdp.checkpoint.convert import torch_dist_to_fsdp
     from mfsdp.checkpoint.io import resolve_checkpoint
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp, resolve_megatron_lm
 
     from mfsdp.checkpoint.upstream import describe_unreadable, is_megatron_fsdp
 
@@ -707,22 +725,27 @@ def _load(args, model, opt, routers) -> int:
             print(f"--load {root}: loaded an upstream Megatron-FSDP checkpoint (weights and "
                   "optimizer state); training starts at iteration 0", flush=True)
         return 0
-    unreadable = describe_unreadable(root)
-    if unreadable:  # never a silent fresh start over a checkpoint we cannot read
-        raise SystemExit(f"--load: {unreadable}")
-    if not root.exists() or not ((root / "latest").exists() or (root / "manifest.json").exists()):
-        if dist.get_rank() == 0:
-            print(f"--load {root}: no checkpoint there yet, starting from iteration 0", flush=True)
-        return 0
-    path = resolve_checkpoint(root)
     tmp = None
-    if read_manifest(path)["format"] == "torch_dist":
+    if root.exists() and resolve_megatron_lm(root) is not None:
+        # Megatron-LM's torch_dist: rank 0 converts it with this job's model config
+        directory, _ = resolve_megatron_lm(root)
+        tmp = root / f".from-megatron_lm-{directory.name}"
+        _convert_on_rank0(tmp, lambda out: megatron_lm_to_fsdp(root, out, cfg.to_dict()))
+        path = tmp
+    else:
+        unreadable = describe_unreadable(root)
+        if unreadable:  # never a silent fresh start over a checkpoint we cannot read
+            raise SystemExit(f"--load: {unreadable}")
+        if not root.exists() or not ((root / "latest").exists()
+                                     or (root / "manifest.json").exists()):
+            if dist.get_rank() == 0:
+                print(f"--load {root}: no checkpoint there yet, starting from iteration 0",
+                      flush=True)
+            return 0
+        path = resolve_checkpoint(root)
+    if tmp is None and read_manifest(path)["format"] == "torch_dist":
         tmp = root / f".from-torch_dist-{path.name}"
-        if dist.get_rank() == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            torch_dist_to_fsdp(path, tmp)
-        dist.barrier()
+        _convert_on_rank0(tmp, lambda out: torch_dist_to_fsdp(path, out))
         path = tmp
     extra = load_checkpoint(path, model, opt)
     if int(extra["iteration"]) == 0 and dist.get_rank() == 0:
@@ -803,7 +826,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             raise SystemExit("--dump-param-to-param-group-map needs --use-megatron-fsdp")
         dump_param_to_param_group_map(model, opt, args.dump_param_to_param_group_map)
         log(f"wrote the parameter-to-group map to {args.dump_param_to_param_group_map}", flush=True)
-    start = _load(args, model, opt, routers) if args.load else 0
+    start = _load(args, model, opt, routers, cfg) if args.load else 0
     if start:
         log(f"resumed from iteration {start} of {args.load}", flush=True)
     numel = sum(p.numel() for p in inner.parameters())

@@ -8,6 +8,7 @@ Megatron-LM does; it recorded the model's ``state_dict()`` and its logits on fix
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -180,18 +181,19 @@ def _third_iteration(kind: str, path: str, strategy: str) -> dict:
 @pytest.mark.parametrize("kind,strategy", [("adam", "optim_grads_params"), ("sgd", "optim"),
                                            ("sgd", "optim_grads_params")])
 def test_training_goes_on_as_megatron_core_does(kind, strategy, tmp_path):
-    """The imported checkpoint continues training as megatron-core continued it: the third
+    """A Megatron-LM checkpoint read by ``load_checkpoint`` continues training as megatron-core
+    continued it: the third
     iteration's loss, gradient norm and every weight after it (mfsdp sharded on 2 ranks, the
     reference one megatron-core rank). Tolerances: float32 sums in another order, as a fraction
     of the iteration's update: 1e-4 (measured up to 6.6e-5), and 1e-2 for Adam's query/key/value
     weights (measured 2.7e-3): near-uniform attention makes their gradients a difference of
     nearly equal terms, and Adam divides each element by its own size, so the rounding shows at
     full scale. A wrong step count (bias correction) or moment moves the update by 10% or more."""
-    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
-
     e = _expected_optim()[kind]
-    out = megatron_lm_to_fsdp(OPTIM / kind, tmp_path / "imported", _config().to_dict())
-    got = launch(_third_iteration, 2, args=(kind, str(out), strategy))[0]
+    copy = tmp_path / "megatron"  # load_checkpoint reads Megatron-LM's directory as it is
+    shutil.copytree(OPTIM / kind, copy)
+    got = launch(_third_iteration, 2, args=(kind, str(copy), strategy))[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron"]  # nothing left behind
     assert abs(got["loss"] - e["loss_3"]) < 1e-5, (got["loss"], e["loss_3"])
     assert abs(got["grad_norm"] - e["grad_norm_3"]) < 1e-5 * e["grad_norm_3"]
     for name, after in got["weights"].items():
@@ -248,3 +250,92 @@ def test_export_of_an_import_is_the_checkpoint_megatron_core_wrote(kind, tmp_pat
     assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.no_save_rng) == (
         reference["args"].num_layers, reference["args"].hidden_size,
         reference["args"].num_attention_heads, True)
+
+
+def test_dp_reshardable_optimizer_state_is_refused_with_the_fix(tmp_path):
+    """Megatron-LM's default layout for the distributed optimizer keeps its state as flat bucket
+    buffers: refused, naming the layout and the flag that saves it by weight; --weights-only
+    reads the weights."""
+    from mfsdp.checkpoint.convert import read_full
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+
+    src = OPTIM / "adam-dp-reshardable"
+    with pytest.raises(CheckpointError, match="'dp_reshardable' layout.*"
+                                              "--dist-ckpt-optim-fully-reshardable"):
+        megatron_lm_to_fsdp(src, tmp_path / "x", _config().to_dict())
+    assert not (tmp_path / "x").exists()
+    tensors, blobs, _ = read_full(megatron_lm_to_fsdp(src, tmp_path / "w", _config().to_dict(),
+                                                      weights_only=True))
+    assert not [k for k in tensors if k.startswith("optimizer.")]
+    assert "optimizer.param_groups" not in blobs
+    e = _expected_optim()["adam"]["state_after_2"]  # the same run as the adam fixture
+    for key, value in tensors.items():
+        assert torch.equal(value, e[_mcore_name(key[len("model."):])]["param"]), key
+
+
+def test_convert_command_both_ways(tmp_path):
+    """``mfsdp convert --from megatron_lm`` and ``--to megatron_lm`` on the command line."""
+    (tmp_path / "cfg.json").write_text(json.dumps(_config().to_dict()))
+
+    def convert(*argv):
+        return subprocess.run([sys.executable, "-m", "mfsdp.cli", "convert", *map(str, argv)],
+                              capture_output=True, text=True, timeout=300)
+
+    out = convert("--from", "megatron_lm", "--to", "fsdp_dtensor", OPTIM / "adam",
+                  tmp_path / "m", "--model-config", tmp_path / "cfg.json")
+    assert out.returncode == 0, out.stderr
+    out = convert("--from", "fsdp_dtensor", "--to", "megatron_lm", tmp_path / "m",
+                  tmp_path / "mlm")
+    assert out.returncode == 0, out.stderr
+    assert "--use-distributed-optimizer" in out.stdout
+    assert (tmp_path / "mlm" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    out = convert("--from", "fsdp_dtensor", "--to", "megatron_lm", tmp_path / "m",
+                  tmp_path / "weights", "--weights-only")
+    assert out.returncode == 0, out.stderr
+    from mfsdp.checkpoint.convert import DCPSource
+
+    keys = DCPSource(tmp_path / "weights" / "iter_0000002").tensors
+    assert keys and not [k for k in keys if k.startswith("optimizer.")]
+    out = convert("--from", "megatron_lm", "--to", "fsdp_dtensor", OPTIM / "adam-dp-reshardable",
+                  tmp_path / "x", "--model-config", tmp_path / "cfg.json")
+    assert out.returncode != 0 and "--weights-only" in out.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_trainer_resumes_a_megatron_lm_checkpoint(tmp_path):
+    """``mfsdp train --load`` of Megatron-LM's directory: it continues at iteration 3 with the
+    checkpoint's schedule, weights and Adam state; a layout it cannot read stops it before any
+    training."""
+    import os
+
+    c = EXPECTED["config"]
+    model_flags = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+                   "--disable-bias-linear", "--group-query-attention", "--num-query-groups",
+                   str(c["num_query_groups"]), "--num-layers", str(c["num_layers"]),
+                   "--hidden-size", str(c["hidden_size"]), "--ffn-hidden-size",
+                   str(c["ffn_hidden_size"]), "--num-attention-heads",
+                   str(c["num_attention_heads"]), "--vocab-size", str(c["vocab_size"]),
+                   "--norm-epsilon", "1e-5", "--rotary-base", str(c["rotary_base"])]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "mfsdp.train", "--use-megatron-fsdp", "--train-iters", "3", "--mock-data",
+           "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+           "--log-interval", "1", "--use-checkpoint-opt_param-scheduler", *model_flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for kind in ("adam", "adam-dp-reshardable"):
+        shutil.copytree(OPTIM / kind, tmp_path / kind)
+        out = subprocess.run(run + ["--load", str(tmp_path / kind)], capture_output=True,
+                             text=True, timeout=300, env=env)
+        if kind == "adam":
+            assert out.returncode == 0, out.stderr[-3000:]
+            assert "resumed from iteration 2" in out.stdout, out.stdout
+            import re
+
+            # iteration 3 only, at the checkpoint's schedule (cosine from 1e-3 over 8 steps)
+            assert re.findall(r"iteration +(\d+)/3 .*\| lr ([0-9.e+-]+)", out.stdout) == [
+                ("3", f"{_expected_optim()['adam']['param_groups'][0]['lr']:.2e}")], out.stdout
+        else:
+            assert out.returncode != 0
+            assert "--dist-ckpt-optim-fully-reshardable" in out.stderr, out.stderr[-2000:]
+            assert "| loss" not in out.stdout
+        assert not [p for p in (tmp_path / kind).iterdir() if p.name.startswith(".from-")]

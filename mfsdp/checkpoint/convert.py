@@ -8,6 +8,8 @@ Run as ``mfsdp convert`` or ``python -m mfsdp.checkpoint.convert``::
     mfsdp convert --from safetensors --to fsdp_dtensor IN OUT [--swiglu]
     mfsdp convert --from hf --to fsdp_dtensor HF_DIR OUT
     mfsdp convert --from fsdp_dtensor --to hf IN HF_DIR [--dtype bf16] [--max-shard-size 5GB]
+    mfsdp convert --from megatron_lm --to fsdp_dtensor MLM_DIR OUT --model-config CFG [--weights-only]
+    mfsdp convert --from fsdp_dtensor --to megatron_lm IN MLM_DIR [--weights-only]
 
 ``hf`` is a Hugging Face model directory (``config.json`` and safetensors, sharded with an index
 for large models) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads; the model
@@ -24,6 +26,8 @@ The formats (all but safetensors are ``torch.distributed.checkpoint`` directorie
   ``torch.optim.Optimizer.state_dict()`` does (``optimizer.state.<index>.<key>``, groups listing
   indices), with ``param_to_param_group_map.json`` naming each position's parameter and group.
 * ``safetensors``: ``model.safetensors`` (weights by mfsdp name, no optimizer) and ``config.json``.
+* ``megatron_lm``: what Megatron-LM's ``--ckpt-format torch_dist`` writes (see
+  :mod:`mfsdp.checkpoint.megatron_lm`); ``--from torch_dist`` recognises it by what is on disk.
 
 Checkpoints written by ``mfsdp train`` and by ``--from hf`` also hold ``model_config.json`` (the
 :class:`~mfsdp.models.gpt.GPTConfig`), which ``--to hf`` and ``mfsdp train --load`` read.
@@ -631,7 +635,7 @@ def load_torch_dist(path: str | Path, model: torch.nn.Module,
     return int(blobs.get("extra", {}).get("iteration", 0))
 
 
-FORMATS = ["torch_dist", "fsdp_dtensor", "safetensors", "hf", "megatron_fsdp"]
+FORMATS = ["torch_dist", "fsdp_dtensor", "safetensors", "hf", "megatron_fsdp", "megatron_lm"]
 
 
 def parse_size(text: str) -> int:
@@ -679,11 +683,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="(--to hf) largest safetensors file, e.g. 5GB or 500MB "
                              "(default: %(default)s)")
     parser.add_argument("--model-preset", metavar="NAME",
-                        help="(--to hf, --from megatron_fsdp) the model's preset, for "
+                        help="(--to hf, --from megatron_fsdp or megatron_lm) the model's preset, for "
                              "checkpoints without model_config.json")
     parser.add_argument("--model-config", metavar="FILE",
-                        help="(--to hf, --from megatron_fsdp) the model's GPTConfig as JSON, for "
+                        help="(--to hf, --from megatron_fsdp or megatron_lm) the model's GPTConfig as JSON, for "
                              "checkpoints without model_config.json")
+    parser.add_argument("--weights-only", action="store_true",
+                        help="(megatron_lm) leave the optimizer state out, e.g. to read the "
+                             "weights of a checkpoint whose distributed-optimizer state is in "
+                             "Megatron-LM's dp_reshardable layout")
     parser.add_argument("--no-progress", action="store_true", help="no progress report")
     return parser
 
@@ -696,9 +704,13 @@ def run(args: argparse.Namespace) -> int:
 
     pair = (args.src_format, args.dst_format)
     shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work
-    megatron_lm = pair == ("torch_dist", "fsdp_dtensor") and is_megatron_lm(args.input)
-    src = (args.input if args.src_format in ("safetensors", "hf", "megatron_fsdp") or megatron_lm
-           else resolve_checkpoint(args.input))
+    megatron_lm = (pair == ("megatron_lm", "fsdp_dtensor")
+                   or pair == ("torch_dist", "fsdp_dtensor") and is_megatron_lm(args.input))
+    if args.weights_only and "megatron_lm" not in pair and not megatron_lm:
+        raise SystemExit("mfsdp convert: --weights-only applies to Megatron-LM checkpoints "
+                         "(--from megatron_lm or --to megatron_lm)")
+    src = (args.input if args.src_format in ("safetensors", "hf", "megatron_fsdp", "megatron_lm")
+           or megatron_lm else resolve_checkpoint(args.input))
     model_config = None
     if args.model_config:
         model_config = json.loads(Path(args.model_config).read_text())
@@ -716,9 +728,18 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"mfsdp convert: {args.input} is a Megatron-LM torch_dist checkpoint; "
                              "name its model with --model-preset or --model-config (Megatron-LM "
                              "keeps its arguments pickled, not as a config mfsdp can read)")
-        out = megatron_lm_to_fsdp(args.input, args.output, model_config)
+        out = megatron_lm_to_fsdp(args.input, args.output, model_config,
+                                  weights_only=args.weights_only)
         print(f"wrote fsdp_dtensor checkpoint {out} from the Megatron-LM torch_dist checkpoint "
               f"{args.input}")
+        return 0
+    if pair == ("fsdp_dtensor", "megatron_lm"):
+        from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm
+
+        out = fsdp_to_megatron_lm(src, args.output, model_config, weights_only=args.weights_only)
+        print(f"wrote Megatron-LM torch_dist checkpoint {out} (load it with --ckpt-format "
+              "torch_dist" + ("" if args.weights_only else
+                              "; Adam state: --use-distributed-optimizer") + ")")
         return 0
     if pair == ("megatron_fsdp", "fsdp_dtensor"):
         from mfsdp.checkpoint.upstream import megatron_fsdp_to_fsdp
@@ -763,7 +784,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise SystemExit(f"mfsdp convert: no conversion from {pair[0]} to {pair[1]}; supported: "
                          "torch_dist<->fsdp_dtensor, fsdp_dtensor<->safetensors, "
-                         "fsdp_dtensor<->hf, fsdp_dtensor<->megatron_fsdp")
+                         "fsdp_dtensor<->hf, fsdp_dtensor<->megatron_fsdp, "
+                         "fsdp_dtensor<->megatron_lm")
     print(f"wrote {args.dst_format} checkpoint {out}")
     return 0
 

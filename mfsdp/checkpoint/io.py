@@ -202,17 +202,23 @@ def _check_keys(ours: dict[str, dict], theirs: dict[str, dict], where: Path) -> 
 def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it.
 
-    ``path`` is an mfsdp checkpoint (or its root) or a checkpoint written by upstream
+    ``path`` is an mfsdp checkpoint (or its root), a checkpoint written by upstream
     Megatron-FSDP (``dcp.save`` of its model and optimizer state dicts; see
-    ``mfsdp.checkpoint.upstream``).
+    ``mfsdp.checkpoint.upstream``) or a Megatron-LM ``torch_dist`` checkpoint (root with
+    ``latest_checkpointed_iteration.txt`` or one ``iter_XXXXXXX``; see
+    ``mfsdp.checkpoint.megatron_lm``), recognised by what is on disk.
 
     Restores the RNG state that was saved and returns the ``extra`` dict (with ``iteration``
     and ``rng_state``). A collective call.
     """
     from mfsdp.checkpoint.upstream import is_megatron_fsdp, load_megatron_fsdp
 
+    from mfsdp.checkpoint.megatron_lm import is_megatron_lm, load_megatron_lm
+
     if is_megatron_fsdp(path):  # upstream Megatron-FSDP's README checkpoint
         return load_megatron_fsdp(path, model, optimizer)
+    if is_megatron_lm(path):  # Megatron-LM's own (tracker, iter_XXXXXXX, metadata.json)
+        return load_megatron_lm(path, model, optimizer)
     ckpt = resolve_checkpoint(path)
     manifest = read_manifest(ckpt)
     theirs = manifest["tensors"]

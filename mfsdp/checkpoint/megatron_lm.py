@@ -45,8 +45,8 @@ import torch
 
 from mfsdp.checkpoint.io import CheckpointError
 
-__all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "megatron_lm_to_fsdp",
-           "read_common_state", "resolve_megatron_lm"]
+__all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "load_megatron_lm",
+           "megatron_lm_to_fsdp", "read_common_state", "resolve_megatron_lm"]
 
 FORMAT = "megatron_lm_torch_dist"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -87,11 +87,27 @@ def is_megatron_lm(path: str | Path) -> bool:
 
 
 def _backend(directory: Path) -> str:
+    """The ``sharded_backend`` of a Megatron-LM iteration directory, or an error naming what the
+    directory holds instead."""
     try:
         return json.loads((directory / "metadata.json").read_text()).get("sharded_backend", "?")
     except FileNotFoundError:
-        raise CheckpointError(f"{directory} has no metadata.json: not a Megatron-LM distributed "
-                              "checkpoint iteration") from None
+        pass
+    where = f"{directory} holds a Megatron-LM checkpoint"
+    if not directory.is_dir():
+        raise CheckpointError(f"{where} tracker, but the iteration directory {directory.name} is "
+                              "missing") from None
+    if (directory / ".metadata").is_file():
+        raise CheckpointError(f"{where} in a format mfsdp does not read: a plain "
+                              "torch.distributed.checkpoint without metadata.json (Megatron-LM's "
+                              "--ckpt-format fsdp_dtensor or torch_dcp); save it with "
+                              "--ckpt-format torch_dist") from None
+    if any(directory.glob("mp_rank_*")):
+        raise CheckpointError(f"{where} in Megatron-LM's legacy --ckpt-format torch "
+                              "(mp_rank_XX/model_optim_rng.pt), which mfsdp does not read; save "
+                              "it with --ckpt-format torch_dist") from None
+    raise CheckpointError(f"{where} tracker, but {directory} has no checkpoint files "
+                          "(metadata.json and .metadata)") from None
 
 
 def _source_key(name: str, keys) -> tuple[str, int | None]:
@@ -254,7 +270,9 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
     if common.get("opt_param_scheduler"):
         extra["opt_param_scheduler"] = dict(common["opt_param_scheduler"])
     if not weights_only and (state_keys or bucket_keys or common.get("optimizer")):
-        groups, layout = _optimizer_common(common)
+        opt_common = common.get("optimizer") or {}
+        layout = (common.get("content_metadata") or {}).get(
+            "distrib_optim_sharding_type", opt_common.get("param_state_sharding_type"))
         if bucket_keys or (layout and layout not in ("fully_reshardable",
                                                      "fully_sharded_model_space")):
             raise CheckpointError(
@@ -263,6 +281,7 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
                 "data-parallel layout reads). Save it from Megatron-LM with "
                 "--dist-ckpt-optim-fully-reshardable (the state by weight), or convert the "
                 "weights alone with --weights-only")
+        groups, _ = _optimizer_common(common)
         mine = _mfsdp_groups(groups, directory)
         step = next((float(g["step"]) for g in groups if "step" in g), None)
         for field, have in sorted(fields.items()):
@@ -497,3 +516,43 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def load_megatron_lm(path: str | Path, model, optimizer=None) -> dict:
+    """Load a Megatron-LM ``torch_dist`` checkpoint into a sharded mfsdp GPT (and its optimizer):
+    a collective call. Rank 0 converts it next to ``path`` with the model's own config (weights
+    only when ``optimizer`` is None), every rank loads the result with
+    :func:`mfsdp.checkpoint.load_checkpoint`, rank 0 removes it. Returns the ``extra`` dict
+    (``iteration``, ``opt_param_scheduler``)."""
+    import secrets
+    import shutil
+
+    import torch.distributed as dist
+
+    from mfsdp.checkpoint.io import load_checkpoint
+
+    config = getattr(getattr(model, "module", model), "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise CheckpointError(f"{path} is a Megatron-LM checkpoint, read into mfsdp's GPT: the "
+                              "model has no GPTConfig (model.module.config); convert it with "
+                              "mfsdp convert --from megatron_lm --model-config FILE instead")
+    path = Path(path)
+    token = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    tmp = path.parent / f".from-{FORMAT}-{path.name}-{token[0]}"
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            megatron_lm_to_fsdp(path, tmp, config.to_dict(), weights_only=optimizer is None)
+        except Exception as exc:  # every rank must hear of it, not wait at the barrier
+            shutil.rmtree(tmp, ignore_errors=True)
+            error[0] = f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise CheckpointError(f"cannot read {path} as a Megatron-LM checkpoint: {error[0]}")
+    try:
+        return load_checkpoint(tmp, model, optimizer)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -256,10 +256,16 @@ def describe_unreadable(path: str | Path) -> str | None:
     from mfsdp.checkpoint.megatron_lm import is_megatron_lm
 
     if is_megatron_lm(path):
-        return (f"{path} holds a Megatron-LM checkpoint (latest_checkpointed_iteration.txt, "
-                "iter_XXXXXXX/metadata.json), which training does not load directly; for "
-                "Megatron-LM's torch_dist, convert it first: mfsdp convert --from torch_dist "
-                f"--to fsdp_dtensor {path} OUT --model-preset NAME (or --model-config FILE)")
+        from mfsdp.checkpoint.megatron_lm import _backend, resolve_megatron_lm
+
+        try:
+            backend = _backend(resolve_megatron_lm(path)[0])
+        except CheckpointError as exc:
+            return str(exc)
+        if backend != "torch_dist":
+            return (f"{path} holds a Megatron-LM {backend!r} checkpoint; mfsdp reads "
+                    "Megatron-LM's torch_dist")
+        return None  # readable: mfsdp.checkpoint.megatron_lm
     if (path / ".metadata").exists() and not is_megatron_fsdp(path):
         return (f"{path} holds a torch.distributed.checkpoint whose keys are neither mfsdp's nor "
                 "upstream Megatron-FSDP's (model.module.*, optimizer.state.<position>.*)")
