@@ -1,4 +1,4 @@
-"""Megatron-LM's ``torch_dist`` checkpoints (megatron-core ``dist_checkpointing``), read.
+"""Megatron-LM's ``torch_dist`` checkpoints (megatron-core ``dist_checkpointing``), read and written.
 
 What Megatron-LM's ``save_checkpoint`` writes with ``--ckpt-format torch_dist``::
 
