@@ -683,11 +683,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="(--to hf) largest safetensors file, e.g. 5GB or 500MB "
                              "(default: %(default)s)")
     parser.add_argument("--model-preset", metavar="NAME",
-                        help="(--to hf, --from megatron_fsdp or megatron_lm) the model's preset, for "
-                             "checkpoints without model_config.json")
+                        help="(--to hf, --from megatron_fsdp or megatron_lm) the model's "
+                             "preset, for checkpoints without model_config.json")
     parser.add_argument("--model-config", metavar="FILE",
-                        help="(--to hf, --from megatron_fsdp or megatron_lm) the model's GPTConfig as JSON, for "
-                             "checkpoints without model_config.json")
+                        help="(--to hf, --from megatron_fsdp or megatron_lm) the model's "
+                             "GPTConfig as JSON, for checkpoints without model_config.json")
     parser.add_argument("--weights-only", action="store_true",
                         help="(megatron_lm) leave the optimizer state out, e.g. to read the "
                              "weights of a checkpoint whose distributed-optimizer state is in "

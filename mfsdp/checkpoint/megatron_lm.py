@@ -1,4 +1,4 @@
-"""Megatron-LM's ``torch_dist`` checkpoints (megatron-core ``dist_checkpointing``), read and written.
+"""Megatron-LM's ``torch_dist`` checkpoints (megatron-core's ``dist_checkpointing``): read, written.
 
 What Megatron-LM's ``save_checkpoint`` writes with ``--ckpt-format torch_dist``::
 
@@ -356,7 +356,8 @@ def _args(cfg, optimizer: str | None, distributed: bool, iteration: int):
         position_embedding_type=("rope" if cfg.position_embedding_type == "rope"
                                  else "learned_absolute"),
         add_position_embedding=cfg.position_embedding_type != "rope",
-        rotary_base=int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
+        rotary_base=(int(cfg.rotary_base) if float(cfg.rotary_base).is_integer()
+                     else cfg.rotary_base),
         normalization=cfg.normalization, norm_epsilon=cfg.norm_epsilon, swiglu=cfg.swiglu,
         add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
         untie_embeddings_and_output_weights=not cfg.share_embeddings_and_output_weights,
