@@ -254,8 +254,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    "warm-up, decay iterations and style)")
     c.add_argument("--ckpt-format", choices=("fsdp_dtensor", "torch_dist"), default="fsdp_dtensor",
                    help="format of --save (--load reads either; default: %(default)s)")
-    c.add_argument("--dump-param-to-param-group-map", metavar="PATH",
-                   help="write the parameter -> optimizer group JSON map and go on training")
+    c.add_argument("--dump-param-to-param-group-map", metavar="DIR",
+                   help="write the parameter -> optimizer group map (as upstream: a "
+                        "torch.distributed.checkpoint directory, with the JSON that "
+                        "mfsdp convert --param-to-param-group-map-json reads inside; a path "
+                        "ending in .json: that file alone) and go on training")
     o = parser.add_argument_group("logging")
     o.add_argument("--log-interval", type=_positive, default=100,
                    help="print every N iterations and the last (default: %(default)s)")

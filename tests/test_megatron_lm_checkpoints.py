@@ -339,3 +339,24 @@ def test_trainer_resumes_a_megatron_lm_checkpoint(tmp_path):
             assert "--dist-ckpt-optim-fully-reshardable" in out.stderr, out.stderr[-2000:]
             assert "| loss" not in out.stdout
         assert not [p for p in (tmp_path / kind).iterdir() if p.name.startswith(".from-")]
+
+
+def test_megatron_lms_parameter_map_is_read(tmp_path):
+    """The map megatron-core's ``--dump-param-to-param-group-map`` wrote (a DCP of Megatron-LM
+    names), and the JSON upstream's checkpoint inspector makes of it (``model.module.`` names),
+    read under mfsdp's names: the groups the import gives each parameter."""
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+    from mfsdp.checkpoint.state import read_param_to_param_group_map
+
+    out = megatron_lm_to_fsdp(OPTIM / "adam", tmp_path / "m", _config().to_dict())
+    ours = json.loads((out / "param_to_param_group_map.json").read_text())
+    theirs = read_param_to_param_group_map(OPTIM / "param_map")
+    assert theirs == ours
+    assert list(theirs.values()) == sorted(theirs.values())  # the optimizer's order: by group
+    from mfsdp.checkpoint.convert import DCPSource
+
+    source = DCPSource(OPTIM / "param_map")
+    inspector = {"model.module." + k.removeprefix("module."): source.object(k)
+                 for k in source.blob_keys}
+    (tmp_path / "map.json").write_text(json.dumps(inspector))
+    assert read_param_to_param_group_map(tmp_path / "map.json") == ours

@@ -177,13 +177,24 @@ def test_resume_on_another_layout(tmp_path):
 
 
 def test_dump_param_to_param_group_map(tmp_path):
-    path = tmp_path / "map.json"
+    """As upstream's flag: a DCP directory of {name: group} with the JSON inside; a .json path
+    gives the JSON alone; the reader takes either."""
+    from mfsdp.checkpoint.state import read_param_to_param_group_map
+
+    path = tmp_path / "map"
     launch("mfsdp.train:run_in_rank", 2, args=(
         SHORT + ["--train-iters", "1", "--dump-param-to-param-group-map", str(path)],))
-    mapping = json.loads(path.read_text())
+    assert (path / ".metadata").is_file()
+    mapping = json.loads((path / "param_to_param_group_map.json").read_text())
     assert mapping["layers.0.self_attention.linear_qkv.weight"] == 0  # decayed group
     assert mapping["layers.0.self_attention.linear_qkv.bias"] == 1  # no decay
     assert set(mapping.values()) == {0, 1}
+    (path / "param_to_param_group_map.json").unlink()
+    assert read_param_to_param_group_map(path) == mapping  # from the DCP alone
+    launch("mfsdp.train:run_in_rank", 2, args=(
+        SHORT + ["--train-iters", "1", "--dump-param-to-param-group-map",
+                 str(tmp_path / "map.json")],))
+    assert json.loads((tmp_path / "map.json").read_text()) == mapping
 
 
 def test_gpu_only_flags_are_explained_on_cpu(tmp_path):

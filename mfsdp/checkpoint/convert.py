@@ -468,7 +468,9 @@ def torch_dist_to_fsdp(src: str | Path, dst: str | Path,
     groups = blobs.get("optimizer.param_groups")
     map_path = Path(param_map) if param_map else src / MAP_FILE
     if map_path.exists():
-        group_of = json.loads(map_path.read_text())
+        from mfsdp.checkpoint.state import read_param_to_param_group_map
+
+        group_of = read_param_to_param_group_map(map_path)
     elif groups is None or len(groups) <= 1:
         group_of = {k[len("model."):]: 0 for k in tensors if k.startswith("model.")}
     else:
@@ -668,10 +670,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("input", metavar="INPUT", help="checkpoint directory (or its root with a 'latest' file)")
     parser.add_argument("output", metavar="OUTPUT", help="new directory to write")
     parser.add_argument("--param-to-param-group-map", "--param-to-param-group-map-json",
-                        dest="param_to_param_group_map", metavar="FILE",
-                        help="JSON map parameter name -> optimizer group, in the optimizer's "
-                             "order (torch_dist and megatron_fsdp input; upstream's flag name "
-                             "--param-to-param-group-map-json works too)")
+                        dest="param_to_param_group_map", metavar="PATH",
+                        help="map parameter name -> optimizer group, in the optimizer's order "
+                             "(torch_dist and megatron_fsdp input): mfsdp's or upstream's JSON, "
+                             "or the directory --dump-param-to-param-group-map writes; upstream's "
+                             "flag name --param-to-param-group-map-json works too")
     parser.add_argument("--swiglu", action="store_true",
                         help="split (to safetensors) or join (from safetensors) fused gate/up "
                              "projection weights named *.fc1.*")
@@ -744,7 +747,9 @@ def run(args: argparse.Namespace) -> int:
     if pair == ("megatron_fsdp", "fsdp_dtensor"):
         from mfsdp.checkpoint.upstream import megatron_fsdp_to_fsdp
 
-        group_of = (json.loads(Path(args.param_to_param_group_map).read_text())
+        from mfsdp.checkpoint.state import read_param_to_param_group_map
+
+        group_of = (read_param_to_param_group_map(args.param_to_param_group_map)
                     if args.param_to_param_group_map else None)
         model_names = None
         if model_config is not None:

@@ -46,7 +46,7 @@ import torch
 from mfsdp.checkpoint.io import CheckpointError
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "load_megatron_lm",
-           "megatron_lm_to_fsdp", "read_common_state", "resolve_megatron_lm"]
+           "megatron_lm_to_fsdp", "mfsdp_name", "read_common_state", "resolve_megatron_lm"]
 
 FORMAT = "megatron_lm_torch_dist"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -187,6 +187,34 @@ def _mfsdp_groups(groups: list[dict], where: Path) -> list[dict]:
             h["weight_decay"] = wd
         out.append(h)
     return out
+
+
+def mfsdp_name(name: str) -> str:
+    """mfsdp's name for a parameter named as Megatron-LM names it in a model or a parameter map
+    (per layer, wrapper prefixes dropped, fused norm names unfused); other names unchanged.
+
+    >>> mfsdp_name("model.module.decoder.layers.3.self_attention.linear_qkv.layer_norm_weight")
+    'layers.3.input_layernorm.weight'
+    >>> mfsdp_name("module.module.embedding.word_embeddings.weight")
+    'embedding.weight'
+    """
+    for prefix in ("model.module.", "module.module.", "module."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    if name == "embedding.word_embeddings.weight":
+        return "embedding.weight"
+    if name == "embedding.position_embeddings.weight":
+        return "position_embedding.weight"
+    if name.startswith("decoder.final_layernorm."):
+        return name[len("decoder."):]
+    if name.startswith("decoder.layers."):
+        name = name[len("decoder."):]
+        for ours, fused in _FUSED_NORMS.items():
+            for field in ("weight", "bias"):
+                if name.endswith(f".{fused}_{field}"):
+                    return name[:-len(f"{fused}_{field}")] + f"{ours}.{field}"
+    return name
 
 
 def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,

@@ -23,7 +23,7 @@ from mfsdp.checkpoint.uneven import uneven_dtensor
 
 __all__ = ["param_entries", "model_state", "optimizer_state", "param_groups_state",
            "param_to_param_group_map", "global_param_to_param_group_map",
-           "dump_param_to_param_group_map"]
+           "dump_param_to_param_group_map", "read_param_to_param_group_map"]
 
 
 def _mesh(model) -> DeviceMesh:
@@ -120,11 +120,67 @@ def global_param_to_param_group_map(model, optimizer) -> dict[str, int]:
 
 
 def dump_param_to_param_group_map(model, optimizer, path) -> None:
-    """Write :func:`global_param_to_param_group_map` as JSON to ``path`` (rank 0 writes; every
-    rank calls it)."""
+    """Write :func:`global_param_to_param_group_map` to ``path`` (rank 0 writes; every rank calls
+    it). As upstream's ``--dump-param-to-param-group-map`` does, ``path`` becomes a
+    ``torch.distributed.checkpoint`` directory of ``{parameter name: group}``; the JSON that
+    upstream's ``checkpoint_inspector.py print-torch-dcp-in-json`` makes of it,
+    ``param_to_param_group_map.json``, is written inside. A ``path`` ending in ``.json`` is that
+    JSON file alone."""
+    import json
+    import warnings
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+
+    mapping = global_param_to_param_group_map(model, optimizer)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    path = Path(path)
+    if path.suffix == ".json":
+        path.write_text(json.dumps(mapping, indent=1))
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(dict(mapping), checkpoint_id=str(path), no_dist=True)
+    (path / "param_to_param_group_map.json").write_text(json.dumps(mapping, indent=1))
+
+
+def read_param_to_param_group_map(path) -> dict[str, int]:
+    """A parameter-to-group map, in the optimizer's order, under mfsdp's parameter names, from
+    any of: mfsdp's JSON, the directory upstream's ``--dump-param-to-param-group-map`` writes (a
+    DCP of ``{name: group}``), or the JSON upstream's ``checkpoint_inspector.py
+    print-torch-dcp-in-json`` makes of it (``model.module.decoder.layers.0...``). Megatron-LM's
+    names become mfsdp's (:func:`mfsdp.checkpoint.megatron_lm.mfsdp_name`)."""
     import json
     from pathlib import Path
 
-    mapping = global_param_to_param_group_map(model, optimizer)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        Path(path).write_text(json.dumps(mapping, indent=1))
+    from mfsdp.checkpoint.megatron_lm import mfsdp_name
+
+    path = Path(path)
+    if path.is_dir():
+        if (path / ".metadata").is_file():
+            from mfsdp.checkpoint.convert import DCPSource
+
+            source = DCPSource(path)
+            raw = {k: int(source.object(k)) for k in source.blob_keys}
+            raw.update({k: int(source.get(k)) for k in source.tensors})
+            # DCP does not keep insertion order: the optimizer's order is by group, then by
+            # the order the writer listed them, which the JSON beside it keeps where present
+            if (path / "param_to_param_group_map.json").is_file():
+                listed = json.loads((path / "param_to_param_group_map.json").read_text())
+                if set(listed) == set(raw):
+                    raw = listed
+        elif (path / "param_to_param_group_map.json").is_file():
+            raw = json.loads((path / "param_to_param_group_map.json").read_text())
+        else:
+            raise FileNotFoundError(f"{path} holds neither a torch.distributed.checkpoint of the "
+                                    "map nor param_to_param_group_map.json")
+    else:
+        raw = json.loads(path.read_text())
+    out: dict[str, int] = {}
+    for name, group in raw.items():
+        ours = mfsdp_name(name)
+        if ours in out:
+            raise ValueError(f"{path}: {name!r} and another entry both name {ours!r}")
+        out[ours] = int(group)
+    return out
