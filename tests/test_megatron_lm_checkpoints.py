@@ -360,3 +360,60 @@ def test_megatron_lms_parameter_map_is_read(tmp_path):
                  for k in source.blob_keys}
     (tmp_path / "map.json").write_text(json.dumps(inspector))
     assert read_param_to_param_group_map(tmp_path / "map.json") == ours
+
+
+# --- a DeepSeek-V3-style MoE model (dense first layer, sigmoid router with expert bias and
+# group-limited routing, a shared expert): megatron-core writes its layers one key per layer,
+# experts stacked by expert
+MOE = torch.load(FIXTURE / "expected_moe.pt")
+
+
+def _moe_config():
+    from mfsdp.models.gpt import with_overrides
+
+    c = MOE["config"]
+    return with_overrides(_config(), ffn_hidden_size=c["ffn_hidden_size"],
+                          num_experts=c["num_experts"], moe_first_dense_layers=1,
+                          moe_ffn_hidden_size=c["moe_ffn_hidden_size"],
+                          moe_router_topk=c["moe_router_topk"], moe_router_score_function="sigmoid",
+                          moe_router_enable_expert_bias=True,
+                          moe_router_num_groups=c["moe_router_num_groups"],
+                          moe_router_group_topk=c["moe_router_group_topk"],
+                          moe_router_topk_scaling_factor=c["moe_router_topk_scaling_factor"],
+                          moe_shared_expert_intermediate_size=c[
+                              "moe_shared_expert_intermediate_size"])
+
+
+def test_moe_checkpoint_imports_with_megatron_cores_logits(tmp_path):
+    """Every weight, expert (one slice of the stacked tensor each), shared expert, router weight
+    and expert bias equals megatron-core's, and the model gives its logits."""
+    from mfsdp.checkpoint.convert import read_full
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+    from mfsdp.models.gpt import GPT
+
+    out = megatron_lm_to_fsdp(FIXTURE / "moe" / "ckpt", tmp_path / "imported",
+                              _moe_config().to_dict())
+    tensors, blobs, _ = read_full(out)
+    assert blobs["extra"]["iteration"] == MOE["iteration"]
+    model = GPT(_moe_config())
+    model.load_state_dict({k[len("model."):]: v for k, v in tensors.items()})
+    ours = model.state_dict()
+    assert len(ours) == len(MOE["state_dict"])
+    for key, want in MOE["state_dict"].items():
+        name = _mcore_name_back(key)
+        assert torch.equal(ours[name], want), key
+    assert ours["layers.1.mlp.router.expert_bias"].abs().sum() > 0  # the bias came along
+    model.eval()
+    tokens = MOE["tokens"]
+    B, S = tokens.shape
+    with torch.no_grad():
+        logits = model(tokens.reshape(-1), torch.arange(0, B * S + 1, S)).view(B, S, -1)
+    rel = ((logits - MOE["logits"]).norm() / MOE["logits"].norm()).item()
+    assert rel < 1e-5, rel
+
+
+def _mcore_name_back(key: str) -> str:
+    """megatron-core's module name -> mfsdp's (the state_dict names, not the on-disk keys)."""
+    return (key.replace("embedding.word_embeddings.", "embedding.")
+            .replace("decoder.layers.", "layers.").replace("decoder.final", "final")
+            .replace("mlp.shared_experts.", "mlp.shared_expert."))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import types
 from pathlib import Path
 
@@ -110,28 +111,42 @@ def _backend(directory: Path) -> str:
                           "(metadata.json and .metadata)") from None
 
 
-def _source_key(name: str, keys) -> tuple[str, int | None]:
-    """The Megatron-LM key holding mfsdp parameter ``name`` and the layer index into it."""
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def _source_key(name: str, keys) -> tuple[str, tuple[int, ...]]:
+    """The Megatron-LM key holding mfsdp parameter ``name`` and the index into it: ``(layer,)``
+    where megatron-core stacked the layers (every layer alike), ``()`` where it wrote one key per
+    layer (dense and MoE layers mixed), and the expert's index after it where experts are stacked
+    (``mlp.experts.experts.linear_fc1.weight`` of shape ``[experts, ...]``)."""
     if name == "embedding.weight":
-        return "embedding.word_embeddings.weight", None
+        return "embedding.word_embeddings.weight", ()
     if name == "position_embedding.weight":
-        return "embedding.position_embeddings.weight", None
+        return "embedding.position_embeddings.weight", ()
     if name.startswith("final_layernorm."):
-        return "decoder." + name, None
+        return "decoder." + name, ()
     if name == "output_layer.weight":
-        return name, None
+        return name, ()
     if name.startswith("layers."):
         _, i, rest = name.split(".", 2)
         module, _, field = rest.rpartition(".")
-        candidates = [f"decoder.layers.{rest}"]
-        if module in _FUSED_NORMS:
-            fused = _FUSED_NORMS[module] + "_" + field  # layer_norm_weight / layer_norm_bias
-            candidates.insert(0, f"decoder.layers.{fused}")
-        for key in candidates:
+        expert: tuple[int, ...] = ()
+        m = _EXPERT.match(rest)
+        if m:
+            rest, expert = f"mlp.experts.experts.{m.group(2)}", (int(m.group(1)),)
+        rest = rest.replace("mlp.shared_expert.", "mlp.shared_experts.", 1)
+        names = [rest]
+        if module in _FUSED_NORMS:  # layer_norm_weight / layer_norm_bias first
+            names.insert(0, _FUSED_NORMS[module] + "_" + field)
+        candidates = []
+        for r in names:
+            candidates += [(f"decoder.layers.{r}", (int(i), *expert)),
+                           (f"decoder.layers.{i}.{r}", expert)]
+        for key, index in candidates:
             if key in keys:
-                return key, int(i)
-        return candidates[-1], int(i)
-    return name, None
+                return key, index
+        return candidates[-1]
+    return name, ()
 
 
 def read_common_state(directory: str | Path) -> dict:
@@ -252,21 +267,21 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
     ref = model.state_dict()
     source = DCPSource(directory)
     keys = set(source.tensors)
-    plan: dict[str, tuple[str, int | None]] = {}
+    plan: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, t in ref.items():
-        key, layer = _source_key(name, keys)
+        key, index = _source_key(name, keys)
         if key not in keys:
             raise CheckpointError(f"{directory} has no tensor {key!r} (for {name}); is "
                                   "the model config the one it was trained with?")
         shape = source.tensors[key][0]
-        got = tuple(shape[1:]) if layer is not None else tuple(shape)
-        if layer is not None and layer >= shape[0]:
-            raise CheckpointError(f"{key} stacks {shape[0]} layers; the model config has "
-                                  f"{cfg.num_layers}")
+        got = tuple(shape[len(index):])
+        for i, n, what in zip(index, shape, ("layers", "experts")):
+            if i >= n:
+                raise CheckpointError(f"{key} stacks {n} {what}; the model config has more")
         if got != tuple(t.shape):
             raise CheckpointError(f"{key} gives {name} the shape {got}; the model config implies "
                                   f"{tuple(t.shape)}")
-        plan[name] = (key, layer)
+        plan[name] = (key, index)
     used = {k for k, _ in plan.values()}
     unused = sorted(k for k in keys - used if not k.endswith("_extra_state")
                     and not k.startswith(("optimizer.", "rng_state", "common_state")))
@@ -279,7 +294,7 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
     state_keys = [k for k in keys if k.startswith("optimizer.state.")]
     bucket_keys = [k for k in keys if k.startswith("optimizer.distributed.")]
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    origin: dict[str, tuple[str, int | None]] = {}
+    origin: dict[str, tuple[str, tuple[int, ...]]] = {}
     blobs: dict[str, object] = {}
     files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
     fields: dict[str, set[str]] = {}  # optimizer field -> the model keys it has state for
@@ -287,12 +302,13 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
         field, _, model_key = key[len("optimizer.state."):].partition(".")
         fields.setdefault(field, set()).add(model_key)
     main_field = next((f for f in _MAIN_FIELDS if f in fields), None)
-    for name, (key, layer) in plan.items():
+    params = {n for n, _ in model.named_parameters()}  # the rest are buffers (expert bias)
+    for name, (key, index) in plan.items():
         src_key = f"optimizer.state.{main_field}.{key}" if main_field else key
         if main_field and key not in fields[main_field]:
             src_key = key
         specs[f"model.{name}"] = (tuple(ref[name].shape), torch.float32)
-        origin[f"model.{name}"] = (src_key, layer)
+        origin[f"model.{name}"] = (src_key, index)
     extra: dict[str, object] = {"iteration": iteration, "data_position": iteration,
                                 "source": FORMAT}
     if common.get("opt_param_scheduler"):
@@ -315,18 +331,19 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
         for field, have in sorted(fields.items()):
             if field in _MAIN_FIELDS:
                 continue
-            missing = sorted(used - have)
+            missing = sorted({plan[n][0] for n in params} - have)
             if missing:
                 raise CheckpointError(f"{directory} has optimizer state {field!r} for some "
                                       f"weights but not for {missing[0]!r}")
-            for name, (key, layer) in plan.items():
+            for name in params:
+                key, index = plan[name]
                 out = f"optimizer.state.{name}.{field}"
                 specs[out] = (tuple(ref[name].shape), torch.float32)
-                origin[out] = (f"optimizer.state.{field}.{key}", layer)
+                origin[out] = (f"optimizer.state.{field}.{key}", index)
         if step is not None and "exp_avg" in fields:  # torch.optim.Adam keeps it per parameter
-            for name in plan:
+            for name in params:
                 specs[f"optimizer.state.{name}.step"] = ((), torch.float32)
-                origin[f"optimizer.state.{name}.step"] = ("", None)
+                origin[f"optimizer.state.{name}.step"] = ("", ())
         blobs["optimizer.param_groups"] = mine
         group_of = {n: 0 for n, p in model.named_parameters() if _decays(n, p)}
         group_of.update({n: 1 for n, p in model.named_parameters() if not _decays(n, p)})
@@ -335,18 +352,18 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
     stacked: dict[str, torch.Tensor] = {}
 
     def produce(key: str) -> torch.Tensor:
-        source_key, layer = origin[key]
+        source_key, index = origin[key]
         if not source_key:
             return torch.tensor(step, dtype=torch.float32)
-        if layer is None:
+        if not index:
             return source.get(source_key).float()
         if source_key not in stacked:  # one stacked tensor held at a time
             stacked.clear()
             stacked[source_key] = source.get(source_key)
-        return stacked[source_key][layer].float().clone()
+        return stacked[source_key][index].float().clone()
 
     # keep each stacked tensor's layers together, so it is read once
-    order = sorted(specs, key=lambda k: (origin[k][0], origin[k][1] or 0))
+    order = sorted(specs, key=lambda k: origin[k])
     specs = {k: specs[k] for k in order}
     return write_streaming(dst, specs, produce, blobs, "fsdp_dtensor",
                            {"source": FORMAT, "backend": backend}, files)
@@ -358,15 +375,16 @@ def _decays(name: str, param) -> bool:
 
 
 def _target_key(name: str) -> tuple[str, int | None]:
-    """The Megatron-LM key (and layer) megatron-core writes for mfsdp parameter ``name``: norms
-    under Transformer Engine's fused names, as megatron-core writes them for every layer spec."""
+    """The Megatron-LM key (and layer) megatron-core writes for mfsdp parameter ``name`` of a
+    dense model (layers stacked): norms under Transformer Engine's fused names, as megatron-core
+    writes them for every layer spec."""
     if name.startswith("layers."):
         _, i, rest = name.split(".", 2)
         module, _, field = rest.rpartition(".")
         if module in _FUSED_NORMS:
             return f"decoder.layers.{_FUSED_NORMS[module]}_{field}", int(i)
         return f"decoder.layers.{rest}", int(i)
-    return _source_key(name, ())
+    return _source_key(name, ())[0], None
 
 
 def _args(cfg, optimizer: str | None, distributed: bool, iteration: int):
