@@ -417,3 +417,23 @@ def _mcore_name_back(key: str) -> str:
     return (key.replace("embedding.word_embeddings.", "embedding.")
             .replace("decoder.layers.", "layers.").replace("decoder.final", "final")
             .replace("mlp.shared_experts.", "mlp.shared_expert."))
+
+
+def test_moe_export_of_an_import_is_the_checkpoint_megatron_core_wrote(tmp_path):
+    """The MoE layout written back: per-layer keys, experts stacked, extra state per expert, the
+    expert bias; every tensor bit for bit. With optimizer state it is refused (Megatron-LM keeps
+    experts in an optimizer of their own)."""
+    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
+
+    mid = megatron_lm_to_fsdp(FIXTURE / "moe" / "ckpt", tmp_path / "mfsdp",
+                              _moe_config().to_dict())
+    out = fsdp_to_megatron_lm(mid, tmp_path / "megatron")
+    want = _dcp_entries(FIXTURE / "moe" / "ckpt" / "iter_0000003")
+    got = _dcp_entries(out / "iter_0000003")
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if torch.is_tensor(value):
+            assert torch.equal(got[key], value), key
+        elif key != "common_state/shard_0_1":
+            assert got[key] == value, key
+    assert got["common_state/shard_0_1"][0]["iteration"] == 3

@@ -374,17 +374,24 @@ def _decays(name: str, param) -> bool:
     return param.dim() >= 2 and not name.endswith(".bias")
 
 
-def _target_key(name: str) -> tuple[str, int | None]:
-    """The Megatron-LM key (and layer) megatron-core writes for mfsdp parameter ``name`` of a
-    dense model (layers stacked): norms under Transformer Engine's fused names, as megatron-core
-    writes them for every layer spec."""
-    if name.startswith("layers."):
-        _, i, rest = name.split(".", 2)
-        module, _, field = rest.rpartition(".")
-        if module in _FUSED_NORMS:
-            return f"decoder.layers.{_FUSED_NORMS[module]}_{field}", int(i)
+def _target_key(name: str, per_layer: bool = False) -> tuple[str, int | None]:
+    """The Megatron-LM key megatron-core writes for mfsdp parameter ``name``, and the index
+    into it where it stacks: a dense model's layers stacked (``per_layer`` False); otherwise, as
+    megatron-core writes a model with MoE layers, one key per layer with the experts stacked.
+    Norms carry Transformer Engine's fused names, as megatron-core writes them for every spec."""
+    if not name.startswith("layers."):
+        return _source_key(name, ())[0], None
+    _, i, rest = name.split(".", 2)
+    module, _, field = rest.rpartition(".")
+    if module in _FUSED_NORMS:
+        rest = f"{_FUSED_NORMS[module]}_{field}"
+    rest = rest.replace("mlp.shared_expert.", "mlp.shared_experts.", 1)
+    if not per_layer:
         return f"decoder.layers.{rest}", int(i)
-    return _source_key(name, ())[0], None
+    m = _EXPERT.match(rest)
+    if m:
+        return f"decoder.layers.{i}.mlp.experts.experts.{m.group(2)}", int(m.group(1))
+    return f"decoder.layers.{i}.{rest}", None
 
 
 def _args(cfg, optimizer: str | None, distributed: bool, iteration: int):
@@ -453,28 +460,34 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
                                   "--model-preset or --model-config")
         model_config = json.loads((src / MODEL_CONFIG_FILE).read_text())
     cfg = GPTConfig.from_dict(model_config)
-    if cfg.num_experts or cfg.multi_latent_attention:
-        raise CheckpointError("writing Megatron-LM's layout is implemented for dense models "
-                              "(attention with linear_qkv); this config has "
-                              + ("experts" if cfg.num_experts else "multi-latent attention"))
+    if cfg.multi_latent_attention:
+        raise CheckpointError("writing Megatron-LM's layout is implemented for attention with "
+                              "linear_qkv; this config has multi-latent attention")
     with torch.device("meta"):
         model = GPT(cfg)
     ref = model.state_dict()
+    params = {n for n, _ in model.named_parameters()}
     source = DCPSource(src)
     extra = source.blob("extra") if "extra" in source.blob_keys else {}
     iteration = int(extra.get("iteration", 0))
-    stacks: dict[str, list[str]] = {}
+    per_layer = bool(cfg.num_experts)  # as Megatron-LM builds MoE models (one spec per layer)
+    indexed: dict[str, dict[int, str]] = {}
     whole: dict[str, str] = {}
     for name in ref:
         if f"model.{name}" not in source.tensors:
             raise CheckpointError(f"{src} has no weight {name!r} of the model config")
-        key, layer = _target_key(name)
-        if layer is None:
+        key, index = _target_key(name, per_layer)
+        if index is None:
             whole[key] = name
         else:
-            stacks.setdefault(key, [None] * cfg.num_layers)[layer] = name
+            indexed.setdefault(key, {})[index] = name
+    stacks = {k: [v[i] for i in range(len(v))] for k, v in indexed.items()}
     groups = (source.blob("optimizer.param_groups")
               if "optimizer.param_groups" in source.blob_keys and not weights_only else None)
+    if groups is not None and cfg.num_experts:
+        raise CheckpointError("Megatron-LM keeps expert parameters in an optimizer of their own "
+                              "(expert-parallel groups), which mfsdp does not write yet: export "
+                              "this MoE checkpoint with --weights-only")
     fields: list[str] = []
     if groups is not None:
         first = next(iter(ref))
@@ -490,6 +503,8 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     origin: dict[str, tuple[str | None, list[str] | str]] = {}
     for key, names in {**stacks, **whole}.items():
         origin[key] = (None, names)
+        if (names if isinstance(names, str) else names[0]) not in params:
+            continue  # a buffer (the router's expert bias): no optimizer state
         if distributed:
             origin[f"optimizer.state.param.{key}"] = (None, names)
         for field in fields:
@@ -508,11 +523,12 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
 
     state: dict[str, object] = {k: torch.empty(s, dtype=torch.float32, device="meta")
                                 for k, s in shapes.items()}
-    for key, names in stacks.items():  # what megatron-core saves for each linear's extra state
+    for key, names in {**stacks, **whole}.items():  # each linear's (empty) extra state
         module = key.rpartition(".")[0]
         if key.endswith(".weight") and module.rpartition(".")[2].startswith("linear_"):
-            for i in range(cfg.num_layers):
-                state[f"{module}._extra_state/shard_{i}_{cfg.num_layers}"] = [None]
+            n = 1 if isinstance(names, str) else len(names)
+            for i in range(n):
+                state[f"{module}._extra_state/shard_{i}_{n}"] = [None]
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     common: dict[str, object] = {"checkpoint_version": 3.0, "iteration": iteration,
                                  "num_floating_point_operations_so_far": 0}
