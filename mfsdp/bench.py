@@ -132,6 +132,50 @@ def _peak_rss_of(argv: list[str]) -> int:
     return int(out.stdout.split("PEAK")[-1])
 
 
+def megatron_lm_conversion_memory(workdir, layers: int = 16, hidden: int = 1024,
+                                  vocab: int = 2048) -> dict:
+    """Peak memory of ``mfsdp convert --to megatron_lm`` and ``--from megatron_lm`` on a Llama
+    checkpoint of many thin layers (about 0.7 GiB fp32 at the defaults), each in a fresh process,
+    above a process that only imports mfsdp (bytes). Megatron-LM stacks each weight over the
+    layers, so its largest tensor on disk is ``layers`` times the largest weight: the figures
+    show whether a conversion holds a layer or the stack.
+
+    The mfsdp checkpoint is written tensor by tensor (random values)."""
+    import json
+    from pathlib import Path
+
+    from mfsdp.checkpoint.convert import MODEL_CONFIG_FILE, write_streaming
+    from mfsdp.models.gpt import GPT, GPTConfig
+
+    work = Path(workdir)
+    cfg = GPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=hidden * 11 // 4,
+                    num_layers=layers, num_attention_heads=16, num_query_groups=4,
+                    normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                    add_bias_linear=False)
+    with torch.device("meta"):
+        specs = {f"model.{k}": (tuple(v.shape), torch.float32)
+                 for k, v in GPT(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    write_streaming(work / "mfsdp", specs, lambda k: torch.randn(specs[k][0], generator=g) * 0.02,
+                    {"extra": {"iteration": 5}}, "fsdp_dtensor", {},
+                    {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict())})
+    sizes = {k: math.prod(s) * 4 for k, (s, _) in specs.items()}
+    layer_keys = [k for k in sizes if k.startswith("model.layers.")]
+    largest_stack = max(sum(sizes[k] for k in layer_keys if k.split(".", 3)[3] == suffix)
+                        for suffix in {k.split(".", 3)[3] for k in layer_keys})
+    base = _peak_rss_of([])
+    cli = ["mfsdp.cli", "convert", "--no-progress"]
+    export = _peak_rss_of(cli + ["--from", "fsdp_dtensor", "--to", "megatron_lm",
+                                 str(work / "mfsdp"), str(work / "megatron")])
+    (work / "cfg.json").write_text(json.dumps(cfg.to_dict()))
+    import_ = _peak_rss_of(cli + ["--from", "megatron_lm", "--to", "fsdp_dtensor",
+                                  str(work / "megatron"), str(work / "back"),
+                                  "--model-config", str(work / "cfg.json")])
+    return {"checkpoint_bytes": sum(sizes.values()), "largest_tensor_bytes": max(sizes.values()),
+            "largest_stacked_bytes": largest_stack, "export_peak_bytes": export - base,
+            "import_peak_bytes": import_ - base, "baseline_bytes": base}
+
+
 def conversion_memory(workdir, layers: int = 4, hidden: int = 2048, vocab: int = 32000) -> dict:
     """Peak memory of ``mfsdp convert --from hf`` and ``--to hf`` on a Llama checkpoint of about
     1.2 GiB (fp32; larger with more ``layers``), each in a fresh process.

@@ -437,3 +437,42 @@ def test_moe_export_of_an_import_is_the_checkpoint_megatron_core_wrote(tmp_path)
         elif key != "common_state/shard_0_1":
             assert got[key] == value, key
     assert got["common_state/shard_0_1"][0]["iteration"] == 3
+
+
+def test_stacked_tensors_are_read_and_written_one_layer_at_a_time(tmp_path):
+    """Reading one layer (or expert) of a stacked tensor equals slicing the whole tensor and
+    touches only that layer's chunks; the export writes one chunk per layer and per expert, as
+    megatron-core does (what keeps a conversion's memory at one weight: measured by
+    ``mfsdp.bench.megatron_lm_conversion_memory``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import mfsdp.checkpoint.convert as convert
+    from mfsdp.checkpoint.convert import DCPSource
+    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
+
+    source = DCPSource(OPTIM / "adam" / "iter_0000002")
+    key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
+    whole = source.get(key)
+    loads = []
+    real_load = convert.torch.load
+
+    def counting_load(*args, **kwargs):
+        out = real_load(*args, **kwargs)
+        loads.append(out.numel())
+        return out
+
+    convert.torch.load = counting_load
+    try:
+        layer = source.get(key, (1,))
+    finally:
+        convert.torch.load = real_load
+    assert torch.equal(layer, whole[1])
+    assert sum(loads) == whole[1].numel()  # only layer 1's chunks were read
+    moe = DCPSource(FIXTURE / "moe" / "ckpt" / "iter_0000003")
+    experts = "decoder.layers.1.mlp.experts.experts.linear_fc2.weight"
+    assert torch.equal(moe.get(experts, (2,)), moe.get(experts)[2])
+    mid = megatron_lm_to_fsdp(FIXTURE / "moe" / "ckpt", tmp_path / "m", _moe_config().to_dict())
+    out = fsdp_to_megatron_lm(mid, tmp_path / "x") / "iter_0000003"
+    chunks = FileSystemReader(str(out)).read_metadata().state_dict_metadata[experts].chunks
+    assert [tuple(c.offsets)[0] for c in chunks] == [0, 1, 2, 3]
+    assert all(tuple(c.sizes) == (1, 64, 32) for c in chunks)

@@ -36,6 +36,7 @@ Checkpoints written by ``mfsdp train`` and by ``--from hf`` also hold ``model_co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import math
@@ -109,16 +110,50 @@ def write_full(path: str | Path, tensors: dict[str, torch.Tensor], blobs: dict[s
 
 
 class _LazyPlanner(DefaultSavePlanner):
-    """A save planner whose tensors are produced one at a time, when the writer asks for them."""
+    """A save planner whose tensors are produced one at a time, when the writer asks for them.
 
-    def __init__(self, produce, flatten_state_dict: bool = True):
+    ``split``: keys written as one chunk per index of their first dimension (as megatron-core
+    writes a tensor stacked over layers or experts), each made by ``produce(key, i)``: the writer
+    then holds one slice, not the stacked tensor."""
+
+    def __init__(self, produce, flatten_state_dict: bool = True,
+                 split: set[str] | frozenset = frozenset()):
         super().__init__(flatten_state_dict=flatten_state_dict)
         self._produce = produce
+        self._split = set(split)
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem
+
+        plan = super().create_local_plan()
+        if not self._split:
+            return plan
+        items = []
+        for item in plan.items:
+            if item.index.fqn not in self._split or item.tensor_data is None:
+                items.append(item)
+                continue
+            size = item.tensor_data.size
+            for i in range(size[0]):
+                offsets = torch.Size([i] + [0] * (len(size) - 1))
+                items.append(WriteItem(
+                    index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets,
+                                                   sizes=torch.Size([1, *size[1:]])),
+                        properties=item.tensor_data.properties, size=size)))
+        plan = dataclasses.replace(plan, items=items)
+        self.plan = plan
+        return plan
 
     def resolve_data(self, write_item):
         if write_item.type == WriteItemType.BYTE_IO:
             return super().resolve_data(write_item)
-        return self._produce(write_item.index.fqn)
+        fqn = write_item.index.fqn
+        if fqn in self._split:
+            return self._produce(fqn, write_item.index.offset[0]).unsqueeze(0)
+        return self._produce(fqn)
 
 
 def write_streaming(path: str | Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
@@ -205,29 +240,39 @@ class DCPSource:
         self.blob_keys = [k for k, md in meta.state_dict_metadata.items()
                           if isinstance(md, BytesStorageMetadata)]
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, index: tuple[int, ...] = ()) -> torch.Tensor:
         """The full tensor ``key``, read chunk by chunk (a tensor saved whole is returned as read,
-        without a second copy)."""
+        without a second copy); with ``index``, only ``tensor[index]`` (leading dimensions), read
+        from the chunks that hold it: one layer of a tensor megatron-core stacked per layer
+        costs the memory of that layer."""
         shape, dtype = self.tensors[key]
         md = self._reader.read_metadata()
         chunks = md.state_dict_metadata[key].chunks
         storage = md.storage_data or {}
         infos = [storage.get(MetadataIndex(key, c.offsets)) for c in chunks]
         if any(i is None or getattr(i, "transform_descriptors", None) for i in infos):
-            return self._get_dcp(key)  # compressed or unusual storage: let DCP read it
+            full = self._get_dcp(key)  # compressed or unusual storage: let DCP read it
+            return full[index].clone() if index else full
+        k = len(index)
+        want = tuple(shape[k:])
         out = None
         for chunk, info in zip(chunks, infos):
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if any(not o <= i < o + n for i, o, n in zip(index, offsets, sizes)):
+                continue  # holds none of tensor[index]
             with open(self.path / info.relative_path, "rb") as f:
                 part = torch.load(_Window(f, info.offset, info.length), map_location="cpu",
-                                  weights_only=True)
-            if tuple(chunk.sizes) == tuple(shape):
-                return part.reshape(shape)
+                                  weights_only=True).reshape(sizes)
+            loaded = part.numel()
+            part = part[tuple(i - o for i, o in zip(index, offsets))]
+            if tuple(sizes[k:]) == want:  # a view of a chunk wider than the slice is copied
+                return part.clone() if part.numel() < loaded else part
             if out is None:
-                out = torch.empty(shape, dtype=dtype)
-            index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
-            out[index].copy_(part.reshape(chunk.sizes))
+                out = torch.empty(want, dtype=dtype)
+            where = tuple(slice(o, o + n) for o, n in zip(offsets[k:], sizes[k:]))
+            out[where].copy_(part)
             del part
-        return out if out is not None else torch.empty(shape, dtype=dtype)
+        return out if out is not None else torch.empty(want, dtype=dtype)
 
     def _get_dcp(self, key: str) -> torch.Tensor:
         shape, dtype = self.tensors[key]
@@ -732,14 +777,15 @@ def run(args: argparse.Namespace) -> int:
                              "name its model with --model-preset or --model-config (Megatron-LM "
                              "keeps its arguments pickled, not as a config mfsdp can read)")
         out = megatron_lm_to_fsdp(args.input, args.output, model_config,
-                                  weights_only=args.weights_only)
+                                  weights_only=args.weights_only, progress=not args.no_progress)
         print(f"wrote fsdp_dtensor checkpoint {out} from the Megatron-LM torch_dist checkpoint "
               f"{args.input}")
         return 0
     if pair == ("fsdp_dtensor", "megatron_lm"):
         from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm
 
-        out = fsdp_to_megatron_lm(src, args.output, model_config, weights_only=args.weights_only)
+        out = fsdp_to_megatron_lm(src, args.output, model_config, weights_only=args.weights_only,
+                                  progress=not args.no_progress)
         print(f"wrote Megatron-LM torch_dist checkpoint {out} (load it with --ckpt-format "
               "torch_dist" + ("" if args.weights_only else
                               "; Adam state: --use-distributed-optimizer") + ")")

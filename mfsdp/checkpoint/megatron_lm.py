@@ -233,9 +233,10 @@ def mfsdp_name(name: str) -> str:
 
 
 def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
-                        weights_only: bool = False) -> Path:
-    """A Megatron-LM ``torch_dist`` checkpoint -> mfsdp ``fsdp_dtensor`` (streamed: one stacked
-    tensor is in memory at a time).
+                        weights_only: bool = False, progress: bool = True) -> Path:
+    """A Megatron-LM ``torch_dist`` checkpoint -> mfsdp ``fsdp_dtensor``, streamed: one weight
+    (one layer's slice of a stacked tensor, read from its own chunks) is in memory at a time;
+    ``progress`` reports on stderr.
 
     ``model_config`` is the :class:`~mfsdp.models.gpt.GPTConfig` the checkpoint was trained with
     (Megatron-LM keeps its arguments in a pickled ``argparse.Namespace``; name the model with
@@ -249,7 +250,8 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
     fp32 main weights where it has them (``optimizer.state.param``). ``weights_only`` leaves the
     optimizer out (and reads a ``dp_reshardable`` checkpoint's weights).
     """
-    from mfsdp.checkpoint.convert import MAP_FILE, MODEL_CONFIG_FILE, DCPSource, write_streaming
+    from mfsdp.checkpoint.convert import (MAP_FILE, MODEL_CONFIG_FILE, DCPSource, _nbytes,
+                                          _Progress, write_streaming)
     from mfsdp.models.gpt import GPT, GPTConfig
 
     found = resolve_megatron_lm(src)
@@ -349,21 +351,19 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
         group_of.update({n: 1 for n, p in model.named_parameters() if not _decays(n, p)})
         files[MAP_FILE] = json.dumps(group_of, indent=1)
     blobs["extra"] = extra
-    stacked: dict[str, torch.Tensor] = {}
+    report = _Progress(f"reading {directory.name}", sum(_nbytes(*v) for v in specs.values()),
+                       progress)
 
     def produce(key: str) -> torch.Tensor:
         source_key, index = origin[key]
         if not source_key:
             return torch.tensor(step, dtype=torch.float32)
-        if not index:
-            return source.get(source_key).float()
-        if source_key not in stacked:  # one stacked tensor held at a time
-            stacked.clear()
-            stacked[source_key] = source.get(source_key)
-        return stacked[source_key][index].float().clone()
+        # one layer (one expert) of a stacked tensor: read from its own chunks
+        t = source.get(source_key, index).float()
+        report(_nbytes(*specs[key]))
+        return t
 
-    # keep each stacked tensor's layers together, so it is read once
-    order = sorted(specs, key=lambda k: origin[k])
+    order = sorted(specs, key=lambda k: origin[k])  # the checkpoint's order
     specs = {k: specs[k] for k in order}
     return write_streaming(dst, specs, produce, blobs, "fsdp_dtensor",
                            {"source": FORMAT, "backend": backend}, files)
@@ -422,10 +422,11 @@ def _args(cfg, optimizer: str | None, distributed: bool, iteration: int):
 
 
 def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | None = None,
-                        weights_only: bool = False) -> Path:
+                        weights_only: bool = False, progress: bool = True) -> Path:
     """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``torch_dist`` checkpoint (``dst`` is the root:
-    ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed one stacked tensor at a
-    time.
+    ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed: stacked tensors are
+    written one chunk per layer (or expert), as megatron-core writes them, so one weight is in
+    memory at a time; ``progress`` reports on stderr.
 
     Weights are stacked per layer with megatron-core's key names; optimizer state is written in
     model space: Adam's (``param``, ``exp_avg``, ``exp_avg_sq``) as the distributed optimizer's
@@ -443,7 +444,8 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from mfsdp.checkpoint.convert import MODEL_CONFIG_FILE, DCPSource, _LazyPlanner
+    from mfsdp.checkpoint.convert import (MODEL_CONFIG_FILE, DCPSource, _LazyPlanner, _nbytes,
+                                          _Progress)
     from mfsdp.checkpoint.io import read_manifest, resolve_checkpoint
     from mfsdp.models.gpt import GPT, GPTConfig
 
@@ -512,14 +514,17 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     shapes = {k: (tuple(ref[n].shape) if isinstance(n, str) else
                   (len(n), *ref[n[0]].shape)) for k, (_, n) in origin.items()}
 
-    def read(field, name):
-        return source.get(f"optimizer.state.{name}.{field}" if field else f"model.{name}").float()
+    report = _Progress(f"writing {dst.name}",
+                       sum(_nbytes(s, torch.float32) for s in shapes.values()), progress)
 
-    def produce(key: str) -> torch.Tensor:
+    def read(field, name):
+        t = source.get(f"optimizer.state.{name}.{field}" if field else f"model.{name}").float()
+        report(_nbytes(tuple(t.shape), torch.float32))
+        return t
+
+    def produce(key: str, i: int | None = None) -> torch.Tensor:
         field, names = origin[key]
-        if isinstance(names, str):
-            return read(field, names)
-        return torch.stack([read(field, n) for n in names])
+        return read(field, names if isinstance(names, str) else names[i])
 
     state: dict[str, object] = {k: torch.empty(s, dtype=torch.float32, device="meta")
                                 for k, s in shapes.items()}
@@ -570,7 +575,9 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
             dcp.save(state, storage_writer=FileSystemWriter(str(tmp_iter),
                                                             single_file_per_rank=True,
                                                             thread_count=1),
-                     planner=_LazyPlanner(produce, flatten_state_dict=False), no_dist=True)
+                     planner=_LazyPlanner(produce, flatten_state_dict=False,
+                                          split={k for k, (_, n) in origin.items()
+                                                 if not isinstance(n, str)}), no_dist=True)
         (tmp_iter / "metadata.json").write_text(
             json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
         (tmp / TRACKER).write_text(str(iteration))
