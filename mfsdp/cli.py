@@ -120,7 +120,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "convert":
         from mfsdp.checkpoint import convert
 
-        return convert.run(args)
+        return convert.run_distributed(args)
     if args.command == "plan":
         from mfsdp import plan
 

@@ -476,3 +476,47 @@ def test_stacked_tensors_are_read_and_written_one_layer_at_a_time(tmp_path):
     chunks = FileSystemReader(str(out)).read_metadata().state_dict_metadata[experts].chunks
     assert [tuple(c.offsets)[0] for c in chunks] == [0, 1, 2, 3]
     assert all(tuple(c.sizes) == (1, 64, 32) for c in chunks)
+
+
+def _convert_on_ranks(root: str) -> list[str]:
+    """Every rank: both conversions, each rank writing its share of the tensors."""
+    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
+
+    mid = megatron_lm_to_fsdp(OPTIM / "adam", f"{root}/mfsdp", _config().to_dict(),
+                              progress=False)
+    fsdp_to_megatron_lm(mid, f"{root}/megatron", progress=False)
+    return sorted(p.name for p in Path(root, "megatron", "iter_0000002").iterdir())
+
+
+@pytest.mark.slow
+def test_conversion_spreads_over_ranks(tmp_path):
+    """Under ``torchrun`` (and ``launch``) every rank converts a share of the tensors: the files
+    of both ranks make the same checkpoint as one process does, and the command line runs so."""
+    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
+
+    files = launch(_convert_on_ranks, 2, args=(str(tmp_path / "two"),))[0]
+    assert "__0_0.distcp" in files and "__1_0.distcp" in files  # both ranks wrote
+    one = megatron_lm_to_fsdp(OPTIM / "adam", tmp_path / "one", _config().to_dict(),
+                              progress=False)
+    for a, b in ((one, tmp_path / "two" / "mfsdp"),
+                 (OPTIM / "adam" / "iter_0000002", tmp_path / "two" / "megatron" / "iter_0000002")):
+        want, got = _dcp_entries(a), _dcp_entries(b)
+        assert sorted(got) == sorted(want)
+        for key, value in want.items():
+            if torch.is_tensor(value):
+                assert torch.equal(got[key], value), key
+    (tmp_path / "cfg.json").write_text(json.dumps(_config().to_dict()))
+    import os
+
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "-m", "mfsdp.cli", "convert", "--from",
+                          "megatron_lm", "--to", "fsdp_dtensor", str(OPTIM / "adam"),
+                          str(tmp_path / "cli"), "--model-config", str(tmp_path / "cfg.json")],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("wrote fsdp_dtensor checkpoint") == 1  # rank 0 reports
+    got = _dcp_entries(tmp_path / "cli")
+    for key, value in _dcp_entries(one).items():
+        if torch.is_tensor(value):
+            assert torch.equal(got[key], value), key

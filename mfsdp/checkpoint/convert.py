@@ -156,24 +156,93 @@ class _LazyPlanner(DefaultSavePlanner):
         return self._produce(fqn)
 
 
+def _ranks() -> tuple[int, int]:
+    """(rank, world size) of the process group a conversion runs in ((0, 1) without one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shared_temp_name(parent: Path, name: str) -> Path:
+    """A fresh temporary path next to ``name``, the same on every rank of the group."""
+    token = [secrets.token_hex(4)]
+    rank, world = _ranks()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(token, src=0)
+    return parent / f".tmp-{name}-{token[0]}"
+
+
+def owned_keys(nbytes: dict[str, int]) -> set[str]:
+    """The keys this rank writes when a conversion runs on several ranks (``torchrun``): each
+    key to the rank with the fewest bytes so far, largest keys first, so the ranks' shares of
+    reading and writing are even. All keys in one process."""
+    rank, world = _ranks()
+    if world == 1:
+        return set(nbytes)
+    load = [0] * world
+    mine = set()
+    for key in sorted(nbytes, key=lambda k: (-nbytes[k], k)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        load[r] += nbytes[key]
+        if r == rank:
+            mine.add(key)
+    return mine
+
+
+def _commit_dir(tmp: Path, path: Path, write) -> None:
+    """Rank 0 runs ``write()`` (files beside the DCP data) and renames ``tmp`` to ``path``; every
+    rank learns whether it worked; a failure removes ``tmp``."""
+    rank, world = _ranks()
+    error = [None]
+    if rank == 0:
+        try:
+            write()
+            tmp.rename(path)
+        except BaseException as exc:  # noqa: BLE001 - every rank stops with the reason
+            shutil.rmtree(tmp, ignore_errors=True)
+            error[0] = f"{type(exc).__name__}: {exc}"
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise CheckpointError(f"writing {path} failed: {error[0]}")
+
+
 def write_streaming(path: str | Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
                     produce, blobs: dict[str, object], fmt: str, layout: dict | None = None,
                     files: dict[str, str] | None = None) -> Path:
     """Like ``write_full``, but tensor ``key`` (of shape and dtype ``specs[key]``) is made by
-    ``produce(key)`` only when it is written: one file per tensor, so the writer holds one."""
+    ``produce(key)`` only when it is written: one file per tensor, so the writer holds one.
+
+    Under ``torchrun`` (a process group initialised), every rank calls it: each makes and writes
+    its share of the tensors (:func:`owned_keys`), rank 0 the blobs and the manifest."""
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"{path} exists; choose a new output directory")
-    tmp = path.parent / f".tmp-{path.name}-{secrets.token_hex(4)}"
+    rank, world = _ranks()
+    tmp = shared_temp_name(path.parent, path.name)
+    mine = owned_keys({k: _nbytes(*v) for k, v in specs.items()})
     state: dict[str, object] = {k: torch.empty(shape, dtype=dtype, device="meta")
-                                for k, (shape, dtype) in specs.items()}
-    state.update({k: pickle.dumps(v) for k, v in blobs.items()})
+                                for k, (shape, dtype) in specs.items() if k in mine}
+    if rank == 0:
+        state.update({k: pickle.dumps(v) for k, v in blobs.items()})
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False,
                                                             thread_count=1),
-                     planner=_LazyPlanner(produce), no_dist=True)
+                     planner=_LazyPlanner(produce), no_dist=world == 1)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind
+        raise
+
+    def finish() -> None:
         for name, text in (files or {}).items():
             (tmp / name).write_text(text)
         manifest = {"format": fmt, "format_version": FORMAT_VERSION, "layout": layout or {},
@@ -182,10 +251,8 @@ def write_streaming(path: str | Path, specs: dict[str, tuple[tuple[int, ...], to
                     "blobs": sorted(blobs),
                     "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind
-        raise
+
+    _commit_dir(tmp, path, finish)
     return path
 
 
@@ -841,9 +908,51 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_PARALLEL = {("hf", "fsdp_dtensor"), ("megatron_lm", "fsdp_dtensor"),
+             ("fsdp_dtensor", "megatron_lm"), ("megatron_fsdp", "fsdp_dtensor")}
+
+
+def run_distributed(args: argparse.Namespace) -> int:
+    """``mfsdp convert`` under ``torchrun``: a gloo process group over the ranks, each converting
+    its share of the tensors (the conversions that stream: ``--from hf``, ``--from/--to
+    megatron_lm``, ``--from megatron_fsdp``); rank 0 prints. Others run on rank 0 alone."""
+    import os
+
+    import torch.distributed as dist
+
+    from mfsdp.launch import init_from_env
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        return run(args)
+    from mfsdp.checkpoint.megatron_lm import is_megatron_lm
+
+    pair = (args.src_format, args.dst_format)
+    if pair == ("torch_dist", "fsdp_dtensor") and is_megatron_lm(args.input):
+        pair = ("megatron_lm", "fsdp_dtensor")
+    if pair not in _PARALLEL:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"mfsdp convert: {pair[0]} -> {pair[1]} runs in one process; ranks other "
+                  "than 0 have nothing to do", flush=True)
+            return run(args)
+        return 0
+    init_from_env(backend="gloo")
+    try:
+        if dist.get_rank() != 0:
+            args.no_progress = True
+            import contextlib
+            import io as _io
+
+            with contextlib.redirect_stdout(_io.StringIO()):
+                return run(args)
+        return run(args)
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m mfsdp.checkpoint.convert``."""
-    return run(build_parser().parse_args(argv))
+    """Entry point of ``python -m mfsdp.checkpoint.convert`` (under ``torchrun`` too)."""
+    return run_distributed(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

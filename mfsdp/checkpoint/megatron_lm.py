@@ -251,7 +251,7 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
     optimizer out (and reads a ``dp_reshardable`` checkpoint's weights).
     """
     from mfsdp.checkpoint.convert import (MAP_FILE, MODEL_CONFIG_FILE, DCPSource, _nbytes,
-                                          _Progress, write_streaming)
+                                          _Progress, owned_keys, write_streaming)
     from mfsdp.models.gpt import GPT, GPTConfig
 
     found = resolve_megatron_lm(src)
@@ -351,7 +351,8 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
         group_of.update({n: 1 for n, p in model.named_parameters() if not _decays(n, p)})
         files[MAP_FILE] = json.dumps(group_of, indent=1)
     blobs["extra"] = extra
-    report = _Progress(f"reading {directory.name}", sum(_nbytes(*v) for v in specs.values()),
+    share = owned_keys({k: _nbytes(*v) for k, v in specs.items()})  # all, without torchrun
+    report = _Progress(f"reading {directory.name}", sum(_nbytes(*specs[k]) for k in share),
                        progress)
 
     def produce(key: str) -> torch.Tensor:
@@ -426,7 +427,8 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``torch_dist`` checkpoint (``dst`` is the root:
     ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed: stacked tensors are
     written one chunk per layer (or expert), as megatron-core writes them, so one weight is in
-    memory at a time; ``progress`` reports on stderr.
+    memory at a time; ``progress`` reports on stderr. Under ``torchrun`` every rank calls it and
+    writes its share of the tensors (:func:`mfsdp.checkpoint.convert.owned_keys`).
 
     Weights are stacked per layer with megatron-core's key names; optimizer state is written in
     model space: Adam's (``param``, ``exp_avg``, ``exp_avg_sq``) as the distributed optimizer's
@@ -444,8 +446,9 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from mfsdp.checkpoint.convert import (MODEL_CONFIG_FILE, DCPSource, _LazyPlanner, _nbytes,
-                                          _Progress)
+    from mfsdp.checkpoint.convert import (MODEL_CONFIG_FILE, DCPSource, _commit_dir,
+                                          _LazyPlanner, _nbytes, _Progress, _ranks, owned_keys,
+                                          shared_temp_name)
     from mfsdp.checkpoint.io import read_manifest, resolve_checkpoint
     from mfsdp.models.gpt import GPT, GPTConfig
 
@@ -514,8 +517,9 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     shapes = {k: (tuple(ref[n].shape) if isinstance(n, str) else
                   (len(n), *ref[n[0]].shape)) for k, (_, n) in origin.items()}
 
+    share = owned_keys({k: _nbytes(s, torch.float32) for k, s in shapes.items()})
     report = _Progress(f"writing {dst.name}",
-                       sum(_nbytes(s, torch.float32) for s in shapes.values()), progress)
+                       sum(_nbytes(shapes[k], torch.float32) for k in share), progress)
 
     def read(field, name):
         t = source.get(f"optimizer.state.{name}.{field}" if field else f"model.{name}").float()
@@ -526,9 +530,12 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
         field, names = origin[key]
         return read(field, names if isinstance(names, str) else names[i])
 
+    rank, world = _ranks()
     state: dict[str, object] = {k: torch.empty(s, dtype=torch.float32, device="meta")
-                                for k, s in shapes.items()}
+                                for k, s in shapes.items() if k in share}
     for key, names in {**stacks, **whole}.items():  # each linear's (empty) extra state
+        if rank != 0:
+            break
         module = key.rpartition(".")[0]
         if key.endswith(".weight") and module.rpartition(".")[2].startswith("linear_"):
             n = 1 if isinstance(names, str) else len(names)
@@ -566,10 +573,11 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     common["content_metadata"] = metadata
     # as megatron-core stores a ShardedObject: torch.save of [object], not flattened into keys
     state[COMMON] = [common]
-    target = dst / (f"iter_{iteration:07d}")
-    tmp = dst.parent / f".tmp-{dst.name}-{secrets.token_hex(4)}"
+    if rank != 0:
+        state.pop(COMMON)
+    tmp = shared_temp_name(dst.parent, dst.name)
+    tmp_iter = tmp / f"iter_{iteration:07d}"
     try:
-        tmp_iter = tmp / target.name
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, storage_writer=FileSystemWriter(str(tmp_iter),
@@ -577,14 +585,19 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
                                                             thread_count=1),
                      planner=_LazyPlanner(produce, flatten_state_dict=False,
                                           split={k for k, (_, n) in origin.items()
-                                                 if not isinstance(n, str)}), no_dist=True)
+                                                 if not isinstance(n, str)}),
+                     no_dist=world == 1)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    def finish() -> None:
         (tmp_iter / "metadata.json").write_text(
             json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
         (tmp / TRACKER).write_text(str(iteration))
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    _commit_dir(tmp, dst, finish)
     return dst
 
 
