@@ -59,7 +59,8 @@ from mfsdp.checkpoint.safetensors import load_file, save_file
 
 __all__ = ["read_full", "write_full", "write_streaming", "DCPSource", "hf_to_fsdp", "fsdp_to_hf", "fsdp_to_torch_dist", "torch_dist_to_fsdp",
            "fsdp_to_safetensors", "safetensors_to_fsdp", "split_swiglu", "join_swiglu",
-           "save_torch_dist", "load_torch_dist", "main"]
+           "save_torch_dist", "load_torch_dist", "main", "owned_keys", "spread_over_ranks",
+           "run_distributed"]
 
 MAP_FILE = "param_to_param_group_map.json"
 MODEL_CONFIG_FILE = "model_config.json"
@@ -156,11 +157,30 @@ class _LazyPlanner(DefaultSavePlanner):
         return self._produce(fqn)
 
 
+_SPREAD = [False]
+
+
+class spread_over_ranks:
+    """Within this context, the streaming conversions are collective calls over the default
+    process group: every rank makes and writes its share of the tensors (what ``mfsdp convert``
+    does under ``torchrun``). Outside it a conversion is one process's work even where a process
+    group exists (as when rank 0 converts a checkpoint for a training job)."""
+
+    def __enter__(self):
+        self._was, _SPREAD[0] = _SPREAD[0], True
+        return self
+
+    def __exit__(self, *exc):
+        _SPREAD[0] = self._was
+        return False
+
+
 def _ranks() -> tuple[int, int]:
-    """(rank, world size) of the process group a conversion runs in ((0, 1) without one)."""
+    """(rank, world size) a conversion spreads over: the process group's inside
+    :class:`spread_over_ranks`, else (0, 1)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if _SPREAD[0] and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
@@ -219,8 +239,8 @@ def write_streaming(path: str | Path, specs: dict[str, tuple[tuple[int, ...], to
     """Like ``write_full``, but tensor ``key`` (of shape and dtype ``specs[key]``) is made by
     ``produce(key)`` only when it is written: one file per tensor, so the writer holds one.
 
-    Under ``torchrun`` (a process group initialised), every rank calls it: each makes and writes
-    its share of the tensors (:func:`owned_keys`), rank 0 the blobs and the manifest."""
+    Within :class:`spread_over_ranks` every rank calls it: each makes and writes its share of
+    the tensors (:func:`owned_keys`), rank 0 the blobs and the manifest."""
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"{path} exists; choose a new output directory")
@@ -938,14 +958,15 @@ def run_distributed(args: argparse.Namespace) -> int:
         return 0
     init_from_env(backend="gloo")
     try:
-        if dist.get_rank() != 0:
-            args.no_progress = True
-            import contextlib
-            import io as _io
+        with spread_over_ranks():
+            if dist.get_rank() != 0:
+                args.no_progress = True
+                import contextlib
+                import io as _io
 
-            with contextlib.redirect_stdout(_io.StringIO()):
-                return run(args)
-        return run(args)
+                with contextlib.redirect_stdout(_io.StringIO()):
+                    return run(args)
+            return run(args)
     finally:
         dist.destroy_process_group()
 

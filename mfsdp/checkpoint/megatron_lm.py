@@ -427,8 +427,9 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``torch_dist`` checkpoint (``dst`` is the root:
     ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed: stacked tensors are
     written one chunk per layer (or expert), as megatron-core writes them, so one weight is in
-    memory at a time; ``progress`` reports on stderr. Under ``torchrun`` every rank calls it and
-    writes its share of the tensors (:func:`mfsdp.checkpoint.convert.owned_keys`).
+    memory at a time; ``progress`` reports on stderr. Within
+    :class:`mfsdp.checkpoint.convert.spread_over_ranks` every rank calls it and writes its share
+    of the tensors.
 
     Weights are stacked per layer with megatron-core's key names; optimizer state is written in
     model space: Adam's (``param``, ``exp_avg``, ``exp_avg_sq``) as the distributed optimizer's
