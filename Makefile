@@ -1,6 +1,9 @@
 # The two commands of the README:
 #   make docs   build the user guide (every recipe executed) into build/html
-#   make test   run the whole test suite (unit, multi-rank, doctests, the strict docs build)
+#   make test   run the test suite (unit, multi-rank, the guide's doctests), under 25 minutes
+#   make test-extended   the long cross-checks (the strict docs build with every recipe and the
+#                        browser checks, 8-rank EP with HSDP, the 1 GiB streaming conversion);
+#                        CI runs both
 # Both create .venv when it is missing.
 
 PYTHON ?= python3
@@ -14,7 +17,7 @@ export MFSDP_DOCS_OFFLINE ?= 1
 MERMAID_VERSION ?= 11.12.1
 VENDOR := build/vendor
 
-.PHONY: docs serve test test-gpu venv vendor clean
+.PHONY: docs serve test test-extended test-gpu venv vendor clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,8 +51,11 @@ docs: $(VENV)/.installed vendor
 serve:
 	$(PY) -m http.server --directory build/html 8000
 
-test: $(VENV)/.installed vendor
+test: $(VENV)/.installed
 	$(PY) -m pytest
+
+test-extended: $(VENV)/.installed vendor
+	$(PY) -m pytest -m extended
 
 # On a machine with a CUDA GPU: the NCCL/CUDA suite (tests/gpu). Elsewhere every test skips.
 test-gpu: $(VENV)/.installed

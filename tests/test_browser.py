@@ -24,7 +24,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--disable-quic"]
 
-pytestmark = [pytest.mark.slow, pytest.mark.docs]
+pytestmark = [pytest.mark.slow, pytest.mark.docs, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.extended  # `make test-extended`: the build runs every recipe (3 min)
 
 
 @pytest.mark.slow

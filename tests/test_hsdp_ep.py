@@ -68,6 +68,7 @@ def test_four_ranks_match_reference(cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("cfg", MOE_8, ids=_id)
 def test_eight_ranks_ep_with_hsdp_match_reference(cfg):
     assert_matches_reference(cfg, 8, run_sharded(8, cfg, MOE_8))

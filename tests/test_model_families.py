@@ -461,6 +461,7 @@ def test_trainer_checkpoint_exports_swiglu_split_and_expert_bias(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_conversion_streams_a_1gib_checkpoint(tmp_path):
     """``--from hf`` and ``--to hf`` on a 1.16 GiB Llama checkpoint, each in a fresh process:
     peak memory above an idle process's stays under two of its largest tensor (measured about

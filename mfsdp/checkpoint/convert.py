@@ -551,6 +551,21 @@ def fsdp_to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = Non
     return dst
 
 
+def fsdp_source(src: str | Path, dst: str | Path) -> tuple[Path, Path]:
+    """``src`` resolved to an ``fsdp_dtensor`` checkpoint (a root with ``latest`` or the
+    directory) and ``dst`` as a path that does not exist yet; an error names what is wrong."""
+    from mfsdp.checkpoint.io import resolve_checkpoint
+
+    src, dst = resolve_checkpoint(src), Path(dst)
+    manifest = read_manifest(src)
+    if manifest.get("format") != "fsdp_dtensor":
+        raise CheckpointError(f"{src} is a {manifest.get('format')!r} checkpoint; convert it to "
+                              "fsdp_dtensor first")
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists; choose a new output directory")
+    return src, dst
+
+
 def _check_format(manifest: dict, expected: str, path: Path) -> None:
     if manifest.get("format") != expected:
         raise CheckpointError(f"{path} is a {manifest.get('format')!r} checkpoint, not "

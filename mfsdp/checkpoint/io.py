@@ -199,6 +199,36 @@ def _check_keys(ours: dict[str, dict], theirs: dict[str, dict], where: Path) -> 
                                   f"checkpoint {where} but {tuple(desc['shape'])} in the model")
 
 
+def load_converted(path: str | os.PathLike, model, optimizer, convert, what: str) -> dict:
+    """Load a checkpoint of another layout (``what``, for messages): a collective call. Rank 0
+    runs ``convert(tmp)`` to write an ``fsdp_dtensor`` checkpoint next to ``path``, every rank
+    loads it with :func:`load_checkpoint`, rank 0 removes it; a failed conversion stops every
+    rank with its reason."""
+    import secrets
+    import shutil
+
+    path = Path(path)
+    token = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    tmp = path.parent / f".from-{path.name}-{token[0]}"
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            convert(tmp)
+        except Exception as exc:  # every rank must hear of it, not wait at the barrier
+            shutil.rmtree(tmp, ignore_errors=True)
+            error[0] = f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise CheckpointError(f"cannot read {path} as {what}: {error[0]}")
+    try:
+        return load_checkpoint(tmp, model, optimizer)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it.
 

@@ -440,7 +440,6 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     ``step`` and the learning-rate schedule when the checkpoint has one (``mfsdp train`` writes
     it). ``model_config``: for checkpoints without ``model_config.json``.
     """
-    import secrets
     import shutil
     import warnings
 
@@ -450,16 +449,10 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     from mfsdp.checkpoint.convert import (MODEL_CONFIG_FILE, DCPSource, _commit_dir,
                                           _LazyPlanner, _nbytes, _Progress, _ranks, owned_keys,
                                           shared_temp_name)
-    from mfsdp.checkpoint.io import read_manifest, resolve_checkpoint
+    from mfsdp.checkpoint.convert import fsdp_source
     from mfsdp.models.gpt import GPT, GPTConfig
 
-    src, dst = resolve_checkpoint(src), Path(dst)
-    manifest = read_manifest(src)
-    if manifest.get("format") != "fsdp_dtensor":
-        raise CheckpointError(f"{src} is a {manifest.get('format')!r} checkpoint; convert it to "
-                              "fsdp_dtensor first")
-    if dst.exists():
-        raise FileExistsError(f"{dst} exists; choose a new output directory")
+    src, dst = fsdp_source(src, dst)
     if model_config is None:
         if not (src / MODEL_CONFIG_FILE).is_file():
             raise CheckpointError(f"{src} has no {MODEL_CONFIG_FILE}; name the model with "
@@ -608,35 +601,12 @@ def load_megatron_lm(path: str | Path, model, optimizer=None) -> dict:
     only when ``optimizer`` is None), every rank loads the result with
     :func:`mfsdp.checkpoint.load_checkpoint`, rank 0 removes it. Returns the ``extra`` dict
     (``iteration``, ``opt_param_scheduler``)."""
-    import secrets
-    import shutil
-
-    import torch.distributed as dist
-
-    from mfsdp.checkpoint.io import load_checkpoint
+    from mfsdp.checkpoint.io import load_converted
 
     config = getattr(getattr(model, "module", model), "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise CheckpointError(f"{path} is a Megatron-LM checkpoint, read into mfsdp's GPT: the "
                               "model has no GPTConfig (model.module.config); convert it with "
                               "mfsdp convert --from megatron_lm --model-config FILE instead")
-    path = Path(path)
-    token = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    tmp = path.parent / f".from-{FORMAT}-{path.name}-{token[0]}"
-    error = [None]
-    if dist.get_rank() == 0:
-        try:
-            megatron_lm_to_fsdp(path, tmp, config.to_dict(), weights_only=optimizer is None)
-        except Exception as exc:  # every rank must hear of it, not wait at the barrier
-            shutil.rmtree(tmp, ignore_errors=True)
-            error[0] = f"{type(exc).__name__}: {exc}"
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise CheckpointError(f"cannot read {path} as a Megatron-LM checkpoint: {error[0]}")
-    try:
-        return load_checkpoint(tmp, model, optimizer)
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return load_converted(path, model, optimizer, lambda tmp: megatron_lm_to_fsdp(
+        path, tmp, config.to_dict(), weights_only=optimizer is None), "a Megatron-LM checkpoint")

@@ -165,16 +165,9 @@ def fsdp_to_megatron_fsdp(src: str | Path, dst: str | Path) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from mfsdp.checkpoint.convert import MAP_FILE, DCPSource, _LazyPlanner
-    from mfsdp.checkpoint.io import read_manifest, resolve_checkpoint
+    from mfsdp.checkpoint.convert import MAP_FILE, DCPSource, _LazyPlanner, fsdp_source
 
-    src, dst = resolve_checkpoint(src), Path(dst)
-    manifest = read_manifest(src)
-    if manifest.get("format") != "fsdp_dtensor":
-        raise CheckpointError(f"{src} is a {manifest.get('format')!r} checkpoint; convert it to "
-                              "fsdp_dtensor first")
-    if dst.exists():
-        raise FileExistsError(f"{dst} exists; choose a new output directory")
+    src, dst = fsdp_source(src, dst)
     source = DCPSource(src)
     origin: dict[str, str] = {}
     for key in source.tensors:
@@ -216,35 +209,13 @@ def load_megatron_fsdp(path: str | Path, model, optimizer=None) -> dict:
     call. Rank 0 converts it next to ``path`` (positions named by ``optimizer``'s parameter
     order), every rank loads the result with :func:`mfsdp.checkpoint.load_checkpoint`, rank 0
     removes it."""
-    import secrets
-    import shutil
-
-    import torch.distributed as dist
-
-    from mfsdp.checkpoint.io import load_checkpoint
+    from mfsdp.checkpoint.io import load_converted
     from mfsdp.checkpoint.state import param_to_param_group_map
 
-    path = Path(path)
-    token = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    tmp = path.parent / f".from-{FORMAT}-{path.name}-{token[0]}"
     names = list(param_to_param_group_map(model, optimizer)) if optimizer is not None else None
-    error = [None]
-    if dist.get_rank() == 0:
-        try:
-            megatron_fsdp_to_fsdp(path, tmp, names=names, weights_only=optimizer is None)
-        except Exception as exc:  # every rank must hear of it, not wait at the barrier
-            error[0] = f"{type(exc).__name__}: {exc}"
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise CheckpointError(f"cannot read {path} as an upstream Megatron-FSDP checkpoint: "
-                              f"{error[0]}")
-    try:
-        return load_checkpoint(tmp, model, optimizer)
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return load_converted(path, model, optimizer, lambda tmp: megatron_fsdp_to_fsdp(
+        path, tmp, names=names, weights_only=optimizer is None),
+        "an upstream Megatron-FSDP checkpoint")
 
 
 def describe_unreadable(path: str | Path) -> str | None:
