@@ -2,8 +2,8 @@
 #   make docs   build the user guide (every recipe executed) into build/html
 #   make test   run the test suite (unit, multi-rank, the guide's doctests), under 25 minutes
 #   make test-extended   the long cross-checks (the strict docs build with every recipe and the
-#                        browser checks, 8-rank EP with HSDP, the 1 GiB streaming conversion);
-#                        CI runs both
+#                        browser checks, 8-rank EP with HSDP, the 1 GiB streaming conversion,
+#                        preemption under Slurm, conversion over torchrun ranks); CI runs both
 # Both create .venv when it is missing.
 
 PYTHON ?= python3

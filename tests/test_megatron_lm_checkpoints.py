@@ -490,6 +490,7 @@ def _convert_on_ranks(root: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_conversion_spreads_over_ranks(tmp_path):
     """Under ``torchrun`` (and ``launch``) every rank converts a share of the tensors: the files
     of both ranks make the same checkpoint as one process does, and the command line runs so."""

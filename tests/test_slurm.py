@@ -121,6 +121,7 @@ def _workers(marker: str) -> list[int]:
     return sorted(pids)
 
 
+@pytest.mark.extended
 def test_preemption_and_a_lost_rank_under_slurm(cluster, tmp_path):
     """The cpu-smoke script with checkpoints, as a cluster treats a long job: one rank is killed
     without warning (torchrun restarts both, they resume from the last checkpoint and repeat the
