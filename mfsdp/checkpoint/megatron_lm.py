@@ -62,6 +62,17 @@ _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampenin
 _MAIN_FIELDS = ("param", "fp32_param")  # the distributed optimizer's fp32 main weights
 
 
+def _is_megatron_lm_dcp(path: Path) -> bool:
+    """Whether ``path`` is an iteration directory Megatron-LM wrote as a plain DCP (its
+    ``fsdp_dtensor`` or ``torch_dcp`` formats: no ``metadata.json``; Megatron-LM's
+    ``checkpoint_version`` and ``iteration`` among the entries)."""
+    if not (path / ".metadata").is_file() or (path / "manifest.json").exists():
+        return False
+    from mfsdp.checkpoint.convert import DCPSource
+
+    return {"checkpoint_version", "iteration"} <= set(DCPSource(path).blob_keys)
+
+
 def resolve_megatron_lm(path: str | Path) -> tuple[Path, int | None] | None:
     """``(iteration directory, iteration)`` of a Megatron-LM checkpoint (root with the tracker, or
     one ``iter_XXXXXXX``), or None when ``path`` is not one."""
@@ -75,7 +86,8 @@ def resolve_megatron_lm(path: str | Path) -> tuple[Path, int | None] | None:
         except ValueError:
             raise CheckpointError(f"{path / TRACKER} holds {text!r}, not an iteration") from None
         return path / f"iter_{iteration:07d}", iteration
-    if (path / "metadata.json").is_file() and (path / ".metadata").is_file():
+    if ((path / "metadata.json").is_file() and (path / ".metadata").is_file()
+            or _is_megatron_lm_dcp(path)):
         name = path.name
         iteration = int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
         return path, iteration
@@ -88,8 +100,8 @@ def is_megatron_lm(path: str | Path) -> bool:
 
 
 def _backend(directory: Path) -> str:
-    """The ``sharded_backend`` of a Megatron-LM iteration directory, or an error naming what the
-    directory holds instead."""
+    """The format of a Megatron-LM iteration directory (``torch_dist``'s ``sharded_backend``,
+    or ``fsdp_dtensor``), or an error naming what the directory holds instead."""
     try:
         return json.loads((directory / "metadata.json").read_text()).get("sharded_backend", "?")
     except FileNotFoundError:
@@ -99,10 +111,16 @@ def _backend(directory: Path) -> str:
         raise CheckpointError(f"{where} tracker, but the iteration directory {directory.name} is "
                               "missing") from None
     if (directory / ".metadata").is_file():
+        from mfsdp.checkpoint.convert import DCPSource
+        from mfsdp.checkpoint.megatron_lm_dtensor import is_fsdp_dtensor_keys
+
+        if is_fsdp_dtensor_keys(DCPSource(directory).tensors):
+            return "fsdp_dtensor"
         raise CheckpointError(f"{where} in a format mfsdp does not read: a plain "
-                              "torch.distributed.checkpoint without metadata.json (Megatron-LM's "
-                              "--ckpt-format fsdp_dtensor or torch_dcp); save it with "
-                              "--ckpt-format torch_dist") from None
+                              "torch.distributed.checkpoint without metadata.json or "
+                              "Megatron-FSDP's model.module.* keys (Megatron-LM's --ckpt-format "
+                              "torch_dcp); save it with --ckpt-format torch_dist, or with "
+                              "--use-megatron-fsdp --ckpt-format fsdp_dtensor") from None
     if any(directory.glob("mp_rank_*")):
         raise CheckpointError(f"{where} in Megatron-LM's legacy --ckpt-format torch "
                               "(mp_rank_XX/model_optim_rng.pt), which mfsdp does not read; save "
@@ -260,9 +278,14 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
                               "metadata.json beside a .metadata)")
     directory, iteration = found
     backend = _backend(directory)
+    if backend == "fsdp_dtensor":
+        from mfsdp.checkpoint.megatron_lm_dtensor import megatron_lm_dtensor_to_fsdp
+
+        return megatron_lm_dtensor_to_fsdp(directory, dst, model_config, iteration,
+                                           weights_only, progress)
     if backend != "torch_dist":
         raise CheckpointError(f"{directory} is a Megatron-LM {backend!r} checkpoint; mfsdp reads "
-                              "Megatron-LM's torch_dist")
+                              "Megatron-LM's torch_dist and fsdp_dtensor")
     cfg = GPTConfig.from_dict(model_config)
     with torch.device("meta"):
         model = GPT(cfg)

@@ -46,7 +46,10 @@ def is_megatron_fsdp(path: str | Path) -> bool:
         return False
     from mfsdp.checkpoint.convert import DCPSource
 
-    keys = list(DCPSource(path).tensors)
+    source = DCPSource(path)
+    keys = list(source.tensors)
+    if "checkpoint_version" in source.blob_keys:  # Megatron-LM's (fsdp_dtensor, torch_dcp)
+        return False
     return any(k.startswith("model.") for k in keys) and not any(
         k.startswith("optimizer.state.") and not _STATE.match(k) for k in keys)
 
@@ -233,9 +236,9 @@ def describe_unreadable(path: str | Path) -> str | None:
             backend = _backend(resolve_megatron_lm(path)[0])
         except CheckpointError as exc:
             return str(exc)
-        if backend != "torch_dist":
+        if backend not in ("torch_dist", "fsdp_dtensor"):
             return (f"{path} holds a Megatron-LM {backend!r} checkpoint; mfsdp reads "
-                    "Megatron-LM's torch_dist")
+                    "Megatron-LM's torch_dist and fsdp_dtensor")
         return None  # readable: mfsdp.checkpoint.megatron_lm
     if (path / ".metadata").exists() and not is_megatron_fsdp(path):
         return (f"{path} holds a torch.distributed.checkpoint whose keys are neither mfsdp's nor "

@@ -1,0 +1,235 @@
+"""Megatron-LM's ``--ckpt-format fsdp_dtensor`` checkpoints (Megatron-LM with ``--use-megatron-fsdp``): read.
+
+What Megatron-LM's ``save_checkpoint`` writes for ``fsdp_dtensor``: the tracker and iteration
+directories of ``torch_dist``, but each iteration is a plain ``torch.distributed.checkpoint`` of
+Megatron-LM's state dictionary (no ``metadata.json``), flattened by DCP into dotted keys::
+
+    CKPT/latest_checkpointed_iteration.txt
+    CKPT/iter_0000002/.metadata, __0_0.distcp, __1_0.distcp, ...
+        model.module.decoder.layers.0.self_attention.linear_qkv.weight      per layer, fp32
+        model.module.decoder.layers.0.mlp.linear_fc1.weight_w / weight_v     SwiGLU's two halves
+        model.module.decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight_w
+                                                                     experts by global index
+        optimizer.state.module.module.module.<name>.exp_avg / exp_avg_sq / step
+        optimizer.param_to_group_meta.module.module.module.<name>.lr / wd_mult / betas / ...
+        opt_param_scheduler.<field>, iteration, checkpoint_version, args, rng_state, ...
+
+The model tensors are Megatron-FSDP's DTensors, saved unevenly sharded (each rank its slice of
+the flat buffer) as full-shape tensors, so they read as plain tensors here; they are the fp32
+main weights even for a ``--bf16`` job. The optimizer state is keyed by the parameter's name in
+the wrapped model, so the number of ``module.`` prefixes is the job's wrapping (two without
+``--bf16``/``--fp16``, three with its ``Float16Module``). SwiGLU ``linear_fc1`` weights (and
+their Adam moments) are split by megatron-core's ``handle_swiglu_in_state_dict`` into ``_w``
+(the gate, first half) and ``_v``; expert indices are global (``handle_experts_in_state_dict``);
+GroupedMLP experts are ``mlp.experts.linear_fc1.weight<i>``. Norm names are the spec's: the
+local spec's ``input_layernorm.weight``, Transformer Engine's fused
+``linear_qkv.layer_norm_weight``. ``*._extra_state`` (Transformer Engine's FP8 metadata) is
+dropped.
+
+Checked against checkpoints megatron-core 0.19.2's Megatron-FSDP wrote on two ranks
+(``tests/fixtures/megatron_lm/make_fsdp_dtensor.py``): every weight and Adam moment equal, and
+one more iteration from an imported checkpoint gives megatron-core's next weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from mfsdp.checkpoint.io import CheckpointError
+
+__all__ = ["FORMAT", "is_fsdp_dtensor_keys", "megatron_lm_dtensor_to_fsdp", "split_key"]
+
+FORMAT = "megatron_lm_fsdp_dtensor"
+_PREFIX = re.compile(r"^(?:module\.)+")
+_HALF = re.compile(r"^(.*\.(?:weight|bias)\d*)_([wv])$")
+_GROUPED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)$")
+_PARTS = ("w", "v")  # SwiGLU: act(x @ w.T) * (x @ v.T), w first in the fused weight
+_STEP = "step"
+
+
+def is_fsdp_dtensor_keys(keys) -> bool:
+    """Whether DCP ``keys`` are Megatron-LM ``fsdp_dtensor`` model keys (``model.module.*``)."""
+    return any(k.startswith("model.module.") for k in keys)
+
+
+def split_key(key: str) -> tuple[str, str | None]:
+    """mfsdp's parameter name for one Megatron-LM ``fsdp_dtensor`` tensor key (without its
+    ``model.`` / ``optimizer.state.`` head: wrapper prefixes, SwiGLU halves and GroupedMLP
+    experts resolved) and which SwiGLU half it is (``"w"``, ``"v"`` or ``None``).
+
+    >>> split_key("module.decoder.layers.1.mlp.linear_fc1.weight_v")
+    ('layers.1.mlp.linear_fc1.weight', 'v')
+    >>> split_key("module.module.module.decoder.layers.1.mlp.experts.linear_fc2.weight3")
+    ('layers.1.mlp.experts.local_experts.3.linear_fc2.weight', None)
+    >>> split_key("module.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight")
+    ('layers.0.input_layernorm.weight', None)
+    """
+    from mfsdp.checkpoint.megatron_lm import mfsdp_name
+
+    name = _PREFIX.sub("", key)
+    part = None
+    m = _HALF.match(name)
+    if m:
+        name, part = m.group(1), m.group(2)
+    m = _GROUPED.match(name)
+    if m:
+        name = f"{m.group(1)}.local_experts.{m.group(4)}.{m.group(2)}.{m.group(3)}"
+    name = mfsdp_name(name).replace("mlp.shared_experts.", "mlp.shared_expert.", 1)
+    return name, part
+
+
+def _collect(keys, head: str) -> dict[str, dict[str | None, str]]:
+    """``{mfsdp name: {half: key}}`` for the keys under ``head``."""
+    out: dict[str, dict[str | None, str]] = {}
+    for key in keys:
+        if key.startswith(head) and not key.endswith("_extra_state"):
+            name, part = split_key(key[len(head):])
+            out.setdefault(name, {})[part] = key
+    return out
+
+
+def _ordered(parts: dict[str | None, str], name: str, where: Path) -> list[str]:
+    if None in parts and len(parts) == 1:
+        return [parts[None]]
+    if set(parts) == set(_PARTS):
+        return [parts[p] for p in _PARTS]
+    raise CheckpointError(f"{where}: {name} is stored as {sorted(parts.values())}; expected "
+                          "either one tensor or SwiGLU's two halves (_w and _v)")
+
+
+def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_config: dict,
+                                iteration: int | None = None, weights_only: bool = False,
+                                progress: bool = True) -> Path:
+    """One Megatron-LM ``fsdp_dtensor`` iteration directory -> mfsdp ``fsdp_dtensor``, streamed
+    (one weight in memory at a time; ``progress`` reports on stderr). Called by
+    :func:`mfsdp.checkpoint.megatron_lm.megatron_lm_to_fsdp`, which finds the directory.
+
+    ``model_config`` is the :class:`~mfsdp.models.gpt.GPTConfig` the job trained (Megatron-LM
+    keeps its arguments in a pickled ``argparse.Namespace``). Every weight and buffer of that
+    model must be in the checkpoint with its shape, and every model tensor of the checkpoint
+    must be used. SwiGLU halves are joined (``[w; v]``, mfsdp's fused ``linear_fc1``).
+
+    The optimizer state comes along unless ``weights_only``: Adam's moments (or SGD's
+    momentum) and ``step`` by parameter, the two parameter groups (weight decay and none, told
+    apart by each parameter's ``wd_mult`` in ``optimizer.param_to_group_meta``), the
+    learning-rate schedule (``extra["opt_param_scheduler"]``) and the iteration.
+    """
+    from mfsdp.checkpoint.convert import (MAP_FILE, MODEL_CONFIG_FILE, DCPSource, _nbytes,
+                                          _Progress, owned_keys, write_streaming)
+    from mfsdp.checkpoint.megatron_lm import _SAFE, _decays, _mfsdp_groups
+    from mfsdp.models.gpt import GPT, GPTConfig
+
+    directory = Path(directory)
+    cfg = GPTConfig.from_dict(model_config)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    ref = model.state_dict()
+    params = {n for n, _ in model.named_parameters()}
+    source = DCPSource(directory)
+    keys = set(source.tensors)
+    weights = _collect(keys, "model.")
+    plan: dict[str, list[str]] = {}
+    for name, t in ref.items():
+        if name not in weights:
+            raise CheckpointError(f"{directory} has no tensor for {name} (model.module.*); is the "
+                                  "model config the one it was trained with?")
+        plan[name] = _ordered(weights[name], name, directory)
+        shapes = [source.tensors[k][0] for k in plan[name]]
+        got = (tuple(shapes[0]) if len(shapes) == 1
+               else (sum(s[0] for s in shapes), *shapes[0][1:]))
+        if got != tuple(t.shape):
+            raise CheckpointError(f"{plan[name][0]} gives {name} the shape {got}; the model "
+                                  f"config implies {tuple(t.shape)}")
+    unused = sorted(set(weights) - set(plan))
+    if unused:
+        raise CheckpointError(f"{directory} holds model tensors this config does not have, e.g. "
+                              f"{sorted(weights[unused[0]].values())[0]!r}")
+    blobs_present = set(source.blob_keys)
+
+    def value(key: str, default=None):
+        return source.object(key, _SAFE) if key in blobs_present else default
+
+    if iteration is None:
+        iteration = int(value("iteration", 0) or 0)
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    origin: dict[str, list[str]] = {}
+    for name in plan:
+        specs[f"model.{name}"] = (tuple(ref[name].shape), torch.float32)
+        origin[f"model.{name}"] = plan[name]
+    extra: dict[str, object] = {"iteration": iteration, "data_position": iteration,
+                                "source": FORMAT}
+    scheduler = {k[len("opt_param_scheduler."):]: value(k) for k in sorted(blobs_present)
+                 if k.startswith("opt_param_scheduler.")}
+    if scheduler:
+        extra["opt_param_scheduler"] = scheduler
+    files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
+    blobs: dict[str, object] = {}
+    by_field: dict[str, dict[str, dict[str | None, str]]] = {}  # field -> param -> half -> key
+    for key in keys:
+        if key.startswith("optimizer.state."):
+            param_key, _, field = key[len("optimizer.state."):].rpartition(".")
+            param, part = split_key(param_key)
+            by_field.setdefault(field, {}).setdefault(param, {})[part] = key
+    if not weights_only and by_field:
+        strange = sorted(set().union(*(set(v) for v in by_field.values())) - params)
+        if strange:
+            raise CheckpointError(f"{directory} has optimizer state for {strange[0]!r}, which the "
+                                  "model config does not have")
+        for field, have in sorted(by_field.items()):
+            missing = sorted(params - set(have))
+            if missing:
+                raise CheckpointError(f"{directory} has optimizer state {field!r} for some "
+                                      f"weights but not for {missing[0]}")
+            for param in sorted(params):
+                out = f"optimizer.state.{param}.{field}"
+                if field == _STEP:  # one scalar per parameter (both halves hold the same)
+                    specs[out] = ((), torch.float32)
+                    origin[out] = _ordered(have[param], param, directory)[:1]
+                else:
+                    specs[out] = (tuple(ref[param].shape), torch.float32)
+                    origin[out] = _ordered(have[param], param, directory)
+        metas: dict[str, dict[str, object]] = {}
+        head = "optimizer.param_to_group_meta."
+        for key in blobs_present:
+            if key.startswith(head):
+                param_key, _, hyper = key[len(head):].rpartition(".")
+                name, _ = split_key(param_key)
+                metas.setdefault(name, {})[hyper] = value(key)
+        if set(metas) != params:
+            gap = sorted(params ^ set(metas))
+            raise CheckpointError(f"{directory}: optimizer.param_to_group_meta does not match the "
+                                  f"model's parameters (e.g. {gap[0]})")
+        distinct: list[dict[str, object]] = []
+        for meta in metas.values():
+            if meta not in distinct:
+                distinct.append(meta)
+        groups = _mfsdp_groups(distinct, directory)
+        group_of = {}
+        for n, p in model.named_parameters():
+            group_of[n] = 0 if _decays(n, p) else 1
+            decays = metas[n].get("wd_mult", 1.0) != 0.0
+            if decays != (group_of[n] == 0):
+                raise CheckpointError(f"{directory}: {n} has wd_mult {metas[n].get('wd_mult')}; "
+                                      "mfsdp decays exactly the weights of two or more dimensions "
+                                      "that are not biases")
+        blobs["optimizer.param_groups"] = groups
+        files[MAP_FILE] = json.dumps(group_of, indent=1)
+    blobs["extra"] = extra
+    share = owned_keys({k: _nbytes(*v) for k, v in specs.items()})
+    report = _Progress(f"reading {directory.name}", sum(_nbytes(*specs[k]) for k in share),
+                       progress)
+
+    def produce(key: str) -> torch.Tensor:
+        parts = [source.get(k).float() for k in origin[key]]
+        t = parts[0] if len(parts) == 1 else torch.cat(parts)
+        report(_nbytes(*specs[key]))
+        return t
+
+    order = sorted(specs, key=lambda k: origin[k])
+    specs = {k: specs[k] for k in order}
+    return write_streaming(dst, specs, produce, blobs, "fsdp_dtensor",
+                           {"source": FORMAT, "backend": "fsdp_dtensor"}, files)
