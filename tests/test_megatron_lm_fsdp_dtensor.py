@@ -253,3 +253,70 @@ def test_sgd_from_the_imported_weights_follows_the_gradient(tmp_path):
         # float32 sums in another order, and the rounding of weight + step at the weight's scale
         tol = 1e-4 * want.norm() + 2 * torch.finfo(torch.float32).eps * before.norm()
         assert (step - want).norm() <= tol, (name, (step - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("variant,precision", [("swiglu", "fp32"), ("gelu", "fp32"),
+                                               ("bf16", "bf16")])
+def test_export_of_an_import_is_the_checkpoint_megatron_core_wrote(variant, precision, tmp_path):
+    """megatron-core's checkpoint -> mfsdp -> Megatron-LM ``fsdp_dtensor`` (for the job that
+    wrote it: local layer spec, its precision) gives back its entries: the tracker, every key
+    (SwiGLU halves, the optimizer's prefix), every tensor bit for bit with its dtype, and every
+    object but ``args`` (the iteration, the schedule, each parameter's group metadata).
+    (``make_fsdp_dtensor.py mcore VARIANT --load DIR`` has megatron-core load such an export:
+    every tensor equal and, for the optimizer variants, the third iteration bit for bit.)"""
+    from mfsdp.checkpoint.convert import DCPSource
+    from mfsdp.checkpoint.megatron_lm import _SAFE, megatron_lm_to_fsdp
+    from mfsdp.checkpoint.megatron_lm_dtensor import fsdp_to_megatron_lm_dtensor
+
+    mid = megatron_lm_to_fsdp(ROOT / variant, tmp_path / "mfsdp", _config(variant).to_dict(),
+                              progress=False)
+    out = fsdp_to_megatron_lm_dtensor(mid, tmp_path / "mlm", precision=precision,
+                                      transformer_impl="local", progress=False)
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "2"
+    theirs, ours = DCPSource(ROOT / variant / "iter_0000002"), DCPSource(out / "iter_0000002")
+    assert ours.tensors == theirs.tensors  # keys, shapes and dtypes
+    for key in theirs.tensors:
+        assert torch.equal(ours.get(key), theirs.get(key)), key
+    assert sorted(ours.blob_keys) == sorted(theirs.blob_keys)
+    for key in theirs.blob_keys:
+        if key != "args":
+            assert ours.object(key, _SAFE) == theirs.object(key, _SAFE), key
+    args = ours.object("args", _SAFE)
+    assert (args.ckpt_format, args.use_megatron_fsdp, args.bf16) == (
+        "fsdp_dtensor", True, precision == "bf16")
+
+
+def test_export_follows_the_loading_jobs_flags(tmp_path):
+    """``mfsdp convert --to megatron_lm --ckpt-format fsdp_dtensor``: Transformer Engine's fused
+    norm names by default, ``--bf16`` adds the ``Float16Module`` prefix; the flags that name the
+    loading job are refused where they would be ignored."""
+    from mfsdp.checkpoint.convert import DCPSource, main
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+
+    mid = megatron_lm_to_fsdp(ROOT / "gelu", tmp_path / "m", _config("gelu").to_dict(),
+                              progress=False)
+    assert main(["--from", "fsdp_dtensor", "--to", "megatron_lm", "--ckpt-format",
+                 "fsdp_dtensor", "--bf16", "--no-progress", str(mid), str(tmp_path / "te")]) == 0
+    keys = set(DCPSource(tmp_path / "te" / "iter_0000002").tensors)
+    assert "model.module.decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in keys
+    assert "model.module.decoder.layers.1.input_layernorm.weight" not in keys
+    assert ("optimizer.state.module.module.module.decoder.layers.1.mlp.linear_fc1."
+            "layer_norm_weight.exp_avg") in keys
+    # and it reads back as it was (fused names and the deeper prefix resolved)
+    from mfsdp.checkpoint.convert import read_full
+
+    back, _, _ = read_full(megatron_lm_to_fsdp(tmp_path / "te", tmp_path / "back",
+                                               _config("gelu").to_dict(), progress=False))
+    first, _, _ = read_full(mid)
+    assert back.keys() == first.keys()
+    assert all(torch.equal(back[k], first[k]) for k in first)
+    for argv, message in (
+            (["--bf16"], "--ckpt-format fsdp_dtensor"),
+            (["--ckpt-format", "fsdp_dtensor", "--bf16", "--fp16"], "not both")):
+        with pytest.raises(SystemExit, match=message):
+            main(["--from", "fsdp_dtensor", "--to", "megatron_lm", *argv, str(mid),
+                  str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--ckpt-format chooses"):
+        main(["--from", "megatron_lm", "--to", "fsdp_dtensor", "--ckpt-format", "fsdp_dtensor",
+              str(ROOT / "gelu"), str(tmp_path / "y")])
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

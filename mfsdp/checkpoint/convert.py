@@ -10,6 +10,7 @@ Run as ``mfsdp convert`` or ``python -m mfsdp.checkpoint.convert``::
     mfsdp convert --from fsdp_dtensor --to hf IN HF_DIR [--dtype bf16] [--max-shard-size 5GB]
     mfsdp convert --from megatron_lm --to fsdp_dtensor MLM_DIR OUT --model-config CFG [--weights-only]
     mfsdp convert --from fsdp_dtensor --to megatron_lm IN MLM_DIR [--weights-only]
+    mfsdp convert --from fsdp_dtensor --to megatron_lm IN MLM_DIR --ckpt-format fsdp_dtensor [--bf16]
 
 ``hf`` is a Hugging Face model directory (``config.json`` and safetensors, sharded with an index
 for large models) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads; the model
@@ -27,7 +28,9 @@ The formats (all but safetensors are ``torch.distributed.checkpoint`` directorie
   indices), with ``param_to_param_group_map.json`` naming each position's parameter and group.
 * ``safetensors``: ``model.safetensors`` (weights by mfsdp name, no optimizer) and ``config.json``.
 * ``megatron_lm``: what Megatron-LM's ``--ckpt-format torch_dist`` writes (see
-  :mod:`mfsdp.checkpoint.megatron_lm`); ``--from torch_dist`` recognises it by what is on disk.
+  :mod:`mfsdp.checkpoint.megatron_lm`), and its ``--ckpt-format fsdp_dtensor`` (with
+  ``--use-megatron-fsdp``; see :mod:`mfsdp.checkpoint.megatron_lm_dtensor`): read by what is on
+  disk (``--from torch_dist`` recognises both too), written as ``--ckpt-format`` says.
 
 Checkpoints written by ``mfsdp train`` and by ``--from hf`` also hold ``model_config.json`` (the
 :class:`~mfsdp.models.gpt.GPTConfig`), which ``--to hf`` and ``mfsdp train --load`` read.
@@ -842,6 +845,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="(megatron_lm) leave the optimizer state out, e.g. to read the "
                              "weights of a checkpoint whose distributed-optimizer state is in "
                              "Megatron-LM's dp_reshardable layout")
+    parser.add_argument("--ckpt-format", choices=("torch_dist", "fsdp_dtensor"),
+                        help="(--to megatron_lm) the Megatron-LM checkpoint format to write: "
+                             "torch_dist (default) or fsdp_dtensor, for a Megatron-LM job with "
+                             "--use-megatron-fsdp")
+    parser.add_argument("--bf16", action="store_true",
+                        help="(--to megatron_lm --ckpt-format fsdp_dtensor) the job that loads "
+                             "it trains with --bf16 (its optimizer's keys have one more "
+                             "module. prefix)")
+    parser.add_argument("--fp16", action="store_true",
+                        help="(--to megatron_lm --ckpt-format fsdp_dtensor) the job that loads "
+                             "it trains with --fp16")
+    parser.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
+                        help="(--to megatron_lm --ckpt-format fsdp_dtensor) the loading job's "
+                             "layer spec: transformer_engine (default; norms fused into "
+                             "linear_qkv and linear_fc1) or local")
     parser.add_argument("--no-progress", action="store_true", help="no progress report")
     return parser
 
@@ -854,6 +872,18 @@ def run(args: argparse.Namespace) -> int:
 
     pair = (args.src_format, args.dst_format)
     shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work
+    dtensor_flags = [f for f, on in (("--bf16", args.bf16), ("--fp16", args.fp16),
+                                     ("--transformer-impl", args.transformer_impl)) if on]
+    if args.ckpt_format and pair != ("fsdp_dtensor", "megatron_lm"):
+        raise SystemExit("mfsdp convert: --ckpt-format chooses what --to megatron_lm writes; the "
+                         "input's format is recognised by what is on disk")
+    if dtensor_flags and not (pair == ("fsdp_dtensor", "megatron_lm")
+                              and args.ckpt_format == "fsdp_dtensor"):
+        raise SystemExit(f"mfsdp convert: {', '.join(dtensor_flags)} name the Megatron-LM job "
+                         "that loads an fsdp_dtensor checkpoint: use them with --to megatron_lm "
+                         "--ckpt-format fsdp_dtensor")
+    if args.bf16 and args.fp16:
+        raise SystemExit("mfsdp convert: --bf16 or --fp16, not both")
     megatron_lm = (pair == ("megatron_lm", "fsdp_dtensor")
                    or pair == ("torch_dist", "fsdp_dtensor") and is_megatron_lm(args.input))
     if args.weights_only and "megatron_lm" not in pair and not megatron_lm:
@@ -875,13 +905,26 @@ def run(args: argparse.Namespace) -> int:
         from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
         if model_config is None:
-            raise SystemExit(f"mfsdp convert: {args.input} is a Megatron-LM torch_dist checkpoint; "
+            raise SystemExit(f"mfsdp convert: {args.input} is a Megatron-LM checkpoint; "
                              "name its model with --model-preset or --model-config (Megatron-LM "
                              "keeps its arguments pickled, not as a config mfsdp can read)")
         out = megatron_lm_to_fsdp(args.input, args.output, model_config,
                                   weights_only=args.weights_only, progress=not args.no_progress)
-        print(f"wrote fsdp_dtensor checkpoint {out} from the Megatron-LM torch_dist checkpoint "
+        print(f"wrote fsdp_dtensor checkpoint {out} from the Megatron-LM checkpoint "
               f"{args.input}")
+        return 0
+    if pair == ("fsdp_dtensor", "megatron_lm") and args.ckpt_format == "fsdp_dtensor":
+        from mfsdp.checkpoint.megatron_lm_dtensor import fsdp_to_megatron_lm_dtensor
+
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        out = fsdp_to_megatron_lm_dtensor(src, args.output, model_config,
+                                          weights_only=args.weights_only, precision=precision,
+                                          transformer_impl=(args.transformer_impl
+                                                            or "transformer_engine"),
+                                          progress=not args.no_progress)
+        print(f"wrote Megatron-LM fsdp_dtensor checkpoint {out} (load it with "
+              "--use-megatron-fsdp --ckpt-format fsdp_dtensor"
+              + (f" --{precision}" if precision != "fp32" else "") + ")")
         return 0
     if pair == ("fsdp_dtensor", "megatron_lm"):
         from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm

@@ -1,4 +1,4 @@
-"""Megatron-LM's ``--ckpt-format fsdp_dtensor`` checkpoints (Megatron-LM with ``--use-megatron-fsdp``): read.
+"""Megatron-LM's ``--ckpt-format fsdp_dtensor`` checkpoints (Megatron-LM with ``--use-megatron-fsdp``): read, written.
 
 What Megatron-LM's ``save_checkpoint`` writes for ``fsdp_dtensor``: the tracker and iteration
 directories of ``torch_dist``, but each iteration is a plain ``torch.distributed.checkpoint`` of
@@ -27,8 +27,9 @@ local spec's ``input_layernorm.weight``, Transformer Engine's fused
 dropped.
 
 Checked against checkpoints megatron-core 0.19.2's Megatron-FSDP wrote on two ranks
-(``tests/fixtures/megatron_lm/make_fsdp_dtensor.py``): every weight and Adam moment equal, and
-one more iteration from an imported checkpoint gives megatron-core's next weights.
+(``tests/fixtures/megatron_lm/make_fsdp_dtensor.py``): every weight and Adam moment equal, one
+more iteration from an imported checkpoint gives megatron-core's next weights, and the export of
+an import holds the keys, tensors and objects megatron-core wrote.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ import torch
 
 from mfsdp.checkpoint.io import CheckpointError
 
-__all__ = ["FORMAT", "is_fsdp_dtensor_keys", "megatron_lm_dtensor_to_fsdp", "split_key"]
+__all__ = ["FORMAT", "fsdp_to_megatron_lm_dtensor", "is_fsdp_dtensor_keys",
+           "megatron_lm_dtensor_to_fsdp", "megatron_key", "split_key"]
 
 FORMAT = "megatron_lm_fsdp_dtensor"
 _PREFIX = re.compile(r"^(?:module\.)+")
@@ -233,3 +235,182 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
     specs = {k: specs[k] for k in order}
     return write_streaming(dst, specs, produce, blobs, "fsdp_dtensor",
                            {"source": FORMAT, "backend": "fsdp_dtensor"}, files)
+
+
+_LOCAL_NORMS = {"self_attention.linear_qkv.layer_norm": "input_layernorm",
+                "mlp.linear_fc1.layer_norm": "pre_mlp_layernorm"}
+_SWIGLU_NAME = re.compile(r"(^|\.)linear_fc1\.(weight|bias)$")
+# torch.optim.AdamW's group flags, which megatron-core's groups carry and mfsdp's import drops
+_ADAMW_FLAGS = {"foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                "decoupled_weight_decay": True}
+PRECISIONS = {"bf16": "module.module.module.", "fp16": "module.module.module.",
+              "fp32": "module.module."}
+
+
+def megatron_key(name: str, transformer_impl: str = "transformer_engine") -> str:
+    """The Megatron-LM name of mfsdp parameter ``name`` (without wrapper prefixes), per layer, as
+    the job's layer spec names it: ``transformer_engine`` (Megatron-LM's default) fuses the
+    pre-attention and pre-MLP norms into ``linear_qkv`` and ``linear_fc1``, ``local`` keeps them.
+
+    >>> megatron_key("layers.0.input_layernorm.weight")
+    'decoder.layers.0.self_attention.linear_qkv.layer_norm_weight'
+    >>> megatron_key("layers.0.input_layernorm.weight", "local")
+    'decoder.layers.0.input_layernorm.weight'
+    >>> megatron_key("embedding.weight")
+    'embedding.word_embeddings.weight'
+    """
+    from mfsdp.checkpoint.megatron_lm import _source_key
+
+    if name.startswith("layers."):
+        _, i, rest = name.split(".", 2)
+        rest = rest.replace("mlp.shared_expert.", "mlp.shared_experts.", 1)
+        key = f"decoder.layers.{i}.{rest}"
+        if transformer_impl == "transformer_engine":
+            for fused, local in _LOCAL_NORMS.items():
+                for field in ("weight", "bias"):
+                    if rest == f"{local}.{field}":
+                        key = f"decoder.layers.{i}.{fused}_{field}"
+        return key
+    return _source_key(name, ())[0]
+
+
+def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: dict | None = None,
+                                weights_only: bool = False, precision: str = "fp32",
+                                transformer_impl: str = "transformer_engine",
+                                progress: bool = True) -> Path:
+    """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``--ckpt-format fsdp_dtensor`` checkpoint
+    (``dst`` is the root: ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed
+    (one weight in memory at a time; ``progress`` reports on stderr).
+
+    Megatron-LM loads it by the names of its live, wrapped model, so the names follow the job
+    that will read it: ``precision`` (``bf16``/``fp16`` wrap the model in ``Float16Module``, one
+    more ``module.`` before the optimizer's keys than ``fp32``) and ``transformer_impl`` (the
+    layer spec: Transformer Engine's fused norm names or the local ones). SwiGLU ``linear_fc1``
+    weights are split into ``_w``/``_v`` as megatron-core's ``handle_swiglu_in_state_dict`` does.
+    The optimizer state (Adam) is written by parameter name with its ``step``, and each
+    parameter's group as ``optimizer.param_to_group_meta`` (``wd_mult`` 0 for the group without
+    weight decay; ``max_lr``/``min_lr`` from the schedule); ``args``, ``iteration``,
+    ``checkpoint_version`` and ``opt_param_scheduler`` as Megatron-LM's ``save_checkpoint``
+    stores them. Load it in Megatron-LM with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``.
+    """
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from mfsdp.checkpoint.convert import (MODEL_CONFIG_FILE, DCPSource, _commit_dir,
+                                          _LazyPlanner, _nbytes, _Progress, _ranks, fsdp_source,
+                                          owned_keys, shared_temp_name)
+    from mfsdp.checkpoint.megatron_lm import TRACKER, _args, _decays
+    from mfsdp.models.gpt import GPT, GPTConfig
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose one of {sorted(PRECISIONS)}")
+    if transformer_impl not in ("transformer_engine", "local"):
+        raise ValueError(f"transformer_impl={transformer_impl!r}: choose transformer_engine or "
+                         "local")
+    src, dst = fsdp_source(src, dst)
+    if model_config is None:
+        if not (src / MODEL_CONFIG_FILE).is_file():
+            raise CheckpointError(f"{src} has no {MODEL_CONFIG_FILE}; name the model with "
+                                  "--model-preset or --model-config")
+        model_config = json.loads((src / MODEL_CONFIG_FILE).read_text())
+    cfg = GPTConfig.from_dict(model_config)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    ref = model.state_dict()
+    source = DCPSource(src)
+    extra = source.blob("extra") if "extra" in source.blob_keys else {}
+    iteration = int(extra.get("iteration", 0))
+    groups = (source.blob("optimizer.param_groups")
+              if "optimizer.param_groups" in source.blob_keys and not weights_only else None)
+    # output key -> (mfsdp source key, half: None, 0 or 1)
+    origin: dict[str, tuple[str, int | None]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    params = {n for n, _ in model.named_parameters()}
+    prefix = PRECISIONS[precision]
+    fields: list[str] = []
+    if groups is not None:
+        first = next(n for n in ref if n in params)
+        fields = sorted(k[len(f"optimizer.state.{first}."):] for k in source.tensors
+                        if k.startswith(f"optimizer.state.{first}."))
+        if "exp_avg" not in fields:
+            raise CheckpointError(f"{src}: its optimizer state ({fields}) is not Adam's; "
+                                  "Megatron-FSDP's distributed optimizer is Adam only: write the "
+                                  "weights alone with --weights-only")
+    for name, t in ref.items():
+        if f"model.{name}" not in source.tensors:
+            raise CheckpointError(f"{src} has no weight {name!r} of the model config")
+        mkey = megatron_key(name, transformer_impl)
+        half = cfg.swiglu and _SWIGLU_NAME.search(mkey) is not None
+        targets = [(f"{mkey}_{p}", i) for i, p in enumerate(_PARTS)] if half else [(mkey, None)]
+        for out, i in targets:
+            shape = tuple(t.shape) if i is None else (t.shape[0] // 2, *t.shape[1:])
+            origin[f"model.module.{out}"] = (f"model.{name}", i)
+            shapes[f"model.module.{out}"] = shape
+            if groups is None or name not in params:
+                continue
+            for field in fields:
+                key = f"optimizer.state.{name}.{field}"
+                okey = f"optimizer.state.{prefix}{out}.{field}"
+                origin[okey] = (key, None if field == _STEP else i)
+                shapes[okey] = () if field == _STEP else shape
+    share = owned_keys({k: _nbytes(s, torch.float32) for k, s in shapes.items()})
+    report = _Progress(f"writing {dst.name}",
+                       sum(_nbytes(shapes[k], torch.float32) for k in share), progress)
+
+    def produce(key: str) -> torch.Tensor:
+        name, half = origin[key]
+        t = source.get(name).float()
+        if half is not None:
+            t = t.chunk(2)[half].clone()
+        report(_nbytes(tuple(t.shape), torch.float32))
+        return t
+
+    rank, world = _ranks()
+    state: dict[str, object] = {k: torch.empty(s, dtype=torch.float32, device="meta")
+                                for k, s in shapes.items() if k in share}
+    if rank == 0:
+        scheduler = dict(extra.get("opt_param_scheduler") or {})
+        state.update({"iteration": iteration, "checkpoint_version": 3.0,
+                      "num_floating_point_operations_so_far": 0})
+        args = _args(cfg, None if groups is None else "adam", groups is not None, iteration)
+        args.ckpt_format, args.use_megatron_fsdp = "fsdp_dtensor", True
+        args.bf16, args.fp16 = precision == "bf16", precision == "fp16"
+        args.transformer_impl = transformer_impl
+        state["args"] = args
+        for field, value in scheduler.items():
+            state[f"opt_param_scheduler.{field}"] = value
+        if groups is not None:
+            for name, p in model.named_parameters():
+                g = groups[0 if _decays(name, p) else 1]
+                meta = dict(_ADAMW_FLAGS)
+                meta.update({k: v for k, v in g.items() if k not in ("params", "initial_lr")})
+                meta.update(is_expert_parallel=".mlp.experts." in name, default_config=True,
+                            wd_mult=1.0 if _decays(name, p) else 0.0, lr_mult=1.0,
+                            is_decoupled_lr=False, max_lr=scheduler.get("max_lr", g["lr"]),
+                            min_lr=scheduler.get("min_lr", g["lr"]))
+                mkey = megatron_key(name, transformer_impl)
+                halves = ([f"{mkey}_{p}" for p in _PARTS]
+                          if cfg.swiglu and _SWIGLU_NAME.search(mkey) else [mkey])
+                for out in halves:
+                    for hyper, value in meta.items():
+                        state[f"optimizer.param_to_group_meta.{prefix}{out}.{hyper}"] = value
+    tmp = shared_temp_name(dst.parent, dst.name)
+    tmp_iter = tmp / f"iter_{iteration:07d}"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=FileSystemWriter(str(tmp_iter),
+                                                            single_file_per_rank=True,
+                                                            thread_count=1),
+                     planner=_LazyPlanner(produce, flatten_state_dict=False),
+                     no_dist=world == 1)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _commit_dir(tmp, dst, lambda: (tmp / TRACKER).write_text(str(iteration)))
+    return dst
