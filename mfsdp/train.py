@@ -730,7 +730,7 @@ def _load(args, model, opt, routers, cfg) -> int:
         return 0
     tmp = None
     if root.exists() and resolve_megatron_lm(root) is not None:
-        # Megatron-LM's torch_dist: rank 0 converts it with this job's model config
+        # Megatron-LM's torch_dist or fsdp_dtensor: rank 0 converts it with this job's model config
         directory, _ = resolve_megatron_lm(root)
         tmp = root / f".from-megatron_lm-{directory.name}"
         _convert_on_rank0(tmp, lambda out: megatron_lm_to_fsdp(root, out, cfg.to_dict()))

@@ -320,3 +320,20 @@ def test_export_follows_the_loading_jobs_flags(tmp_path):
         main(["--from", "megatron_lm", "--to", "fsdp_dtensor", "--ckpt-format", "fsdp_dtensor",
               str(ROOT / "gelu"), str(tmp_path / "y")])
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_sgd_state_is_not_exported_to_megatron_fsdp(tmp_path):
+    """Megatron-FSDP runs megatron-core's distributed optimizer, which is Adam only: an SGD
+    checkpoint's export is refused with the fix, and nothing is left behind."""
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+    from mfsdp.checkpoint.megatron_lm_dtensor import fsdp_to_megatron_lm_dtensor
+
+    from test_megatron_lm_checkpoints import _config as dense_config
+
+    mid = megatron_lm_to_fsdp(FIXTURE / "optim" / "sgd", tmp_path / "m",
+                              dense_config().to_dict(), progress=False)
+    with pytest.raises(CheckpointError, match="Adam only.*--weights-only"):
+        fsdp_to_megatron_lm_dtensor(mid, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    out = fsdp_to_megatron_lm_dtensor(mid, tmp_path / "w", weights_only=True, progress=False)
+    assert (out / "iter_0000002" / ".metadata").exists()
