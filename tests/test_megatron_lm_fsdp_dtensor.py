@@ -35,10 +35,13 @@ def _expected(variant: str) -> dict:
 
 
 def _config(variant: str):
-    from mfsdp.models.gpt import GPT_PRESETS, with_overrides
+    from dataclasses import replace
+
+    from mfsdp.models.gpt import GPT_PRESETS
 
     c = _expected(variant)["config"]
-    return with_overrides(GPT_PRESETS["llama-tiny"], num_layers=c["num_layers"],
+    # (replace, not with_overrides, which ignores None: the preset's Llama-3 RoPE scaling off)
+    return replace(GPT_PRESETS["llama-tiny"], num_layers=c["num_layers"],
                           hidden_size=c["hidden_size"], ffn_hidden_size=c["ffn_hidden_size"],
                           num_attention_heads=c["num_attention_heads"],
                           num_query_groups=c["num_query_groups"], vocab_size=c["vocab_size"],

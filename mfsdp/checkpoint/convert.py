@@ -857,9 +857,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="(--to megatron_lm --ckpt-format fsdp_dtensor) the job that loads "
                              "it trains with --fp16")
     parser.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
-                        help="(--to megatron_lm --ckpt-format fsdp_dtensor) the loading job's "
-                             "layer spec: transformer_engine (default; norms fused into "
-                             "linear_qkv and linear_fc1) or local")
+                        help="(--to megatron_lm) the loading job's layer spec: "
+                             "transformer_engine (default) or local; the norms' names differ "
+                             "for fsdp_dtensor, and for torch_dist with multi-latent attention")
     parser.add_argument("--no-progress", action="store_true", help="no progress report")
     return parser
 
@@ -872,8 +872,10 @@ def run(args: argparse.Namespace) -> int:
 
     pair = (args.src_format, args.dst_format)
     shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work
-    dtensor_flags = [f for f, on in (("--bf16", args.bf16), ("--fp16", args.fp16),
-                                     ("--transformer-impl", args.transformer_impl)) if on]
+    dtensor_flags = [f for f, on in (("--bf16", args.bf16), ("--fp16", args.fp16)) if on]
+    if args.transformer_impl and pair != ("fsdp_dtensor", "megatron_lm"):
+        raise SystemExit("mfsdp convert: --transformer-impl names the layer spec of the "
+                         "Megatron-LM job that loads the output of --to megatron_lm")
     if args.ckpt_format and pair != ("fsdp_dtensor", "megatron_lm"):
         raise SystemExit("mfsdp convert: --ckpt-format chooses what --to megatron_lm writes; the "
                          "input's format is recognised by what is on disk")
@@ -930,7 +932,8 @@ def run(args: argparse.Namespace) -> int:
         from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm
 
         out = fsdp_to_megatron_lm(src, args.output, model_config, weights_only=args.weights_only,
-                                  progress=not args.no_progress)
+                                  progress=not args.no_progress,
+                                  transformer_impl=args.transformer_impl or "transformer_engine")
         print(f"wrote Megatron-LM torch_dist checkpoint {out} (load it with --ckpt-format "
               "torch_dist" + ("" if args.weights_only else
                               "; Adam state: --use-distributed-optimizer") + ")")

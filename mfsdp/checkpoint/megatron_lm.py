@@ -52,7 +52,21 @@ __all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "load_megatron_lm"
 FORMAT = "megatron_lm_torch_dist"
 TRACKER = "latest_checkpointed_iteration.txt"
 _FUSED_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm",
-                "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm"}
+                "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm",
+                # multi-latent attention with Transformer Engine: the latents' norms
+                "self_attention.q_layernorm": "self_attention.linear_q_up_proj.layer_norm",
+                "self_attention.kv_layernorm": "self_attention.linear_kv_up_proj.layer_norm"}
+# the fused names of each layer spec megatron-core writes (mfsdp module -> fused in the key):
+# every spec fuses the pre-attention and pre-MLP norms of linear_qkv attention (the local spec
+# by its sharded_state_dict_keys_map); with multi-latent attention the local spec fuses none
+# and Transformer Engine's fuses the latents' norms and the dense MLP's
+_WRITTEN_FUSED = {
+    (False, "transformer_engine"): ("input_layernorm", "pre_mlp_layernorm"),
+    (False, "local"): ("input_layernorm", "pre_mlp_layernorm"),
+    (True, "transformer_engine"): ("self_attention.q_layernorm", "self_attention.kv_layernorm",
+                                   "pre_mlp_layernorm"),
+    (True, "local"): (),
+}
 COMMON = "common_state/shard_0_1"
 # what megatron-core's checkpoint loader allows in common_state besides plain containers
 _SAFE = (argparse.Namespace, types.SimpleNamespace)
@@ -398,16 +412,17 @@ def _decays(name: str, param) -> bool:
     return param.dim() >= 2 and not name.endswith(".bias")
 
 
-def _target_key(name: str, per_layer: bool = False) -> tuple[str, int | None]:
+def _target_key(name: str, per_layer: bool = False, mla: bool = False,
+                transformer_impl: str = "transformer_engine") -> tuple[str, int | None]:
     """The Megatron-LM key megatron-core writes for mfsdp parameter ``name``, and the index
     into it where it stacks: a dense model's layers stacked (``per_layer`` False); otherwise, as
     megatron-core writes a model with MoE layers, one key per layer with the experts stacked.
-    Norms carry Transformer Engine's fused names, as megatron-core writes them for every spec."""
+    Norms carry the fused names megatron-core writes for the spec (``_WRITTEN_FUSED``)."""
     if not name.startswith("layers."):
         return _source_key(name, ())[0], None
     _, i, rest = name.split(".", 2)
     module, _, field = rest.rpartition(".")
-    if module in _FUSED_NORMS:
+    if module in _WRITTEN_FUSED[mla, transformer_impl]:
         rest = f"{_FUSED_NORMS[module]}_{field}"
     rest = rest.replace("mlp.shared_expert.", "mlp.shared_experts.", 1)
     if not per_layer:
@@ -446,7 +461,8 @@ def _args(cfg, optimizer: str | None, distributed: bool, iteration: int):
 
 
 def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | None = None,
-                        weights_only: bool = False, progress: bool = True) -> Path:
+                        weights_only: bool = False, progress: bool = True,
+                        transformer_impl: str = "transformer_engine") -> Path:
     """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``torch_dist`` checkpoint (``dst`` is the root:
     ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed: stacked tensors are
     written one chunk per layer (or expert), as megatron-core writes them, so one weight is in
@@ -462,6 +478,11 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     carries ``args`` (the architecture, ``no_save_rng``), the iteration, the param groups with
     ``step`` and the learning-rate schedule when the checkpoint has one (``mfsdp train`` writes
     it). ``model_config``: for checkpoints without ``model_config.json``.
+
+    ``transformer_impl`` names the loading job's layer spec where the names differ, which is for
+    multi-latent attention only (``local``: every norm by its own name; ``transformer_engine``:
+    the latents' norms as ``linear_q_up_proj.layer_norm_weight`` and
+    ``linear_kv_up_proj.layer_norm_weight``, the dense MLP's fused into ``linear_fc1``).
     """
     import shutil
     import warnings
@@ -482,9 +503,9 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
                                   "--model-preset or --model-config")
         model_config = json.loads((src / MODEL_CONFIG_FILE).read_text())
     cfg = GPTConfig.from_dict(model_config)
-    if cfg.multi_latent_attention:
-        raise CheckpointError("writing Megatron-LM's layout is implemented for attention with "
-                              "linear_qkv; this config has multi-latent attention")
+    if transformer_impl not in ("transformer_engine", "local"):
+        raise ValueError(f"transformer_impl={transformer_impl!r}: choose transformer_engine or "
+                         "local")
     with torch.device("meta"):
         model = GPT(cfg)
     ref = model.state_dict()
@@ -498,7 +519,7 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     for name in ref:
         if f"model.{name}" not in source.tensors:
             raise CheckpointError(f"{src} has no weight {name!r} of the model config")
-        key, index = _target_key(name, per_layer)
+        key, index = _target_key(name, per_layer, cfg.multi_latent_attention, transformer_impl)
         if index is None:
             whole[key] = name
         else:
