@@ -209,8 +209,10 @@ def _optimizer_common(common: dict) -> tuple[list[dict], str | None]:
     inner = opt.get("optimizer", opt)
     groups = inner.get("param_groups") if isinstance(inner, dict) else None
     if groups is None:
-        raise CheckpointError("the checkpoint's optimizer holds no param_groups (a chained "
-                              "optimizer of several parts?); mfsdp reads one optimizer")
+        raise CheckpointError("the checkpoint's optimizer is a chained optimizer of several parts "
+                              "(megatron-core chains one for the experts of an expert-parallel "
+                              "job); mfsdp reads one optimizer: convert the weights alone with "
+                              "--weights-only")
     return groups, layout
 
 
@@ -527,10 +529,6 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     stacks = {k: [v[i] for i in range(len(v))] for k, v in indexed.items()}
     groups = (source.blob("optimizer.param_groups")
               if "optimizer.param_groups" in source.blob_keys and not weights_only else None)
-    if groups is not None and cfg.num_experts:
-        raise CheckpointError("Megatron-LM keeps expert parameters in an optimizer of their own "
-                              "(expert-parallel groups), which mfsdp does not write yet: export "
-                              "this MoE checkpoint with --weights-only")
     fields: list[str] = []
     if groups is not None:
         first = next(iter(ref))
