@@ -546,7 +546,7 @@ def test_moe_optimizer_state_imports_by_name(tmp_path):
     assert [g["weight_decay"] for g in blobs["optimizer.param_groups"]] == [0.1, 0.0]
 
 
-def _moe_third_iteration(path: str) -> dict:
+def _moe_third_iteration(path: str, expected: str = "expected_moe_optim.pt") -> dict:
     """Every rank: mfsdp's sharded MoE GPT and AdamW loaded from megatron-core's checkpoint,
     then the third iteration (one sequence per rank, mean token loss, clipping at 1.0)."""
     import torch.nn.functional as F
@@ -555,7 +555,7 @@ def _moe_third_iteration(path: str) -> dict:
     from mfsdp.checkpoint import load_checkpoint
     from mfsdp.models.gpt import GPT, TransformerLayer
 
-    e = torch.load(FIXTURE / "expected_moe_optim.pt")
+    e = torch.load(FIXTURE / expected)
     torch.manual_seed(1)
     model = GPT(_moe_config())
     params = list(model.named_parameters())
@@ -578,19 +578,62 @@ def _moe_third_iteration(path: str) -> dict:
 
 
 @pytest.mark.slow
-def test_moe_training_goes_on_as_megatron_core_does(tmp_path):
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_training_goes_on_as_megatron_core_does(ep, tmp_path):
     """The MoE checkpoint read by ``load_checkpoint`` on 2 ranks runs the third iteration as
     megatron-core ran it: the loss within 1e-5 and every weight, experts and router included,
     within 1e-4 of the iteration's update (1e-2 for the attention projection, as for the dense
-    model)."""
-    e = torch.load(FIXTURE / "expected_moe_optim.pt")
-    got = launch(_moe_third_iteration, 2, args=(str(MOE_OPTIM),))[0]
+    model). ``ep=2``: written by an expert-parallel job (2 experts per rank, the experts'
+    optimizer chained), read into mfsdp without expert parallelism."""
+    expected = "expected_moe_optim.pt" if ep == 1 else "expected_moe_ep2.pt"
+    e = torch.load(FIXTURE / expected)
+    got = launch(_moe_third_iteration, 2,
+                 args=(str(MOE_OPTIM if ep == 1 else FIXTURE / "optim" / "moe-ep2"),
+                       expected))[0]
     assert abs(got["loss"] - e["loss_3"]) < 1e-5, (got["loss"], e["loss_3"])
     for name, after in got["weights"].items():
         key = next(k for k in e["state_after_2"] if _mcore_name_back(k) == name)
         want, before = e["weights_after_3"][key], e["state_after_2"][key]["param"]
         tol = 1e-2 if "linear_qkv" in name else 1e-4
         assert (after - want).norm() <= tol * (want - before).norm(), name
+
+
+def test_expert_parallel_checkpoint_both_ways(tmp_path):
+    """megatron-core's EP 2 checkpoint (experts stacked globally, the experts' optimizer chained
+    after the dense one): every main weight and moment equal after import; exported for an EP 2
+    job (``expert_model_parallel_size=2``) it is megatron-core's checkpoint again, tensors and
+    both optimizers' groups (``make_ep_fixture.py mcore --load DIR`` has megatron-core at EP 2
+    load the export and run the third iteration bit for bit); exported for EP 1, one optimizer."""
+    from mfsdp.checkpoint.convert import read_full
+    from mfsdp.checkpoint.megatron_lm import (fsdp_to_megatron_lm, megatron_lm_to_fsdp,
+                                              read_common_state)
+
+    src = FIXTURE / "optim" / "moe-ep2"
+    e = torch.load(FIXTURE / "expected_moe_ep2.pt")
+    mid = megatron_lm_to_fsdp(src, tmp_path / "m", _moe_config().to_dict(), progress=False)
+    tensors, _, _ = read_full(mid)
+    for key, want in e["state_after_2"].items():
+        name = _mcore_name_back(key)
+        assert torch.equal(tensors[f"model.{name}"], want["param"]), name
+        for field in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(tensors[f"optimizer.state.{name}.{field}"], want[field]), name
+    out = fsdp_to_megatron_lm(mid, tmp_path / "ep2", progress=False,
+                              expert_model_parallel_size=2)
+    want, got = _dcp_entries(src / "iter_0000002"), _dcp_entries(out / "iter_0000002")
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if torch.is_tensor(value):
+            assert torch.equal(got[key], value), key
+    theirs = want["common_state/shard_0_1"][0]["optimizer"]
+    ours = got["common_state/shard_0_1"][0]["optimizer"]
+    assert sorted(ours) == sorted(theirs) == [0, 1]
+    for i in (0, 1):
+        a, b = ours[i]["optimizer"]["param_groups"], theirs[i]["optimizer"]["param_groups"]
+        assert len(a) == len(b) and all({k: y[k] for k in x} == x for x, y in zip(a, b))
+    assert [g["is_expert_parallel"] for g in ours[1]["optimizer"]["param_groups"]] == [True]
+    one = read_common_state(fsdp_to_megatron_lm(mid, tmp_path / "ep1", progress=False)
+                            / "iter_0000002")["optimizer"]
+    assert len(one["optimizer"]["param_groups"]) == 2
 
 
 def test_stacked_tensors_are_read_and_written_one_layer_at_a_time(tmp_path):

@@ -122,7 +122,8 @@ class _LazyPlanner(DefaultSavePlanner):
 
     def __init__(self, produce, flatten_state_dict: bool = True,
                  split: set[str] | frozenset = frozenset()):
-        super().__init__(flatten_state_dict=flatten_state_dict)
+        # (no ShardedTensor to flatten; flattening them rebuilds nested objects with str keys)
+        super().__init__(flatten_state_dict=flatten_state_dict, flatten_sharded_tensors=False)
         self._produce = produce
         self._split = set(split)
 
@@ -860,6 +861,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="(--to megatron_lm) the loading job's layer spec: "
                              "transformer_engine (default) or local; the norms' names differ "
                              "for fsdp_dtensor, and for torch_dist with multi-latent attention")
+    parser.add_argument("--expert-model-parallel-size", type=int, metavar="N",
+                        help="(--to megatron_lm, torch_dist) the loading job's expert "
+                             "parallelism: above 1, the optimizer's groups are written for "
+                             "megatron-core's chained expert optimizer (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress report")
     return parser
 
@@ -873,6 +878,11 @@ def run(args: argparse.Namespace) -> int:
     pair = (args.src_format, args.dst_format)
     shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work
     dtensor_flags = [f for f, on in (("--bf16", args.bf16), ("--fp16", args.fp16)) if on]
+    if args.expert_model_parallel_size and not (pair == ("fsdp_dtensor", "megatron_lm")
+                                                 and args.ckpt_format != "fsdp_dtensor"):
+        raise SystemExit("mfsdp convert: --expert-model-parallel-size names the expert "
+                         "parallelism of the Megatron-LM job that loads the torch_dist output of "
+                         "--to megatron_lm (fsdp_dtensor's keys do not depend on it)")
     if args.transformer_impl and pair != ("fsdp_dtensor", "megatron_lm"):
         raise SystemExit("mfsdp convert: --transformer-impl names the layer spec of the "
                          "Megatron-LM job that loads the output of --to megatron_lm")
@@ -933,7 +943,8 @@ def run(args: argparse.Namespace) -> int:
 
         out = fsdp_to_megatron_lm(src, args.output, model_config, weights_only=args.weights_only,
                                   progress=not args.no_progress,
-                                  transformer_impl=args.transformer_impl or "transformer_engine")
+                                  transformer_impl=args.transformer_impl or "transformer_engine",
+                                  expert_model_parallel_size=args.expert_model_parallel_size or 1)
         print(f"wrote Megatron-LM torch_dist checkpoint {out} (load it with --ckpt-format "
               "torch_dist" + ("" if args.weights_only else
                               "; Adam state: --use-distributed-optimizer") + ")")

@@ -202,31 +202,44 @@ def read_common_state(directory: str | Path) -> dict:
 
 
 def _optimizer_common(common: dict) -> tuple[list[dict], str | None]:
-    """The saved optimizer's param groups and its state layout (``None``: not distributed)."""
+    """The saved optimizer's param groups and its state layout (``None``: not distributed). A
+    chained optimizer (megatron-core chains one for the experts of an expert-parallel job) is
+    saved as ``{0: part, 1: part, ...}``: the parts' groups, in order."""
     opt = common.get("optimizer") or {}
-    layout = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type",
-                                                          opt.get("param_state_sharding_type"))
-    inner = opt.get("optimizer", opt)
-    groups = inner.get("param_groups") if isinstance(inner, dict) else None
-    if groups is None:
-        raise CheckpointError("the checkpoint's optimizer is a chained optimizer of several parts "
-                              "(megatron-core chains one for the experts of an expert-parallel "
-                              "job); mfsdp reads one optimizer: convert the weights alone with "
-                              "--weights-only")
+    parts = [opt[k] for k in sorted(opt)] if opt and all(isinstance(k, int) for k in opt) else [opt]
+    layout = (common.get("content_metadata") or {}).get(
+        "distrib_optim_sharding_type", parts[0].get("param_state_sharding_type"))
+    groups = []
+    for part in parts:
+        inner = part.get("optimizer", part)
+        found = inner.get("param_groups") if isinstance(inner, dict) else None
+        if found is None:
+            raise CheckpointError("the checkpoint's optimizer holds no param_groups; mfsdp reads "
+                                  "megatron-core's optimizers (one, or chained): convert the "
+                                  "weights alone with --weights-only")
+        groups += found
     return groups, layout
 
 
 def _mfsdp_groups(groups: list[dict], where: Path) -> list[dict]:
     """Megatron-LM's groups -> mfsdp's two (weight decay, then none: dims >= 2 and not a bias,
     the rule both use), by ``wd_mult``."""
-    decay = [g for g in groups if g.get("wd_mult", 1.0) != 0.0]
-    plain = [g for g in groups if g.get("wd_mult", 1.0) == 0.0]
-    odd = [g for g in groups if g.get("is_expert_parallel") or g.get("lr_mult", 1.0) != 1.0
-           or g.get("is_decoupled_lr")]
+    def distinct(found):  # the expert optimizer's groups merge with the dense ones they equal
+        out = []
+        for g in found:
+            h = {k: g[k] for k in _HYPER if k in g}
+            if h not in [{k: o[k] for k in _HYPER if k in o} for o in out]:
+                out.append(g)
+        return out
+
+    decay = distinct([g for g in groups if g.get("wd_mult", 1.0) != 0.0])
+    plain = distinct([g for g in groups if g.get("wd_mult", 1.0) == 0.0])
+    odd = [g for g in groups if g.get("lr_mult", 1.0) != 1.0 or g.get("is_decoupled_lr")]
     if odd or len(decay) > 1 or len(plain) > 1:
-        raise CheckpointError(f"{where}: the optimizer has {len(groups)} parameter groups, some "
-                              "with expert-parallel, lr_mult or decoupled-lr settings; mfsdp "
-                              "reads the two of a dense model (weight decay and none)")
+        raise CheckpointError(f"{where}: the optimizer has {len(groups)} parameter groups with "
+                              "different hyperparameters (lr_mult, decoupled lr, or expert "
+                              "groups unlike the dense ones); mfsdp reads two groups (weight "
+                              "decay and none)")
     base = decay[0] if decay else plain[0]
     out = []
     for found, wd in ((decay, None), (plain, 0.0)):
@@ -464,7 +477,8 @@ def _args(cfg, optimizer: str | None, distributed: bool, iteration: int):
 
 def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | None = None,
                         weights_only: bool = False, progress: bool = True,
-                        transformer_impl: str = "transformer_engine") -> Path:
+                        transformer_impl: str = "transformer_engine",
+                        expert_model_parallel_size: int = 1) -> Path:
     """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``torch_dist`` checkpoint (``dst`` is the root:
     ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed: stacked tensors are
     written one chunk per layer (or expert), as megatron-core writes them, so one weight is in
@@ -485,6 +499,9 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     multi-latent attention only (``local``: every norm by its own name; ``transformer_engine``:
     the latents' norms as ``linear_q_up_proj.layer_norm_weight`` and
     ``linear_kv_up_proj.layer_norm_weight``, the dense MLP's fused into ``linear_fc1``).
+    ``expert_model_parallel_size``: the loading job's; above 1 the optimizer's groups are
+    written as megatron-core's chained optimizer holds them (the routed experts' own optimizer
+    after the dense one), the tensors as they are at any expert parallelism.
     """
     import shutil
     import warnings
@@ -598,14 +615,29 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
         if distributed:
             metadata.update(distrib_optim_sharding_type="fully_reshardable",
                             distrib_optim_fully_reshardable_mem_efficient=False)
-            common["optimizer"] = {"optimizer": {"param_groups": megatron_groups},
-                                   "param_state_sharding_type": "fully_reshardable"}
+
+        def part(found):
+            if distributed:
+                return {"optimizer": {"param_groups": found},
+                        "param_state_sharding_type": "fully_reshardable"}
+            return {"param_groups": found}
+
+        if expert_model_parallel_size > 1 and cfg.num_experts:
+            # megatron-core chains an optimizer for the routed experts: its groups are those
+            # of the experts' parameters, marked expert-parallel
+            in_group = [{0 if _decays(n, p) else 1 for n, p in model.named_parameters()
+                         if (".mlp.experts." in n) == experts} for experts in (False, True)]
+            common["optimizer"] = {
+                0: part([g for i, g in enumerate(megatron_groups) if i in in_group[0]]),
+                1: part([dict(g, is_expert_parallel=True) for i, g in enumerate(megatron_groups)
+                         if i in in_group[1]])}
         else:
-            common["optimizer"] = {"param_groups": megatron_groups}
+            common["optimizer"] = part(megatron_groups)
         if scheduler:
             common["opt_param_scheduler"] = dict(scheduler)
     common["args"] = _args(cfg, None if groups is None else ("adam" if distributed else "sgd"),
                            distributed, iteration)
+    common["args"].expert_model_parallel_size = expert_model_parallel_size
     common["content_metadata"] = metadata
     # as megatron-core stores a ShardedObject: torch.save of [object], not flattened into keys
     state[COMMON] = [common]
