@@ -636,6 +636,46 @@ def test_expert_parallel_checkpoint_both_ways(tmp_path):
     assert len(one["optimizer"]["param_groups"]) == 2
 
 
+@pytest.mark.slow
+@pytest.mark.extended
+def test_trainer_resumes_an_expert_parallel_checkpoint_at_ep2(tmp_path):
+    """``mfsdp train --expert-model-parallel-size 2 --load`` of megatron-core's EP 2 directory:
+    it continues at iteration 3 with the checkpoint's schedule."""
+    import os
+    import re
+
+    c = MOE["config"]
+    shutil.copytree(FIXTURE / "optim" / "moe-ep2", tmp_path / "ckpt")
+    flags = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+             "--disable-bias-linear", "--group-query-attention", "--num-query-groups",
+             str(c["num_query_groups"]), "--num-layers", str(c["num_layers"]), "--hidden-size",
+             str(c["hidden_size"]), "--ffn-hidden-size", str(c["ffn_hidden_size"]),
+             "--num-attention-heads", str(c["num_attention_heads"]), "--vocab-size",
+             str(c["vocab_size"]), "--norm-epsilon", "1e-5", "--rotary-base",
+             str(c["rotary_base"]), "--num-experts", str(c["num_experts"]),
+             "--moe-ffn-hidden-size", str(c["moe_ffn_hidden_size"]), "--moe-router-topk",
+             str(c["moe_router_topk"]), "--moe-first-dense-layers", "1",
+             "--moe-shared-expert-intermediate-size",
+             str(c["moe_shared_expert_intermediate_size"]), "--moe-router-score-function",
+             "sigmoid", "--moe-router-topk-scaling-factor",
+             str(c["moe_router_topk_scaling_factor"]), "--moe-router-num-groups",
+             str(c["moe_router_num_groups"]), "--moe-router-group-topk",
+             str(c["moe_router_group_topk"]), "--moe-router-enable-expert-bias",
+             "--moe-aux-loss-coeff", "0"]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "mfsdp.train", "--use-megatron-fsdp", "--train-iters", "3", "--mock-data",
+           "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+           "--log-interval", "1", "--use-checkpoint-opt_param-scheduler",
+           "--expert-model-parallel-size", "2", "--load", str(tmp_path / "ckpt"), *flags]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from iteration 2" in out.stdout and "EP 2" in out.stdout, out.stdout
+    lr = torch.load(FIXTURE / "expected_moe_ep2.pt")["param_groups"][0][0]["lr"]
+    assert re.findall(r"iteration +(\d+)/3 .*\| lr ([0-9.e+-]+)", out.stdout) == [
+        ("3", f"{lr:.2e}")], out.stdout
+
+
 def test_stacked_tensors_are_read_and_written_one_layer_at_a_time(tmp_path):
     """Reading one layer (or expert) of a stacked tensor equals slicing the whole tensor and
     touches only that layer's chunks; the export writes one chunk per layer and per expert, as
