@@ -6,7 +6,8 @@ in its ``FullyShardedDataParallel`` adapter with the distributed optimizer for t
 and saved it as Megatron-LM's ``save_checkpoint`` does for ``fsdp_dtensor``; it recorded what
 the ranks held (gathered from their shards) and a third iteration. Variants: ``swiglu`` (fp32,
 weights only: megatron-core cannot save a SwiGLU model's optimizer state in this format),
-``gelu`` (fp32, Adam) and ``bf16`` (``--bf16``: one more ``module.`` in the optimizer's keys).
+``gelu`` (fp32, Adam), ``bf16`` (``--bf16``: one more ``module.`` in the optimizer's keys) and
+``moe`` (the MoE model: experts, router with expert bias, shared expert; fp32, Adam).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from mfsdp.launch import launch
 
 FIXTURE = Path(__file__).parent / "fixtures" / "megatron_lm"
 ROOT = FIXTURE / "fsdp_dtensor"
-VARIANTS = ["swiglu", "gelu", "bf16"]
+VARIANTS = ["swiglu", "gelu", "bf16", "moe"]
 
 
 def _expected(variant: str) -> dict:
@@ -36,6 +37,11 @@ def _expected(variant: str) -> dict:
 
 def _config(variant: str):
     from dataclasses import replace
+
+    if variant == "moe":  # the torch_dist MoE fixture's model, with GELU MLPs
+        from test_megatron_lm_checkpoints import _moe_config
+
+        return replace(_moe_config(), swiglu=False)
 
     from mfsdp.models.gpt import GPT_PRESETS
 
@@ -50,9 +56,11 @@ def _config(variant: str):
 
 
 def _ours(mcore: str) -> str:
+    """mfsdp's name for a megatron-core parameter name (the test's own mapping)."""
     from mfsdp.checkpoint.megatron_lm import mfsdp_name
 
-    return mfsdp_name(re.sub(r"^(module\.)+", "", mcore))
+    name = mfsdp_name(re.sub(r"^(module\.)+", "", mcore))
+    return name.replace("mlp.shared_experts.", "mlp.shared_expert.")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -76,7 +84,7 @@ def test_every_tensor_equals_what_megatron_fsdp_held(variant, tmp_path):
     if variant == "swiglu":  # saved with --no-save-optim
         assert not state and "optimizer.param_groups" not in blobs
     else:
-        assert len(state) == 3 * len(weights)
+        assert len(state) == 3 * len(e["optimizer_state"])
         for key, fields in e["optimizer_state"].items():
             for field, want in fields.items():
                 got = state[f"optimizer.state.{_ours(key)}.{field}"]
@@ -259,7 +267,7 @@ def test_sgd_from_the_imported_weights_follows_the_gradient(tmp_path):
 
 
 @pytest.mark.parametrize("variant,precision", [("swiglu", "fp32"), ("gelu", "fp32"),
-                                               ("bf16", "bf16")])
+                                               ("bf16", "bf16"), ("moe", "fp32")])
 def test_export_of_an_import_is_the_checkpoint_megatron_core_wrote(variant, precision, tmp_path):
     """megatron-core's checkpoint -> mfsdp -> Megatron-LM ``fsdp_dtensor`` (for the job that
     wrote it: local layer spec, its precision) gives back its entries: the tracker, every key
