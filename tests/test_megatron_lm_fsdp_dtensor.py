@@ -7,7 +7,9 @@ and saved it as Megatron-LM's ``save_checkpoint`` does for ``fsdp_dtensor``; it 
 the ranks held (gathered from their shards) and a third iteration. Variants: ``swiglu`` (fp32,
 weights only: megatron-core cannot save a SwiGLU model's optimizer state in this format),
 ``gelu`` (fp32, Adam), ``bf16`` (``--bf16``: one more ``module.`` in the optimizer's keys) and
-``moe`` (the MoE model: experts, router with expert bias, shared expert; fp32, Adam).
+``moe`` (the MoE model: experts, router with expert bias, shared expert; fp32, Adam) and
+``moe-ep2`` (the same with expert parallelism 2: each rank two experts, saved under their
+global indices).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from mfsdp.launch import launch
 
 FIXTURE = Path(__file__).parent / "fixtures" / "megatron_lm"
 ROOT = FIXTURE / "fsdp_dtensor"
-VARIANTS = ["swiglu", "gelu", "bf16", "moe"]
+VARIANTS = ["swiglu", "gelu", "bf16", "moe", "moe-ep2"]
 
 
 def _expected(variant: str) -> dict:
@@ -38,7 +40,7 @@ def _expected(variant: str) -> dict:
 def _config(variant: str):
     from dataclasses import replace
 
-    if variant == "moe":  # the torch_dist MoE fixture's model, with GELU MLPs
+    if variant.startswith("moe"):  # the torch_dist MoE fixture's model, with GELU MLPs
         from test_megatron_lm_checkpoints import _moe_config
 
         return replace(_moe_config(), swiglu=False)
@@ -267,7 +269,8 @@ def test_sgd_from_the_imported_weights_follows_the_gradient(tmp_path):
 
 
 @pytest.mark.parametrize("variant,precision", [("swiglu", "fp32"), ("gelu", "fp32"),
-                                               ("bf16", "bf16"), ("moe", "fp32")])
+                                               ("bf16", "bf16"), ("moe", "fp32"),
+                                               ("moe-ep2", "fp32")])
 def test_export_of_an_import_is_the_checkpoint_megatron_core_wrote(variant, precision, tmp_path):
     """megatron-core's checkpoint -> mfsdp -> Megatron-LM ``fsdp_dtensor`` (for the job that
     wrote it: local layer spec, its precision) gives back its entries: the tracker, every key

@@ -862,11 +862,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "transformer_engine (default) or local; the norms' names differ "
                              "for fsdp_dtensor, and for torch_dist with multi-latent attention")
     parser.add_argument("--expert-model-parallel-size", type=int, metavar="N",
-                        help="(--to megatron_lm) the loading job's expert parallelism: above "
-                             "1, the optimizer's groups are written as megatron-core keeps them "
-                             "then (torch_dist: a chained optimizer for the experts; "
-                             "fsdp_dtensor: the experts' groups marked expert-parallel); "
-                             "default 1")
+                        help="(--to megatron_lm, torch_dist) the loading job's expert "
+                             "parallelism: above 1, the optimizer's groups are written for "
+                             "megatron-core's chained expert optimizer (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress report")
     return parser
 
@@ -880,10 +878,11 @@ def run(args: argparse.Namespace) -> int:
     pair = (args.src_format, args.dst_format)
     shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work
     dtensor_flags = [f for f, on in (("--bf16", args.bf16), ("--fp16", args.fp16)) if on]
-    if args.expert_model_parallel_size and pair != ("fsdp_dtensor", "megatron_lm"):
+    if args.expert_model_parallel_size and not (pair == ("fsdp_dtensor", "megatron_lm")
+                                                 and args.ckpt_format != "fsdp_dtensor"):
         raise SystemExit("mfsdp convert: --expert-model-parallel-size names the expert "
-                         "parallelism of the Megatron-LM job that loads the output of "
-                         "--to megatron_lm")
+                         "parallelism of the Megatron-LM job that loads the torch_dist output "
+                         "of --to megatron_lm (an fsdp_dtensor checkpoint serves any)")
     if args.transformer_impl and pair != ("fsdp_dtensor", "megatron_lm"):
         raise SystemExit("mfsdp convert: --transformer-impl names the layer spec of the "
                          "Megatron-LM job that loads the output of --to megatron_lm")
@@ -934,9 +933,7 @@ def run(args: argparse.Namespace) -> int:
                                           weights_only=args.weights_only, precision=precision,
                                           transformer_impl=(args.transformer_impl
                                                             or "transformer_engine"),
-                                          progress=not args.no_progress,
-                                          expert_model_parallel_size=(
-                                              args.expert_model_parallel_size or 1))
+                                          progress=not args.no_progress)
         print(f"wrote Megatron-LM fsdp_dtensor checkpoint {out} (load it with "
               "--use-megatron-fsdp --ckpt-format fsdp_dtensor"
               + (f" --{precision}" if precision != "fp32" else "") + ")")

@@ -277,8 +277,7 @@ def megatron_key(name: str, transformer_impl: str = "transformer_engine") -> str
 def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: dict | None = None,
                                 weights_only: bool = False, precision: str = "fp32",
                                 transformer_impl: str = "transformer_engine",
-                                progress: bool = True,
-                                expert_model_parallel_size: int = 1) -> Path:
+                                progress: bool = True) -> Path:
     """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``--ckpt-format fsdp_dtensor`` checkpoint
     (``dst`` is the root: ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed
     (one weight in memory at a time; ``progress`` reports on stderr).
@@ -293,8 +292,8 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
     weight decay; ``max_lr``/``min_lr`` from the schedule); ``args``, ``iteration``,
     ``checkpoint_version`` and ``opt_param_scheduler`` as Megatron-LM's ``save_checkpoint``
     stores them. Load it in Megatron-LM with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``.
-    ``expert_model_parallel_size``: the loading job's (megatron-core marks the routed experts'
-    groups expert-parallel above 1).
+    The same checkpoint serves any expert parallelism: expert keys carry global indices and
+    Megatron-FSDP's one optimizer marks no group expert-parallel, at EP 1 as at EP 2.
     """
     import shutil
     import warnings
@@ -391,9 +390,7 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
                 g = groups[0 if _decays(name, p) else 1]
                 meta = dict(_ADAMW_FLAGS)
                 meta.update({k: v for k, v in g.items() if k not in ("params", "initial_lr")})
-                meta.update(is_expert_parallel=(".mlp.experts." in name
-                                                and expert_model_parallel_size > 1),
-                            default_config=True,
+                meta.update(is_expert_parallel=False, default_config=True,
                             wd_mult=1.0 if _decays(name, p) else 0.0, lr_mult=1.0,
                             is_decoupled_lr=False, max_lr=scheduler.get("max_lr", g["lr"]),
                             min_lr=scheduler.get("min_lr", g["lr"]))
