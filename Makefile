@@ -3,7 +3,8 @@
 #   make test   run the test suite (unit, multi-rank, the guide's doctests), under 25 minutes
 #   make test-extended   the long cross-checks (the strict docs build with every recipe and the
 #                        browser checks, 8-rank EP with HSDP, the 1 GiB streaming conversion,
-#                        preemption under Slurm, conversion over torchrun ranks); CI runs both
+#                        the smoke script and preemption under Slurm, conversion over torchrun
+#                        ranks, a Megatron-LM EP 2 checkpoint resumed at EP 2); CI runs both
 # Both create .venv when it is missing.
 
 PYTHON ?= python3

@@ -145,12 +145,39 @@ def test_optimizer_state_imports_by_name(kind, tmp_path):
     assert blobs["extra"]["opt_param_scheduler"] == e["scheduler"] | {"num_steps": 2}
 
 
+def iteration_3(sharded, opt, e: dict) -> dict:
+    """Megatron-LM's third iteration on this rank: its sequence of the recorded batch, mean
+    token loss, gradient clipping at 1.0, one optimizer step. Returns the loss averaged over the
+    ranks and the gradient norm."""
+    import torch.nn.functional as F
+
+    r = dist.get_rank()
+    tokens, labels = e["tokens"][r], e["labels"][r]
+    S = tokens.numel()
+    loss = F.cross_entropy(sharded(tokens, torch.tensor([0, S])).view(S, -1).float(), labels)
+    loss.backward()
+    total = torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1.0)
+    opt.step()
+    losses = [None] * dist.get_world_size()
+    dist.all_gather_object(losses, loss.item())
+    return {"loss": sum(losses) / len(losses), "grad_norm": float(total)}
+
+
+def assert_same_tensors(want_dir: Path, got_dir: Path) -> tuple[dict, dict]:
+    """Both DCP directories' entries (:func:`_dcp_entries`), having checked that they hold the
+    same keys and every tensor bit for bit with its dtype."""
+    want, got = _dcp_entries(want_dir), _dcp_entries(got_dir)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if torch.is_tensor(value):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    return want, got
+
+
 def _third_iteration(kind: str, path: str, strategy: str) -> dict:
     """Every rank: mfsdp's sharded model and a torch optimizer loaded from the imported
     checkpoint, then Megatron-LM's third iteration: the batch's two sequences, one per rank, mean
     token loss, gradient clipping at 1.0, one optimizer step."""
-    import torch.nn.functional as F
-
     from mfsdp import fully_shard
     from mfsdp.checkpoint import load_checkpoint
     from mfsdp.models.gpt import GPT, TransformerLayer
@@ -166,18 +193,8 @@ def _third_iteration(kind: str, path: str, strategy: str) -> dict:
     sharded, opt = fully_shard(model, opt, fsdp_unit_modules=[TransformerLayer],
                                zero_dp_strategy=strategy)
     load_checkpoint(path, sharded, opt)
-    r = dist.get_rank()
-    tokens, labels = e["tokens"][r], e["labels"][r]
-    S = tokens.numel()
-    logits = sharded(tokens, torch.tensor([0, S]))
-    loss = F.cross_entropy(logits.view(S, -1).float(), labels)
-    loss.backward()
-    total = torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1.0)
-    opt.step()
-    losses = [None] * dist.get_world_size()
-    dist.all_gather_object(losses, loss.item())
-    return {"weights": {k: v.clone() for k, v in sharded.full_parameters().items()},
-            "loss": sum(losses) / len(losses), "grad_norm": float(total)}
+    done = iteration_3(sharded, opt, e)
+    return {"weights": {k: v.clone() for k, v in sharded.full_parameters().items()}, **done}
 
 
 @pytest.mark.slow
@@ -434,13 +451,10 @@ def test_moe_export_of_an_import_is_the_checkpoint_megatron_core_wrote(tmp_path)
     mid = megatron_lm_to_fsdp(FIXTURE / "moe" / "ckpt", tmp_path / "mfsdp",
                               _moe_config().to_dict())
     out = fsdp_to_megatron_lm(mid, tmp_path / "megatron")
-    want = _dcp_entries(FIXTURE / "moe" / "ckpt" / "iter_0000003")
-    got = _dcp_entries(out / "iter_0000003")
-    assert sorted(got) == sorted(want)
+    want, got = assert_same_tensors(FIXTURE / "moe" / "ckpt" / "iter_0000003",
+                                    out / "iter_0000003")
     for key, value in want.items():
-        if torch.is_tensor(value):
-            assert torch.equal(got[key], value), key
-        elif key != "common_state/shard_0_1":
+        if not torch.is_tensor(value) and key != "common_state/shard_0_1":
             assert got[key] == value, key
     assert got["common_state/shard_0_1"][0]["iteration"] == 3
 
@@ -504,12 +518,7 @@ def test_multi_latent_attention_export_of_an_import_is_the_checkpoint(tmp_path):
     mid = megatron_lm_to_fsdp(FIXTURE / "mla" / "ckpt", tmp_path / "mfsdp",
                               _mla_config().to_dict(), progress=False)
     out = fsdp_to_megatron_lm(mid, tmp_path / "local", transformer_impl="local", progress=False)
-    want = _dcp_entries(FIXTURE / "mla" / "ckpt" / "iter_0000005")
-    got = _dcp_entries(out / "iter_0000005")
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        if torch.is_tensor(value):
-            assert torch.equal(got[key], value), key
+    assert_same_tensors(FIXTURE / "mla" / "ckpt" / "iter_0000005", out / "iter_0000005")
     te = fsdp_to_megatron_lm(mid, tmp_path / "te", progress=False)
     keys = set(DCPSource(te / "iter_0000005").tensors)
     assert "decoder.layers.self_attention.linear_q_up_proj.layer_norm_weight" in keys
@@ -549,7 +558,6 @@ def test_moe_optimizer_state_imports_by_name(tmp_path):
 def _moe_third_iteration(path: str, expected: str = "expected_moe_optim.pt") -> dict:
     """Every rank: mfsdp's sharded MoE GPT and AdamW loaded from megatron-core's checkpoint,
     then the third iteration (one sequence per rank, mean token loss, clipping at 1.0)."""
-    import torch.nn.functional as F
 
     from mfsdp import fully_shard
     from mfsdp.checkpoint import load_checkpoint
@@ -564,17 +572,9 @@ def _moe_third_iteration(path: str, expected: str = "expected_moe_optim.pt") -> 
     sharded, opt = fully_shard(model, torch.optim.AdamW(groups, lr=1.0),
                                fsdp_unit_modules=[TransformerLayer])
     load_checkpoint(path, sharded, opt)
-    r = dist.get_rank()
-    tokens, labels = e["tokens"][r], e["labels"][r]
-    S = tokens.numel()
-    loss = F.cross_entropy(sharded(tokens, torch.tensor([0, S])).view(S, -1).float(), labels)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1.0)
-    opt.step()
-    losses = [None] * dist.get_world_size()
-    dist.all_gather_object(losses, loss.item())
+    loss = iteration_3(sharded, opt, e)["loss"]
     return {"weights": {k: v.clone() for k, v in sharded.full_parameters().items()},
-            "loss": sum(losses) / len(losses)}
+            "loss": loss}
 
 
 @pytest.mark.slow
@@ -619,11 +619,7 @@ def test_expert_parallel_checkpoint_both_ways(tmp_path):
             assert torch.equal(tensors[f"optimizer.state.{name}.{field}"], want[field]), name
     out = fsdp_to_megatron_lm(mid, tmp_path / "ep2", progress=False,
                               expert_model_parallel_size=2)
-    want, got = _dcp_entries(src / "iter_0000002"), _dcp_entries(out / "iter_0000002")
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        if torch.is_tensor(value):
-            assert torch.equal(got[key], value), key
+    want, got = assert_same_tensors(src / "iter_0000002", out / "iter_0000002")
     theirs = want["common_state/shard_0_1"][0]["optimizer"]
     ours = got["common_state/shard_0_1"][0]["optimizer"]
     assert sorted(ours) == sorted(theirs) == [0, 1]
@@ -732,7 +728,7 @@ def _convert_on_ranks(root: str) -> list[str]:
 def test_conversion_spreads_over_ranks(tmp_path):
     """Under ``torchrun`` (and ``launch``) every rank converts a share of the tensors: the files
     of both ranks make the same checkpoint as one process does, and the command line runs so."""
-    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
     files = launch(_convert_on_ranks, 2, args=(str(tmp_path / "two"),))[0]
     assert "__0_0.distcp" in files and "__1_0.distcp" in files  # both ranks wrote

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from mfsdp.checkpoint.io import CheckpointError
 from mfsdp.launch import launch
@@ -178,11 +177,10 @@ def _third_iteration(path: str, strategy: str, optimizer: str) -> dict:
     token loss, clipping at 1.0, one step. ``optimizer="sgd"`` loads the weights only and takes
     a plain SGD step (megatron-core's distributed optimizer, which Megatron-FSDP needs, is Adam
     only): the gradient itself, unnormalised."""
-    import torch.nn.functional as F
-
     from mfsdp import fully_shard
     from mfsdp.checkpoint import load_checkpoint
     from mfsdp.models.gpt import GPT, TransformerLayer
+    from test_megatron_lm_checkpoints import iteration_3
 
     e = _expected("gelu")
     torch.manual_seed(1)  # other initial values: the checkpoint must replace them all
@@ -197,19 +195,9 @@ def _third_iteration(path: str, strategy: str, optimizer: str) -> dict:
                                zero_dp_strategy=strategy)
     load_checkpoint(path, sharded, opt if optimizer == "adam" else None)
     before = {k: v.clone() for k, v in sharded.full_parameters().items()}
-    r = dist.get_rank()
-    tokens, labels = e["tokens"][r], e["labels"][r]
-    S = tokens.numel()
-    logits = sharded(tokens, torch.tensor([0, S]))
-    loss = F.cross_entropy(logits.view(S, -1).float(), labels)
-    loss.backward()
-    total = torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1.0)
-    opt.step()
-    losses = [None] * dist.get_world_size()
-    dist.all_gather_object(losses, loss.item())
+    done = iteration_3(sharded, opt, e)
     return {"before": before, "weights": {k: v.clone() for k, v in
-                                          sharded.full_parameters().items()},
-            "loss": sum(losses) / len(losses), "grad_norm": float(total)}
+                                          sharded.full_parameters().items()}, **done}
 
 
 @pytest.mark.slow

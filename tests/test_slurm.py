@@ -48,6 +48,7 @@ def _submit(cluster: Cluster, script: Path, workdir: Path) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr + "\n" + text
 
 
+@pytest.mark.extended
 def test_cpu_smoke_script_trains_under_slurm(cluster, tmp_path):
     rc, log = _submit(cluster, SCRIPTS / "cpu-smoke.sbatch", tmp_path)
     assert rc == 0, f"job failed:\n{log[-4000:]}\n{cluster.log_tail()}"

@@ -47,7 +47,8 @@ import torch
 from mfsdp.checkpoint.io import CheckpointError
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "load_megatron_lm",
-           "megatron_lm_to_fsdp", "mfsdp_name", "read_common_state", "resolve_megatron_lm"]
+           "megatron_lm_to_fsdp", "mfsdp_name", "read_common_state", "resolve_megatron_lm",
+           "write_iteration"]
 
 FORMAT = "megatron_lm_torch_dist"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -503,16 +504,8 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     written as megatron-core's chained optimizer holds them (the routed experts' own optimizer
     after the dense one), the tensors as they are at any expert parallelism.
     """
-    import shutil
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    from mfsdp.checkpoint.convert import (MODEL_CONFIG_FILE, DCPSource, _commit_dir,
-                                          _LazyPlanner, _nbytes, _Progress, _ranks, owned_keys,
-                                          shared_temp_name)
-    from mfsdp.checkpoint.convert import fsdp_source
+    from mfsdp.checkpoint.convert import (MODEL_CONFIG_FILE, DCPSource, _nbytes, _Progress,
+                                          _ranks, fsdp_source, owned_keys)
     from mfsdp.models.gpt import GPT, GPTConfig
 
     src, dst = fsdp_source(src, dst)
@@ -643,6 +636,28 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     state[COMMON] = [common]
     if rank != 0:
         state.pop(COMMON)
+    write_iteration(dst, iteration, state, produce,
+                    split={k for k, (_, n) in origin.items() if not isinstance(n, str)},
+                    metadata_json={"sharded_backend": "torch_dist", "sharded_backend_version": 1})
+    return dst
+
+
+def write_iteration(dst: Path, iteration: int, state: dict, produce, split=frozenset(),
+                    metadata_json: dict | None = None) -> None:
+    """Write ``state`` (meta tensors made by ``produce`` as the writer asks; objects) as the
+    Megatron-LM checkpoint ``dst``: ``iter_XXXXXXX/`` (one file per rank, with ``metadata.json``
+    when given) and the tracker, in a temporary directory renamed into place when complete, so
+    that a failure leaves nothing behind. Every rank of
+    :class:`mfsdp.checkpoint.convert.spread_over_ranks` calls it."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from mfsdp.checkpoint.convert import _commit_dir, _LazyPlanner, _ranks, shared_temp_name
+
+    rank, world = _ranks()
     tmp = shared_temp_name(dst.parent, dst.name)
     tmp_iter = tmp / f"iter_{iteration:07d}"
     try:
@@ -651,9 +666,7 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
             dcp.save(state, storage_writer=FileSystemWriter(str(tmp_iter),
                                                             single_file_per_rank=True,
                                                             thread_count=1),
-                     planner=_LazyPlanner(produce, flatten_state_dict=False,
-                                          split={k for k, (_, n) in origin.items()
-                                                 if not isinstance(n, str)}),
+                     planner=_LazyPlanner(produce, flatten_state_dict=False, split=split),
                      no_dist=world == 1)
     except BaseException:
         if rank == 0:
@@ -661,12 +674,11 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
         raise
 
     def finish() -> None:
-        (tmp_iter / "metadata.json").write_text(
-            json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+        if metadata_json is not None:
+            (tmp_iter / "metadata.json").write_text(json.dumps(metadata_json))
         (tmp / TRACKER).write_text(str(iteration))
 
     _commit_dir(tmp, dst, finish)
-    return dst
 
 
 def load_megatron_lm(path: str | Path, model, optimizer=None) -> dict:

@@ -295,16 +295,9 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
     The same checkpoint serves any expert parallelism: expert keys carry global indices and
     Megatron-FSDP's one optimizer marks no group expert-parallel, at EP 1 as at EP 2.
     """
-    import shutil
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    from mfsdp.checkpoint.convert import (MODEL_CONFIG_FILE, DCPSource, _commit_dir,
-                                          _LazyPlanner, _nbytes, _Progress, _ranks, fsdp_source,
-                                          owned_keys, shared_temp_name)
-    from mfsdp.checkpoint.megatron_lm import TRACKER, _args, _decays
+    from mfsdp.checkpoint.convert import (MODEL_CONFIG_FILE, DCPSource, _nbytes, _Progress,
+                                          _ranks, fsdp_source, owned_keys)
+    from mfsdp.checkpoint.megatron_lm import _args, _decays, write_iteration
     from mfsdp.models.gpt import GPT, GPTConfig
 
     if precision not in PRECISIONS:
@@ -400,19 +393,5 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
                 for out in halves:
                     for hyper, value in meta.items():
                         state[f"optimizer.param_to_group_meta.{prefix}{out}.{hyper}"] = value
-    tmp = shared_temp_name(dst.parent, dst.name)
-    tmp_iter = tmp / f"iter_{iteration:07d}"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, storage_writer=FileSystemWriter(str(tmp_iter),
-                                                            single_file_per_rank=True,
-                                                            thread_count=1),
-                     planner=_LazyPlanner(produce, flatten_state_dict=False),
-                     no_dist=world == 1)
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _commit_dir(tmp, dst, lambda: (tmp / TRACKER).write_text(str(iteration)))
+    write_iteration(dst, iteration, state, produce)
     return dst
