@@ -339,3 +339,31 @@ def test_sgd_state_is_not_exported_to_megatron_fsdp(tmp_path):
     assert not (tmp_path / "out").exists()
     out = fsdp_to_megatron_lm_dtensor(mid, tmp_path / "w", weights_only=True, progress=False)
     assert (out / "iter_0000002" / ".metadata").exists()
+
+
+def _convert_on_ranks(root: str) -> list[str]:
+    """Every rank: both fsdp_dtensor conversions, each rank writing its share of the tensors."""
+    from mfsdp.checkpoint.convert import spread_over_ranks
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+    from mfsdp.checkpoint.megatron_lm_dtensor import fsdp_to_megatron_lm_dtensor
+
+    with spread_over_ranks():
+        mid = megatron_lm_to_fsdp(ROOT / "gelu", f"{root}/mfsdp", _config("gelu").to_dict(),
+                                  progress=False)
+        fsdp_to_megatron_lm_dtensor(mid, f"{root}/megatron", transformer_impl="local",
+                                    progress=False)
+    return sorted(p.name for p in Path(root, "megatron", "iter_0000002").iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_conversions_spread_over_ranks(tmp_path):
+    """Within ``spread_over_ranks`` (what ``mfsdp convert`` under ``torchrun`` enters) both
+    ranks write their share, and the round trip through two ranks is megatron-core's
+    checkpoint again, tensor for tensor."""
+    from test_megatron_lm_checkpoints import assert_same_tensors
+
+    files = launch(_convert_on_ranks, 2, args=(str(tmp_path / "two"),))[0]
+    assert "__0_0.distcp" in files and "__1_0.distcp" in files  # both ranks wrote
+    assert_same_tensors(ROOT / "gelu" / "iter_0000002",
+                        tmp_path / "two" / "megatron" / "iter_0000002")
