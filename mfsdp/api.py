@@ -300,8 +300,8 @@ def fully_shard_model(
         if recursive and isinstance(m, recursive):
             model.gather_recursively(m)
     ref = weakref.ref(model)
-    for new in model._new_params.values():
-        new._mfsdp_model = ref
+    for sp in model._sparams:
+        sp.sharded._mfsdp_model = ref
     for old in model._original_params:
         _OLD_OWNERS[id(old)] = (weakref.ref(old), ref)
     del model._original_params  # the model must not keep the originals alive

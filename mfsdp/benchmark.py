@@ -38,11 +38,16 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["LLAMA_1B", "SYSTEMS", "bench_memory", "bench_time", "build_parser", "loopback_bytes",
-           "main", "model_flops_per_token", "plot", "profile_step", "run_benchmark", "table"]
+           "main", "model_flops_per_token", "phases_table", "plot", "profile_step", "run_benchmark",
+           "step_phases", "table"]
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2-no-reshard", "mfsdp-no_shard", "mfsdp-optim",
            "mfsdp-optim_grads", "mfsdp-optim_grads_params")
 OPTIONAL_SYSTEMS = ("megatron_fsdp",)  # upstream Megatron-FSDP, ZeRO-3, when installed
+# Not a system but a bound: each rank trains the whole model on its own batch, with no
+# communication at all, and steps AdamW on 1/N of the parameters (the work ZeRO-3's optimizer
+# does). No data-parallel system can take less time than this on the same machine.
+FLOOR_SYSTEMS = ("no-comm",)
 DEFAULTS = dict(dim=512, hidden=1408, blocks=6, local_batch=16, warmup=2, rounds=8, lr=1e-3,
                 seed=0, model="toy", seq_length=64, vocab_size=2048, heads=6, kv_heads=None,
                 device="cpu", bf16=False, peak_tflops=989.0)
@@ -117,6 +122,18 @@ def _device(cfg: dict) -> torch.device:
     return torch.device("cpu")
 
 
+class _FloorOptimizer(torch.optim.AdamW):
+    """AdamW over a subset of ``model``'s parameters whose ``zero_grad`` clears them all (the
+    ``no-comm`` bound: the others' gradients are computed and dropped, as a shard's would be)."""
+
+    def __init__(self, model: torch.nn.Module, params, lr: float):
+        super().__init__(params, lr=lr)
+        self._model = model
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._model.zero_grad(set_to_none=set_to_none)
+
+
 def _build(system: str, cfg: dict):
     """(model, optimizer) of one system, built from the same seed on the configured device.
 
@@ -129,6 +146,9 @@ def _build(system: str, cfg: dict):
     with device:
         model, unit = _model(cfg)
     lr = cfg["lr"]
+    if system == "no-comm":
+        params = list(model.parameters())
+        return model, _FloorOptimizer(model, params[dist.get_rank()::dist.get_world_size()], lr=lr)
     if system == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -315,6 +335,50 @@ def profile_step(system: str, cfg: dict | None = None, steps: int = 3, top: int 
     return prof.key_averages().table(sort_by=sort, row_limit=top)
 
 
+def step_phases(system: str, cfg: dict | None = None) -> dict:
+    """Median milliseconds of a step's phases for ``system`` (run in every rank; the ranks meet at
+    a barrier before each step): ``forward`` (to the loss), ``backward`` (``loss.backward()``,
+    with the reductions it waits for), ``optimizer`` (the step, and for mfsdp ZeRO-1/2 the weights'
+    all-gather it waits for) and ``step``. Host clock: CPU only."""
+    cfg = dict(DEFAULTS, **(cfg or {}))
+    model, opt = _build(system, cfg)
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": [], "step": []}
+    for r in range(cfg["warmup"] + cfg["rounds"]):
+        x, y = _batch(cfg, r)
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        if hasattr(model, "wait_param_sync"):
+            model.wait_param_sync()
+        loss.item()
+        t3 = time.perf_counter()
+        if r >= cfg["warmup"]:
+            for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                phases[k].append(v)
+    return {k: statistics.median(v) * 1e3 for k, v in phases.items()}
+
+
+def phases_table(rows: dict[str, dict], world: int) -> str:
+    """The table of :func:`step_phases` results (slowest rank per phase), one system per line.
+
+    >>> print(phases_table({"ddp": dict(forward=80, backward=210, optimizer=35, step=325)}, 2))
+    2 ranks; median ms per phase (slowest rank)
+    system                      forward backward optimizer     step
+    ddp                            80.0    210.0      35.0    325.0
+    """
+    lines = [f"{world} ranks; median ms per phase (slowest rank)",
+             f"{'system':<26} {'forward':>8} {'backward':>8} {'optimizer':>9} {'step':>8}"]
+    for s, v in rows.items():
+        lines.append(f"{s:<26} {v['forward']:8.1f} {v['backward']:8.1f} {v['optimizer']:9.1f} "
+                     f"{v['step']:8.1f}")
+    return "\n".join(lines)
+
+
 def run_benchmark(world_sizes=(2, 4), systems=SYSTEMS, cfg: dict | None = None,
                   memory: bool = True, progress=print) -> dict:
     """Both passes for each world size; returns ``{world: {"time": ..., "memory": ...}}``."""
@@ -373,8 +437,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         parser = argparse.ArgumentParser(prog="mfsdp bench", description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4],
                         help="ranks to benchmark with (default: 2 4)")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS + OPTIONAL_SYSTEMS,
-                        default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS + OPTIONAL_SYSTEMS + FLOOR_SYSTEMS,
+                        default=list(SYSTEMS),
+                        help="systems to time (default: all but megatron_fsdp, which needs "
+                        "upstream's package, and no-comm: the machine's floor, every rank "
+                        "training alone with no communication)")
     parser.add_argument("--model", choices=("toy", "gpt", "llama", "llama-1b"),
                         default=DEFAULTS["model"],
                         help="toy: residual MLP blocks on vectors; gpt: a GPT on token sequences; "
@@ -416,6 +483,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--profile", metavar="SYSTEM", choices=SYSTEMS,
                         help="instead: print torch.profiler's table for SYSTEM on the first world "
                         "size")
+    parser.add_argument("--phases", action="store_true",
+                        help="instead: median forward, backward and optimizer-step time of each "
+                        "of --systems on the first world size (one system at a time)")
     return parser
 
 
@@ -504,6 +574,21 @@ def run(args: argparse.Namespace) -> int:
         print(launch("mfsdp.benchmark:profile_step", args.world_sizes[0],
                      args=(args.profile, cfg), timeout=900,
                      backend="nccl" if args.device == "cuda" else "gloo")[0])
+        return 0
+    if args.phases:
+        if args.device == "cuda":
+            raise SystemExit("mfsdp bench --phases: host timers cannot split a GPU step into "
+                             "phases (the host runs ahead); use --profile on CUDA")
+        from mfsdp.launch import launch
+
+        rows = {}
+        for s in args.systems:
+            print(f"[bench] {args.world_sizes[0]} ranks: phases of {s} ...", file=sys.stderr,
+                  flush=True)
+            per_rank = launch("mfsdp.benchmark:step_phases", args.world_sizes[0], args=(s, cfg),
+                              timeout=900)
+            rows[s] = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+        print(phases_table(rows, args.world_sizes[0]))
         return 0
     results = run_benchmark(tuple(args.world_sizes), tuple(args.systems), cfg,
                             memory=not args.no_memory,

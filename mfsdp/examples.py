@@ -152,3 +152,19 @@ def meta_init_transformers_llama() -> dict:
             "norm_is_ones": bool((full["model.norm.weight"] == 1).all()),
             "inv_freq_equal": torch.equal(dict(model.named_buffers())["model.rotary_emb.inv_freq"],
                                           dict(eager.named_buffers())["model.rotary_emb.inv_freq"])}
+
+
+def describe_units() -> dict:
+    """Who owns what in a sharded model (the guide's architecture notes): the units, the
+    parameters and buckets one unit owns, and the order in which the reducer launches the
+    gradient buckets (the reverse of construction order, on every rank)."""
+    import mfsdp
+    from mfsdp.models import Block, ToyModel
+
+    torch.manual_seed(0)
+    model = mfsdp.fully_shard_model(ToyModel(dim=8, hidden=16, num_blocks=2),
+                                    fsdp_unit_modules=[Block])
+    block = model.unit_by_name["blocks.0"]
+    return {"units": [repr(u) for u in model.units],
+            "blocks.0 parameters": [sp.name for sp in block.params],
+            "reduction order": [b.unit or "(root)" for b in model.reducer.order]}

@@ -1,12 +1,21 @@
-"""The wrapper module: FSDP units, their buckets, and the hooks that move them.
+"""The wrapper module: what the units of one sharded model share, and the model-level API.
 
 ``FullyShardedModule(module, ...)`` (built by :func:`mfsdp.fully_shard_model`) takes over the
-parameters of ``module``: they become views into flat bucket buffers (see :mod:`mfsdp.buffers`),
-and forward/backward hooks gather, release and reduce those buffers as the sharding strategy says.
-The mechanism, step by step, is described in ``docs/concepts.md``; the notes below say why.
+parameters of ``module``. The work is done by objects that each own their state, in the manner of
+FSDP2's ``_fully_shard`` package:
 
-Gradient reduction lives in :mod:`mfsdp.reduce` (notes on ordering and bounds there); building the
-units and buckets from a module lives in :mod:`mfsdp.units`.
+* :class:`mfsdp.units.FSDPUnit` (one per unit, as FSDP2's ``FSDPParamGroup``): its buckets, its
+  parameters, the all-gathers in flight into it, its backward progress and its hooks;
+* :class:`mfsdp.params.ShardedParam` (one per parameter, as ``FSDPParam``): its faces (the full
+  view during forward, the ``DTensor`` outside), its rows, its reduced gradient;
+* :class:`mfsdp.buffers.Bucket`: the flat buffers of one group of parameters on one rank;
+* :class:`mfsdp.reduce.GradReducer` (one per model): the gradient reductions of a backward;
+* :func:`mfsdp.construct.build_units` makes the units from the module.
+
+The model itself holds what units share (communicators, the forward order that drives prefetching,
+memory counters, the double buffer, whether a backward synchronises) and the API: ``no_sync``,
+``unshard``/``reshard``, state-dict hooks, ``zero_grad_buffer``... The mechanism, step by step, is
+described in ``docs/concepts.md``; the notes below and in ``mfsdp/reduce.py`` say why.
 
 [Note: version counters] Parameters are views of ``Bucket.full`` and share its version counter,
 which autograd checks for the weights it saved in forward. Re-gathering weights for backward writes
@@ -19,55 +28,22 @@ same storage with a version counter of its own.
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from mfsdp.buffers import Bucket, DoubleBuffer
+from mfsdp.buffers import Bucket
 from mfsdp.collectives import CommLog, Communicator, Handle, backend_of
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
-from mfsdp.reduce import GradReduction
-from mfsdp.units import FSDPUnit, Groups, UnitConstruction
+from mfsdp.construct import build_units
+from mfsdp.reduce import GradReducer
+from mfsdp.units import FSDPUnit, Groups, in_backward
 
 __all__ = ["FullyShardedModule", "FSDPUnit", "Groups"]
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    """Tensors requiring grad in a (nested) forward output."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.requires_grad else []
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    if hasattr(obj, "__dataclass_fields__"):
-        return [t for f in obj.__dataclass_fields__ for t in _tensors(getattr(obj, f))]
-    return []
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward now (a forward now is a recompute)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward calls back once the unit's backward is done."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
-
-
-class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
+class FullyShardedModule(nn.Module):
     """A module whose parameters are sharded over a data-parallel group (see :func:`mfsdp.fully_shard`).
 
     ``forward`` calls the wrapped ``module``; ``module`` keeps its structure and names, its
@@ -125,8 +101,6 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
                              if groups.expt_dp_shard_ag is not None else self.expt_comm)
         self.ep_comm = (Communicator(groups.ep, "ep", self.comm_log)
                         if groups.ep is not None and dist.get_world_size(groups.ep) > 1 else None)
-        # Outer reductions wait for a synchronising backward; their input accumulates meanwhile.
-        self._outer_inflight: deque = deque()
         self.max_inflight_reduce = max(1, max_inflight_reduce)
         # How many units ahead all-gathers are launched (ZeRO-3, with overlap_param_gather).
         self.prefetch_depth = prefetch_depth
@@ -134,11 +108,7 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
         self._auto_sync = sync_model_each_microbatch
         self._sync_override: bool | None = None
         self._unreduced = False  # a deferred backward left gradients unreduced
-        # Per-backward state: see [Note: reduction order] in reduce.py.
-        self._launch_cursor = 0
-        self._inflight: deque[tuple[Bucket, Handle]] = deque()
-        self._backward_started = False
-        # Forward order of units, recorded on the first forward; drives prefetching.
+        # Forward order of non-root units, recorded on the first forward; drives prefetching.
         self._order: list[FSDPUnit] = []
         self._order_recorded = False
         # Weights all-gathered after an optimizer step (ZeRO-1/2), waited for before next use.
@@ -147,18 +117,26 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
         self.memory = {"gathered_bytes": 0, "peak_gathered_bytes": 0,
                        "grad_full_bytes": 0, "peak_grad_full_bytes": 0, "init_peak_bytes": 0}
         # Gathered weights of non-root units in a fixed two-slot pool (ZeRO-3 only).
-        self.pool: DoubleBuffer | None = None
-        self._double_buffer = fsdp_double_buffer and self.strategy.shards_params
+        self.double_buffer = fsdp_double_buffer and self.strategy.shards_params
         # Whether unshard() holds every unit gathered, with the full views in the modules.
-        self._user_unsharded = False
+        self.user_unsharded = False
         for c in (self.comm, self.ag_comm, self.outer_comm, self.expt_comm, self.expt_ag_comm,
                   self.ep_comm):
             if c is not None:
                 c.backend = backend_of(c.group, device)
         self.report_nan_in_param_grad = report_nan_in_param_grad
         self.use_decoupled_grad = use_decoupled_grad
-        self._param_init_fn = param_init_fn
-        self._build(unit_classes, disable_bucketing, init_model_with_meta_device)
+        self.param_init_fn = param_init_fn
+        built = build_units(self, unit_classes, disable_bucketing, init_model_with_meta_device)
+        self.units: list[FSDPUnit] = built.units
+        self.unit_by_name = {u.name: u for u in self.units}
+        self.pool = built.pool
+        self._sparams = built.sparams
+        self._sparam_by_id = built.by_id
+        self._original_params = built.originals  # read once by the API, then dropped
+        self.reducer = GradReducer(self, max_inflight_reduce)
+        for unit in self.units:
+            unit.register_hooks()
         # shard_experts() recorded the global names of the experts this rank kept
         if getattr(self.module, "_mfsdp_expert_names", None):
             self.set_global_names(self.module._mfsdp_expert_names)
@@ -168,143 +146,40 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
         self.register_load_state_dict_post_hook(FullyShardedModule._load_post_hook)
 
     # ------------------------------------------------------------------------------------------
-    # memory
+    # what units share
     # ------------------------------------------------------------------------------------------
-    def _gather(self, unit: FSDPUnit, wait: bool = True) -> None:
-        """All-gather a unit's sharded weights (ZeRO-3), or just wait for a prefetch."""
-        if self.strategy.shards_params and not unit.pending:
-            todo = [b for b in unit.buckets if not b.gathered]
-            if todo and todo[0].in_pool:
-                if not wait and not self.pool.available(unit):
-                    self.pool.skipped_prefetches += 1  # its slot is busy: gather on demand
-                    return
-                self.pool.acquire(unit, unit.name)
-            for b in todo:
-                self._alloc(b)
-                with torch.no_grad():
-                    unit.pending.append(b.ag_comm.all_gather(b.full_comm, b.model_shard))
-        if wait:
-            for h in unit.pending:
-                h.wait()
-            unit.pending.clear()
+    @property
+    def buckets(self) -> list[Bucket]:
+        """Every bucket of every unit, in unit order."""
+        return [b for u in self.units for b in u.buckets]
 
-    def _alloc(self, b: Bucket) -> None:
-        if not b.in_pool:
-            b.alloc_full()
-        if b.unit:
-            self.memory["gathered_bytes"] += b.plan.padded_numel * b.full.element_size()
-            self.memory["peak_gathered_bytes"] = max(self.memory["peak_gathered_bytes"],
-                                                     self.memory["gathered_bytes"])
+    @property
+    def synchronising(self) -> bool:
+        """Whether the backward under way reduces gradients that could wait (see :meth:`no_sync`)."""
+        return self._auto_sync if self._sync_override is None else self._sync_override
 
-    def _release(self, b: Bucket) -> None:
-        if not b.gathered:
-            return
-        if b.unit and b.sharded_params:
-            self.memory["gathered_bytes"] -= b.plan.padded_numel * b.full.element_size()
-        if not b.in_pool:
-            b.release_full()
-        else:
-            b.pool_held = False
+    def record_forward(self, unit: FSDPUnit) -> None:
+        """Note ``unit``'s place in the forward order (the first forward only)."""
+        if not self._order_recorded and unit not in self._order:
+            self._order.append(unit)
 
-    def _reshard(self, unit: FSDPUnit) -> None:
-        if not self._user_unsharded:
-            self._shard_views(unit)
-        if self.strategy.shards_params:
-            for h in unit.pending:  # never free a buffer a collective is still writing
-                h.wait()
-            unit.pending.clear()
-            for b in unit.buckets:
-                self._release(b)
-            if self.pool is not None and not unit.is_root:
-                self.pool.release(unit)
+    def end_forward(self) -> None:
+        """The root's forward is over: the forward order is known."""
+        self._order_recorded = True
 
-    def _prefetch(self, unit: FSDPUnit, direction: int) -> None:
-        for d in range(1, self.prefetch_depth + 1):
-            nxt = self._next_unit(unit, direction * d)
-            if nxt is None:
-                return
-            self._gather(nxt, wait=False)
-
-    def _next_unit(self, unit: FSDPUnit, step: int) -> FSDPUnit | None:
+    def next_unit(self, unit: FSDPUnit, step: int) -> FSDPUnit | None:
+        """The unit ``step`` places after ``unit`` in forward order (negative: before it)."""
         if not self._order_recorded or unit not in self._order:
             return None
         i = self._order.index(unit) + step
         return self._order[i] if 0 <= i < len(self._order) else None
 
-    # ------------------------------------------------------------------------------------------
-    # hooks
-    # ------------------------------------------------------------------------------------------
-    def _pre_forward_hook(self, unit: FSDPUnit):
-        def hook(module, args, kwargs):
-            if _in_backward():
-                # Recompute under activation checkpointing: the weights are (or are being)
-                # gathered for this unit's backward; no prefetch, no post-backward hook.
-                self._gather(unit)
-                self._unshard_views(unit)
-                return None
-            if unit.is_root:
-                self._begin_forward()
-            elif not self._order_recorded and unit not in self._order:
-                self._order.append(unit)
-            self._gather(unit)
-            self._unshard_views(unit)
-            if torch.is_grad_enabled():
-                if self.overlap_param_gather:
-                    self._prefetch(unit, +1)
-                args, kwargs = self._register_post_backward(unit, args, kwargs)
-            self._poll()
-            return args, kwargs
-        return hook
-
-    def _post_forward_hook(self, unit: FSDPUnit):
-        def hook(module, args, output):
-            in_backward = _in_backward()
-            if unit.is_root and not in_backward:
-                self._order_recorded = True
-            if not self._user_unsharded:
-                self._shard_views(unit)
-                if not in_backward:  # a recompute keeps the weights for the backward under way
-                    self._reshard(unit)
-            tensors = _tensors(output)
-            if tensors and torch.is_grad_enabled():
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grad: self._pre_backward(unit), mode="any")
-            return output
-        return hook
-
-    def _unshard_views(self, unit: FSDPUnit) -> None:
-        for sp in unit.params:
-            sp.to_unsharded()
-
-    def _shard_views(self, unit: FSDPUnit) -> None:
-        for sp in unit.params:
-            sp.to_sharded()
-
-    def _register_post_backward(self, unit: FSDPUnit, args, kwargs):
-        """Route the unit's floating-point inputs through :class:`_PostBackward`, whose backward
-        runs once autograd has computed the gradients of everything the unit did with them:
-        then every gradient of the unit's parameters has arrived (unused ones never will)."""
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx or not any(b.requires_grad for b in unit.buckets):
-            return args, kwargs
-        unit.fwd_pending += 1
-        outs = _PostBackward.apply(lambda: self._post_backward(unit), *[flat[i] for i in idx])
-        for i, t in zip(idx, outs):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
-
-    def _post_backward(self, unit: FSDPUnit) -> None:
-        unit.fwd_pending -= 1
-        if unit.fwd_pending > 0:
-            return
-        unit.post_backward_done = True
-        for b in unit.buckets:
-            if b.requires_grad and not b.is_ready:
-                self._bucket_ready(b)
-        if not unit.is_root and not self._user_unsharded:
-            self._reshard(unit)
-        self._poll()
+    def end_backward(self, reduced: bool) -> None:
+        """Called by the reducer at the end of backward: install the reduced gradients, or note
+        that they were left unreduced (a ``no_sync`` micro-batch)."""
+        self._unreduced = not reduced
+        if reduced:
+            self._install_grads()
 
     def gather_recursively(self, module: nn.Module) -> None:
         """Gather every unit inside ``module`` before its forward and release them after it.
@@ -324,75 +199,28 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
 
         def pre(mod, args):
             for unit in inner:
-                self._gather(unit)
-                self._unshard_views(unit)
+                unit.gather()
+                unit.unshard_views()
 
         def post(mod, args, output):
-            if self._user_unsharded:
+            if self.user_unsharded:
                 return output
             for unit in inner:
-                self._shard_views(unit)
-                if not _in_backward():
-                    self._reshard(unit)
-            tensors = _tensors(output)
-            if tensors and torch.is_grad_enabled():
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grad: [self._pre_backward(u) for u in inner], mode="any")
+                unit.shard_views()
+                if not in_backward():
+                    unit.reshard()
+            inner[0].hook_backward_of(output, inner)
             return output
 
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
 
-    def _pre_backward(self, unit: FSDPUnit) -> None:
-        if not self._backward_started:
-            self._backward_started = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self._gather(unit)
-        # A recompute that bypasses module hooks (checkpoint of a function that reads the
-        # module's weights) finds the full weights in place, as in forward.
-        self._unshard_views(unit)
-        if self.overlap_param_gather:
-            self._prefetch(unit, -1)
-        self._poll()
-
-    def _grad_hook(self, bucket: Bucket, i: int):
-        def hook(param: torch.Tensor) -> None:
-            grad = param.grad
-            param.grad = None
-            if grad is None:
-                return
-            if bucket.is_ready:
-                raise RuntimeError(
-                    f"a gradient of {bucket.names[i]!r} arrived after its FSDP unit "
-                    f"{bucket.unit or '(root)'!r} finished its backward: the parameter was used "
-                    "outside the forward of the module that owns it; make that module (or a "
-                    "common parent) the FSDP unit, or call it through its owner's forward")
-            self._grad_full(bucket)
-            with torch.no_grad():
-                bucket.add_grad(i, grad)
-            bucket.used[i] = 1.0
-            bucket.ready += 1
-            if bucket.ready == bucket.n_grad_params:
-                self._bucket_ready(bucket)
-            self._poll()
-        return hook
-
-    def _grad_full(self, bucket: Bucket) -> torch.Tensor:
-        if bucket.replicated and bucket.holds_reduced and bucket.grad_full is bucket.grad_shard:
-            # [Note: no_shard accumulation] in reduce.py
-            bucket.grad_full = torch.zeros_like(bucket.grad_shard)
-        if bucket.grad_full is None:
-            bucket.ensure_grad_full()
-            if bucket.sharded_grads:
-                self.memory["grad_full_bytes"] += bucket.grad_full.untyped_storage().nbytes()
-                self.memory["peak_grad_full_bytes"] = max(self.memory["peak_grad_full_bytes"],
-                                                          self.memory["grad_full_bytes"])
-        return bucket.grad_full
-
     # ------------------------------------------------------------------------------------------
     # steps
     # ------------------------------------------------------------------------------------------
-    def _begin_forward(self) -> None:
+    def begin_forward(self) -> None:
+        """Before the root's forward: wait for the weights of the last optimizer step (ZeRO-1/2)
+        and check that no parameter was frozen or unfrozen since wrapping."""
         self.wait_param_sync()
         if torch.is_grad_enabled():
             for sp in self._sparams:
@@ -411,7 +239,7 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Make sure every gradient reduction has finished (the optimizer calls this)."""
-        if self._backward_started:
+        if self.reducer.backward_started:
             raise RuntimeError("finish_grad_sync() during backward")
         if self._unreduced:
             raise RuntimeError(
@@ -499,8 +327,8 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
     def start_grad_sync(self) -> None:
         """Launch the gradient reductions that have not started (after a backward run with
         ``overlap_grad_reduce=False`` they all start at its end already: nothing to do then)."""
-        if self._backward_started:
-            self._launch_ready(flush=True)
+        if self.reducer.backward_started:
+            self.reducer.launch_ready(flush=True)
 
     def start_param_sync(self) -> None:
         """Nothing to start: weights are gathered by the forward hooks (ZeRO-3) or right after
@@ -548,23 +376,23 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
         if self.pool is not None:
             raise RuntimeError("unshard() needs every unit gathered at once, which the two-slot "
                                "fsdp_double_buffer cannot hold; use fsdp_double_buffer=False")
-        if self._user_unsharded:
+        if self.user_unsharded:
             return
         self.wait_param_sync()
         for unit in self.units:
-            self._gather(unit)
-            self._unshard_views(unit)
-        self._user_unsharded = True
+            unit.gather()
+            unit.unshard_views()
+        self.user_unsharded = True
 
     def reshard(self) -> None:
         """Undo :meth:`unshard`: modules hold the sharded parameters again, gathered weights are
         released (ZeRO-3)."""
-        if not self._user_unsharded:
+        if not self.user_unsharded:
             return
-        self._user_unsharded = False
+        self.user_unsharded = False
         for unit in self.units:
-            self._shard_views(unit)
-            self._reshard(unit)
+            unit.shard_views()
+            unit.reshard()
 
     @contextlib.contextmanager
     def unsharded(self):
@@ -624,7 +452,7 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
     @torch.no_grad()
     def _after_load(self) -> None:
         """Make the model weights agree with freshly loaded main weights."""
-        again = self._user_unsharded
+        again = self.user_unsharded
         if again:
             self.reshard()
         self.install_main_weights()
@@ -637,11 +465,8 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
     # ------------------------------------------------------------------------------------------
     def named_main_shards(self) -> list[tuple[str, torch.Tensor, Bucket, int]]:
         """(name, local main-weight rows, bucket, index) for every parameter, in model order."""
-        out = []
-        for name, p in self._param_names:
-            bucket, i = self._slot_by_new[id(p)]
-            out.append((name, bucket.local_view(bucket.main_shard, i), bucket, i))
-        return out
+        return [(sp.name, sp.bucket.local_view(sp.bucket.main_shard, sp.index), sp.bucket, sp.index)
+                for sp in self._sparams]
 
     def set_global_names(self, mapping: dict[str, str]) -> None:
         """Name parameters differently in checkpoints (local expert index -> global index)."""
@@ -674,7 +499,7 @@ class FullyShardedModule(UnitConstruction, GradReduction, nn.Module):
             for i, name in enumerate(b.names):
                 slot = b.plan.params[i]
                 full[name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-        return {name: full[name] for name, _ in self._param_names}
+        return {sp.name: full[sp.name] for sp in self._sparams}
 
     def comm_scratch_bytes(self) -> int:
         """Bytes of the communication scratch buffers this rank keeps for reuse (gloo only: the

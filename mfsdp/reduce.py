@@ -1,7 +1,10 @@
 """Gradient reduction of a sharded model: per-bucket launches, outer reductions, end of backward.
 
-:class:`GradReduction` is mixed into :class:`mfsdp.FullyShardedModule`; it reads the model's
-buckets, communicators and per-backward state, and is split out only to keep one idea per file.
+:class:`GradReducer` belongs to one :class:`mfsdp.FullyShardedModule` (``model.reducer``) and owns
+the state of the reductions in a backward: the fixed launch order, the launch cursor, the
+reductions in flight (inner and outer) and whether a backward is under way. It reads the model's
+settings (strategy, whether this backward synchronises, the outer communicator) and hands reduced
+gradients to the parameters at the end of backward through the model.
 
 [Note: reduction order] Every rank must launch the same collectives in the same order, or gloo and
 NCCL pair the wrong tensors (or hang). Buckets become ready in autograd order, which can differ
@@ -14,7 +17,8 @@ gradients where none arrived.
 ``grad_shard`` (the whole bucket) over synchronised micro-batches. The first backward after
 ``zero_grad`` accumulates and all-reduces in place there (one buffer, as DDP). A later backward that
 reduces again must not all-reduce what was already reduced, so it accumulates into a separate
-buffer that is all-reduced and added (see ``_grad_full``); ``zero_grad`` drops that buffer.
+buffer that is all-reduced and added (see ``GradReducer.grad_full``); ``zero_grad`` drops that
+buffer.
 
 [Note: bounded reduce-scatters] At most ``max_inflight_reduce`` reduce-scatters are in flight; the
 oldest is finished (its full gradient buffer released) before another is launched, so full gradient
@@ -23,57 +27,97 @@ buffers never pile up until the end of backward.
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
 from mfsdp.buffers import Bucket
+from mfsdp.collectives import Handle
 
-__all__ = ["GradReduction"]
+__all__ = ["GradReducer"]
 
 
-class GradReduction:
-    """Launching, finishing and ordering the gradient reductions of a sharded model."""
+class GradReducer:
+    """Launching, finishing and ordering the gradient reductions of one sharded model."""
 
-    def _reducing(self) -> bool:
+    def __init__(self, model, max_inflight: int):
+        self.model = model
+        # Fixed launch order of gradient buckets: see [Note: reduction order].
+        self.order = [b for b in reversed(model.buckets) if b.requires_grad]
+        self.max_inflight = max(1, max_inflight)
+        self.cursor = 0  # the next bucket of `order` to launch
+        self.inflight: deque[tuple[Bucket, Handle, Callable]] = deque()
+        # Outer reductions wait for a synchronising backward; their input accumulates meanwhile.
+        self.outer_inflight: deque = deque()
+        self.backward_started = False
+
+    # -- per-backward state ----------------------------------------------------------------------
+    def start_backward(self) -> None:
+        """The first unit's backward begins: queue :meth:`finish_backward` for its end."""
+        if not self.backward_started:
+            self.backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def reducing(self) -> bool:
         """Whether this backward reduces gradients (ZeRO-2/3 always: their grads are sharded)."""
-        sync = self._auto_sync if self._sync_override is None else self._sync_override
-        return sync or self.strategy.shards_grads
+        return self.model.synchronising or self.model.strategy.shards_grads
 
-    def _bucket_ready(self, bucket: Bucket) -> None:
+    def reducing_outer(self) -> bool:
+        """Outer reductions happen only in synchronising backwards (the last micro-batch)."""
+        return self.model.synchronising
+
+    def grad_full(self, bucket: Bucket) -> torch.Tensor:
+        """``bucket``'s full gradient buffer (allocated at its first gradient, and counted)."""
+        if bucket.replicated and bucket.holds_reduced and bucket.grad_full is bucket.grad_shard:
+            # [Note: no_shard accumulation]
+            bucket.grad_full = torch.zeros_like(bucket.grad_shard)
+        if bucket.grad_full is None:
+            bucket.ensure_grad_full()
+            if bucket.sharded_grads:
+                memory = self.model.memory
+                memory["grad_full_bytes"] += bucket.grad_full.untyped_storage().nbytes()
+                memory["peak_grad_full_bytes"] = max(memory["peak_grad_full_bytes"],
+                                                     memory["grad_full_bytes"])
+        return bucket.grad_full
+
+    # -- launching -------------------------------------------------------------------------------
+    def bucket_ready(self, bucket: Bucket) -> None:
+        """Every gradient of ``bucket`` has arrived (or its unit's backward is over)."""
         bucket.is_ready = True
-        unit = self._unit_by_name[bucket.unit]
-        # Release the unit's weights once its backward cannot read them any more: when every
-        # parameter's gradient has arrived (a node computing a weight's gradient is done with the
-        # weight), unless frozen weights remain, which only the post-backward hook can vouch for.
-        if (self.strategy.shards_params and not unit.is_root and not self._user_unsharded
-                and all(b.is_ready if b.requires_grad else unit.post_backward_done
-                        for b in unit.buckets)):
-            self._reshard(unit)
-        if self.overlap_grad_reduce:
-            self._launch_ready()
+        unit = self.model.unit_by_name[bucket.unit]
+        # Release the unit's weights once its backward cannot read them any more.
+        if unit.can_release_in_backward():
+            unit.reshard()
+        if self.model.overlap_grad_reduce:
+            self.launch_ready()
 
-    def _launch_ready(self, flush: bool = False) -> None:
-        while self._launch_cursor < len(self._grad_order):
-            b = self._grad_order[self._launch_cursor]
+    def launch_ready(self, flush: bool = False) -> None:
+        """Launch, in the fixed order, every bucket up to the first that is not ready (all with
+        ``flush``)."""
+        while self.cursor < len(self.order):
+            b = self.order[self.cursor]
             if not (b.is_ready or flush):
                 return
-            self._launch_cursor += 1
-            if self._reducing():
+            self.cursor += 1
+            if self.reducing():
                 self._launch(b)
 
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:
-        g = self._grad_full(b)
+        model = self.model
+        g = self.grad_full(b)
         b.zero_unwritten()
         src = g if b.comm_dtype == g.dtype else g.to(b.comm_dtype)
-        op, scale = self._reduce_op(b)
+        op, scale = self.reduce_op(b)
         if scale != 1.0:
             src.mul_(scale)
         if b.replicated:
             handle = b.comm.all_reduce(src, op=op)
 
             def finish(value, src=src, g=g, b=b):
-                if self.outer_comm is not None:  # HSDP over no_shard: the same buffer again
+                if model.outer_comm is not None:  # HSDP over no_shard: the same buffer again
                     self._outer_reduce(b, src)
                 if g is b.grad_shard:  # nothing reduced since zero_grad: reduce in place
                     if src is not g:
@@ -86,7 +130,7 @@ class GradReduction:
             handle = b.comm.reduce_scatter(src, op=op)
 
             def finish(value, b=b):
-                if self.outer_comm is None:
+                if model.outer_comm is None:
                     b.grad_shard.add_(value)
                 else:
                     if b.outer_pending is None:
@@ -94,67 +138,68 @@ class GradReduction:
                     b.outer_pending.add_(value)
                 nbytes = b.grad_full.untyped_storage().nbytes() if b.sharded_grads else 0
                 b.release_grad_full()
-                self.memory["grad_full_bytes"] -= nbytes
-                if self.outer_comm is not None and self._reducing_outer():
+                model.memory["grad_full_bytes"] -= nbytes
+                if model.outer_comm is not None and self.reducing_outer():
                     self._outer_reduce(b, b.outer_pending)
 
-        self._inflight.append((b, handle, finish))
-        while len(self._inflight) > self.max_inflight_reduce:
+        self.inflight.append((b, handle, finish))
+        while len(self.inflight) > self.max_inflight:
             self._finish_one()
 
-    def _reduce_op(self, b: Bucket) -> tuple:
+    def reduce_op(self, b: Bucket) -> tuple:
         """(reduce op, pre-scale factor) of a bucket's gradient reductions.
 
         ``average_in_collective`` lets NCCL divide (``ReduceOp.AVG``) over the inner and outer
         groups; what is left of the bucket's factor (1/EP for experts) is applied first. gloo has
         no AVG: there, and by default, the whole factor is applied before a SUM.
         """
-        outer = self.outer_comm.size if self.outer_comm is not None else 1
-        if (self.average_in_collective and not self.calculate_per_token_loss
+        model = self.model
+        outer = model.outer_comm.size if model.outer_comm is not None else 1
+        if (model.average_in_collective and not model.calculate_per_token_loss
                 and b.comm.backend == "nccl"):
             return dist.ReduceOp.AVG, b.grad_scale * b.comm.size * outer
         return dist.ReduceOp.SUM, b.grad_scale
 
-    def _reducing_outer(self) -> bool:
-        """Outer reductions happen only in synchronising backwards (the last micro-batch)."""
-        return self._auto_sync if self._sync_override is None else self._sync_override
-
     def _outer_reduce(self, b: Bucket, pending: torch.Tensor) -> None:
         """Launch the outer (HSDP all-reduce / HFSDP reduce-scatter) reduction of a bucket."""
-        op = self._reduce_op(b)[0]
+        model = self.model
+        op = self.reduce_op(b)[0]
         if b.replicated:
-            self._outer_inflight.append((self.outer_comm.all_reduce(pending, async_op=False, op=op),
-                                         lambda value: None))
+            self.outer_inflight.append((model.outer_comm.all_reduce(pending, async_op=False, op=op),
+                                        lambda value: None))
             return
-        if self.outer_sharded:
-            handle = self.outer_comm.reduce_scatter(pending, op=op)
+        if model.outer_sharded:
+            handle = model.outer_comm.reduce_scatter(pending, op=op)
         else:
-            handle = self.outer_comm.all_reduce(pending, op=op)
+            handle = model.outer_comm.all_reduce(pending, op=op)
 
         def finish(value, b=b):
             b.grad_shard.add_(value)
             b.outer_pending = None
 
-        self._outer_inflight.append((handle, finish))
+        self.outer_inflight.append((handle, finish))
 
+    # -- finishing -------------------------------------------------------------------------------
     def _finish_one(self) -> None:
-        b, handle, finish = self._inflight.popleft()
+        b, handle, finish = self.inflight.popleft()
         finish(handle.wait())
 
-    def _poll(self) -> None:
-        while self._inflight and self._inflight[0][1].is_completed():
+    def poll(self) -> None:
+        """Finish the reductions that have completed, oldest first (never blocks)."""
+        while self.inflight and self.inflight[0][1].is_completed():
             self._finish_one()
 
     def _sync_used_flags(self) -> None:
         """Agree across ranks on which parameters got a gradient (small all-reduces, MAX)."""
+        model = self.model
         for expert in (False, True):
-            buckets = [b for b in self.buckets if b.requires_grad and b.is_expert == expert]
+            buckets = [b for b in model.buckets if b.requires_grad and b.is_expert == expert]
             if not buckets:
                 continue
-            comms = [c for c in (buckets[0].comm, self.outer_comm) if c is not None and c.size > 1]
+            comms = [c for c in (buckets[0].comm, model.outer_comm) if c is not None and c.size > 1]
             if not comms:
                 continue  # one rank: the local flags are the answer, nothing to read back
-            flags = torch.tensor([f for b in buckets for f in b.used], device=self.device)
+            flags = torch.tensor([f for b in buckets for f in b.used], device=model.device)
             for comm in comms:
                 comm.all_reduce(flags, async_op=False, op=dist.ReduceOp.MAX, kind="flags")
             values, at = flags.tolist(), 0  # one host read per step
@@ -162,27 +207,27 @@ class GradReduction:
                 b.used = values[at:at + len(b.names)]
                 at += len(b.names)
 
-    def _finish_backward(self) -> None:
-        """Root callback at the end of backward: launch what is left, wait for everything."""
-        self._launch_ready(flush=True)
-        while self._inflight:  # finishing inner reductions launches the outer ones, in order
+    def finish_backward(self) -> None:
+        """Root callback at the end of backward: launch what is left, wait for everything,
+        release every unit and hand the parameters their reduced gradients."""
+        model = self.model
+        self.launch_ready(flush=True)
+        while self.inflight:  # finishing inner reductions launches the outer ones, in order
             self._finish_one()
-        if self._reducing() and self._reducing_outer():
+        synced = self.reducing() and self.reducing_outer()
+        if synced:
             self._sync_used_flags()  # after every outer launch: the same order on all ranks
-        while self._outer_inflight:
-            handle, finish = self._outer_inflight.popleft()
+        while self.outer_inflight:
+            handle, finish = self.outer_inflight.popleft()
             finish(handle.wait())
-        if not self._user_unsharded:
-            for unit in self.units:
-                self._reshard(unit)
-        for unit in self.units:
-            unit.fwd_pending = 0
-            unit.post_backward_done = False
-        for b in self.buckets:
+        if not model.user_unsharded:
+            for unit in model.units:
+                unit.reshard()
+        for unit in model.units:
+            unit.end_backward()
+        for b in model.buckets:
             b.ready = 0
             b.is_ready = False
-        self._launch_cursor = 0
-        self._backward_started = False
-        self._unreduced = not (self._reducing() and self._reducing_outer())
-        if not self._unreduced:
-            self._install_grads()
+        self.cursor = 0
+        self.backward_started = False
+        model.end_backward(reduced=synced)

@@ -280,7 +280,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
         for group, saved in zip(optimizer.param_groups, groups):
             group.update(saved)
     model.install_main_weights()
-    model._begin_forward()
+    model.begin_forward()
     extra = pickle.loads(state["extra"])
     # This rank's own RNG state; rank 0's for ranks the writing job did not have (or for
     # checkpoints that kept one state for all ranks).

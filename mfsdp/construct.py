@@ -1,0 +1,271 @@
+"""Building a sharded model's units from a module: which parameters go together, in which flat
+buffer, how each parameter becomes a :class:`~mfsdp.params.ShardedParam` viewing it, and the
+initial values (meta-device initialisation one module at a time).
+
+:func:`build_units` runs once, in :class:`mfsdp.FullyShardedModule`'s constructor, and returns a
+:class:`Construction`: the units (each owning its buckets and parameters) and the index of every
+parameter's faces. The grouping rules are described in ``docs/concepts.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from mfsdp.buffers import Bucket, DoubleBuffer, plan_bucket
+from mfsdp.config import ShardingStrategy
+from mfsdp.params import ShardedParam
+from mfsdp.units import FSDPUnit
+
+__all__ = ["Construction", "build_units"]
+
+
+@dataclass
+class Construction:
+    """What :func:`build_units` made."""
+
+    units: list[FSDPUnit]  # the root unit first, then the others in module order
+    pool: DoubleBuffer | None  # gathered weights of non-root units (fsdp_double_buffer)
+    sparams: list[ShardedParam] = field(default_factory=list)  # in model order
+    # id of any face of a parameter (the original, the full view, the DTensor, the local rows)
+    by_id: dict[int, ShardedParam] = field(default_factory=dict)
+    originals: list[nn.Parameter] = field(default_factory=list)  # the module's own parameters
+
+
+def _hybrid_group(inner: dist.ProcessGroup, outer: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group of every rank of ``inner`` and of its replicas over ``outer`` (a collective call
+    over the world: every rank creates every such group, in the same order)."""
+    world = dist.get_world_size()
+    mine = (sorted(dist.get_process_group_ranks(inner)), sorted(dist.get_process_group_ranks(outer)))
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    inner_of = {r: ranks for ranks, _ in everyone for r in ranks}
+    sets = []
+    for inner_ranks, outer_ranks in everyone:
+        hybrid = sorted({r for o in outer_ranks for r in inner_of[o]})
+        if hybrid not in sets:
+            sets.append(hybrid)
+    me = dist.get_rank()
+    found = None
+    for ranks in sorted(sets):
+        g = dist.new_group(ranks)
+        if me in ranks:
+            found = g
+    return found
+
+
+def _unit_paths(root: nn.Module, unit_classes, disable_bucketing: bool) -> list[str]:
+    paths = [""]
+    if unit_classes and not disable_bucketing:
+        paths += [n for n, m in root.named_modules() if n and isinstance(m, unit_classes)]
+        if len(paths) == 1 and not isinstance(root, unit_classes):
+            names = ", ".join(c.__name__ for c in unit_classes)
+            raise ValueError(f"fsdp_unit_modules=({names}) matches no module of "
+                             f"{type(root).__name__}; name the block classes the model uses")
+    return paths
+
+
+def _parameters_by_unit(root: nn.Module, unit_paths: list[str]) -> dict[int, dict]:
+    """Every distinct parameter of ``root``: the places it is registered, and its unit (the
+    innermost unit containing every module that registers it)."""
+
+    def owner(path: str) -> str:  # the innermost unit containing module `path`
+        best = ""
+        for u in unit_paths:
+            if u and (path == u or path.startswith(u + ".")) and len(u) > len(best):
+                best = u
+        return best
+
+    def common(a: str, b: str) -> str:  # innermost unit containing both
+        while not (b == a or b.startswith(a + ".") or a == ""):
+            a = owner(a.rpartition(".")[0]) if "." in a else ""
+        return a
+
+    params: dict[int, dict] = {}
+    for path, m in root.named_modules(remove_duplicate=False):
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            entry = params.setdefault(id(p), {"param": p, "uses": [], "name":
+                                              f"{path}.{attr}" if path else attr})
+            entry["uses"].append((m, attr))
+            u = owner(path)
+            entry["unit"] = common(entry["unit"], u) if "unit" in entry else u
+    return params
+
+
+def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -> Construction:
+    """Units, buckets and :class:`ShardedParam` objects of ``model.module``, with the settings of
+    ``model`` (a :class:`mfsdp.FullyShardedModule` under construction: its strategy, device,
+    communicators and mixed-precision policy)."""
+    root = model.module
+    unit_paths = _unit_paths(root, unit_classes, disable_bucketing)
+    mods = dict(root.named_modules())
+    params = _parameters_by_unit(root, unit_paths)
+    if not meta_init:
+        for e in params.values():
+            p = e["param"]
+            if p.device.type == "meta":
+                raise ValueError(f"parameter {e['name']!r} is on the meta device; pass "
+                                 "init_model_with_meta_device=True to materialise it shard by shard")
+            if p.device != model.device:
+                raise ValueError(f"parameter {e['name']!r} is on {p.device} but the mesh "
+                                 f"device is {model.device}; move the model with "
+                                 f"model.to({str(model.device)!r}) first or pass device=")
+    replicated = model.strategy is ShardingStrategy.NO_SHARD
+    outer_size = model.outer_comm.size if model.outer_comm is not None else 1
+    factor = outer_size if model.outer_sharded else 1
+    # Gradients are averaged over every data-parallel rank. An expert's local gradient already
+    # sums the contributions of its whole EP group's tokens, and the expert data-parallel
+    # reduction sums over the rest, so the same factor averages both (see docs/hsdp-ep.md).
+    scale = 1.0 if model.calculate_per_token_loss else 1.0 / (model.comm.size * outer_size)
+    units: list[FSDPUnit] = []
+    slot: dict[int, tuple[Bucket, int]] = {}  # id(original param) -> (bucket, index)
+    for upath in unit_paths:
+        unit = FSDPUnit(upath, model if upath == "" else mods[upath], model)
+        groups: dict[tuple, list[dict]] = {}
+        for e in params.values():
+            if e["unit"] != upath:
+                continue
+            p = e["param"]
+            key = (p.dtype, ".experts." in f".{e['name']}.", p.requires_grad)
+            groups.setdefault(key, []).append(e)
+        for key, entries in groups.items():
+            dtype, is_expert = key[0], key[1]
+            comm = model.expt_comm if is_expert else model.comm
+            main, grads, comm_dtype = model.mp_policy.resolve(dtype)
+            bucket = Bucket(
+                unit=upath, key=key, names=[e["name"] for e in entries],
+                plan=plan_bucket([tuple(e["param"].shape) for e in entries],
+                                 1 if replicated else comm.size * factor),
+                rank=0 if replicated else comm.rank, device=model.device, dtype=dtype,
+                main_dtype=main, grad_dtype=grads, comm_dtype=comm_dtype,
+                sharded_params=model.strategy.shards_params,
+                sharded_grads=model.strategy.shards_grads, replicated=replicated,
+                outer_factor=factor,
+                outer_rank=model.outer_comm.rank if factor > 1 else 0,
+            )
+            bucket.comm = comm  # the inner (shard) group of this bucket
+            bucket.ag_comm = model.expt_ag_comm if is_expert else model.ag_comm
+            bucket.grad_scale = scale
+            bucket.outer_pending = None  # inner-reduced gradients awaiting the outer reduction
+            for i, e in enumerate(entries):
+                slot[id(e["param"])] = (bucket, i)
+            unit.buckets.append(bucket)
+        units.append(unit)
+    pool = None
+    if model.double_buffer and len(units) > 1:
+        pool = DoubleBuffer(units[1:], model.device)
+    buckets = [b for u in units for b in u.buckets]
+    _load_values(model, buckets, params, slot, meta_init)
+    out = Construction(units, pool, originals=[e["param"] for e in params.values()])
+    # Replace every parameter by a ShardedParam: a view of its bucket during forward, a DTensor
+    # over its main-weight rows outside (see mfsdp/params.py).
+    paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)}
+    unit_by_name = {u.name: u for u in units}
+    meshes: dict[tuple, tuple] = {}
+    for e in params.values():
+        bucket, i = slot[id(e["param"])]
+        new = nn.Parameter(bucket.param_view(i), requires_grad=e["param"].requires_grad)
+        mesh, group = _param_mesh(model, bucket, meshes)
+        sp = ShardedParam(e["name"], bucket, i, e["uses"], new, mesh, group,
+                          e["param"].requires_grad)
+        sp.names = [f"{paths[id(m)]}.{a}" if paths[id(m)] else a for m, a in e["uses"]]
+        sp.to_sharded()
+        unit_by_name[bucket.unit].params.append(sp)
+        out.sparams.append(sp)
+        for face in (e["param"], new, sp.sharded, sp.local):  # the optimizer may hold any
+            out.by_id[id(face)] = sp
+    for b in buckets:
+        b.n_grad_params = len(b.names) if b.requires_grad else 0
+        b.is_ready = False
+        b.holds_reduced = False  # no_shard: grad_shard holds reduced gradients
+        # Which parameters received a gradient (on any rank) since the last zero_grad: the
+        # optimizer skips the others, as plain PyTorch skips parameters whose .grad is None.
+        # Host-side flags: a device write per parameter per backward would be a kernel launch
+        # in every gradient hook.
+        b.used = [0.0] * len(b.names)
+        if not b.main_aliases_model():
+            b.main_shard.copy_(b.model_sub_shard())
+    for m in root.modules():  # buffers follow the device; parameters are done
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.device != model.device and buf.device.type != "meta":
+                m._buffers[name] = buf.to(model.device)
+    return out
+
+
+def _param_mesh(model, bucket: Bucket, cache: dict):
+    """(device mesh, process group) of the ranks holding distinct rows of ``bucket``'s
+    parameters, or ``(None, None)`` when every rank holds them whole (``no_shard``)."""
+    if bucket.replicated:
+        return None, None
+    comm = bucket.comm
+    key = (id(comm), bucket.outer_factor)
+    if key not in cache:
+        group = comm.group if comm.group is not None else dist.group.WORLD
+        if bucket.outer_factor > 1:  # HFSDP: main rows differ over inner x outer
+            group = _hybrid_group(group, model.outer_comm.group)
+        cache[key] = (DeviceMesh.from_group(group, model.device.type), group)
+    return cache[key]
+
+
+@torch.no_grad()
+def _load_values(model, buckets: list[Bucket], params: dict[int, dict],
+                 slot: dict[int, tuple[Bucket, int]], meta_init: bool) -> None:
+    """Copy initial values into the buckets (the local rows only, under ZeRO-3)."""
+
+    def store(bucket: Bucket, i: int, value: torch.Tensor) -> None:
+        if bucket.sharded_params:
+            bucket.store_local(i, value)
+        else:
+            bucket.param_view(i).copy_(value)
+
+    if not meta_init:
+        for e in params.values():
+            store(*slot[id(e["param"])], e["param"].detach())
+        return
+    # Meta-device initialisation, one module at a time, in construction order.
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for b in buckets for t in (b.model_shard, b.main_shard, b.full)}
+    held = sum(storages.values())  # what the buckets hold already (shards, under ZeRO-3)
+    done: set[int] = set()
+    init_fn = model.param_init_fn
+    for path, m in model.module.named_modules():
+        own = [(a, p) for a, p in m._parameters.items() if p is not None and id(p) not in done]
+        meta_bufs = [a for a, b in m._buffers.items() if b is not None and b.is_meta]
+        if not own and not meta_bufs:
+            continue
+        where = f"module {path or type(m).__name__!r} ({type(m).__name__})"
+        # param_init_fn, else reset_parameters(), or _reset_parameters() as
+        # nn.MultiheadAttention and upstream's meta-device initialisation accept
+        reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+        if init_fn is not None:
+            reset = functools.partial(init_fn, m)
+        if reset is None and own:
+            raise ValueError(f"{where} has parameters but no reset_parameters() (or "
+                             "_reset_parameters()); meta-device initialisation needs one, or "
+                             "pass param_init_fn=fn to fully_shard (fn(module) initialises "
+                             "one module, e.g. a Hugging Face model's _init_weights)")
+        transient = [a for a in meta_bufs if a in m._non_persistent_buffers_set]
+        if reset is None and transient:
+            raise ValueError(f"{where} has non-persistent buffers {transient} on the meta "
+                             "device and no way to recompute them; pass param_init_fn=fn to "
+                             "fully_shard (for Hugging Face models: model._init_weights, "
+                             "which recomputes rotary inv_freq)")
+        originals = {a: p for a, p in own}
+        m.to_empty(device=model.device, recurse=False)
+        for a in meta_bufs:  # persistent buffers start at zero (a checkpoint overwrites them)
+            m._buffers[a].zero_()
+        if reset is not None:
+            reset()
+        temp = sum(p.numel() * p.element_size() for p in m._parameters.values() if p is not None)
+        model.memory["init_peak_bytes"] = max(model.memory["init_peak_bytes"], held + temp)
+        for a, p in originals.items():
+            store(*slot[id(p)], m._parameters[a].detach())
+            m._parameters[a] = p  # keep the original object until the views replace it
+            done.add(id(p))
