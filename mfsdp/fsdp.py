@@ -168,10 +168,17 @@ class FullyShardedModule(nn.Module):
         self._order_recorded = True
 
     def next_unit(self, unit: FSDPUnit, step: int) -> FSDPUnit | None:
-        """The unit ``step`` places after ``unit`` in forward order (negative: before it)."""
-        if not self._order_recorded or unit not in self._order:
+        """The unit ``step`` places after ``unit`` in forward order (negative: before it). The
+        root comes before the first unit in forward and before the last one in backward (its
+        forward starts first and its backward, the loss and output layer, runs first)."""
+        if not self._order_recorded:
             return None
-        i = self._order.index(unit) + step
+        if unit.is_root:
+            i = step - 1 if step > 0 else len(self._order) + step
+        elif unit in self._order:
+            i = self._order.index(unit) + step
+        else:
+            return None
         return self._order[i] if 0 <= i < len(self._order) else None
 
     def end_backward(self, reduced: bool) -> None:

@@ -198,6 +198,10 @@ class FSDPUnit:
             return None
         if self.is_root:
             model.begin_forward()
+            # Weights the root kept after a forward that no backward followed may be older than
+            # the last optimizer step: gather them afresh.
+            if not model.user_unsharded:
+                self.reshard()
         else:
             model.record_forward(self)
         self.gather()
@@ -215,7 +219,10 @@ class FSDPUnit:
             self.model.end_forward()
         if not self.model.user_unsharded:
             self.shard_views()
-            if not backward:  # a recompute keeps the weights for the backward under way
+            # A recompute keeps the weights for the backward under way; so does the root when a
+            # backward follows, as FSDP2 does: its backward (loss and output layer) runs first.
+            keep = backward or (self.is_root and torch.is_grad_enabled())
+            if not keep:
                 self.reshard()
         self.hook_backward_of(output, [self])
         return output

@@ -134,9 +134,16 @@ def idioms(strategy: str, ckpt_dir: str, outer: str | None = None) -> dict:
     saved = torch.load(buf, weights_only=False)
     ref_saved = copy.deepcopy(ref.state_dict())
     _step(model, ref, opt, ropt, scheds, xs[3], clip=1e9)
+    # A forward with autograd on and no backward (an evaluation written without no_grad): the
+    # root keeps its gathered weights for a backward that never comes; the load below changes
+    # them, and the next forward must compute with what was loaded.
+    model(xs[0])
     model.load_state_dict(saved)
     ref.load_state_dict(ref_saved)
     _assert_state(model, ref, "after torch.load + load_state_dict")
+    torch.testing.assert_close(model(xs[1]), ref(xs[1]), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"forward after a load: {m}")
+    model.zero_grad()
 
     # Upstream README's DCP lines: save model and optimizer, move on, load, and continue.
     dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=ckpt_dir)
