@@ -416,7 +416,8 @@ def table(results: dict) -> str:
         mem_head = "peak GPU MiB" if gpu else "peak RSS MiB"
         lines.append(f"{'system':<26} {'step ms':>8} {'IQR ms':>7} {'vs FSDP2':>8} "
                      f"{'wire/model':>10} {'asked/model':>11} {mem_head:>12}"
-                     + (f" {'tokens/s':>10} {'MFU':>6}" if rate else ""))
+                     + (f" {'tokens/s':>10}" if rate else "")
+                     + (f" {'MFU':>6}" if rate and gpu else ""))
         for s, v in t["systems"].items():
             ratio = f"{v['median_s'] / ref:.2f}x" if ref else "-"
             asked = (f"{v['asked_bytes_per_rank'] / model_bytes:.2f}"
@@ -426,7 +427,9 @@ def table(results: dict) -> str:
             lines.append(f"{s:<26} {v['median_s'] * 1e3:8.1f} {v['spread_s'] * 1e3:7.1f} "
                          f"{ratio:>8} {v['wire_bytes_per_rank'] / model_bytes:10.2f} {asked:>11} "
                          f"{peak:>12}"
-                         + (f" {v['tokens_per_s']:10,.0f} {v['mfu']:6.1%}" if rate else ""))
+                         + (f" {v['tokens_per_s']:10,.0f}" if rate else "")
+                         # (MFU against a GPU's peak: meaningless on CPU)
+                         + (f" {v['mfu']:6.1%}" if rate and gpu else ""))
         lines.append("")
     return "\n".join(lines)
 
