@@ -27,7 +27,7 @@ __all__ = ["Construction", "build_units"]
 
 @dataclass
 class Construction:
-    """What :func:`build_units` made."""
+    """What :func:`~mfsdp.construct.build_units` made."""
 
     units: list[FSDPUnit]  # the root unit first, then the others in module order
     pool: DoubleBuffer | None  # gathered weights of non-root units (fsdp_double_buffer)
@@ -100,7 +100,7 @@ def _parameters_by_unit(root: nn.Module, unit_paths: list[str]) -> dict[int, dic
 
 
 def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -> Construction:
-    """Units, buckets and :class:`ShardedParam` objects of ``model.module``, with the settings of
+    """Units, buckets and :class:`~mfsdp.params.ShardedParam` objects of ``model.module``, with the settings of
     ``model`` (a :class:`mfsdp.FullyShardedModule` under construction: its strategy, device,
     communicators and mixed-precision policy)."""
     root = model.module

@@ -98,7 +98,7 @@ class ShardedParam:
         return dt
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
-        """``local`` (a tensor shaped like this rank's rows) in the form of :attr:`sharded`."""
+        """``local`` (a tensor shaped like this rank's rows) in the form of ``sharded``."""
         if self.mesh is None:
             return local
         return uneven_dtensor(local, self.mesh, self.global_shape or (1,), self.start,
