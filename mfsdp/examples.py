@@ -156,8 +156,9 @@ def meta_init_transformers_llama() -> dict:
 
 def describe_units() -> dict:
     """Who owns what in a sharded model (the guide's architecture notes): the units, the
-    parameters and buckets one unit owns, and the order in which the reducer launches the
-    gradient buckets (the reverse of construction order, on every rank)."""
+    parameters and buckets one unit owns, the order in which the reducer launches the gradient
+    buckets (the reverse of construction order, on every rank), and which unit the root prefetches
+    in forward and in backward once a step has recorded the forward order."""
     import mfsdp
     from mfsdp.models import Block, ToyModel
 
@@ -165,6 +166,10 @@ def describe_units() -> dict:
     model = mfsdp.fully_shard_model(ToyModel(dim=8, hidden=16, num_blocks=2),
                                     fsdp_unit_modules=[Block])
     block = model.unit_by_name["blocks.0"]
+    model(torch.randn(4, 8)).sum().backward()  # records the forward order
+    root = model.units[0]
     return {"units": [repr(u) for u in model.units],
+            "root prefetches": {"forward": model.next_unit(root, +1).name,
+                                "backward": model.next_unit(root, -1).name},
             "blocks.0 parameters": [sp.name for sp in block.params],
             "reduction order": [b.unit or "(root)" for b in model.reducer.order]}
