@@ -101,7 +101,6 @@ class FullyShardedModule(nn.Module):
                              if groups.expt_dp_shard_ag is not None else self.expt_comm)
         self.ep_comm = (Communicator(groups.ep, "ep", self.comm_log)
                         if groups.ep is not None and dist.get_world_size(groups.ep) > 1 else None)
-        self.max_inflight_reduce = max(1, max_inflight_reduce)
         # How many units ahead all-gathers are launched (ZeRO-3, with overlap_param_gather).
         self.prefetch_depth = prefetch_depth
         # Whether this backward reduces gradients that can wait (no_shard/optim, see no_sync()).
