@@ -49,11 +49,15 @@ def quickstart_train(steps: int = 5, strategy: str = "optim_grads_params") -> li
 
 
 if __name__ == "__main__":
+    from mfsdp.launch import shutdown
+
     dist.init_process_group("gloo")
     losses = quickstart_train()
     if dist.get_rank() == 0:
         print(f"world size {dist.get_world_size()}, losses: {losses}")
-    dist.destroy_process_group()
+    # Barrier, destroy the process groups, and end the process without the interpreter's
+    # teardown, in which gloo's threads can abort a finished run (see mfsdp.launch.shutdown).
+    shutdown(exit_code=0)
 
 
 def step_after_no_sync() -> None:

@@ -1081,13 +1081,19 @@ def _main(args: argparse.Namespace) -> int:
 
         init_from_env()  # NCCL on GPUs, gloo otherwise; survives torchrun restarts
         started = True
+    from mfsdp.launch import shutdown
+
+    ok = False
     try:
         run(args)
-        if started:  # nobody tears down while a peer still talks (gloo aborts otherwise)
-            dist.barrier()
+        ok = True
     finally:
-        if started:
-            dist.destroy_process_group()
+        if started and ok:
+            # This process owns the group: barrier, destroy, and leave without the interpreter's
+            # teardown, in which gloo's threads can abort a finished run (see shutdown()).
+            shutdown(exit_code=0)
+        elif started:  # an error: no barrier (a peer may never come); the error propagates
+            shutdown(barrier=False)
     return 0
 
 

@@ -15,6 +15,7 @@ are in ``mfsdp/fsdp.py`` and ``mfsdp/reduce.py``.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -274,12 +275,18 @@ class FSDPUnit:
         reducer.poll()
 
     def _grad_hook(self, bucket: Bucket, i: int):
-        reducer = self.model.reducer
+        # [Note: weak hook references] The hook lives on the parameter tensor, which C++ owns:
+        # a strong reference from it to the bucket or the reducer would close a cycle (tensor ->
+        # hook -> bucket -> model -> tensor) that Python's garbage collector cannot see, and the
+        # model, its communicators and so its process groups would never be freed (gloo's threads
+        # then outlive destroy_process_group() and abort the process at exit).
+        bucket_ref, reducer_ref = weakref.ref(bucket), weakref.ref(self.model.reducer)
 
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             param.grad = None
-            if grad is None:
+            bucket, reducer = bucket_ref(), reducer_ref()
+            if grad is None or bucket is None or reducer is None:
                 return
             if bucket.is_ready:
                 raise RuntimeError(

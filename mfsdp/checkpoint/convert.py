@@ -1028,7 +1028,10 @@ def run_distributed(args: argparse.Namespace) -> int:
                   "than 0 have nothing to do", flush=True)
             return run(args)
         return 0
+    from mfsdp.launch import shutdown
+
     init_from_env(backend="gloo")
+    code = None
     try:
         with spread_over_ranks():
             if dist.get_rank() != 0:
@@ -1037,10 +1040,13 @@ def run_distributed(args: argparse.Namespace) -> int:
                 import io as _io
 
                 with contextlib.redirect_stdout(_io.StringIO()):
-                    return run(args)
-            return run(args)
+                    code = run(args)
+            else:
+                code = run(args)
     finally:
-        dist.destroy_process_group()
+        # A finished conversion leaves without the interpreter's teardown (see shutdown()).
+        shutdown(barrier=code is not None, exit_code=code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
