@@ -144,7 +144,7 @@ def megatron_lm_conversion_memory(workdir, layers: int = 16, hidden: int = 1024,
     import json
     from pathlib import Path
 
-    from mfsdp.checkpoint.convert import MODEL_CONFIG_FILE, write_streaming
+    from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE, write_streaming
     from mfsdp.models.gpt import GPT, GPTConfig
 
     work = Path(workdir)

@@ -44,7 +44,7 @@ _USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, FileExistsEr
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from mfsdp.checkpoint.io import CheckpointError
+    from mfsdp.checkpoint.manifest import CheckpointError
     from mfsdp.sbatch import RenderError
 
     return _USER_ERRORS + (CheckpointError, RenderError)
@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from mfsdp.checkpoint import convert
 
-    convert.build_parser(add("convert", "convert checkpoints: torch_dist, fsdp_dtensor, "
-                                        "safetensors and Hugging Face (hf)", convert.__doc__))
+    convert.build_parser(add("convert", "convert checkpoints: fsdp_dtensor, Megatron-LM "
+                                        "(torch_dist), mfsdp_full, safetensors and Hugging "
+                                        "Face (hf)", convert.__doc__))
     from mfsdp import plan
 
     plan.build_parser(add("plan", "estimate per-rank memory and per-step communication of a "

@@ -7,7 +7,7 @@ Every parameter of a :class:`mfsdp.FullyShardedModule` is a :class:`ShardedParam
   post-accumulate-grad hook moves gradients into the bucket;
 * ``sharded``: what modules hold *outside forward*, so that reading a parameter never touches
   released memory. Under a sharding strategy it is a ``DTensor`` of the full shape, sharded on
-  dim 0 over the bucket's shard group (uneven row split, see :mod:`mfsdp.checkpoint.uneven`), whose
+  dim 0 over the bucket's shard group (uneven row split, see :mod:`mfsdp.dtensor`), whose
   local tensor is this rank's piece of the *main* weights (fp32 by default; whole rows, or a flat
   range where the bucket is cut on element boundaries), as FSDP2 and upstream
   Megatron-FSDP hand out; under ``no_shard`` it is a plain parameter over the (full) main weights;
@@ -29,35 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mfsdp.checkpoint.uneven import attach_uneven, uneven_dtensor
+from mfsdp.dtensor import attach_uneven, gather_pieces, uneven_dtensor
 
 __all__ = ["ShardedParam", "gather_pieces"]
-
-
-def gather_pieces(local: torch.Tensor, start: int, global_shape: tuple[int, ...],
-                  group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The full tensor of ``global_shape`` from every rank's piece (a collective over ``group``).
-
-    Each rank passes its elements ``[start, start + local.numel())`` of the flattened tensor;
-    ranks may hold any number of elements (none included), in any order. Two all-gathers: the
-    ranges, then the padded pieces.
-    """
-    global_shape = tuple(global_shape)
-    n = dist.get_world_size(group)
-    count = local.numel()
-    meta = torch.tensor([start, count], dtype=torch.int64, device=local.device)
-    metas = [torch.empty_like(meta) for _ in range(n)]
-    dist.all_gather(metas, meta, group=group)
-    most = max(int(m[1]) for m in metas)
-    padded = torch.zeros(most, dtype=local.dtype, device=local.device)
-    padded[:count].copy_(local.reshape(-1))
-    parts = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(parts, padded, group=group)
-    out = torch.zeros(math.prod(global_shape), dtype=local.dtype, device=local.device)
-    for m, part in zip(metas, parts):
-        lo, k = int(m[0]), int(m[1])
-        out[lo:lo + k].copy_(part[:k])
-    return out.reshape(global_shape)
 
 
 class ShardedParam:

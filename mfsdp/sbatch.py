@@ -84,6 +84,7 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "from_format": (str, "conversion --from"),
     "to_format": (str, "conversion --to"),
     "param_map": (str, "--param-to-param-group-map file (empty: none)"),
+    "model_preset": (str, "--model-preset of a Megatron-LM checkpoint's model (empty: none)"),
     "swiglu": (bool, "--swiglu (split/join fused gate and up projections)"),
 }
 
@@ -93,8 +94,10 @@ CHOICES = {
     "dispatcher": ("allgather", "alltoall", "flex"),
     "flex_backend": ("torch", "deepep"),
     "ckpt_format": ("fsdp_dtensor", "torch_dist"),
-    "from_format": ("torch_dist", "fsdp_dtensor", "safetensors"),
-    "to_format": ("torch_dist", "fsdp_dtensor", "safetensors"),
+    "from_format": ("torch_dist", "megatron_lm", "mfsdp_full", "fsdp_dtensor", "safetensors", "hf",
+                    "megatron_fsdp"),
+    "to_format": ("torch_dist", "megatron_lm", "mfsdp_full", "fsdp_dtensor", "safetensors", "hf",
+                  "megatron_fsdp"),
 }
 
 _SLURM = dict(partition="", account="", exclusive=False, container_image="",
@@ -161,13 +164,12 @@ PRESETS: dict[str, Preset] = {
                               lr=0.0002, bf16=True, meta_init=True, all_gather_group=True,
                               save="checkpoints/deepseek-v3", save_interval=500,
                               log_jsonl="deepseek-v3.jsonl")),
-    "convert": Preset("convert", "Checkpoint conversion: a Megatron torch_dist checkpoint to "
+    "convert": Preset("convert", "Checkpoint conversion: a Megatron-LM torch_dist checkpoint to "
                       "mfsdp's fsdp_dtensor, on one CPU node.", dict(
                           _SLURM, job_name="mfsdp-convert", cpus_per_task=16, time="02:00:00",
-                          output="%x-%j.log", src="checkpoints/megatron/iter_0001000",
+                          output="%x-%j.log", src="checkpoints/megatron",
                           dst="checkpoints/fsdp_dtensor/iter_0001000", from_format="torch_dist",
-                          to_format="fsdp_dtensor",
-                          param_map="checkpoints/megatron/param_to_param_group_map.json",
+                          to_format="fsdp_dtensor", param_map="", model_preset="llama3-8b",
                           swiglu=False)),
 }
 

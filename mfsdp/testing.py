@@ -92,10 +92,10 @@ def train_reference(cfg: dict, world_size: int) -> dict:
     work = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(c, master)
     losses, start = [], 0
-    if c["load_dir"]:  # resume from a torch_dist checkpoint (what a single-process job writes)
-        from mfsdp.checkpoint.convert import load_torch_dist
+    if c["load_dir"]:  # resume from an mfsdp_full checkpoint (what a single-process job writes)
+        from mfsdp.checkpoint.full import load_full_checkpoint
 
-        start = load_torch_dist(c["load_dir"], master, opt)
+        start = load_full_checkpoint(c["load_dir"], master, opt)
         with torch.no_grad():
             for pm, pw in zip(master.parameters(), model.parameters()):
                 pw.copy_(pm)
@@ -117,9 +117,9 @@ def train_reference(cfg: dict, world_size: int) -> dict:
             for pm, pw in zip(main, work):
                 pw.copy_(pm)
         if c["save_at"] == step + 1:
-            from mfsdp.checkpoint.convert import save_torch_dist
+            from mfsdp.checkpoint.full import save_full_checkpoint
 
-            save_torch_dist(master, opt, c["save_dir"], iteration=step + 1)
+            save_full_checkpoint(master, opt, c["save_dir"], iteration=step + 1)
     return {"losses": losses,
             "params": {n: p.detach().clone() for n, p in master.named_parameters()}}
 

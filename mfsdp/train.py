@@ -252,8 +252,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    action="store_true", dest="use_checkpoint_opt_param_scheduler",
                    help="--load: continue the checkpoint's learning-rate schedule (--lr, --min-lr, "
                    "warm-up, decay iterations and style)")
-    c.add_argument("--ckpt-format", choices=("fsdp_dtensor", "torch_dist"), default="fsdp_dtensor",
-                   help="format of --save (--load reads either; default: %(default)s)")
+    c.add_argument("--ckpt-format", choices=("fsdp_dtensor", "torch_dist", "mfsdp_full"),
+                   default="fsdp_dtensor",
+                   help="format of --save: mfsdp's sharded fsdp_dtensor, Megatron-LM's torch_dist "
+                        "(a root with latest_checkpointed_iteration.txt that Megatron-LM loads), "
+                        "or mfsdp's full-tensor mfsdp_full; --load reads each (default: "
+                        "%(default)s)")
     c.add_argument("--dump-param-to-param-group-map", metavar="DIR",
                    help="write the parameter -> optimizer group map (as upstream: a "
                         "torch.distributed.checkpoint directory, with the JSON that "
@@ -386,8 +390,8 @@ def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
 # ---------------------------------------------------------------------------------------------
 def _saved_config(load: str | None) -> dict | None:
     """The ``model_config.json`` of the checkpoint ``--load`` resolves to, if it has one."""
-    from mfsdp.checkpoint.convert import MODEL_CONFIG_FILE
-    from mfsdp.checkpoint.io import CheckpointError, resolve_checkpoint
+    from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE
+    from mfsdp.checkpoint.manifest import CheckpointError, resolve_checkpoint
 
     if not load:
         return None
@@ -629,7 +633,8 @@ def _rss_mib() -> float:
 # ---------------------------------------------------------------------------------------------
 def _save(args, model, opt, iteration: int, routers, cfg) -> None:
     from mfsdp.checkpoint import save_checkpoint
-    from mfsdp.checkpoint.convert import MODEL_CONFIG_FILE, fsdp_to_torch_dist
+    from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE
+    from mfsdp.checkpoint.full import fsdp_to_full
 
     extra = {"expert_bias": {n: m.expert_bias.detach().cpu().clone() for n, m in routers},
              "data_position": iteration, "opt_param_scheduler": _scheduler_state(args, iteration)}
@@ -641,22 +646,48 @@ def _save(args, model, opt, iteration: int, routers, cfg) -> None:
     staging = root / ".staging-fsdp_dtensor"
     written = save_checkpoint(staging, model, opt, iteration=iteration, extra=extra, files=files)
     error = [None]
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # rank 0 converts the sharded save into the asked format
         try:
-            final = root / written.name
-            if final.exists():
-                shutil.rmtree(final)
-            fsdp_to_torch_dist(written, final)
-            (root / ".latest-tmp").write_text(written.name + "\n")
-            os.replace(root / ".latest-tmp", root / "latest")
+            if args.ckpt_format == "torch_dist":
+                _export_megatron_lm(args, written, root, iteration, cfg)
+            else:
+                final = root / written.name
+                if final.exists():
+                    shutil.rmtree(final)
+                fsdp_to_full(written, final)
+                (root / ".latest-tmp").write_text(written.name + "\n")
+                os.replace(root / ".latest-tmp", root / "latest")
         except Exception as exc:  # noqa: BLE001 - every rank stops with the reason
             error[0] = f"{type(exc).__name__}: {exc}"
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     dist.broadcast_object_list(error, src=0)
     if error[0]:
-        raise RuntimeError(f"--ckpt-format torch_dist: writing iteration {iteration} to {root} "
-                           f"failed: {error[0]}")
+        raise RuntimeError(f"--ckpt-format {args.ckpt_format}: writing iteration {iteration} to "
+                           f"{root} failed: {error[0]}")
+
+
+def _export_megatron_lm(args, written: Path, root: Path, iteration: int, cfg) -> None:
+    """Megatron-LM's ``torch_dist`` into the save root, as Megatron-LM lays it out: the iteration
+    directory moved in whole, then the tracker replaced (a crash in between leaves the previous
+    iteration the one that loads)."""
+    from mfsdp.checkpoint.detect import TRACKER
+    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm
+
+    tmp_root = root / f".export-iter_{iteration:07d}"
+    shutil.rmtree(tmp_root, ignore_errors=True)
+    try:
+        fsdp_to_megatron_lm(written, tmp_root, cfg.to_dict(), progress=False,
+                            expert_model_parallel_size=args.expert_model_parallel_size)
+        name = f"iter_{iteration:07d}"
+        final = root / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp_root / name, final)
+        (root / f".{TRACKER}.tmp").write_text(str(iteration))
+        os.replace(root / f".{TRACKER}.tmp", root / TRACKER)
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
 
 
 # Megatron-LM's OptimizerParamScheduler state keys and the names its messages use; steps are
@@ -715,11 +746,12 @@ def _convert_on_rank0(tmp: Path, convert) -> None:
 
 def _load(args, model, opt, routers, cfg) -> int:
     from mfsdp.checkpoint import load_checkpoint, read_manifest
-    from mfsdp.checkpoint.convert import torch_dist_to_fsdp
-    from mfsdp.checkpoint.io import resolve_checkpoint
-    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp, resolve_megatron_lm
+    from mfsdp.checkpoint.full import full_to_fsdp, is_full_format
+    from mfsdp.checkpoint.manifest import resolve_checkpoint
+    from mfsdp.checkpoint.detect import resolve_megatron_lm
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
-    from mfsdp.checkpoint.upstream import describe_unreadable, is_megatron_fsdp
+    from mfsdp.checkpoint.detect import describe_unreadable, is_megatron_fsdp
 
     root = Path(args.load)
     if is_megatron_fsdp(root):
@@ -746,9 +778,9 @@ def _load(args, model, opt, routers, cfg) -> int:
                       flush=True)
             return 0
         path = resolve_checkpoint(root)
-    if tmp is None and read_manifest(path)["format"] == "torch_dist":
-        tmp = root / f".from-torch_dist-{path.name}"
-        _convert_on_rank0(tmp, lambda out: torch_dist_to_fsdp(path, out))
+    if tmp is None and is_full_format(read_manifest(path)):
+        tmp = root / f".from-mfsdp_full-{path.name}"
+        _convert_on_rank0(tmp, lambda out: full_to_fsdp(path, out))
         path = tmp
     extra = load_checkpoint(path, model, opt)
     if int(extra["iteration"]) == 0 and dist.get_rank() == 0:

@@ -13,13 +13,9 @@ import torch
 import torch.distributed as dist
 
 from mfsdp.checkpoint import CheckpointError
-from mfsdp.checkpoint.convert import (
-    fsdp_to_safetensors,
-    fsdp_to_torch_dist,
-    read_full,
-    safetensors_to_fsdp,
-    torch_dist_to_fsdp,
-)
+from mfsdp.checkpoint.dcp import read_full
+from mfsdp.checkpoint.full import fsdp_to_full, full_to_fsdp
+from mfsdp.checkpoint.safetensors_format import fsdp_to_safetensors, safetensors_to_fsdp
 from mfsdp.launch import RankError, launch
 from mfsdp.testing import train_reference, train_sharded, train_sharded_many
 
@@ -81,20 +77,20 @@ CONVERT = dict(optimizer="adamw2", model_kwargs={"swiglu": True}, global_batch=8
 
 @pytest.mark.slow
 def test_conversion_round_trips(tmp_path):
-    """torch_dist -> fsdp_dtensor -> torch_dist and fsdp_dtensor -> safetensors -> fsdp_dtensor.
+    """mfsdp_full -> fsdp_dtensor -> mfsdp_full and fsdp_dtensor -> safetensors -> fsdp_dtensor.
 
     Two optimizer groups (decay on matrices only) and fused swiglu weights.
     """
     straight = train_reference(CONVERT, world_size=2)
     train_reference(dict(CONVERT, save_at=2, save_dir=str(tmp_path / "A")), world_size=2)
-    # torch_dist -> fsdp_dtensor with the CLI, as users run it
-    subprocess.run([sys.executable, "-m", "mfsdp.checkpoint.convert", "--from", "torch_dist",
+    # mfsdp_full -> fsdp_dtensor with the CLI, as users run it
+    subprocess.run([sys.executable, "-m", "mfsdp.checkpoint.convert", "--from", "mfsdp_full",
                     "--to", "fsdp_dtensor", str(tmp_path / "A"), str(tmp_path / "B")], check=True)
     # the converted optimizer state is placed right: training continues as the original would
     sharded = launch(train_sharded, 2, args=(dict(CONVERT, load_dir=str(tmp_path / "B")),))[0]
     torch.testing.assert_close(torch.tensor(sharded["losses"]),
                                torch.tensor(straight["losses"][2:]), rtol=1e-5, atol=0)
-    fsdp_to_torch_dist(tmp_path / "B", tmp_path / "C")
+    fsdp_to_full(tmp_path / "B", tmp_path / "C")
     a, a_blobs, _ = read_full(tmp_path / "A")
     c, c_blobs, _ = read_full(tmp_path / "C")
     assert a.keys() == c.keys() and all(torch.equal(a[k], c[k]) for k in a)
@@ -116,16 +112,43 @@ def test_conversion_round_trips(tmp_path):
                                b["model.blocks.0.fc1.weight"], rtol=0, atol=0)
 
 
-def test_torch_dist_with_two_groups_needs_the_map(tmp_path):
+def test_mfsdp_full_with_two_groups_needs_the_map(tmp_path):
     train_reference(dict(CONVERT, steps=1, save_at=1, save_dir=str(tmp_path / "A")), world_size=1)
-    # a torch_dist checkpoint from elsewhere: no map (and none in its manifest)
+    # an mfsdp_full checkpoint from elsewhere: no map (and none in its manifest)
     (tmp_path / "A" / "param_to_param_group_map.json").unlink()
     manifest = json.loads((tmp_path / "A" / "manifest.json").read_text())
     del manifest["files"]["param_to_param_group_map.json"]
     (tmp_path / "A" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="2 optimizer parameter groups but no "
                                               "param_to_param_group_map.json"):
-        torch_dist_to_fsdp(tmp_path / "A", tmp_path / "B")
+        full_to_fsdp(tmp_path / "A", tmp_path / "B")
+
+
+def test_the_old_name_of_mfsdp_full_still_converts_with_a_notice(tmp_path):
+    """``torch_dist`` names Megatron-LM's format now; mfsdp's full-tensor checkpoints, which had
+    that name, still convert with ``--from torch_dist`` for one release (one line on stderr), and
+    the old function names warn and do the same as the new ones."""
+    train_reference(dict(CONVERT, steps=1, save_at=1, save_dir=str(tmp_path / "A")), world_size=1)
+    proc = subprocess.run([sys.executable, "-m", "mfsdp.checkpoint.convert", "--from",
+                           "torch_dist", "--to", "fsdp_dtensor", str(tmp_path / "A"),
+                           str(tmp_path / "B")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    notice = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(notice) == 1 and "--from mfsdp_full" in notice[0], proc.stderr
+    full_to_fsdp(tmp_path / "A", tmp_path / "C")
+    b, _, _ = read_full(tmp_path / "B")
+    c, _, _ = read_full(tmp_path / "C")
+    assert b.keys() == c.keys() and all(torch.equal(b[k], c[k]) for k in b)
+    from mfsdp.checkpoint.full import fsdp_to_torch_dist
+
+    with pytest.warns(FutureWarning, match="fsdp_to_full"):
+        fsdp_to_torch_dist(tmp_path / "B", tmp_path / "D")
+    assert json.loads((tmp_path / "D" / "manifest.json").read_text())["format"] == "mfsdp_full"
+    # a directory that is neither Megatron-LM's torch_dist nor mfsdp's is refused by name
+    proc = subprocess.run([sys.executable, "-m", "mfsdp.checkpoint.convert", "--from",
+                           "torch_dist", "--to", "fsdp_dtensor", str(tmp_path / "B"),
+                           str(tmp_path / "E")], capture_output=True, text=True)
+    assert proc.returncode != 0 and "is not a Megatron-LM torch_dist checkpoint" in proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +232,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     torn = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-iter_0000004")]
     assert torn and (torn[0] / "__0_0.distcp").exists()
     with pytest.raises(CheckpointError, match="no checkpoint at"):
-        from mfsdp.checkpoint.io import resolve_checkpoint
+        from mfsdp.checkpoint.manifest import resolve_checkpoint
 
         resolve_checkpoint(torn[0])
     resumed = launch(train_sharded, 2, args=(dict(BASE, steps=4, load_dir=str(tmp_path)),))[0]

@@ -35,8 +35,8 @@ def _group_map(e: dict) -> dict[str, int]:
 
 
 def test_the_fixture_is_upstreams_layout():
-    from mfsdp.checkpoint.convert import DCPSource
-    from mfsdp.checkpoint.upstream import is_megatron_fsdp
+    from mfsdp.checkpoint.dcp import DCPSource
+    from mfsdp.checkpoint.detect import is_megatron_fsdp
 
     assert is_megatron_fsdp(CKPT)
     keys = DCPSource(CKPT).tensors
@@ -45,7 +45,8 @@ def test_the_fixture_is_upstreams_layout():
 
 
 def test_convert_to_fsdp_dtensor_gives_every_tensor_by_name(tmp_path):
-    from mfsdp.checkpoint.convert import DCPSource, main
+    from mfsdp.checkpoint.convert import main
+    from mfsdp.checkpoint.dcp import DCPSource
 
     e = _expected()
     (tmp_path / "map.json").write_text(json.dumps(_group_map(e)))
@@ -69,7 +70,7 @@ def _config_file(tmp_path: Path, e: dict) -> Path:
 
 def test_round_trip_gives_back_what_upstream_wrote(tmp_path):
     """megatron_fsdp -> fsdp_dtensor -> megatron_fsdp: the same keys, values and groups."""
-    from mfsdp.checkpoint.convert import DCPSource
+    from mfsdp.checkpoint.dcp import DCPSource
     from mfsdp.checkpoint.upstream import fsdp_to_megatron_fsdp, megatron_fsdp_to_fsdp
 
     e = _expected()
@@ -86,7 +87,7 @@ def test_round_trip_gives_back_what_upstream_wrote(tmp_path):
 
 
 def test_several_groups_without_a_map_is_an_error(tmp_path):
-    from mfsdp.checkpoint.io import CheckpointError
+    from mfsdp.checkpoint.manifest import CheckpointError
     from mfsdp.checkpoint.upstream import megatron_fsdp_to_fsdp
 
     with pytest.raises(CheckpointError, match="2 optimizer parameter groups"):
@@ -117,8 +118,8 @@ def _load_sharded(strategy: str, root: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])
 def test_load_checkpoint_reads_it_into_a_sharded_model(strategy, tmp_path):
-    from mfsdp.checkpoint.convert import DCPSource
-    from mfsdp.checkpoint.io import resolve_checkpoint
+    from mfsdp.checkpoint.dcp import DCPSource
+    from mfsdp.checkpoint.manifest import resolve_checkpoint
 
     e = _expected()
     out = launch(_load_sharded, 2, args=(strategy, str(tmp_path / "after")))[0]

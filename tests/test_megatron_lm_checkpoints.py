@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mfsdp.checkpoint.io import CheckpointError
+from mfsdp.checkpoint.manifest import CheckpointError
 from mfsdp.launch import launch
 
 FIXTURE = Path(__file__).parent / "fixtures" / "megatron_lm"
@@ -45,7 +45,7 @@ def _imported(tmp_path):
 
     out = megatron_lm_to_fsdp(FIXTURE / "ckpt", tmp_path / "imported", _config().to_dict())
     model = GPT(_config())
-    from mfsdp.checkpoint.convert import read_full
+    from mfsdp.checkpoint.dcp import read_full
 
     tensors, blobs, manifest = read_full(out)
     model.load_state_dict({k[len("model."):]: v for k, v in tensors.items()})
@@ -117,7 +117,7 @@ def _mcore_name(name: str) -> str:
 def test_optimizer_state_imports_by_name(kind, tmp_path):
     """Every main weight and optimizer tensor equals what megatron-core's optimizer held after
     iteration 2 (bit for bit), with the step, both groups' hyperparameters and the schedule."""
-    from mfsdp.checkpoint.convert import read_full
+    from mfsdp.checkpoint.dcp import read_full
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
     e = _expected_optim()[kind]
@@ -225,12 +225,12 @@ def test_training_goes_on_as_megatron_core_does(kind, strategy, tmp_path):
 
 def _dcp_entries(directory: Path) -> dict[str, object]:
     """Every entry of a DCP directory: tensors whole, objects as torch.load gives them."""
-    from mfsdp.checkpoint.convert import DCPSource
-    from mfsdp.checkpoint.megatron_lm import _SAFE
+    from mfsdp.checkpoint.dcp import DCPSource
+    from mfsdp.checkpoint.megatron_common import SAFE_TYPES
 
     source = DCPSource(directory)
     out: dict[str, object] = {k: source.get(k) for k in source.tensors}
-    out.update({k: source.object(k, _SAFE) for k in source.blob_keys})
+    out.update({k: source.object(k, SAFE_TYPES) for k in source.blob_keys})
     return out
 
 
@@ -279,7 +279,7 @@ def test_dp_reshardable_optimizer_state_is_refused_with_the_fix(tmp_path):
     """Megatron-LM's default layout for the distributed optimizer keeps its state as flat bucket
     buffers: refused, naming the layout and the flag that saves it by weight; --weights-only
     reads the weights."""
-    from mfsdp.checkpoint.convert import read_full
+    from mfsdp.checkpoint.dcp import read_full
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
     src = OPTIM / "adam-dp-reshardable"
@@ -313,7 +313,8 @@ def test_convert_command_both_ways(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "--use-distributed-optimizer" in out.stdout
     assert (tmp_path / "mlm" / "latest_checkpointed_iteration.txt").read_text() == "2"
-    from mfsdp.checkpoint.convert import DCPSource, main
+    from mfsdp.checkpoint.convert import main
+    from mfsdp.checkpoint.dcp import DCPSource
 
     assert main(["--from", "fsdp_dtensor", "--to", "megatron_lm", "--no-progress",
                  str(tmp_path / "m"), str(tmp_path / "weights"), "--weights-only"]) == 0
@@ -376,7 +377,7 @@ def test_megatron_lms_parameter_map_is_read(tmp_path):
     theirs = read_param_to_param_group_map(OPTIM / "param_map")
     assert theirs == ours
     assert list(theirs.values()) == sorted(theirs.values())  # the optimizer's order: by group
-    from mfsdp.checkpoint.convert import DCPSource
+    from mfsdp.checkpoint.dcp import DCPSource
 
     source = DCPSource(OPTIM / "param_map")
     inspector = {"model.module." + k.removeprefix("module."): source.object(k)
@@ -410,7 +411,7 @@ def _moe_config():
 def test_moe_checkpoint_imports_with_megatron_cores_logits(tmp_path):
     """Every weight, expert (one slice of the stacked tensor each), shared expert, router weight
     and expert bias equals megatron-core's, and the model gives its logits."""
-    from mfsdp.checkpoint.convert import read_full
+    from mfsdp.checkpoint.dcp import read_full
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
     from mfsdp.models.gpt import GPT
 
@@ -480,7 +481,7 @@ def test_multi_latent_attention_imports_with_megatron_cores_logits(tmp_path):
     and key/value latents, their norms, decoupled rotary channels): every weight equal and the
     model's logits within 1e-6 of megatron-core's. megatron-core rotates MLA's rotary channels
     as DeepSeek's interleaved pairs: the same config with plain halves is off by far more."""
-    from mfsdp.checkpoint.convert import read_full
+    from mfsdp.checkpoint.dcp import read_full
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
     from mfsdp.models.gpt import GPT
 
@@ -512,7 +513,7 @@ def test_multi_latent_attention_export_of_an_import_is_the_checkpoint(tmp_path):
     local MLA spec saves it): the same keys and tensors bit for bit (megatron-core loads such an
     export and gives the fixture's logits exactly: ``check_export.py mcore DIR mla``). For
     Transformer Engine's spec the latents' norms take its fused names."""
-    from mfsdp.checkpoint.convert import DCPSource
+    from mfsdp.checkpoint.dcp import DCPSource
     from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
 
     mid = megatron_lm_to_fsdp(FIXTURE / "mla" / "ckpt", tmp_path / "mfsdp",
@@ -535,7 +536,7 @@ MOE_OPTIM = FIXTURE / "optim" / "moe-adam"
 def test_moe_optimizer_state_imports_by_name(tmp_path):
     """The MoE model trained by megatron-core (distributed optimizer, Adam): every main weight,
     expert included, and every moment equal bit for bit after import, with the step."""
-    from mfsdp.checkpoint.convert import read_full
+    from mfsdp.checkpoint.dcp import read_full
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
     e = torch.load(FIXTURE / "expected_moe_optim.pt")
@@ -604,9 +605,9 @@ def test_expert_parallel_checkpoint_both_ways(tmp_path):
     job (``expert_model_parallel_size=2``) it is megatron-core's checkpoint again, tensors and
     both optimizers' groups (``make_ep_fixture.py mcore --load DIR`` has megatron-core at EP 2
     load the export and run the third iteration bit for bit); exported for EP 1, one optimizer."""
-    from mfsdp.checkpoint.convert import read_full
-    from mfsdp.checkpoint.megatron_lm import (fsdp_to_megatron_lm, megatron_lm_to_fsdp,
-                                              read_common_state)
+    from mfsdp.checkpoint.dcp import read_full
+    from mfsdp.checkpoint.megatron_common import read_common_state
+    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
 
     src = FIXTURE / "optim" / "moe-ep2"
     e = torch.load(FIXTURE / "expected_moe_ep2.pt")
@@ -680,7 +681,7 @@ def test_stacked_tensors_are_read_and_written_one_layer_at_a_time(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     import mfsdp.checkpoint.convert as convert
-    from mfsdp.checkpoint.convert import DCPSource
+    from mfsdp.checkpoint.dcp import DCPSource
     from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
 
     source = DCPSource(OPTIM / "adam" / "iter_0000002")
@@ -713,7 +714,7 @@ def test_stacked_tensors_are_read_and_written_one_layer_at_a_time(tmp_path):
 
 def _convert_on_ranks(root: str) -> list[str]:
     """Every rank: both conversions, each rank writing its share of the tensors."""
-    from mfsdp.checkpoint.convert import spread_over_ranks
+    from mfsdp.checkpoint.dcp import spread_over_ranks
     from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
 
     with spread_over_ranks():

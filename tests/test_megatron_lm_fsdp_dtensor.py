@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mfsdp.checkpoint.io import CheckpointError
+from mfsdp.checkpoint.manifest import CheckpointError
 from mfsdp.launch import launch
 
 FIXTURE = Path(__file__).parent / "fixtures" / "megatron_lm"
@@ -58,7 +58,7 @@ def _config(variant: str):
 
 def _ours(mcore: str) -> str:
     """mfsdp's name for a megatron-core parameter name (the test's own mapping)."""
-    from mfsdp.checkpoint.megatron_lm import mfsdp_name
+    from mfsdp.checkpoint.megatron_common import mfsdp_name
 
     name = mfsdp_name(re.sub(r"^(module\.)+", "", mcore))
     return name.replace("mlp.shared_experts.", "mlp.shared_expert.")
@@ -69,7 +69,7 @@ def test_every_tensor_equals_what_megatron_fsdp_held(variant, tmp_path):
     """Every weight (SwiGLU's halves joined) and every Adam moment and step equal what
     megatron-core's ranks held, bit for bit; the groups' hyperparameters, the schedule and the
     iteration come along."""
-    from mfsdp.checkpoint.convert import read_full
+    from mfsdp.checkpoint.dcp import read_full
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
     e = _expected(variant)
@@ -104,7 +104,7 @@ def test_the_optimizers_prefix_follows_the_jobs_wrapping():
     """The fixtures hold the two key forms Megatron-LM writes: ``module.module.`` without
     ``--bf16`` and ``module.module.module.`` with its ``Float16Module``; SwiGLU halves as ``_w``
     and ``_v``; no ``metadata.json`` (a plain DCP)."""
-    from mfsdp.checkpoint.convert import DCPSource
+    from mfsdp.checkpoint.dcp import DCPSource
 
     def keys(variant):
         source = DCPSource(ROOT / variant / "iter_0000002")
@@ -126,13 +126,13 @@ def test_recognised_by_what_is_on_disk(tmp_path):
     (both have ``model.module.*``); ``describe_unreadable`` has nothing to object to; a plain
     DCP of Megatron-LM's without Megatron-FSDP's keys (``--ckpt-format torch_dcp``) is refused
     with its name and the fix."""
-    from mfsdp.checkpoint.megatron_lm import _backend, resolve_megatron_lm
-    from mfsdp.checkpoint.upstream import describe_unreadable, is_megatron_fsdp
+    from mfsdp.checkpoint.detect import megatron_lm_backend, resolve_megatron_lm
+    from mfsdp.checkpoint.detect import describe_unreadable, is_megatron_fsdp
 
     for path in (ROOT / "gelu", ROOT / "gelu" / "iter_0000002"):
         directory, iteration = resolve_megatron_lm(path)
         assert (directory.name, iteration) == ("iter_0000002", 2)
-        assert _backend(directory) == "fsdp_dtensor"
+        assert megatron_lm_backend(directory) == "fsdp_dtensor"
         assert not is_megatron_fsdp(path)
         assert describe_unreadable(path) is None
     import torch.distributed.checkpoint as dcp
@@ -230,7 +230,7 @@ def test_sgd_from_the_imported_weights_follows_the_gradient(tmp_path):
     one process's plain PyTorch on the full batch."""
     import torch.nn.functional as F
 
-    from mfsdp.checkpoint.convert import read_full
+    from mfsdp.checkpoint.dcp import read_full
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
     from mfsdp.models.gpt import GPT
 
@@ -266,8 +266,9 @@ def test_export_of_an_import_is_the_checkpoint_megatron_core_wrote(variant, prec
     object but ``args`` (the iteration, the schedule, each parameter's group metadata).
     (``make_fsdp_dtensor.py mcore VARIANT --load DIR`` has megatron-core load such an export:
     every tensor equal and, for the optimizer variants, the third iteration bit for bit.)"""
-    from mfsdp.checkpoint.convert import DCPSource
-    from mfsdp.checkpoint.megatron_lm import _SAFE, megatron_lm_to_fsdp
+    from mfsdp.checkpoint.dcp import DCPSource
+    from mfsdp.checkpoint.megatron_common import SAFE_TYPES
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
     from mfsdp.checkpoint.megatron_lm_dtensor import fsdp_to_megatron_lm_dtensor
 
     mid = megatron_lm_to_fsdp(ROOT / variant, tmp_path / "mfsdp", _config(variant).to_dict(),
@@ -282,8 +283,8 @@ def test_export_of_an_import_is_the_checkpoint_megatron_core_wrote(variant, prec
     assert sorted(ours.blob_keys) == sorted(theirs.blob_keys)
     for key in theirs.blob_keys:
         if key != "args":
-            assert ours.object(key, _SAFE) == theirs.object(key, _SAFE), key
-    args = ours.object("args", _SAFE)
+            assert ours.object(key, SAFE_TYPES) == theirs.object(key, SAFE_TYPES), key
+    args = ours.object("args", SAFE_TYPES)
     assert (args.ckpt_format, args.use_megatron_fsdp, args.bf16) == (
         "fsdp_dtensor", True, precision == "bf16")
 
@@ -292,7 +293,8 @@ def test_export_follows_the_loading_jobs_flags(tmp_path):
     """``mfsdp convert --to megatron_lm --ckpt-format fsdp_dtensor``: Transformer Engine's fused
     norm names by default, ``--bf16`` adds the ``Float16Module`` prefix; the flags that name the
     loading job are refused where they would be ignored."""
-    from mfsdp.checkpoint.convert import DCPSource, main
+    from mfsdp.checkpoint.convert import main
+    from mfsdp.checkpoint.dcp import DCPSource
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
     mid = megatron_lm_to_fsdp(ROOT / "gelu", tmp_path / "m", _config("gelu").to_dict(),
@@ -305,7 +307,7 @@ def test_export_follows_the_loading_jobs_flags(tmp_path):
     assert ("optimizer.state.module.module.module.decoder.layers.1.mlp.linear_fc1."
             "layer_norm_weight.exp_avg") in keys
     # and it reads back as it was (fused names and the deeper prefix resolved)
-    from mfsdp.checkpoint.convert import read_full
+    from mfsdp.checkpoint.dcp import read_full
 
     back, _, _ = read_full(megatron_lm_to_fsdp(tmp_path / "te", tmp_path / "back",
                                                _config("gelu").to_dict(), progress=False))
@@ -343,7 +345,7 @@ def test_sgd_state_is_not_exported_to_megatron_fsdp(tmp_path):
 
 def _convert_on_ranks(root: str) -> list[str]:
     """Every rank: both fsdp_dtensor conversions, each rank writing its share of the tensors."""
-    from mfsdp.checkpoint.convert import spread_over_ranks
+    from mfsdp.checkpoint.dcp import spread_over_ranks
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
     from mfsdp.checkpoint.megatron_lm_dtensor import fsdp_to_megatron_lm_dtensor
 

@@ -117,7 +117,7 @@ def test_import_gives_transformers_logits(family, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_conversion_round_trip_is_exact(family, tmp_path):
-    from mfsdp.checkpoint.convert import fsdp_to_hf, hf_to_fsdp
+    from mfsdp.checkpoint.hf_format import fsdp_to_hf, hf_to_fsdp
     from mfsdp.checkpoint.safetensors import SafetensorsReader
 
     ref = make_hf(family, tmp_path / "hf")
@@ -229,7 +229,7 @@ def _sharded(hf_dir: str, ckpt: str, out: str, ep: int, strategy: str, steps: in
     """Every rank: build the model, load the imported checkpoint, train, save."""
     from mfsdp import ParallelLayout, fully_shard
     from mfsdp.checkpoint import load_checkpoint, save_checkpoint
-    from mfsdp.checkpoint.convert import MODEL_CONFIG_FILE
+    from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE
     from mfsdp.models.gpt import GPT, GPTConfig, TransformerLayer, gpt_loss
     from mfsdp.moe import shard_experts
 
@@ -267,7 +267,7 @@ def _sharded(hf_dir: str, ckpt: str, out: str, ep: int, strategy: str, steps: in
     ("deepseek_v3", 1, "optim"),
 ])
 def test_imported_model_trains_sharded_and_exports(family, ep, strategy, tmp_path):
-    from mfsdp.checkpoint.convert import fsdp_to_hf, hf_to_fsdp
+    from mfsdp.checkpoint.hf_format import fsdp_to_hf, hf_to_fsdp
     from mfsdp.models.hf import load_hf
 
     make_hf(family, tmp_path / "hf")
@@ -424,8 +424,10 @@ def test_meta_init_of_our_families_equals_eager(fused):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_trainer_checkpoint_exports_swiglu_split_and_expert_bias(tmp_path):
-    from mfsdp.checkpoint.convert import DCPSource, fsdp_to_hf, fsdp_to_safetensors
-    from mfsdp.checkpoint.io import CheckpointError, resolve_checkpoint
+    from mfsdp.checkpoint.dcp import DCPSource
+    from mfsdp.checkpoint.hf_format import fsdp_to_hf
+    from mfsdp.checkpoint.safetensors_format import fsdp_to_safetensors
+    from mfsdp.checkpoint.manifest import CheckpointError, resolve_checkpoint
     from mfsdp.checkpoint.safetensors import SafetensorsReader, load_file
 
     argv = ["--use-megatron-fsdp", "--model-preset", "deepseek-proxy", "--train-iters", "3",

@@ -116,9 +116,11 @@ def test_activation_recompute_gives_the_same_loss_curve(name, preset):
 
 @pytest.mark.parametrize("fmt, base", [
     ("fsdp_dtensor", SHORT),
-    # torch_dist with EP 2: each rank saves other experts (the parameter-group map lists them all)
+    # mfsdp_full with EP 2: each rank saves other experts (the parameter-group map lists them all)
+    ("mfsdp_full", MOE + ["--expert-model-parallel-size", "2"]),
+    # Megatron-LM's torch_dist, as Megatron-LM lays it out (tracker, iter_XXXXXXX/metadata.json)
     ("torch_dist", MOE + ["--expert-model-parallel-size", "2"]),
-], ids=["fsdp_dtensor", "torch_dist-ep2"])
+], ids=["fsdp_dtensor", "mfsdp_full-ep2", "torch_dist-ep2"])
 def test_save_then_load_continues_the_run(fmt, base, tmp_path):
     args = base + ["--save", str(tmp_path / "ckpt"), "--ckpt-format", fmt]
     straight = launch("mfsdp.train:run_in_rank", 2,
@@ -128,6 +130,14 @@ def test_save_then_load_continues_the_run(fmt, base, tmp_path):
                      args=(args + ["--train-iters", "4", "--load", str(tmp_path / "ckpt")],))[0]
     assert [r["iteration"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[2:]]  # bit-identical
+    if fmt == "torch_dist":
+        from mfsdp.checkpoint.detect import TRACKER
+
+        assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "4"  # the resumed run's save
+        for it in (2, 4):
+            meta = json.loads((tmp_path / "ckpt" / f"iter_{it:07d}" / "metadata.json").read_text())
+            assert meta["sharded_backend"] == "torch_dist"
+        return
     latest = (tmp_path / "ckpt" / "latest").read_text().strip()
     manifest = json.loads((tmp_path / "ckpt" / latest / "manifest.json").read_text())
     assert manifest["format"] == fmt

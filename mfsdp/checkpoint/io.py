@@ -27,6 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from mfsdp.checkpoint.manifest import (
+    DTYPES,
+    FORMAT_VERSION,
+    CheckpointError,
+    read_manifest,
+    resolve_checkpoint,
+)
 from mfsdp.checkpoint.state import (
     global_param_to_param_group_map,
     model_state,
@@ -34,17 +41,7 @@ from mfsdp.checkpoint.state import (
     param_groups_state,
 )
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
-           "resolve_checkpoint", "read_manifest", "buffer_state"]
-
-FORMAT_VERSION = 1
-_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
-                               torch.int64, torch.int32, torch.uint8, torch.bool)}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded: the message names the key or file and what is wrong."""
-
+__all__ = ["save_checkpoint", "load_fsdp_dtensor", "load_converted", "buffer_state"]
 
 def _describe(state: dict) -> dict[str, dict]:
     """Every rank's tensor keys with global shape and dtype (experts differ between EP ranks)."""
@@ -144,45 +141,6 @@ def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: i
     return root / name
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint directory: ``path`` itself, or what ``path/latest`` names."""
-    path = Path(path)
-    if (path / "manifest.json").exists():
-        return path
-    latest = path / "latest"
-    if latest.exists():
-        target = path / latest.read_text().strip()
-        if not (target / "manifest.json").exists():
-            raise CheckpointError(f"{latest} names {target.name}, which has no manifest.json "
-                                  "(incomplete or deleted checkpoint)")
-        return target
-    from mfsdp.checkpoint.upstream import describe_unreadable
-
-    unreadable = describe_unreadable(path)
-    if unreadable:
-        raise CheckpointError(unreadable)
-    raise CheckpointError(f"no checkpoint at {path}: neither {path}/manifest.json nor "
-                          f"{path}/latest exists (a directory named .tmp-* is an unfinished save)")
-
-
-def read_manifest(path: str | os.PathLike) -> dict:
-    """The manifest of a checkpoint, checked for format version and file sizes."""
-    ckpt = resolve_checkpoint(path)
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"{ckpt}/manifest.json has format_version={version!r}, newer than "
-                              f"this mfsdp reads ({FORMAT_VERSION}); upgrade mfsdp")
-    for fname, size in manifest["files"].items():
-        f = ckpt / fname
-        if not f.exists():
-            raise CheckpointError(f"checkpoint file {f} is missing (the manifest lists it)")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"checkpoint file {f} has {f.stat().st_size} bytes, the manifest "
-                                  f"says {size}: the file is truncated or was modified")
-    return manifest
-
-
 def _check_keys(ours: dict[str, dict], theirs: dict[str, dict], where: Path) -> None:
     missing = sorted(set(ours) - set(theirs))
     unexpected = sorted(set(theirs) - set(ours))
@@ -202,7 +160,7 @@ def _check_keys(ours: dict[str, dict], theirs: dict[str, dict], where: Path) -> 
 def load_converted(path: str | os.PathLike, model, optimizer, convert, what: str) -> dict:
     """Load a checkpoint of another layout (``what``, for messages): a collective call. Rank 0
     runs ``convert(tmp)`` to write an ``fsdp_dtensor`` checkpoint next to ``path``, every rank
-    loads it with :func:`load_checkpoint`, rank 0 removes it; a failed conversion stops every
+    loads it with :func:`load_fsdp_dtensor`, rank 0 removes it; a failed conversion stops every
     rank with its reason."""
     import secrets
     import shutil
@@ -222,33 +180,21 @@ def load_converted(path: str | os.PathLike, model, optimizer, convert, what: str
     if error[0]:
         raise CheckpointError(f"cannot read {path} as {what}: {error[0]}")
     try:
-        return load_checkpoint(tmp, model, optimizer)
+        return load_fsdp_dtensor(tmp, model, optimizer)
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
-    """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it.
-
-    ``path`` is an mfsdp checkpoint (or its root), a checkpoint written by upstream
-    Megatron-FSDP (``dcp.save`` of its model and optimizer state dicts; see
-    ``mfsdp.checkpoint.upstream``) or a Megatron-LM ``torch_dist`` checkpoint (root with
-    ``latest_checkpointed_iteration.txt`` or one ``iter_XXXXXXX``; see
-    ``mfsdp.checkpoint.megatron_lm``), recognised by what is on disk.
+def load_fsdp_dtensor(path: str | os.PathLike, model, optimizer=None) -> dict:
+    """Load an mfsdp ``fsdp_dtensor`` checkpoint (or its root) into ``model`` (and
+    ``optimizer``), resharding to their layout; :func:`mfsdp.checkpoint.load_checkpoint` reads
+    every format and calls this for mfsdp's own.
 
     Restores the RNG state that was saved and returns the ``extra`` dict (with ``iteration``
     and ``rng_state``). A collective call.
     """
-    from mfsdp.checkpoint.upstream import is_megatron_fsdp, load_megatron_fsdp
-
-    from mfsdp.checkpoint.megatron_lm import is_megatron_lm, load_megatron_lm
-
-    if is_megatron_fsdp(path):  # upstream Megatron-FSDP's README checkpoint
-        return load_megatron_fsdp(path, model, optimizer)
-    if is_megatron_lm(path):  # Megatron-LM's own (tracker, iter_XXXXXXX, metadata.json)
-        return load_megatron_lm(path, model, optimizer)
     ckpt = resolve_checkpoint(path)
     manifest = read_manifest(ckpt)
     theirs = manifest["tensors"]
@@ -257,7 +203,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     if optimizer is not None and not has_groups:  # a weights-only checkpoint (e.g. converted)
         optimizer = None
     if optimizer is not None:
-        template = {k: (tuple(v["shape"]), _DTYPES[v["dtype"]]) for k, v in theirs.items()
+        template = {k: (tuple(v["shape"]), DTYPES[v["dtype"]]) for k, v in theirs.items()
                     if k.startswith("optimizer.state.")}
         state.update(optimizer_state(model, optimizer, template))
         state["optimizer.param_groups"] = b""

@@ -36,248 +36,26 @@ export of an import is the checkpoint it came from.
 
 from __future__ import annotations
 
-import argparse
 import json
-import re
-import types
 from pathlib import Path
 
 import torch
 
-from mfsdp.checkpoint.io import CheckpointError
+from mfsdp.checkpoint.dcp import (MAP_FILE, MODEL_CONFIG_FILE, DCPSource, Progress, owned_keys, ranks,
+                                  tensor_nbytes, write_streaming)
+from mfsdp.checkpoint.full import fsdp_source
+from mfsdp.checkpoint.io import load_converted
+from mfsdp.checkpoint.detect import TRACKER, is_megatron_lm, megatron_lm_backend, resolve_megatron_lm
+from mfsdp.checkpoint.manifest import CheckpointError
+from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, decays, megatron_args, mfsdp_groups, mfsdp_name,
+                                              optimizer_common, read_common_state, source_key,
+                                              target_key, write_iteration)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "load_megatron_lm",
            "megatron_lm_to_fsdp", "mfsdp_name", "read_common_state", "resolve_megatron_lm",
            "write_iteration"]
 
 FORMAT = "megatron_lm_torch_dist"
-TRACKER = "latest_checkpointed_iteration.txt"
-_FUSED_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm",
-                "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm",
-                # multi-latent attention with Transformer Engine: the latents' norms
-                "self_attention.q_layernorm": "self_attention.linear_q_up_proj.layer_norm",
-                "self_attention.kv_layernorm": "self_attention.linear_kv_up_proj.layer_norm"}
-# the fused names of each layer spec megatron-core writes (mfsdp module -> fused in the key):
-# every spec fuses the pre-attention and pre-MLP norms of linear_qkv attention (the local spec
-# by its sharded_state_dict_keys_map); with multi-latent attention the local spec fuses none
-# and Transformer Engine's fuses the latents' norms and the dense MLP's
-_WRITTEN_FUSED = {
-    (False, "transformer_engine"): ("input_layernorm", "pre_mlp_layernorm"),
-    (False, "local"): ("input_layernorm", "pre_mlp_layernorm"),
-    (True, "transformer_engine"): ("self_attention.q_layernorm", "self_attention.kv_layernorm",
-                                   "pre_mlp_layernorm"),
-    (True, "local"): (),
-}
-COMMON = "common_state/shard_0_1"
-# what megatron-core's checkpoint loader allows in common_state besides plain containers
-_SAFE = (argparse.Namespace, types.SimpleNamespace)
-# optimizer hyperparameters that torch.optim (and Transformer Engine's FusedAdam) read
-_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov",
-          "maximize")
-_MAIN_FIELDS = ("param", "fp32_param")  # the distributed optimizer's fp32 main weights
-
-
-def _is_megatron_lm_dcp(path: Path) -> bool:
-    """Whether ``path`` is an iteration directory Megatron-LM wrote as a plain DCP (its
-    ``fsdp_dtensor`` or ``torch_dcp`` formats: no ``metadata.json``; Megatron-LM's
-    ``checkpoint_version`` and ``iteration`` among the entries)."""
-    if not (path / ".metadata").is_file() or (path / "manifest.json").exists():
-        return False
-    from mfsdp.checkpoint.convert import DCPSource
-
-    return {"checkpoint_version", "iteration"} <= set(DCPSource(path).blob_keys)
-
-
-def resolve_megatron_lm(path: str | Path) -> tuple[Path, int | None] | None:
-    """``(iteration directory, iteration)`` of a Megatron-LM checkpoint (root with the tracker, or
-    one ``iter_XXXXXXX``), or None when ``path`` is not one."""
-    path = Path(path)
-    if (path / TRACKER).is_file():
-        text = (path / TRACKER).read_text().strip()
-        if text == "release":
-            return path / "release", None
-        try:
-            iteration = int(text)
-        except ValueError:
-            raise CheckpointError(f"{path / TRACKER} holds {text!r}, not an iteration") from None
-        return path / f"iter_{iteration:07d}", iteration
-    if ((path / "metadata.json").is_file() and (path / ".metadata").is_file()
-            or _is_megatron_lm_dcp(path)):
-        name = path.name
-        iteration = int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
-        return path, iteration
-    return None
-
-
-def is_megatron_lm(path: str | Path) -> bool:
-    """Whether ``path`` is a Megatron-LM checkpoint root or iteration directory."""
-    return resolve_megatron_lm(path) is not None
-
-
-def _backend(directory: Path) -> str:
-    """The format of a Megatron-LM iteration directory (``torch_dist``'s ``sharded_backend``,
-    or ``fsdp_dtensor``), or an error naming what the directory holds instead."""
-    try:
-        return json.loads((directory / "metadata.json").read_text()).get("sharded_backend", "?")
-    except FileNotFoundError:
-        pass
-    where = f"{directory} holds a Megatron-LM checkpoint"
-    if not directory.is_dir():
-        raise CheckpointError(f"{where} tracker, but the iteration directory {directory.name} is "
-                              "missing") from None
-    if (directory / ".metadata").is_file():
-        from mfsdp.checkpoint.convert import DCPSource
-        from mfsdp.checkpoint.megatron_lm_dtensor import is_fsdp_dtensor_keys
-
-        if is_fsdp_dtensor_keys(DCPSource(directory).tensors):
-            return "fsdp_dtensor"
-        raise CheckpointError(f"{where} in a format mfsdp does not read: a plain "
-                              "torch.distributed.checkpoint without metadata.json or "
-                              "Megatron-FSDP's model.module.* keys (Megatron-LM's --ckpt-format "
-                              "torch_dcp); save it with --ckpt-format torch_dist, or with "
-                              "--use-megatron-fsdp --ckpt-format fsdp_dtensor") from None
-    if any(directory.glob("mp_rank_*")):
-        raise CheckpointError(f"{where} in Megatron-LM's legacy --ckpt-format torch "
-                              "(mp_rank_XX/model_optim_rng.pt), which mfsdp does not read; save "
-                              "it with --ckpt-format torch_dist") from None
-    raise CheckpointError(f"{where} tracker, but {directory} has no checkpoint files "
-                          "(metadata.json and .metadata)") from None
-
-
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
-
-
-def _source_key(name: str, keys) -> tuple[str, tuple[int, ...]]:
-    """The Megatron-LM key holding mfsdp parameter ``name`` and the index into it: ``(layer,)``
-    where megatron-core stacked the layers (every layer alike), ``()`` where it wrote one key per
-    layer (dense and MoE layers mixed), and the expert's index after it where experts are stacked
-    (``mlp.experts.experts.linear_fc1.weight`` of shape ``[experts, ...]``)."""
-    if name == "embedding.weight":
-        return "embedding.word_embeddings.weight", ()
-    if name == "position_embedding.weight":
-        return "embedding.position_embeddings.weight", ()
-    if name.startswith("final_layernorm."):
-        return "decoder." + name, ()
-    if name == "output_layer.weight":
-        return name, ()
-    if name.startswith("layers."):
-        _, i, rest = name.split(".", 2)
-        module, _, field = rest.rpartition(".")
-        expert: tuple[int, ...] = ()
-        m = _EXPERT.match(rest)
-        if m:
-            rest, expert = f"mlp.experts.experts.{m.group(2)}", (int(m.group(1)),)
-        rest = rest.replace("mlp.shared_expert.", "mlp.shared_experts.", 1)
-        names = [rest]
-        if module in _FUSED_NORMS:  # layer_norm_weight / layer_norm_bias first
-            names.insert(0, _FUSED_NORMS[module] + "_" + field)
-        candidates = []
-        for r in names:
-            candidates += [(f"decoder.layers.{r}", (int(i), *expert)),
-                           (f"decoder.layers.{i}.{r}", expert)]
-        for key, index in candidates:
-            if key in keys:
-                return key, index
-        return candidates[-1]
-    return name, ()
-
-
-def read_common_state(directory: str | Path) -> dict:
-    """The non-tensor state of one Megatron-LM ``torch_dist`` iteration directory (``args``,
-    ``iteration``, the optimizer's ``param_groups``, ``opt_param_scheduler``, ...): the
-    ``common_state`` object inside the DCP files, or ``common.pt`` beside them (megatron-core
-    before 0.15). Read with ``weights_only=True``."""
-    from mfsdp.checkpoint.convert import DCPSource
-
-    directory = Path(directory)
-    legacy = directory / "common.pt"
-    if legacy.is_file():
-        with torch.serialization.safe_globals(list(_SAFE)):
-            return torch.load(legacy, map_location="cpu", weights_only=True)
-    source = DCPSource(directory)
-    if COMMON not in source.blob_keys:
-        raise CheckpointError(f"{directory} has neither common.pt nor a {COMMON!r} entry: not a "
-                              "megatron-core torch_dist checkpoint")
-    value = source.object(COMMON, _SAFE)
-    return value[0] if isinstance(value, list) else value
-
-
-def _optimizer_common(common: dict) -> tuple[list[dict], str | None]:
-    """The saved optimizer's param groups and its state layout (``None``: not distributed). A
-    chained optimizer (megatron-core chains one for the experts of an expert-parallel job) is
-    saved as ``{0: part, 1: part, ...}``: the parts' groups, in order."""
-    opt = common.get("optimizer") or {}
-    parts = [opt[k] for k in sorted(opt)] if opt and all(isinstance(k, int) for k in opt) else [opt]
-    layout = (common.get("content_metadata") or {}).get(
-        "distrib_optim_sharding_type", parts[0].get("param_state_sharding_type"))
-    groups = []
-    for part in parts:
-        inner = part.get("optimizer", part)
-        found = inner.get("param_groups") if isinstance(inner, dict) else None
-        if found is None:
-            raise CheckpointError("the checkpoint's optimizer holds no param_groups; mfsdp reads "
-                                  "megatron-core's optimizers (one, or chained): convert the "
-                                  "weights alone with --weights-only")
-        groups += found
-    return groups, layout
-
-
-def _mfsdp_groups(groups: list[dict], where: Path) -> list[dict]:
-    """Megatron-LM's groups -> mfsdp's two (weight decay, then none: dims >= 2 and not a bias,
-    the rule both use), by ``wd_mult``."""
-    def distinct(found):  # the expert optimizer's groups merge with the dense ones they equal
-        out = []
-        for g in found:
-            h = {k: g[k] for k in _HYPER if k in g}
-            if h not in [{k: o[k] for k in _HYPER if k in o} for o in out]:
-                out.append(g)
-        return out
-
-    decay = distinct([g for g in groups if g.get("wd_mult", 1.0) != 0.0])
-    plain = distinct([g for g in groups if g.get("wd_mult", 1.0) == 0.0])
-    odd = [g for g in groups if g.get("lr_mult", 1.0) != 1.0 or g.get("is_decoupled_lr")]
-    if odd or len(decay) > 1 or len(plain) > 1:
-        raise CheckpointError(f"{where}: the optimizer has {len(groups)} parameter groups with "
-                              "different hyperparameters (lr_mult, decoupled lr, or expert "
-                              "groups unlike the dense ones); mfsdp reads two groups (weight "
-                              "decay and none)")
-    base = decay[0] if decay else plain[0]
-    out = []
-    for found, wd in ((decay, None), (plain, 0.0)):
-        g = found[0] if found else base
-        h = {k: g[k] for k in _HYPER if k in g}
-        if wd is not None:
-            h["weight_decay"] = wd
-        out.append(h)
-    return out
-
-
-def mfsdp_name(name: str) -> str:
-    """mfsdp's name for a parameter named as Megatron-LM names it in a model or a parameter map
-    (per layer, wrapper prefixes dropped, fused norm names unfused); other names unchanged.
-
-    >>> mfsdp_name("model.module.decoder.layers.3.self_attention.linear_qkv.layer_norm_weight")
-    'layers.3.input_layernorm.weight'
-    >>> mfsdp_name("module.module.embedding.word_embeddings.weight")
-    'embedding.weight'
-    """
-    for prefix in ("model.module.", "module.module.", "module."):
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-            break
-    if name == "embedding.word_embeddings.weight":
-        return "embedding.weight"
-    if name == "embedding.position_embeddings.weight":
-        return "position_embedding.weight"
-    if name.startswith("decoder.final_layernorm."):
-        return name[len("decoder."):]
-    if name.startswith("decoder.layers."):
-        name = name[len("decoder."):]
-        for ours, fused in _FUSED_NORMS.items():
-            for field in ("weight", "bias"):
-                if name.endswith(f".{fused}_{field}"):
-                    return name[:-len(f"{fused}_{field}")] + f"{ours}.{field}"
-    return name
 
 
 def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
@@ -298,8 +76,6 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
     fp32 main weights where it has them (``optimizer.state.param``). ``weights_only`` leaves the
     optimizer out (and reads a ``dp_reshardable`` checkpoint's weights).
     """
-    from mfsdp.checkpoint.convert import (MAP_FILE, MODEL_CONFIG_FILE, DCPSource, _nbytes,
-                                          _Progress, owned_keys, write_streaming)
     from mfsdp.models.gpt import GPT, GPTConfig
 
     found = resolve_megatron_lm(src)
@@ -307,7 +83,7 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
         raise CheckpointError(f"{src} is not a Megatron-LM checkpoint (no {TRACKER}, no "
                               "metadata.json beside a .metadata)")
     directory, iteration = found
-    backend = _backend(directory)
+    backend = megatron_lm_backend(directory)
     if backend == "fsdp_dtensor":
         from mfsdp.checkpoint.megatron_lm_dtensor import megatron_lm_dtensor_to_fsdp
 
@@ -324,7 +100,7 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
     keys = set(source.tensors)
     plan: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, t in ref.items():
-        key, index = _source_key(name, keys)
+        key, index = source_key(name, keys)
         if key not in keys:
             raise CheckpointError(f"{directory} has no tensor {key!r} (for {name}); is "
                                   "the model config the one it was trained with?")
@@ -356,7 +132,7 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
     for key in state_keys:
         field, _, model_key = key[len("optimizer.state."):].partition(".")
         fields.setdefault(field, set()).add(model_key)
-    main_field = next((f for f in _MAIN_FIELDS if f in fields), None)
+    main_field = next((f for f in MAIN_FIELDS if f in fields), None)
     params = {n for n, _ in model.named_parameters()}  # the rest are buffers (expert bias)
     for name, (key, index) in plan.items():
         src_key = f"optimizer.state.{main_field}.{key}" if main_field else key
@@ -380,11 +156,11 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
                 "data-parallel layout reads). Save it from Megatron-LM with "
                 "--dist-ckpt-optim-fully-reshardable (the state by weight), or convert the "
                 "weights alone with --weights-only")
-        groups, _ = _optimizer_common(common)
-        mine = _mfsdp_groups(groups, directory)
+        groups, _ = optimizer_common(common)
+        mine = mfsdp_groups(groups, directory)
         step = next((float(g["step"]) for g in groups if "step" in g), None)
         for field, have in sorted(fields.items()):
-            if field in _MAIN_FIELDS:
+            if field in MAIN_FIELDS:
                 continue
             missing = sorted({plan[n][0] for n in params} - have)
             if missing:
@@ -400,12 +176,12 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
                 specs[f"optimizer.state.{name}.step"] = ((), torch.float32)
                 origin[f"optimizer.state.{name}.step"] = ("", ())
         blobs["optimizer.param_groups"] = mine
-        group_of = {n: 0 for n, p in model.named_parameters() if _decays(n, p)}
-        group_of.update({n: 1 for n, p in model.named_parameters() if not _decays(n, p)})
+        group_of = {n: 0 for n, p in model.named_parameters() if decays(n, p)}
+        group_of.update({n: 1 for n, p in model.named_parameters() if not decays(n, p)})
         files[MAP_FILE] = json.dumps(group_of, indent=1)
     blobs["extra"] = extra
-    share = owned_keys({k: _nbytes(*v) for k, v in specs.items()})  # all, without torchrun
-    report = _Progress(f"reading {directory.name}", sum(_nbytes(*specs[k]) for k in share),
+    share = owned_keys({k: tensor_nbytes(*v) for k, v in specs.items()})  # all, without torchrun
+    report = Progress(f"reading {directory.name}", sum(tensor_nbytes(*specs[k]) for k in share),
                        progress)
 
     def produce(key: str) -> torch.Tensor:
@@ -414,7 +190,7 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
             return torch.tensor(step, dtype=torch.float32)
         # one layer (one expert) of a stacked tensor: read from its own chunks
         t = source.get(source_key, index).float()
-        report(_nbytes(*specs[key]))
+        report(tensor_nbytes(*specs[key]))
         return t
 
     order = sorted(specs, key=lambda k: origin[k])  # the checkpoint's order
@@ -423,57 +199,6 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
                            {"source": FORMAT, "backend": backend}, files)
 
 
-def _decays(name: str, param) -> bool:
-    """Whether a parameter is in the weight-decay group (mfsdp's and Megatron-LM's rule)."""
-    return param.dim() >= 2 and not name.endswith(".bias")
-
-
-def _target_key(name: str, per_layer: bool = False, mla: bool = False,
-                transformer_impl: str = "transformer_engine") -> tuple[str, int | None]:
-    """The Megatron-LM key megatron-core writes for mfsdp parameter ``name``, and the index
-    into it where it stacks: a dense model's layers stacked (``per_layer`` False); otherwise, as
-    megatron-core writes a model with MoE layers, one key per layer with the experts stacked.
-    Norms carry the fused names megatron-core writes for the spec (``_WRITTEN_FUSED``)."""
-    if not name.startswith("layers."):
-        return _source_key(name, ())[0], None
-    _, i, rest = name.split(".", 2)
-    module, _, field = rest.rpartition(".")
-    if module in _WRITTEN_FUSED[mla, transformer_impl]:
-        rest = f"{_FUSED_NORMS[module]}_{field}"
-    rest = rest.replace("mlp.shared_expert.", "mlp.shared_experts.", 1)
-    if not per_layer:
-        return f"decoder.layers.{rest}", int(i)
-    m = _EXPERT.match(rest)
-    if m:
-        return f"decoder.layers.{i}.mlp.experts.experts.{m.group(2)}", int(m.group(1))
-    return f"decoder.layers.{i}.{rest}", None
-
-
-def _args(cfg, optimizer: str | None, distributed: bool, iteration: int):
-    """The ``args`` namespace Megatron-LM's loader reads from a checkpoint: the architecture
-    (compared with the job's, and used by ``--use-checkpoint-args``), a tensor- and
-    pipeline-parallel size of 1, and ``no_save_rng`` (mfsdp's RNG states are not Megatron-LM's)."""
-    heads = cfg.num_attention_heads
-    groups = cfg.num_query_groups or heads
-    return argparse.Namespace(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=heads,
-        group_query_attention=groups != heads, num_query_groups=groups,
-        kv_channels=cfg.kv_channels or cfg.hidden_size // heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        position_embedding_type=("rope" if cfg.position_embedding_type == "rope"
-                                 else "learned_absolute"),
-        add_position_embedding=cfg.position_embedding_type != "rope",
-        rotary_base=(int(cfg.rotary_base) if float(cfg.rotary_base).is_integer()
-                     else cfg.rotary_base),
-        normalization=cfg.normalization, norm_epsilon=cfg.norm_epsilon, swiglu=cfg.swiglu,
-        add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
-        untie_embeddings_and_output_weights=not cfg.share_embeddings_and_output_weights,
-        padded_vocab_size=cfg.vocab_size, tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1, ckpt_format="torch_dist", no_save_rng=True,
-        no_save_optim=optimizer is None, optimizer=optimizer or "adam",
-        use_distributed_optimizer=distributed, iteration=iteration, consumed_train_samples=0,
-        skipped_train_samples=0)
 
 
 def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | None = None,
@@ -504,8 +229,6 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     written as megatron-core's chained optimizer holds them (the routed experts' own optimizer
     after the dense one), the tensors as they are at any expert parallelism.
     """
-    from mfsdp.checkpoint.convert import (MODEL_CONFIG_FILE, DCPSource, _nbytes, _Progress,
-                                          _ranks, fsdp_source, owned_keys)
     from mfsdp.models.gpt import GPT, GPTConfig
 
     src, dst = fsdp_source(src, dst)
@@ -531,7 +254,7 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     for name in ref:
         if f"model.{name}" not in source.tensors:
             raise CheckpointError(f"{src} has no weight {name!r} of the model config")
-        key, index = _target_key(name, per_layer, cfg.multi_latent_attention, transformer_impl)
+        key, index = target_key(name, per_layer, cfg.multi_latent_attention, transformer_impl)
         if index is None:
             whole[key] = name
         else:
@@ -563,20 +286,20 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     shapes = {k: (tuple(ref[n].shape) if isinstance(n, str) else
                   (len(n), *ref[n[0]].shape)) for k, (_, n) in origin.items()}
 
-    share = owned_keys({k: _nbytes(s, torch.float32) for k, s in shapes.items()})
-    report = _Progress(f"writing {dst.name}",
-                       sum(_nbytes(shapes[k], torch.float32) for k in share), progress)
+    share = owned_keys({k: tensor_nbytes(s, torch.float32) for k, s in shapes.items()})
+    report = Progress(f"writing {dst.name}",
+                       sum(tensor_nbytes(shapes[k], torch.float32) for k in share), progress)
 
     def read(field, name):
         t = source.get(f"optimizer.state.{name}.{field}" if field else f"model.{name}").float()
-        report(_nbytes(tuple(t.shape), torch.float32))
+        report(tensor_nbytes(tuple(t.shape), torch.float32))
         return t
 
     def produce(key: str, i: int | None = None) -> torch.Tensor:
         field, names = origin[key]
         return read(field, names if isinstance(names, str) else names[i])
 
-    rank, world = _ranks()
+    rank, world = ranks()
     state: dict[str, object] = {k: torch.empty(s, dtype=torch.float32, device="meta")
                                 for k, s in shapes.items() if k in share}
     for key, names in {**stacks, **whole}.items():  # each linear's (empty) extra state
@@ -618,7 +341,7 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
         if expert_model_parallel_size > 1 and cfg.num_experts:
             # megatron-core chains an optimizer for the routed experts: its groups are those
             # of the experts' parameters, marked expert-parallel
-            in_group = [{0 if _decays(n, p) else 1 for n, p in model.named_parameters()
+            in_group = [{0 if decays(n, p) else 1 for n, p in model.named_parameters()
                          if (".mlp.experts." in n) == experts} for experts in (False, True)]
             common["optimizer"] = {
                 0: part([g for i, g in enumerate(megatron_groups) if i in in_group[0]]),
@@ -628,7 +351,7 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
             common["optimizer"] = part(megatron_groups)
         if scheduler:
             common["opt_param_scheduler"] = dict(scheduler)
-    common["args"] = _args(cfg, None if groups is None else ("adam" if distributed else "sgd"),
+    common["args"] = megatron_args(cfg, None if groups is None else ("adam" if distributed else "sgd"),
                            distributed, iteration)
     common["args"].expert_model_parallel_size = expert_model_parallel_size
     common["content_metadata"] = metadata
@@ -642,52 +365,12 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     return dst
 
 
-def write_iteration(dst: Path, iteration: int, state: dict, produce, split=frozenset(),
-                    metadata_json: dict | None = None) -> None:
-    """Write ``state`` (meta tensors made by ``produce`` as the writer asks; objects) as the
-    Megatron-LM checkpoint ``dst``: ``iter_XXXXXXX/`` (one file per rank, with ``metadata.json``
-    when given) and the tracker, in a temporary directory renamed into place when complete, so
-    that a failure leaves nothing behind. Every rank of
-    :class:`mfsdp.checkpoint.convert.spread_over_ranks` calls it."""
-    import shutil
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    from mfsdp.checkpoint.convert import _commit_dir, _LazyPlanner, _ranks, shared_temp_name
-
-    rank, world = _ranks()
-    tmp = shared_temp_name(dst.parent, dst.name)
-    tmp_iter = tmp / f"iter_{iteration:07d}"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, storage_writer=FileSystemWriter(str(tmp_iter),
-                                                            single_file_per_rank=True,
-                                                            thread_count=1),
-                     planner=_LazyPlanner(produce, flatten_state_dict=False, split=split),
-                     no_dist=world == 1)
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-    def finish() -> None:
-        if metadata_json is not None:
-            (tmp_iter / "metadata.json").write_text(json.dumps(metadata_json))
-        (tmp / TRACKER).write_text(str(iteration))
-
-    _commit_dir(tmp, dst, finish)
-
-
 def load_megatron_lm(path: str | Path, model, optimizer=None) -> dict:
     """Load a Megatron-LM ``torch_dist`` checkpoint into a sharded mfsdp GPT (and its optimizer):
     a collective call. Rank 0 converts it next to ``path`` with the model's own config (weights
     only when ``optimizer`` is None), every rank loads the result with
     :func:`mfsdp.checkpoint.load_checkpoint`, rank 0 removes it. Returns the ``extra`` dict
     (``iteration``, ``opt_param_scheduler``)."""
-    from mfsdp.checkpoint.io import load_converted
 
     config = getattr(getattr(model, "module", model), "config", None)
     if config is None or not hasattr(config, "to_dict"):

@@ -40,22 +40,23 @@ from pathlib import Path
 
 import torch
 
-from mfsdp.checkpoint.io import CheckpointError
+from mfsdp.checkpoint.dcp import (MAP_FILE, MODEL_CONFIG_FILE, DCPSource, Progress, owned_keys, ranks,
+                                  tensor_nbytes, write_streaming)
+from mfsdp.checkpoint.detect import MODULE_PREFIX, is_fsdp_dtensor_keys
+from mfsdp.checkpoint.full import fsdp_source
+from mfsdp.checkpoint.manifest import CheckpointError
+from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, decays, megatron_args, mfsdp_groups,
+                                              mfsdp_name, source_key, write_iteration)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm_dtensor", "is_fsdp_dtensor_keys",
            "megatron_lm_dtensor_to_fsdp", "megatron_key", "split_key"]
 
 FORMAT = "megatron_lm_fsdp_dtensor"
-_PREFIX = re.compile(r"^(?:module\.)+")
 _HALF = re.compile(r"^(.*\.(?:weight|bias)\d*)_([wv])$")
 _GROUPED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _PARTS = ("w", "v")  # SwiGLU: act(x @ w.T) * (x @ v.T), w first in the fused weight
 _STEP = "step"
 
-
-def is_fsdp_dtensor_keys(keys) -> bool:
-    """Whether DCP ``keys`` are Megatron-LM ``fsdp_dtensor`` model keys (``model.module.*``)."""
-    return any(k.startswith("model.module.") for k in keys)
 
 
 def split_key(key: str) -> tuple[str, str | None]:
@@ -70,9 +71,8 @@ def split_key(key: str) -> tuple[str, str | None]:
     >>> split_key("module.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight")
     ('layers.0.input_layernorm.weight', None)
     """
-    from mfsdp.checkpoint.megatron_lm import mfsdp_name
 
-    name = _PREFIX.sub("", key)
+    name = MODULE_PREFIX.sub("", key)
     part = None
     m = _HALF.match(name)
     if m:
@@ -120,9 +120,6 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
     apart by each parameter's ``wd_mult`` in ``optimizer.param_to_group_meta``), the
     learning-rate schedule (``extra["opt_param_scheduler"]``) and the iteration.
     """
-    from mfsdp.checkpoint.convert import (MAP_FILE, MODEL_CONFIG_FILE, DCPSource, _nbytes,
-                                          _Progress, owned_keys, write_streaming)
-    from mfsdp.checkpoint.megatron_lm import _SAFE, _decays, _mfsdp_groups
     from mfsdp.models.gpt import GPT, GPTConfig
 
     directory = Path(directory)
@@ -153,7 +150,7 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
     blobs_present = set(source.blob_keys)
 
     def value(key: str, default=None):
-        return source.object(key, _SAFE) if key in blobs_present else default
+        return source.object(key, SAFE_TYPES) if key in blobs_present else default
 
     if iteration is None:
         iteration = int(value("iteration", 0) or 0)
@@ -209,10 +206,10 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
         for meta in metas.values():
             if meta not in distinct:
                 distinct.append(meta)
-        groups = _mfsdp_groups(distinct, directory)
+        groups = mfsdp_groups(distinct, directory)
         group_of = {}
         for n, p in model.named_parameters():
-            group_of[n] = 0 if _decays(n, p) else 1
+            group_of[n] = 0 if decays(n, p) else 1
             decays = metas[n].get("wd_mult", 1.0) != 0.0
             if decays != (group_of[n] == 0):
                 raise CheckpointError(f"{directory}: {n} has wd_mult {metas[n].get('wd_mult')}; "
@@ -221,14 +218,14 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
         blobs["optimizer.param_groups"] = groups
         files[MAP_FILE] = json.dumps(group_of, indent=1)
     blobs["extra"] = extra
-    share = owned_keys({k: _nbytes(*v) for k, v in specs.items()})
-    report = _Progress(f"reading {directory.name}", sum(_nbytes(*specs[k]) for k in share),
+    share = owned_keys({k: tensor_nbytes(*v) for k, v in specs.items()})
+    report = Progress(f"reading {directory.name}", sum(tensor_nbytes(*specs[k]) for k in share),
                        progress)
 
     def produce(key: str) -> torch.Tensor:
         parts = [source.get(k).float() for k in origin[key]]
         t = parts[0] if len(parts) == 1 else torch.cat(parts)
-        report(_nbytes(*specs[key]))
+        report(tensor_nbytes(*specs[key]))
         return t
 
     order = sorted(specs, key=lambda k: origin[k])
@@ -259,7 +256,6 @@ def megatron_key(name: str, transformer_impl: str = "transformer_engine") -> str
     >>> megatron_key("embedding.weight")
     'embedding.word_embeddings.weight'
     """
-    from mfsdp.checkpoint.megatron_lm import _source_key
 
     if name.startswith("layers."):
         _, i, rest = name.split(".", 2)
@@ -271,7 +267,7 @@ def megatron_key(name: str, transformer_impl: str = "transformer_engine") -> str
                     if rest == f"{local}.{field}":
                         key = f"decoder.layers.{i}.{fused}_{field}"
         return key
-    return _source_key(name, ())[0]
+    return source_key(name, ())[0]
 
 
 def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: dict | None = None,
@@ -295,9 +291,6 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
     The same checkpoint serves any expert parallelism: expert keys carry global indices and
     Megatron-FSDP's one optimizer marks no group expert-parallel, at EP 1 as at EP 2.
     """
-    from mfsdp.checkpoint.convert import (MODEL_CONFIG_FILE, DCPSource, _nbytes, _Progress,
-                                          _ranks, fsdp_source, owned_keys)
-    from mfsdp.checkpoint.megatron_lm import _args, _decays, write_iteration
     from mfsdp.models.gpt import GPT, GPTConfig
 
     if precision not in PRECISIONS:
@@ -352,26 +345,26 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
                 okey = f"optimizer.state.{prefix}{out}.{field}"
                 origin[okey] = (key, None if field == _STEP else i)
                 shapes[okey] = () if field == _STEP else shape
-    share = owned_keys({k: _nbytes(s, torch.float32) for k, s in shapes.items()})
-    report = _Progress(f"writing {dst.name}",
-                       sum(_nbytes(shapes[k], torch.float32) for k in share), progress)
+    share = owned_keys({k: tensor_nbytes(s, torch.float32) for k, s in shapes.items()})
+    report = Progress(f"writing {dst.name}",
+                       sum(tensor_nbytes(shapes[k], torch.float32) for k in share), progress)
 
     def produce(key: str) -> torch.Tensor:
         name, half = origin[key]
         t = source.get(name).float()
         if half is not None:
             t = t.chunk(2)[half].clone()
-        report(_nbytes(tuple(t.shape), torch.float32))
+        report(tensor_nbytes(tuple(t.shape), torch.float32))
         return t
 
-    rank, world = _ranks()
+    rank, world = ranks()
     state: dict[str, object] = {k: torch.empty(s, dtype=torch.float32, device="meta")
                                 for k, s in shapes.items() if k in share}
     if rank == 0:
         scheduler = dict(extra.get("opt_param_scheduler") or {})
         state.update({"iteration": iteration, "checkpoint_version": 3.0,
                       "num_floating_point_operations_so_far": 0})
-        args = _args(cfg, None if groups is None else "adam", groups is not None, iteration)
+        args = megatron_args(cfg, None if groups is None else "adam", groups is not None, iteration)
         args.ckpt_format, args.use_megatron_fsdp = "fsdp_dtensor", True
         args.bf16, args.fp16 = precision == "bf16", precision == "fp16"
         args.transformer_impl = transformer_impl
@@ -380,11 +373,11 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
             state[f"opt_param_scheduler.{field}"] = value
         if groups is not None:
             for name, p in model.named_parameters():
-                g = groups[0 if _decays(name, p) else 1]
+                g = groups[0 if decays(name, p) else 1]
                 meta = dict(_ADAMW_FLAGS)
                 meta.update({k: v for k, v in g.items() if k not in ("params", "initial_lr")})
                 meta.update(is_expert_parallel=False, default_config=True,
-                            wd_mult=1.0 if _decays(name, p) else 0.0, lr_mult=1.0,
+                            wd_mult=1.0 if decays(name, p) else 0.0, lr_mult=1.0,
                             is_decoupled_lr=False, max_lr=scheduler.get("max_lr", g["lr"]),
                             min_lr=scheduler.get("min_lr", g["lr"]))
                 mkey = megatron_key(name, transformer_impl)

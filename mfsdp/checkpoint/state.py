@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mfsdp.checkpoint.uneven import uneven_dtensor
+from mfsdp.checkpoint.dcp import DCPSource
+from mfsdp.checkpoint.megatron_common import mfsdp_name
+from mfsdp.dtensor import uneven_dtensor
 
 __all__ = ["param_entries", "model_state", "optimizer_state", "param_groups_state",
            "param_to_param_group_map", "global_param_to_param_group_map",
@@ -154,12 +156,10 @@ def read_param_to_param_group_map(path) -> dict[str, int]:
     import json
     from pathlib import Path
 
-    from mfsdp.checkpoint.megatron_lm import mfsdp_name
 
     path = Path(path)
     if path.is_dir():
         if (path / ".metadata").is_file():
-            from mfsdp.checkpoint.convert import DCPSource
 
             source = DCPSource(path)
             raw = {k: int(source.object(k)) for k in source.blob_keys}

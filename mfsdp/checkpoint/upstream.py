@@ -29,29 +29,19 @@ from pathlib import Path
 
 import torch
 
-from mfsdp.checkpoint.io import CheckpointError
+from mfsdp.checkpoint.dcp import MAP_FILE, MODEL_CONFIG_FILE, DCPSource, LazyPlanner, write_streaming
+from mfsdp.checkpoint.detect import POSITIONAL_STATE, is_megatron_fsdp
+from mfsdp.checkpoint.full import fsdp_source
+from mfsdp.checkpoint.io import load_converted
+from mfsdp.checkpoint.manifest import CheckpointError
+from mfsdp.checkpoint.state import param_to_param_group_map
 
-__all__ = ["FORMAT", "describe_unreadable", "fsdp_to_megatron_fsdp", "is_megatron_fsdp",
+__all__ = ["FORMAT", "fsdp_to_megatron_fsdp", "is_megatron_fsdp",
            "load_megatron_fsdp", "megatron_fsdp_to_fsdp", "positions_to_names"]
 
 FORMAT = "megatron_fsdp"
-_STATE = re.compile(r"^optimizer\.state\.(\d+)\.(.+)$")
 _GROUP = re.compile(r"^optimizer\.param_groups\.(\d+)\.(.+)$")
 
-
-def is_megatron_fsdp(path: str | Path) -> bool:
-    """Whether ``path`` holds a checkpoint in upstream Megatron-FSDP's layout (by its keys)."""
-    path = Path(path)
-    if not (path / ".metadata").exists() or (path / "manifest.json").exists():
-        return False
-    from mfsdp.checkpoint.convert import DCPSource
-
-    source = DCPSource(path)
-    keys = list(source.tensors)
-    if "checkpoint_version" in source.blob_keys:  # Megatron-LM's (fsdp_dtensor, torch_dcp)
-        return False
-    return any(k.startswith("model.") for k in keys) and not any(
-        k.startswith("optimizer.state.") and not _STATE.match(k) for k in keys)
 
 
 def _groups(source) -> list[dict]:
@@ -106,8 +96,6 @@ def megatron_fsdp_to_fsdp(src: str | Path, dst: str | Path, names: list[str] | N
     checkpoint's weights, when it has one group) and ``group_of``. Every position's state must
     have its parameter's shape (checked). ``weights_only`` leaves the optimizer state out.
     """
-    from mfsdp.checkpoint.convert import (MAP_FILE, MODEL_CONFIG_FILE, DCPSource,
-                                          write_streaming)
 
     src = Path(src)
     source = DCPSource(src)
@@ -118,7 +106,7 @@ def megatron_fsdp_to_fsdp(src: str | Path, dst: str | Path, names: list[str] | N
             weights[f"model.{name}"] = key
     states = {}
     for key in source.tensors:
-        m = _STATE.match(key)
+        m = POSITIONAL_STATE.match(key)
         if m and not weights_only:
             states[key] = (int(m.group(1)), m.group(2))
     groups = _groups(source)
@@ -168,7 +156,6 @@ def fsdp_to_megatron_fsdp(src: str | Path, dst: str | Path) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from mfsdp.checkpoint.convert import MAP_FILE, DCPSource, _LazyPlanner, fsdp_source
 
     src, dst = fsdp_source(src, dst)
     source = DCPSource(src)
@@ -199,7 +186,7 @@ def fsdp_to_megatron_fsdp(src: str | Path, dst: str | Path) -> Path:
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False,
                                                             thread_count=1),
-                     planner=_LazyPlanner(lambda k: source.get(origin[k])), no_dist=True)
+                     planner=LazyPlanner(lambda k: source.get(origin[k])), no_dist=True)
         tmp.rename(dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -212,35 +199,8 @@ def load_megatron_fsdp(path: str | Path, model, optimizer=None) -> dict:
     call. Rank 0 converts it next to ``path`` (positions named by ``optimizer``'s parameter
     order), every rank loads the result with :func:`mfsdp.checkpoint.load_checkpoint`, rank 0
     removes it."""
-    from mfsdp.checkpoint.io import load_converted
-    from mfsdp.checkpoint.state import param_to_param_group_map
 
     names = list(param_to_param_group_map(model, optimizer)) if optimizer is not None else None
     return load_converted(path, model, optimizer, lambda tmp: megatron_fsdp_to_fsdp(
         path, tmp, names=names, weights_only=optimizer is None),
         "an upstream Megatron-FSDP checkpoint")
-
-
-def describe_unreadable(path: str | Path) -> str | None:
-    """What a directory holds when it is a checkpoint mfsdp cannot read yet (``None`` otherwise):
-    a message naming the format, for an error instead of a silent fresh start."""
-    path = Path(path)
-    if (path / "manifest.json").exists() or (path / "latest").exists():
-        return None  # mfsdp's own
-    from mfsdp.checkpoint.megatron_lm import is_megatron_lm
-
-    if is_megatron_lm(path):
-        from mfsdp.checkpoint.megatron_lm import _backend, resolve_megatron_lm
-
-        try:
-            backend = _backend(resolve_megatron_lm(path)[0])
-        except CheckpointError as exc:
-            return str(exc)
-        if backend not in ("torch_dist", "fsdp_dtensor"):
-            return (f"{path} holds a Megatron-LM {backend!r} checkpoint; mfsdp reads "
-                    "Megatron-LM's torch_dist and fsdp_dtensor")
-        return None  # readable: mfsdp.checkpoint.megatron_lm
-    if (path / ".metadata").exists() and not is_megatron_fsdp(path):
-        return (f"{path} holds a torch.distributed.checkpoint whose keys are neither mfsdp's nor "
-                "upstream Megatron-FSDP's (model.module.*, optimizer.state.<position>.*)")
-    return None

@@ -1,4 +1,5 @@
-"""DTensors whose shards are uneven pieces (any split, whole rows or not), readable by DCP.
+"""The engine's DTensor helpers: DTensors whose shards are uneven pieces (any split, whole rows or
+not), readable by DCP, and the collective that gathers such pieces.
 
 ``torch.distributed.checkpoint`` asks a DTensor where its local piece sits in the global tensor; a
 DTensor assumes ``torch.chunk``'s split, which is not ours (see :mod:`mfsdp.buffers`: shards follow
@@ -19,6 +20,7 @@ import math
 import types
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -27,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["uneven_dtensor", "attach_uneven", "flat_boxes", "UnevenDTensor"]
+__all__ = ["uneven_dtensor", "attach_uneven", "flat_boxes", "gather_pieces", "UnevenDTensor"]
 
 
 def flat_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple, tuple]]:
@@ -130,8 +132,6 @@ class UnevenDTensor(DTensor):
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         """The whole tensor on every rank of the mesh (a collective call)."""
-        from mfsdp.params import gather_pieces
-
         return gather_pieces(self._local_tensor.detach(), self.__dict__["_mfsdp_start"],
                              tuple(self.shape), self.device_mesh.get_group())
 
@@ -152,3 +152,29 @@ class UnevenDTensor(DTensor):
 def _rebuild_uneven(local, mesh, global_shape, start, requires_grad):
     dt = uneven_dtensor(local, mesh, global_shape, start, mesh.get_group())
     return dt.requires_grad_(requires_grad) if requires_grad else dt
+
+
+def gather_pieces(local: torch.Tensor, start: int, global_shape: tuple[int, ...],
+                  group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The full tensor of ``global_shape`` from every rank's piece (a collective over ``group``).
+
+    Each rank passes its elements ``[start, start + local.numel())`` of the flattened tensor;
+    ranks may hold any number of elements (none included), in any order. Two all-gathers: the
+    ranges, then the padded pieces.
+    """
+    global_shape = tuple(global_shape)
+    n = dist.get_world_size(group)
+    count = local.numel()
+    meta = torch.tensor([start, count], dtype=torch.int64, device=local.device)
+    metas = [torch.empty_like(meta) for _ in range(n)]
+    dist.all_gather(metas, meta, group=group)
+    most = max(int(m[1]) for m in metas)
+    padded = torch.zeros(most, dtype=local.dtype, device=local.device)
+    padded[:count].copy_(local.reshape(-1))
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded, group=group)
+    out = torch.zeros(math.prod(global_shape), dtype=local.dtype, device=local.device)
+    for m, part in zip(metas, parts):
+        lo, k = int(m[0]), int(m[1])
+        out[lo:lo + k].copy_(part[:k])
+    return out.reshape(global_shape)

@@ -1,0 +1,130 @@
+"""One place that recognises a checkpoint format by what is on disk.
+
+mfsdp's own directories have ``manifest.json`` (or a root with ``latest``); Megatron-LM's have its
+tracker ``latest_checkpointed_iteration.txt`` or ``metadata.json`` beside a DCP (``torch_dist``),
+or Megatron-LM's entries in a plain DCP (``fsdp_dtensor``); upstream Megatron-FSDP's README
+checkpoint is a DCP of ``model.*`` and positional ``optimizer.state.<i>.*`` keys. Every loader and
+the converter ask here, so a directory is never mistaken for another format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from mfsdp.checkpoint.dcp import DCPSource
+from mfsdp.checkpoint.manifest import CheckpointError
+
+__all__ = ["TRACKER", "is_fsdp_dtensor_keys", "resolve_megatron_lm", "is_megatron_lm",
+           "megatron_lm_backend", "is_megatron_fsdp", "describe_unreadable"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+MODULE_PREFIX = re.compile(r"^(?:module\.)+")
+POSITIONAL_STATE = re.compile(r"^optimizer\.state\.(\d+)\.(.+)$")
+
+
+def is_fsdp_dtensor_keys(keys) -> bool:
+    """Whether DCP ``keys`` are Megatron-LM ``fsdp_dtensor`` model keys (``model.module.*``)."""
+    return any(k.startswith("model.module.") for k in keys)
+
+
+
+def _is_megatron_lm_dcp(path: Path) -> bool:
+    """Whether ``path`` is an iteration directory Megatron-LM wrote as a plain DCP (its
+    ``fsdp_dtensor`` or ``torch_dcp`` formats: no ``metadata.json``; Megatron-LM's
+    ``checkpoint_version`` and ``iteration`` among the entries)."""
+    if not (path / ".metadata").is_file() or (path / "manifest.json").exists():
+        return False
+    return {"checkpoint_version", "iteration"} <= set(DCPSource(path).blob_keys)
+
+
+def resolve_megatron_lm(path: str | Path) -> tuple[Path, int | None] | None:
+    """``(iteration directory, iteration)`` of a Megatron-LM checkpoint (root with the tracker, or
+    one ``iter_XXXXXXX``), or None when ``path`` is not one."""
+    path = Path(path)
+    if (path / TRACKER).is_file():
+        text = (path / TRACKER).read_text().strip()
+        if text == "release":
+            return path / "release", None
+        try:
+            iteration = int(text)
+        except ValueError:
+            raise CheckpointError(f"{path / TRACKER} holds {text!r}, not an iteration") from None
+        return path / f"iter_{iteration:07d}", iteration
+    if ((path / "metadata.json").is_file() and (path / ".metadata").is_file()
+            or _is_megatron_lm_dcp(path)):
+        name = path.name
+        iteration = int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
+        return path, iteration
+    return None
+
+
+def is_megatron_lm(path: str | Path) -> bool:
+    """Whether ``path`` is a Megatron-LM checkpoint root or iteration directory."""
+    return resolve_megatron_lm(path) is not None
+
+
+def megatron_lm_backend(directory: Path) -> str:
+    """The format of a Megatron-LM iteration directory (``torch_dist``'s ``sharded_backend``,
+    or ``fsdp_dtensor``), or an error naming what the directory holds instead."""
+    try:
+        return json.loads((directory / "metadata.json").read_text()).get("sharded_backend", "?")
+    except FileNotFoundError:
+        pass
+    where = f"{directory} holds a Megatron-LM checkpoint"
+    if not directory.is_dir():
+        raise CheckpointError(f"{where} tracker, but the iteration directory {directory.name} is "
+                              "missing") from None
+    if (directory / ".metadata").is_file():
+        if is_fsdp_dtensor_keys(DCPSource(directory).tensors):
+            return "fsdp_dtensor"
+        raise CheckpointError(f"{where} in a format mfsdp does not read: a plain "
+                              "torch.distributed.checkpoint without metadata.json or "
+                              "Megatron-FSDP's model.module.* keys (Megatron-LM's --ckpt-format "
+                              "torch_dcp); save it with --ckpt-format torch_dist, or with "
+                              "--use-megatron-fsdp --ckpt-format fsdp_dtensor") from None
+    if any(directory.glob("mp_rank_*")):
+        raise CheckpointError(f"{where} in Megatron-LM's legacy --ckpt-format torch "
+                              "(mp_rank_XX/model_optim_rng.pt), which mfsdp does not read; save "
+                              "it with --ckpt-format torch_dist") from None
+    raise CheckpointError(f"{where} tracker, but {directory} has no checkpoint files "
+                          "(metadata.json and .metadata)") from None
+
+
+
+def is_megatron_fsdp(path: str | Path) -> bool:
+    """Whether ``path`` holds a checkpoint in upstream Megatron-FSDP's layout (by its keys)."""
+    path = Path(path)
+    if not (path / ".metadata").exists() or (path / "manifest.json").exists():
+        return False
+    source = DCPSource(path)
+    keys = list(source.tensors)
+    if "checkpoint_version" in source.blob_keys:  # Megatron-LM's (fsdp_dtensor, torch_dcp)
+        return False
+    return any(k.startswith("model.") for k in keys) and not any(
+        k.startswith("optimizer.state.") and not POSITIONAL_STATE.match(k) for k in keys)
+
+
+
+def describe_unreadable(path: str | Path) -> str | None:
+    """What a directory holds when it is a checkpoint mfsdp cannot read yet (``None`` otherwise):
+    a message naming the format, for an error instead of a silent fresh start."""
+    path = Path(path)
+    if (path / "manifest.json").exists() or (path / "latest").exists():
+        return None  # mfsdp's own
+    if is_megatron_lm(path):
+        try:
+            backend = megatron_lm_backend(resolve_megatron_lm(path)[0])
+        except CheckpointError as exc:
+            return str(exc)
+        if backend not in ("torch_dist", "fsdp_dtensor"):
+            return (f"{path} holds a Megatron-LM {backend!r} checkpoint; mfsdp reads "
+                    "Megatron-LM's torch_dist and fsdp_dtensor")
+        return None  # readable: mfsdp.checkpoint.megatron_lm
+    if (path / ".metadata").exists() and not is_megatron_fsdp(path):
+        return (f"{path} holds a torch.distributed.checkpoint whose keys are neither mfsdp's nor "
+                "upstream Megatron-FSDP's (model.module.*, optimizer.state.<position>.*)")
+    return None

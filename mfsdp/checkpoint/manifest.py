@@ -1,0 +1,59 @@
+"""What every mfsdp checkpoint directory has: ``manifest.json`` and its checks, the error type.
+
+The bottom of the checkpoint package: it imports nothing else of mfsdp. Recognising other
+formats by what is on disk is :mod:`mfsdp.checkpoint.detect`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["FORMAT_VERSION", "DTYPES", "CheckpointError", "resolve_checkpoint", "read_manifest"]
+
+FORMAT_VERSION = 1
+DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
+                               torch.int64, torch.int32, torch.uint8, torch.bool)}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be loaded: the message names the key or file and what is wrong."""
+
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory: ``path`` itself, or what ``path/latest`` names."""
+    path = Path(path)
+    if (path / "manifest.json").exists():
+        return path
+    latest = path / "latest"
+    if latest.exists():
+        target = path / latest.read_text().strip()
+        if not (target / "manifest.json").exists():
+            raise CheckpointError(f"{latest} names {target.name}, which has no manifest.json "
+                                  "(incomplete or deleted checkpoint)")
+        return target
+    raise CheckpointError(f"no checkpoint at {path}: neither {path}/manifest.json nor "
+                          f"{path}/latest exists (a directory named .tmp-* is an unfinished save)")
+
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of a checkpoint, checked for format version and file sizes."""
+    ckpt = resolve_checkpoint(path)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{ckpt}/manifest.json has format_version={version!r}, newer than "
+                              f"this mfsdp reads ({FORMAT_VERSION}); upgrade mfsdp")
+    for fname, size in manifest["files"].items():
+        f = ckpt / fname
+        if not f.exists():
+            raise CheckpointError(f"checkpoint file {f} is missing (the manifest lists it)")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint file {f} has {f.stat().st_size} bytes, the manifest "
+                                  f"says {size}: the file is truncated or was modified")
+    return manifest

@@ -1,0 +1,279 @@
+"""What both Megatron-LM checkpoint formats share: the mapping between Megatron-LM's parameter
+names and mfsdp's, the ``args`` namespace and common state Megatron-LM keeps beside the tensors,
+its optimizer groups, and the writer of an iteration directory (tracker last).
+
+Used by :mod:`mfsdp.checkpoint.megatron_lm` (``torch_dist``) and
+:mod:`mfsdp.checkpoint.megatron_lm_dtensor` (``fsdp_dtensor``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import types
+from pathlib import Path
+
+import torch
+
+from mfsdp.checkpoint.dcp import DCPSource, LazyPlanner, commit_dir, ranks, shared_temp_name
+from mfsdp.checkpoint.detect import TRACKER
+from mfsdp.checkpoint.manifest import CheckpointError
+
+__all__ = ["COMMON", "SAFE_TYPES", "HYPER", "MAIN_FIELDS", "FUSED_NORMS", "WRITTEN_FUSED",
+           "source_key", "target_key", "read_common_state", "optimizer_common", "mfsdp_groups",
+           "mfsdp_name", "decays", "megatron_args", "write_iteration"]
+
+FUSED_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm",
+                "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm",
+                # multi-latent attention with Transformer Engine: the latents' norms
+                "self_attention.q_layernorm": "self_attention.linear_q_up_proj.layer_norm",
+                "self_attention.kv_layernorm": "self_attention.linear_kv_up_proj.layer_norm"}
+# the fused names of each layer spec megatron-core writes (mfsdp module -> fused in the key):
+# every spec fuses the pre-attention and pre-MLP norms of linear_qkv attention (the local spec
+# by its sharded_state_dict_keys_map); with multi-latent attention the local spec fuses none
+# and Transformer Engine's fuses the latents' norms and the dense MLP's
+WRITTEN_FUSED = {
+    (False, "transformer_engine"): ("input_layernorm", "pre_mlp_layernorm"),
+    (False, "local"): ("input_layernorm", "pre_mlp_layernorm"),
+    (True, "transformer_engine"): ("self_attention.q_layernorm", "self_attention.kv_layernorm",
+                                   "pre_mlp_layernorm"),
+    (True, "local"): (),
+}
+COMMON = "common_state/shard_0_1"
+# what megatron-core's checkpoint loader allows in common_state besides plain containers
+SAFE_TYPES = (argparse.Namespace, types.SimpleNamespace)
+# optimizer hyperparameters that torch.optim (and Transformer Engine's FusedAdam) read
+HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov",
+          "maximize")
+MAIN_FIELDS = ("param", "fp32_param")  # the distributed optimizer's fp32 main weights
+
+
+EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def source_key(name: str, keys) -> tuple[str, tuple[int, ...]]:
+    """The Megatron-LM key holding mfsdp parameter ``name`` and the index into it: ``(layer,)``
+    where megatron-core stacked the layers (every layer alike), ``()`` where it wrote one key per
+    layer (dense and MoE layers mixed), and the expert's index after it where experts are stacked
+    (``mlp.experts.experts.linear_fc1.weight`` of shape ``[experts, ...]``)."""
+    if name == "embedding.weight":
+        return "embedding.word_embeddings.weight", ()
+    if name == "position_embedding.weight":
+        return "embedding.position_embeddings.weight", ()
+    if name.startswith("final_layernorm."):
+        return "decoder." + name, ()
+    if name == "output_layer.weight":
+        return name, ()
+    if name.startswith("layers."):
+        _, i, rest = name.split(".", 2)
+        module, _, field = rest.rpartition(".")
+        expert: tuple[int, ...] = ()
+        m = EXPERT.match(rest)
+        if m:
+            rest, expert = f"mlp.experts.experts.{m.group(2)}", (int(m.group(1)),)
+        rest = rest.replace("mlp.shared_expert.", "mlp.shared_experts.", 1)
+        names = [rest]
+        if module in FUSED_NORMS:  # layer_norm_weight / layer_norm_bias first
+            names.insert(0, FUSED_NORMS[module] + "_" + field)
+        candidates = []
+        for r in names:
+            candidates += [(f"decoder.layers.{r}", (int(i), *expert)),
+                           (f"decoder.layers.{i}.{r}", expert)]
+        for key, index in candidates:
+            if key in keys:
+                return key, index
+        return candidates[-1]
+    return name, ()
+
+
+def read_common_state(directory: str | Path) -> dict:
+    """The non-tensor state of one Megatron-LM ``torch_dist`` iteration directory (``args``,
+    ``iteration``, the optimizer's ``param_groups``, ``opt_param_scheduler``, ...): the
+    ``common_state`` object inside the DCP files, or ``common.pt`` beside them (megatron-core
+    before 0.15). Read with ``weights_only=True``."""
+
+    directory = Path(directory)
+    legacy = directory / "common.pt"
+    if legacy.is_file():
+        with torch.serialization.safe_globals(list(SAFE_TYPES)):
+            return torch.load(legacy, map_location="cpu", weights_only=True)
+    source = DCPSource(directory)
+    if COMMON not in source.blob_keys:
+        raise CheckpointError(f"{directory} has neither common.pt nor a {COMMON!r} entry: not a "
+                              "megatron-core torch_dist checkpoint")
+    value = source.object(COMMON, SAFE_TYPES)
+    return value[0] if isinstance(value, list) else value
+
+
+def optimizer_common(common: dict) -> tuple[list[dict], str | None]:
+    """The saved optimizer's param groups and its state layout (``None``: not distributed). A
+    chained optimizer (megatron-core chains one for the experts of an expert-parallel job) is
+    saved as ``{0: part, 1: part, ...}``: the parts' groups, in order."""
+    opt = common.get("optimizer") or {}
+    parts = [opt[k] for k in sorted(opt)] if opt and all(isinstance(k, int) for k in opt) else [opt]
+    layout = (common.get("content_metadata") or {}).get(
+        "distrib_optim_sharding_type", parts[0].get("param_state_sharding_type"))
+    groups = []
+    for part in parts:
+        inner = part.get("optimizer", part)
+        found = inner.get("param_groups") if isinstance(inner, dict) else None
+        if found is None:
+            raise CheckpointError("the checkpoint's optimizer holds no param_groups; mfsdp reads "
+                                  "megatron-core's optimizers (one, or chained): convert the "
+                                  "weights alone with --weights-only")
+        groups += found
+    return groups, layout
+
+
+def mfsdp_groups(groups: list[dict], where: Path) -> list[dict]:
+    """Megatron-LM's groups -> mfsdp's two (weight decay, then none: dims >= 2 and not a bias,
+    the rule both use), by ``wd_mult``."""
+    def distinct(found):  # the expert optimizer's groups merge with the dense ones they equal
+        out = []
+        for g in found:
+            h = {k: g[k] for k in HYPER if k in g}
+            if h not in [{k: o[k] for k in HYPER if k in o} for o in out]:
+                out.append(g)
+        return out
+
+    decay = distinct([g for g in groups if g.get("wd_mult", 1.0) != 0.0])
+    plain = distinct([g for g in groups if g.get("wd_mult", 1.0) == 0.0])
+    odd = [g for g in groups if g.get("lr_mult", 1.0) != 1.0 or g.get("is_decoupled_lr")]
+    if odd or len(decay) > 1 or len(plain) > 1:
+        raise CheckpointError(f"{where}: the optimizer has {len(groups)} parameter groups with "
+                              "different hyperparameters (lr_mult, decoupled lr, or expert "
+                              "groups unlike the dense ones); mfsdp reads two groups (weight "
+                              "decay and none)")
+    base = decay[0] if decay else plain[0]
+    out = []
+    for found, wd in ((decay, None), (plain, 0.0)):
+        g = found[0] if found else base
+        h = {k: g[k] for k in HYPER if k in g}
+        if wd is not None:
+            h["weight_decay"] = wd
+        out.append(h)
+    return out
+
+
+def mfsdp_name(name: str) -> str:
+    """mfsdp's name for a parameter named as Megatron-LM names it in a model or a parameter map
+    (per layer, wrapper prefixes dropped, fused norm names unfused); other names unchanged.
+
+    >>> mfsdp_name("model.module.decoder.layers.3.self_attention.linear_qkv.layer_norm_weight")
+    'layers.3.input_layernorm.weight'
+    >>> mfsdp_name("module.module.embedding.word_embeddings.weight")
+    'embedding.weight'
+    """
+    for prefix in ("model.module.", "module.module.", "module."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    if name == "embedding.word_embeddings.weight":
+        return "embedding.weight"
+    if name == "embedding.position_embeddings.weight":
+        return "position_embedding.weight"
+    if name.startswith("decoder.final_layernorm."):
+        return name[len("decoder."):]
+    if name.startswith("decoder.layers."):
+        name = name[len("decoder."):]
+        for ours, fused in FUSED_NORMS.items():
+            for field in ("weight", "bias"):
+                if name.endswith(f".{fused}_{field}"):
+                    return name[:-len(f"{fused}_{field}")] + f"{ours}.{field}"
+    return name
+
+
+
+
+def decays(name: str, param) -> bool:
+    """Whether a parameter is in the weight-decay group (mfsdp's and Megatron-LM's rule)."""
+    return param.dim() >= 2 and not name.endswith(".bias")
+
+
+def target_key(name: str, per_layer: bool = False, mla: bool = False,
+                transformer_impl: str = "transformer_engine") -> tuple[str, int | None]:
+    """The Megatron-LM key megatron-core writes for mfsdp parameter ``name``, and the index
+    into it where it stacks: a dense model's layers stacked (``per_layer`` False); otherwise, as
+    megatron-core writes a model with MoE layers, one key per layer with the experts stacked.
+    Norms carry the fused names megatron-core writes for the spec (``WRITTEN_FUSED``)."""
+    if not name.startswith("layers."):
+        return source_key(name, ())[0], None
+    _, i, rest = name.split(".", 2)
+    module, _, field = rest.rpartition(".")
+    if module in WRITTEN_FUSED[mla, transformer_impl]:
+        rest = f"{FUSED_NORMS[module]}_{field}"
+    rest = rest.replace("mlp.shared_expert.", "mlp.shared_experts.", 1)
+    if not per_layer:
+        return f"decoder.layers.{rest}", int(i)
+    m = EXPERT.match(rest)
+    if m:
+        return f"decoder.layers.{i}.mlp.experts.experts.{m.group(2)}", int(m.group(1))
+    return f"decoder.layers.{i}.{rest}", None
+
+
+def megatron_args(cfg, optimizer: str | None, distributed: bool, iteration: int):
+    """The ``args`` namespace Megatron-LM's loader reads from a checkpoint: the architecture
+    (compared with the job's, and used by ``--use-checkpoint-args``), a tensor- and
+    pipeline-parallel size of 1, and ``no_save_rng`` (mfsdp's RNG states are not Megatron-LM's)."""
+    heads = cfg.num_attention_heads
+    groups = cfg.num_query_groups or heads
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=heads,
+        group_query_attention=groups != heads, num_query_groups=groups,
+        kv_channels=cfg.kv_channels or cfg.hidden_size // heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        position_embedding_type=("rope" if cfg.position_embedding_type == "rope"
+                                 else "learned_absolute"),
+        add_position_embedding=cfg.position_embedding_type != "rope",
+        rotary_base=(int(cfg.rotary_base) if float(cfg.rotary_base).is_integer()
+                     else cfg.rotary_base),
+        normalization=cfg.normalization, norm_epsilon=cfg.norm_epsilon, swiglu=cfg.swiglu,
+        add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
+        untie_embeddings_and_output_weights=not cfg.share_embeddings_and_output_weights,
+        padded_vocab_size=cfg.vocab_size, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, ckpt_format="torch_dist", no_save_rng=True,
+        no_save_optim=optimizer is None, optimizer=optimizer or "adam",
+        use_distributed_optimizer=distributed, iteration=iteration, consumed_train_samples=0,
+        skipped_train_samples=0)
+
+
+
+
+def write_iteration(dst: Path, iteration: int, state: dict, produce, split=frozenset(),
+                    metadata_json: dict | None = None) -> None:
+    """Write ``state`` (meta tensors made by ``produce`` as the writer asks; objects) as the
+    Megatron-LM checkpoint ``dst``: ``iter_XXXXXXX/`` (one file per rank, with ``metadata.json``
+    when given) and the tracker, in a temporary directory renamed into place when complete, so
+    that a failure leaves nothing behind. Every rank of
+    :class:`mfsdp.checkpoint.convert.spread_over_ranks` calls it."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+
+    rank, world = ranks()
+    tmp = shared_temp_name(dst.parent, dst.name)
+    tmp_iter = tmp / f"iter_{iteration:07d}"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=FileSystemWriter(str(tmp_iter),
+                                                            single_file_per_rank=True,
+                                                            thread_count=1),
+                     planner=LazyPlanner(produce, flatten_state_dict=False, split=split),
+                     no_dist=world == 1)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    def finish() -> None:
+        if metadata_json is not None:
+            (tmp_iter / "metadata.json").write_text(json.dumps(metadata_json))
+        (tmp / TRACKER).write_text(str(iteration))
+
+    commit_dir(tmp, dst, finish)
