@@ -22,7 +22,7 @@ from mfsdp.checkpoint.manifest import CheckpointError
 
 __all__ = ["COMMON", "SAFE_TYPES", "HYPER", "MAIN_FIELDS", "FUSED_NORMS", "WRITTEN_FUSED",
            "source_key", "target_key", "read_common_state", "optimizer_common", "mfsdp_groups",
-           "mfsdp_name", "decays", "megatron_args", "write_iteration"]
+           "mfsdp_name", "is_decayed", "megatron_args", "write_iteration"]
 
 FUSED_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm",
                 "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm",
@@ -186,7 +186,7 @@ def mfsdp_name(name: str) -> str:
 
 
 
-def decays(name: str, param) -> bool:
+def is_decayed(name: str, param) -> bool:
     """Whether a parameter is in the weight-decay group (mfsdp's and Megatron-LM's rule)."""
     return param.dim() >= 2 and not name.endswith(".bias")
 

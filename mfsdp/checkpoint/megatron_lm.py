@@ -47,7 +47,7 @@ from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.io import load_converted
 from mfsdp.checkpoint.detect import TRACKER, is_megatron_lm, megatron_lm_backend, resolve_megatron_lm
 from mfsdp.checkpoint.manifest import CheckpointError
-from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, decays, megatron_args, mfsdp_groups, mfsdp_name,
+from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, is_decayed, megatron_args, mfsdp_groups, mfsdp_name,
                                               optimizer_common, read_common_state, source_key,
                                               target_key, write_iteration)
 
@@ -176,8 +176,8 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
                 specs[f"optimizer.state.{name}.step"] = ((), torch.float32)
                 origin[f"optimizer.state.{name}.step"] = ("", ())
         blobs["optimizer.param_groups"] = mine
-        group_of = {n: 0 for n, p in model.named_parameters() if decays(n, p)}
-        group_of.update({n: 1 for n, p in model.named_parameters() if not decays(n, p)})
+        group_of = {n: 0 for n, p in model.named_parameters() if is_decayed(n, p)}
+        group_of.update({n: 1 for n, p in model.named_parameters() if not is_decayed(n, p)})
         files[MAP_FILE] = json.dumps(group_of, indent=1)
     blobs["extra"] = extra
     share = owned_keys({k: tensor_nbytes(*v) for k, v in specs.items()})  # all, without torchrun
@@ -341,7 +341,7 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
         if expert_model_parallel_size > 1 and cfg.num_experts:
             # megatron-core chains an optimizer for the routed experts: its groups are those
             # of the experts' parameters, marked expert-parallel
-            in_group = [{0 if decays(n, p) else 1 for n, p in model.named_parameters()
+            in_group = [{0 if is_decayed(n, p) else 1 for n, p in model.named_parameters()
                          if (".mlp.experts." in n) == experts} for experts in (False, True)]
             common["optimizer"] = {
                 0: part([g for i, g in enumerate(megatron_groups) if i in in_group[0]]),

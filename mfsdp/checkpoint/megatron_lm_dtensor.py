@@ -45,7 +45,7 @@ from mfsdp.checkpoint.dcp import (MAP_FILE, MODEL_CONFIG_FILE, DCPSource, Progre
 from mfsdp.checkpoint.detect import MODULE_PREFIX, is_fsdp_dtensor_keys
 from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.manifest import CheckpointError
-from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, decays, megatron_args, mfsdp_groups,
+from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, is_decayed, megatron_args, mfsdp_groups,
                                               mfsdp_name, source_key, write_iteration)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm_dtensor", "is_fsdp_dtensor_keys",
@@ -209,7 +209,7 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
         groups = mfsdp_groups(distinct, directory)
         group_of = {}
         for n, p in model.named_parameters():
-            group_of[n] = 0 if decays(n, p) else 1
+            group_of[n] = 0 if is_decayed(n, p) else 1
             decays = metas[n].get("wd_mult", 1.0) != 0.0
             if decays != (group_of[n] == 0):
                 raise CheckpointError(f"{directory}: {n} has wd_mult {metas[n].get('wd_mult')}; "
@@ -373,11 +373,11 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
             state[f"opt_param_scheduler.{field}"] = value
         if groups is not None:
             for name, p in model.named_parameters():
-                g = groups[0 if decays(name, p) else 1]
+                g = groups[0 if is_decayed(name, p) else 1]
                 meta = dict(_ADAMW_FLAGS)
                 meta.update({k: v for k, v in g.items() if k not in ("params", "initial_lr")})
                 meta.update(is_expert_parallel=False, default_config=True,
-                            wd_mult=1.0 if decays(name, p) else 0.0, lr_mult=1.0,
+                            wd_mult=1.0 if is_decayed(name, p) else 0.0, lr_mult=1.0,
                             is_decoupled_lr=False, max_lr=scheduler.get("max_lr", g["lr"]),
                             min_lr=scheduler.get("min_lr", g["lr"]))
                 mkey = megatron_key(name, transformer_impl)
