@@ -129,7 +129,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "train":
         from mfsdp import train
 
-        return train._main(args)
+        return train.main_parsed(args)
     if args.command == "bench":
         from mfsdp import benchmark
 

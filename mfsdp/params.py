@@ -22,10 +22,8 @@ to code that looks parameters up by attribute on every call (as ``nn.Module`` do
 
 from __future__ import annotations
 
-import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 

@@ -273,7 +273,6 @@ def padding(model: ModelConfig, layout: Layout) -> tuple[float, float]:
     >>> d < 0.01
     True
     """
-    from mfsdp.buffers import plan_bucket
     from mfsdp.config import ShardingStrategy
 
     if ShardingStrategy.parse(layout.strategy).zero_stage == 0:

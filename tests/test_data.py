@@ -100,7 +100,7 @@ def _hf_tokenizer(directory: Path) -> Path:
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast
 
-    corpus = (ROOT / "mfsdp" / "data" / "fsdp_notes.txt").read_text().split("\n")
+    corpus = (ROOT / "mfsdp" / "data" / "sample_corpus.txt").read_text().split("\n")
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.train_from_iterator(corpus, tokenizers.trainers.WordLevelTrainer(
@@ -115,7 +115,7 @@ def corpus(tmp_path_factory):
     """The bundled notes as JSONL, tokenized by ``mfsdp preprocess`` with two workers."""
     root = tmp_path_factory.mktemp("corpus")
     tok = _hf_tokenizer(root / "tok")
-    lines = [x for x in (ROOT / "mfsdp" / "data" / "fsdp_notes.txt").read_text().split("\n")
+    lines = [x for x in (ROOT / "mfsdp" / "data" / "sample_corpus.txt").read_text().split("\n")
              if x.strip()]
     with open(root / "notes.jsonl", "w") as f:
         for line in lines:

@@ -64,7 +64,7 @@ def test_every_flag_in_a_script_exists(name):
 def test_deepseek_script_builds_the_intended_model():
     args = train.build_parser().parse_args(
         _array((SCRIPTS / "deepseek-v3.sbatch").read_text(), "TRAIN_ARGS"))
-    cfg = train._config(args)
+    cfg = train.model_config(args)
     assert (cfg.num_layers, cfg.num_experts, cfg.moe_router_topk, cfg.moe_first_dense_layers) == (
         61, 256, 8, 3)
     assert args.expert_model_parallel_size == 8 and args.num_distributed_optimizer_instances == 4
@@ -79,7 +79,7 @@ def test_gpu_presets_build_the_real_architecture_and_fit(name):
 
     args = train.build_parser().parse_args(_array((SCRIPTS / f"{name}.sbatch").read_text(),
                                                   "TRAIN_ARGS"))
-    cfg = train._config(args)
+    cfg = train.model_config(args)
     assert cfg.normalization == "RMSNorm" and cfg.position_embedding_type == "rope"
     assert cfg.swiglu and not cfg.add_bias_linear
     assert cfg.multi_latent_attention == (name == "deepseek-v3")

@@ -147,21 +147,21 @@ def test_a_resumed_schedule_follows_megatron_lm_rules(tmp_path):
     """As Megatron-LM's OptimizerParamScheduler: a resumed run whose schedule differs from the
     checkpoint's stops with the value named, unless told which one wins; SGD so that the learning
     rate shows in the losses one to one."""
-    from mfsdp.train import _check, _restore_scheduler, _scheduler_state, build_parser
+    from mfsdp.train import check_args, restore_scheduler, scheduler_state, build_parser
 
     ckpt = str(tmp_path / "ckpt")
     base = SHORT + ["--optimizer", "sgd", "--train-iters", "4"]
-    saved = _scheduler_state(build_parser().parse_args(base), 2)
+    saved = scheduler_state(build_parser().parse_args(base), 2)
     for extra, message in [(["--lr", "0.01"], r"learning rate \(--lr\) is 0.01 here and 0.003 in "
                             r"the checkpoint; pass the checkpoint's value, --use-checkpoint-opt_"),
                            (["--train-iters", "6"], r"total number of iterations \(--lr-decay-it"),
                            (["--lr-decay-style", "cosine"], "decay style")]:
         with pytest.raises(SystemExit, match=message):
-            _restore_scheduler(build_parser().parse_args(base + extra), saved)
+            restore_scheduler(build_parser().parse_args(base + extra), saved)
     both = build_parser().parse_args(base + ["--override-opt_param-scheduler",
                                              "--use-checkpoint-opt-param-scheduler"])
     with pytest.raises(SystemExit, match="contradict"):
-        _check(both, 1, None)
+        check_args(both, 1, None)
     # end to end: stop at 2 of 4, resume with another --lr under each rule
     straight = straight_records(base)
     launch("mfsdp.train:run_in_rank", 1, args=(base + ["--exit-interval", "2", "--save", ckpt],))

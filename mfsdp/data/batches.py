@@ -1,0 +1,126 @@
+"""The trainer's data path: Megatron indexed datasets (or the bundled text, or mock data) read
+once, and the global batch of an iteration split over the data-parallel ranks (``global_batch``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+
+DATA_FILE = Path(__file__).parent / "sample_corpus.txt"  # the bundled text (--data-path bundled)
+
+
+class MegatronData:
+    """Train/valid/test samples of Megatron indexed datasets and the tokenizer's EOD id."""
+
+    def __init__(self, splits, eod: int | None):
+        self.train, self.valid, self.test = splits
+        self.eod = eod
+
+    def sample(self, split, i: int) -> torch.Tensor:
+        """Sample ``i`` (``seq_length + 1`` tokens) of ``split``."""
+        return torch.from_numpy(split[i][1])
+
+
+def tokenizer_of(args):
+    if not args.tokenizer_type:
+        return None
+    from mfsdp.data.tokenizers import build_tokenizer
+
+    try:
+        return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"mfsdp train: {e}") from None
+
+
+def read_data(args) -> "torch.Tensor | MegatronData | None":
+    """None (mock data), a byte tensor (one text file), or :class:`MegatronData`."""
+    from mfsdp.data.indexed import MAGIC, is_indexed_prefix
+
+    paths = args.data_path
+    if not paths:
+        return None
+    if len(paths) == 1 and not is_indexed_prefix(paths[0]):
+        path = paths[0]
+        if path.endswith((".bin", ".idx")) and is_indexed_prefix(path[:-4]):
+            raise SystemExit(f"--data-path {path}: a Megatron dataset is named by its prefix; "
+                             f"pass --data-path {path[:-4]}")
+        file = DATA_FILE if path == "bundled" else Path(path)
+        if not file.is_file():
+            raise SystemExit(f"--data-path {path}: neither {path}.bin/.idx (a Megatron indexed "
+                             "dataset) nor a text file exists")
+        raw = file.read_bytes()
+        if raw.startswith(MAGIC):
+            raise SystemExit(f"--data-path {path} is a Megatron index without its .bin; pass the "
+                             "prefix of a complete .bin/.idx pair")
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+    from mfsdp.data.gpt_dataset import build_gpt_datasets
+
+    gbs = args.global_batch_size
+    sizes = [args.train_iters * gbs,
+             (args.train_iters // args.eval_interval + 1) * args.eval_iters * gbs,
+             args.eval_iters * gbs]
+    try:
+        splits = build_gpt_datasets(paths, args.split, sizes, args.seq_length, args.seed,
+                                    args.data_cache_path)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"mfsdp train: {e}") from None
+    if splits[0] is None:
+        raise SystemExit(f"--split {args.split} leaves no training documents")
+    tok = tokenizer_of(args)
+    if args.sequence_packing and tok is None:
+        raise SystemExit("--sequence-packing with indexed datasets cuts samples at EOD tokens: "
+                         "name the tokenizer (--tokenizer-type) so its EOD id is known")
+    return MegatronData(splits, tok.eod if tok is not None else None)
+
+
+def documents(sample: torch.Tensor, eod: int) -> list[torch.Tensor]:
+    """Cut a sample after each EOD token into its documents (pieces of one token are dropped:
+    they predict nothing)."""
+    ends = (sample == eod).nonzero().flatten() + 1
+    pieces = torch.tensor_split(sample, ends.tolist())
+    return [p for p in pieces if len(p) > 1]
+
+
+def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
+                 data: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The ``--global-batch-size`` sequences of ``iteration`` (1-based): a function of the seed only.
+
+    Mock sequences are arithmetic progressions modulo the vocabulary (learnable from two tokens of
+    context); with ``--sequence-packing`` lengths vary between a quarter of and the full
+    ``--seq-length``.
+    """
+    if isinstance(data, MegatronData):  # Megatron-LM's order: consumed samples = (iteration-1) x GBS
+        base = (iteration - 1) * args.global_batch_size
+        seqs = [data.sample(data.train, base + j) for j in range(args.global_batch_size)]
+        high = max(int(t.max()) for t in seqs)
+        if high >= vocab_size:
+            raise SystemExit(f"--data-path holds token id {high}, beyond the model's vocabulary of "
+                             f"{vocab_size}: pass --tokenizer-type/--tokenizer-model (or a larger "
+                             "--vocab-size)")
+        if args.sequence_packing:
+            return [documents(t, data.eod) for t in seqs]
+        return seqs
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
+    vocab, S = vocab_size, args.seq_length
+    seqs = []
+    for _ in range(args.global_batch_size):
+        n = int(torch.randint(max(2, S // 4), S + 1, (1,), generator=g)) if args.sequence_packing else S
+        if data is None:
+            start = int(torch.randint(vocab, (1,), generator=g))
+            step = int(torch.randint(1, 8, (1,), generator=g))
+            seqs.append((start + step * torch.arange(n)) % vocab)
+        else:
+            if len(data) <= n:
+                raise SystemExit(f"--data-path holds {len(data)} bytes; --seq-length {n} needs more")
+            off = int(torch.randint(len(data) - n, (1,), generator=g))
+            seqs.append(data[off:off + n].clone())
+    return seqs
+
+
+def is_indexed_prefix(path: str) -> bool:
+    from mfsdp.data.indexed import is_indexed_prefix
+
+    return is_indexed_prefix(path)

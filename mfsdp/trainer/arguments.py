@@ -1,0 +1,297 @@
+"""The trainer's command line: Megatron-LM's flags (``build_parser``) and Megatron-LM's checks
+of their values (``check_args``), each error naming the flag and the fix."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from mfsdp.data.batches import is_indexed_prefix
+
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GPU_ONLY = {
+    "use_nccl_ub": "--use-nccl-ub registers NCCL user buffers for zero-copy collectives",
+    "fsdp_manual_registration": "--fsdp-manual-registration registers FSDP buffers with NCCL "
+                                "by hand",
+}
+
+
+def positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return n
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The trainer's argument parser (the flag reference of the guide is generated from it)."""
+    from mfsdp.models.gpt import GPT_PRESETS
+    from mfsdp.moe.dispatcher import DISPATCHERS, FLEX_BACKENDS
+
+    if parser is None:
+        parser = argparse.ArgumentParser(prog="mfsdp train", description=__doc__.splitlines()[0])
+    m = parser.add_argument_group("model")
+    m.add_argument("--model-preset", choices=sorted(GPT_PRESETS), default=None,
+                   help="starting sizes; the flags below override them (default: the "
+                        "configuration saved in the --load checkpoint, else gpt-tiny)")
+    m.add_argument("--num-layers", type=positive_int, help="transformer layers")
+    m.add_argument("--hidden-size", type=positive_int, help="model width")
+    m.add_argument("--ffn-hidden-size", type=positive_int, help="dense MLP width")
+    m.add_argument("--num-attention-heads", type=positive_int, help="attention heads")
+    m.add_argument("--vocab-size", type=positive_int, help="vocabulary (at least 256 with data files)")
+    m.add_argument("--max-position-embeddings", type=positive_int,
+                   help="longest sequence (default: --seq-length)")
+    m.add_argument("--swiglu", action="store_true", default=None, help="gated MLPs")
+    m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
+    m.add_argument("--norm-epsilon", type=float, help="epsilon of the norms")
+    m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"))
+    m.add_argument("--rotary-base", type=float, help="RoPE base (theta)")
+    m.add_argument("--use-rope-scaling", action="store_true", default=None,
+                   help="Llama-3 RoPE frequency scaling (factor: --rope-scaling-factor)")
+    m.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="with --use-rope-scaling (default: %(default)s)")
+    m.add_argument("--rotary-interleaved", action="store_true", default=None,
+                   help="rotate interleaved channel pairs (DeepSeek)")
+    m.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value heads")
+    m.add_argument("--num-query-groups", type=positive_int, help="key/value heads (with the above)")
+    m.add_argument("--kv-channels", type=positive_int, help="width of one attention head")
+    m.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")
+    m.add_argument("--add-qkv-bias", action="store_true", default=None,
+                   help="biases on query, key and value only (Qwen2)")
+    m.add_argument("--qk-layernorm", action="store_true", default=None,
+                   help="RMSNorm on each query and key head (Qwen3)")
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="a separate output layer (the presets' default; see the migrating page)")
+    m.add_argument("--multi-latent-attention", action="store_true", default=None,
+                   help="DeepSeek's multi-head latent attention (the five sizes below)")
+    m.add_argument("--q-lora-rank", type=positive_int)
+    m.add_argument("--kv-lora-rank", type=positive_int)
+    m.add_argument("--qk-head-dim", type=positive_int, help="MLA: plain query/key channels per head")
+    m.add_argument("--qk-pos-emb-head-dim", type=positive_int,
+                   help="MLA: rotary query/key channels per head")
+    m.add_argument("--v-head-dim", type=positive_int, help="MLA: value channels per head")
+    m.add_argument("--init-method-std", type=float,
+                   help="initialise weights from N(0, std) (the Llama and DeepSeek presets: 0.02)")
+    m.add_argument("--recompute-granularity", choices=("full", "selective"),
+                   help="activation recomputation: whole layers (full) or the core attention "
+                        "(selective)")
+    m.add_argument("--recompute-method", choices=("uniform", "block"),
+                   help="with full: recompute chunks of --recompute-num-layers layers (uniform) "
+                        "or the first --recompute-num-layers layers (block)")
+    m.add_argument("--recompute-num-layers", type=positive_int,
+                   help="with full: layers per chunk (uniform) or layers recomputed (block)")
+    e = parser.add_argument_group("mixture of experts")
+    e.add_argument("--num-experts", type=int, help="routed experts per MoE layer (0: dense)")
+    e.add_argument("--moe-router-topk", type=positive_int, help="experts per token")
+    e.add_argument("--moe-first-dense-layers", type=int,
+                   help="leading layers that stay dense (DeepSeek-V3: 3)")
+    e.add_argument("--moe-ffn-hidden-size", type=positive_int, help="each expert's width")
+    e.add_argument("--moe-shared-expert-intermediate-size", type=int,
+                   help="width of the shared expert (0: none)")
+    e.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"))
+    e.add_argument("--moe-router-pre-softmax", action="store_true", default=None,
+                   help="softmax over all experts, not renormalised over the chosen ones")
+    e.add_argument("--moe-router-topk-scaling-factor", type=float,
+                   help="multiply the routing weights (DeepSeek-V3: 2.5)")
+    e.add_argument("--moe-shared-expert-gate", action="store_true", default=None,
+                   help="sigmoid gate on the shared expert (Qwen2-MoE)")
+    e.add_argument("--moe-router-num-groups", type=positive_int, help="expert groups (group-limited)")
+    e.add_argument("--moe-router-group-topk", type=positive_int, help="groups each token may use")
+    e.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
+                   help="auxiliary-loss-free balancing bias, updated every iteration")
+    e.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="step of the balancing bias (default: %(default)s)")
+    e.add_argument("--moe-aux-loss-coeff", type=float, help="load-balancing loss weight")
+    e.add_argument("--moe-z-loss-coeff", type=float, help="router z-loss weight")
+    e.add_argument("--moe-expert-capacity-factor", type=float,
+                   help="cap tokens per expert at factor x the fair share (default: no cap)")
+    e.add_argument("--moe-token-drop-policy", choices=("probs", "position"),
+                   help="which tokens an over-full expert keeps")
+    e.add_argument("--moe-pad-expert-input-to-capacity", action="store_true", default=None,
+                   help="fill every expert to exactly its capacity")
+    e.add_argument("--moe-token-dispatcher-type", choices=DISPATCHERS, default="alltoall",
+                   help="how tokens reach their experts (default: %(default)s)")
+    e.add_argument("--moe-flex-dispatcher-backend", choices=FLEX_BACKENDS, default="torch",
+                   help="backend of the flex dispatcher (default: %(default)s)")
+    e.add_argument("--moe-grouped-gemm", action="store_true", default=None,
+                   help="fused experts (one batched matmul) instead of one module per expert")
+    p = parser.add_argument_group("parallelism and sharding")
+    p.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="shard with mfsdp (without it: PyTorch DDP, dense models only)")
+    p.add_argument("--data-parallel-sharding-strategy", choices=STRATEGIES,
+                   default="optim_grads_params", help="ZeRO level (default: %(default)s)")
+    p.add_argument("--outer-dp-sharding-strategy", choices=("no_shard", "optim"),
+                   default="no_shard", help="across the outer groups (default: %(default)s)")
+    p.add_argument("--num-distributed-optimizer-instances", type=positive_int, default=1,
+                   help="outer (HSDP) size: model replicas, each sharded over world/N ranks")
+    p.add_argument("--expert-model-parallel-size", type=positive_int, default=1,
+                   help="EP size: ranks that split the experts of each MoE layer")
+    p.add_argument("--create-all-gather-group", action="store_true",
+                   help="all-gathers on their own communicator (overlap with reduce-scatters)")
+    p.add_argument("--fsdp-double-buffer", action="store_true",
+                   help="gathered weights in a fixed two-unit pool")
+    p.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="build on meta and materialise shard by shard")
+    p.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
+                   help="reduce each bucket's gradients during backward (default: on)")
+    p.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefetch the next unit's weights (default: on)")
+    p.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="sum gradients over ranks; the loss is normalised by the global token count")
+    p.add_argument("--use-nccl-ub", action="store_true", help="GPU only: NCCL user buffers")
+    p.add_argument("--fsdp-manual-registration", action="store_true",
+                   help="GPU only: register FSDP buffers with NCCL by hand")
+    x = parser.add_argument_group("precision")
+    x.add_argument("--bf16", action="store_true", help="bf16 weights and compute, fp32 main weights")
+    x.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce gradients in bf16 (shorthand for --megatron-fsdp-grad-comm-dtype bf16)")
+    for what in ("main-params", "main-grads", "grad-comm"):
+        x.add_argument(f"--megatron-fsdp-{what}-dtype", choices=sorted(DTYPES),
+                       help=f"dtype of the {what.replace('-', ' ')}")
+    t = parser.add_argument_group("training")
+    t.add_argument("--micro-batch-size", type=positive_int, default=2,
+                   help="sequences per micro-batch per rank (default: %(default)s)")
+    t.add_argument("--global-batch-size", type=positive_int, default=8,
+                   help="sequences per iteration over all ranks (default: %(default)s)")
+    t.add_argument("--seq-length", type=positive_int, default=64,
+                   help="tokens per sequence (the longest one with packing; default: %(default)s)")
+    t.add_argument("--train-iters", type=positive_int, default=20, help="iterations to reach")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    t.add_argument("--min-lr", type=float, default=0.0, help="the learning rate decay ends at")
+    t.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up iterations")
+    t.add_argument("--lr-decay-style", default="linear",
+                   choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+                   help="as Megatron-LM's scheduler (default: %(default)s)")
+    t.add_argument("--lr-decay-iters", type=positive_int,
+                   help="iterations of decay (default: --train-iters)")
+    t.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="learning rate of the first warm-up step (default: %(default)s)")
+    t.add_argument("--lr-wsd-decay-iters", type=positive_int,
+                   help="WSD: the last N decay iterations anneal")
+    t.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=("linear", "cosine", "exponential", "minus_sqrt"),
+                   help="WSD: the shape of the anneal (default: %(default)s)")
+    t.add_argument("--weight-decay", type=float, default=0.01,
+                   help="AdamW decay (not on biases and norms)")
+    t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                   help="adam: AdamW (decoupled weight decay, as Megatron-LM's adam); sgd: SGD "
+                   "with --sgd-momentum (default: %(default)s)")
+    t.add_argument("--sgd-momentum", type=float, default=0.9, help="(default: %(default)s)")
+    t.add_argument("--adam-beta1", type=float, default=0.9)
+    t.add_argument("--adam-beta2", type=float, default=0.999)
+    t.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    t.add_argument("--seed", type=int, default=1234, help="model init and data order")
+    t.add_argument("--mock-data", action="store_true",
+                   help="synthetic sequences (the default when no --data-path is given)")
+    t.add_argument("--data-path", nargs="+", metavar="PATH",
+                   help="Megatron indexed dataset prefixes (PREFIX.bin/.idx), optionally "
+                   "weighted: '0.3 a 0.7 b'; or one text file read as bytes (vocab 256); "
+                   "'bundled' uses the small text shipped with mfsdp")
+    t.add_argument("--split", default="969,30,1",
+                   help="train,valid,test weights over each dataset's documents "
+                   "(default: %(default)s)")
+    t.add_argument("--data-cache-path", metavar="DIR",
+                   help="keep the sample index arrays here and reuse them")
+    t.add_argument("--tokenizer-type", choices=("NullTokenizer", "HuggingFaceTokenizer"),
+                   help="sets the model's vocabulary (padded) and the EOD id")
+    t.add_argument("--tokenizer-model", metavar="PATH",
+                   help="HuggingFaceTokenizer: a local tokenizer directory")
+    t.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
+                   help="pad the tokenizer's vocabulary to a multiple (default: %(default)s)")
+    t.add_argument("--train-samples", type=positive_int,
+                   help="samples to train on (sets --train-iters = samples / global batch)")
+    t.add_argument("--eval-interval", type=positive_int, default=1000,
+                   help="validation every N iterations and at the end (default: %(default)s)")
+    t.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches per validation (0: none; default: %(default)s)")
+    t.add_argument("--sequence-packing", action="store_true",
+                   help="variable-length sequences packed per micro-batch (THD); with indexed "
+                   "datasets, each sample is cut into its documents at EOD tokens")
+    c = parser.add_argument_group("checkpoints")
+    c.add_argument("--save", help="checkpoint directory to write")
+    c.add_argument("--load", help="checkpoint directory to resume from (latest)")
+    c.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (Slurm's --signal before the time limit): save and exit 0")
+    c.add_argument("--exit-duration-in-mins", type=float,
+                   help="save and exit once the run has lasted this many minutes")
+    c.add_argument("--exit-interval", type=positive_int,
+                   help="stop (after saving, with --save) when the iteration is a multiple of N")
+    c.add_argument("--save-interval", type=positive_int, help="save every N iterations (and at the end)")
+    c.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   action="store_true", dest="override_opt_param_scheduler",
+                   help="--load: use this command's learning-rate schedule, not the checkpoint's")
+    c.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="--load: continue the checkpoint's learning-rate schedule (--lr, --min-lr, "
+                   "warm-up, decay iterations and style)")
+    c.add_argument("--ckpt-format", choices=("fsdp_dtensor", "torch_dist", "mfsdp_full"),
+                   default="fsdp_dtensor",
+                   help="format of --save: mfsdp's sharded fsdp_dtensor, Megatron-LM's torch_dist "
+                        "(a root with latest_checkpointed_iteration.txt that Megatron-LM loads), "
+                        "or mfsdp's full-tensor mfsdp_full; --load reads each (default: "
+                        "%(default)s)")
+    c.add_argument("--dump-param-to-param-group-map", metavar="DIR",
+                   help="write the parameter -> optimizer group map (as upstream: a "
+                        "torch.distributed.checkpoint directory, with the JSON that "
+                        "mfsdp convert --param-to-param-group-map-json reads inside; a path "
+                        "ending in .json: that file alone) and go on training")
+    o = parser.add_argument_group("logging")
+    o.add_argument("--log-interval", type=positive_int, default=100,
+                   help="print every N iterations and the last (default: %(default)s)")
+    o.add_argument("--log-jsonl", metavar="PATH", help="one JSON object per iteration (rank 0)")
+    o.add_argument("--tensorboard-dir", metavar="DIR",
+                   help="TensorBoard event files (needs the tensorboard package)")
+    o.add_argument("--log-throughput", action="store_true",
+                   help="add TFLOP/s per rank (model FLOPs estimate) and peak memory to the log")
+    return parser
+
+
+def check_args(args, world: int, cfg) -> int:
+    """Validate the combination of flags; return the micro-batches per iteration per rank."""
+    per = args.micro_batch_size * world
+    if args.global_batch_size % per:
+        raise SystemExit(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                         f"--micro-batch-size x data-parallel size = {args.micro_batch_size} x "
+                         f"{world}; pick a multiple of {per}")
+    if args.train_samples:
+        args.train_iters = max(1, args.train_samples // args.global_batch_size)
+    if args.lr_decay_style == "WSD" and not args.lr_wsd_decay_iters:
+        raise SystemExit("--lr-decay-style WSD needs --lr-wsd-decay-iters (the annealing tail)")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise SystemExit("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                         "contradict each other: pass one")
+    decay = args.lr_decay_iters or args.train_iters
+    if args.lr_decay_style not in ("constant", "inverse-square-root") and \
+            decay <= args.lr_warmup_iters:
+        raise SystemExit(f"--lr-decay-iters {decay} must exceed --lr-warmup-iters "
+                         f"{args.lr_warmup_iters}")
+    if args.data_path and len(args.data_path) == 1 and not is_indexed_prefix(args.data_path[0]) \
+            and cfg.vocab_size < 256:
+        raise SystemExit(f"--data-path reads bytes: --vocab-size must be at least 256, "
+                         f"not {cfg.vocab_size}")
+    if world % args.num_distributed_optimizer_instances:
+        raise SystemExit(f"--num-distributed-optimizer-instances "
+                         f"{args.num_distributed_optimizer_instances} does not divide the "
+                         f"{world} ranks")
+    ep = args.expert_model_parallel_size
+    if ep > 1 and cfg.num_experts == 0:
+        raise SystemExit(f"--expert-model-parallel-size {ep} needs an MoE model (--num-experts > 0 "
+                         "or --model-preset deepseek-proxy)")
+    if not args.use_megatron_fsdp and (ep > 1 or args.num_distributed_optimizer_instances > 1):
+        raise SystemExit("expert parallelism and --num-distributed-optimizer-instances need "
+                         "--use-megatron-fsdp (the DDP path replicates everything)")
+    if args.outer_dp_sharding_strategy == "optim" and args.num_distributed_optimizer_instances < 2:
+        raise SystemExit("--outer-dp-sharding-strategy optim needs "
+                         "--num-distributed-optimizer-instances of at least 2")
+    if not args.save and args.save_interval:
+        raise SystemExit("--save-interval needs --save DIR")
+    if (args.save or args.load) and not args.use_megatron_fsdp:
+        raise SystemExit("--save and --load need --use-megatron-fsdp (checkpoints are sharded "
+                         "DTensors)")
+    return args.global_batch_size // per

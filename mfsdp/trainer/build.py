@@ -1,0 +1,219 @@
+"""What a training run is built from: the model configuration (preset, checkpoint, flags), the
+mixed-precision policy, the optimizer and its parameter groups, the learning-rate schedule, and
+the figures the logs report (FLOPs per token, resident memory)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from mfsdp.data.batches import is_indexed_prefix, tokenizer_of
+
+from mfsdp.trainer.arguments import DTYPES
+
+
+def saved_config(load: str | None) -> dict | None:
+    """The ``model_config.json`` of the checkpoint ``--load`` resolves to, if it has one."""
+    from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE
+    from mfsdp.checkpoint.manifest import CheckpointError, resolve_checkpoint
+
+    if not load:
+        return None
+    try:
+        path = resolve_checkpoint(load)
+    except CheckpointError:
+        return None  # reported by load_for_training
+    f = path / MODEL_CONFIG_FILE
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def model_config(args):
+    from mfsdp.models.gpt import GPT_PRESETS, GPTConfig, with_overrides
+
+    saved = saved_config(getattr(args, "load", None))
+    if args.model_preset:
+        base = GPT_PRESETS[args.model_preset]
+    elif saved is not None:
+        base = GPTConfig.from_dict(saved)
+    else:
+        base = GPT_PRESETS["gpt-tiny"]
+    try:
+        cfg = overridden_config(base, args, args.max_position_embeddings)
+        if args.max_position_embeddings is None and cfg.position_embedding_type == "learned_absolute":
+            # indexed-dataset samples hold seq_length + 1 tokens (inputs and the last label)
+            indexed = bool(args.data_path) and any(is_indexed_prefix(p) for p in args.data_path)
+            cfg = with_overrides(cfg, max_position_embeddings=max(args.seq_length, 1) + indexed)
+        tok = tokenizer_of(args)
+        if tok is not None:
+            multiple = args.make_vocab_size_divisible_by
+            cfg = with_overrides(cfg, vocab_size=-(-tok.vocab_size // multiple) * multiple)
+        return cfg
+    except ValueError as e:  # an inconsistent combination of model flags
+        raise SystemExit(f"mfsdp train: {e}") from None
+
+
+def overridden_config(base, args, max_pos):
+    from mfsdp.models.gpt import with_overrides
+
+    cfg = with_overrides(
+        base, num_layers=args.num_layers, hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+        vocab_size=args.vocab_size, swiglu=args.swiglu, num_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk, moe_first_dense_layers=args.moe_first_dense_layers,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
+        moe_grouped_gemm=args.moe_grouped_gemm, max_position_embeddings=max_pos,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        normalization=args.normalization, norm_epsilon=args.norm_epsilon,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
+        rotary_interleaved=args.rotary_interleaved, kv_channels=args.kv_channels,
+        add_bias_linear=False if args.disable_bias_linear else None,
+        add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+        share_embeddings_and_output_weights=(False if args.untie_embeddings_and_output_weights
+                                             else None),
+        multi_latent_attention=args.multi_latent_attention, q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+        init_method_std=args.init_method_std, moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_shared_expert_gate=args.moe_shared_expert_gate)
+    if args.group_query_attention != bool(args.num_query_groups):
+        raise ValueError("--group-query-attention and --num-query-groups go together (as in "
+                         "Megatron-LM): pass both, or neither for multi-head attention")
+    if args.num_query_groups:
+        cfg = with_overrides(cfg, num_query_groups=args.num_query_groups)
+    return cfg
+
+
+def model_family(args, cfg) -> str:
+    """What the log calls the model: its preset, or its Hugging Face family."""
+    from mfsdp.models.hf import UnsupportedModel, hf_model_type
+
+    if args.model_preset:
+        return args.model_preset
+    try:
+        return hf_model_type(cfg)
+    except UnsupportedModel:
+        return "gpt"
+
+
+def precision_policy(args):
+    from mfsdp import MixedPrecisionPolicy
+
+    main = DTYPES[args.megatron_fsdp_main_params_dtype] if args.megatron_fsdp_main_params_dtype \
+        else (torch.float32 if args.bf16 else None)
+    grads = DTYPES[args.megatron_fsdp_main_grads_dtype] if args.megatron_fsdp_main_grads_dtype \
+        else (torch.float32 if args.bf16 else None)
+    comm = DTYPES[args.megatron_fsdp_grad_comm_dtype] if args.megatron_fsdp_grad_comm_dtype \
+        else (torch.bfloat16 if args.grad_reduce_in_bf16 else None)
+    return MixedPrecisionPolicy(main_params_dtype=main, main_grads_dtype=grads, grad_comm_dtype=comm)
+
+
+def build_param_groups(model, args) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.dim() < 2 or name.endswith(".bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(groups: list[dict], args) -> torch.optim.Optimizer:
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2))
+
+
+def learning_rate(args, iteration: int) -> float:
+    """The learning rate iteration ``iteration`` (1-based) trains with, as Megatron-LM's
+    ``OptimizerParamScheduler`` gives it: the rate after ``iteration - 1`` steps (so with warm-up
+    the first step uses ``--lr-warmup-init``), linear warm-up over ``--lr-warmup-iters``, then
+    ``--lr-decay-style`` down to ``--min-lr`` at ``--lr-decay-iters`` (default ``--train-iters``),
+    ``--min-lr`` after it.
+
+    >>> from types import SimpleNamespace as NS
+    >>> a = NS(lr=1e-3, min_lr=0.0, lr_warmup_iters=2, lr_warmup_init=0.0, lr_decay_iters=None,
+    ...        train_iters=6, lr_decay_style="linear", lr_wsd_decay_iters=None,
+    ...        lr_wsd_decay_style="exponential")
+    >>> [round(learning_rate(a, i), 6) for i in range(1, 8)]
+    [0.0, 0.0005, 0.001, 0.00075, 0.0005, 0.00025, 0.0]
+    """
+    steps, warmup = iteration - 1, args.lr_warmup_iters
+    decay = args.lr_decay_iters or args.train_iters
+    max_lr, min_lr = args.lr, args.min_lr
+    if warmup > 0 and steps <= warmup:
+        return args.lr_warmup_init + (max_lr - args.lr_warmup_init) * steps / warmup
+    if args.lr_decay_style == "constant":
+        return max_lr
+    if steps > decay:
+        return min_lr
+    if args.lr_decay_style == "inverse-square-root":
+        return max(min_lr, max_lr * max(warmup, 1) ** 0.5 / max(steps, 1) ** 0.5)
+    ratio = (steps - warmup) / (decay - warmup)
+    if args.lr_decay_style == "linear":
+        coeff = 1.0 - ratio
+    elif args.lr_decay_style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    else:  # WSD: constant, then the last --lr-wsd-decay-iters anneal
+        wsd = args.lr_wsd_decay_iters
+        start = decay - wsd
+        if steps <= start:
+            coeff = 1.0
+        else:
+            r = (steps - start) / wsd
+            coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                     "exponential": 2.0 * 0.5 ** r - 1.0,
+                     "minus_sqrt": 1.0 - math.sqrt(r)}[args.lr_wsd_decay_style]
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+def routers_of(model):
+    from mfsdp.moe.router import TopKRouter
+
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, TopKRouter) and m.expert_bias is not None]
+
+
+def rss_mib() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def flops_per_token(cfg, seq_length: int) -> float:
+    """Training FLOPs per token: ``6 x`` the parameters a token passes through (the embedding
+    lookups excluded, routed experts counted ``topk / num_experts``) plus causal attention's
+    ``6 x layers x seq x hidden``."""
+    from mfsdp.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n = 0.0
+    for name, p in model.named_parameters():
+        if name == "position_embedding.weight" or (
+                name == "embedding.weight" and not cfg.share_embeddings_and_output_weights):
+            continue  # lookups, not matrix products
+        routed = ".experts." in name and "shared_expert" not in name
+        n += p.numel() * (cfg.moe_router_topk / cfg.num_experts if routed and cfg.num_experts
+                          else 1.0)
+    return 6 * n + 6 * cfg.num_layers * seq_length * cfg.hidden_size

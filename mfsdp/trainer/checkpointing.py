@@ -1,0 +1,178 @@
+"""The trainer's checkpoints: ``--save`` in each ``--ckpt-format``, ``--load`` of every format mfsdp
+reads, and the learning-rate schedule saved and restored by Megatron-LM's rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
+    from mfsdp.checkpoint import save_checkpoint
+    from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE
+    from mfsdp.checkpoint.full import fsdp_to_full
+
+    extra = {"expert_bias": {n: m.expert_bias.detach().cpu().clone() for n, m in routers},
+             "data_position": iteration, "opt_param_scheduler": scheduler_state(args, iteration)}
+    files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
+    root = Path(args.save)
+    if args.ckpt_format == "fsdp_dtensor":
+        save_checkpoint(root, model, opt, iteration=iteration, extra=extra, files=files)
+        return
+    staging = root / ".staging-fsdp_dtensor"
+    written = save_checkpoint(staging, model, opt, iteration=iteration, extra=extra, files=files)
+    error = [None]
+    if dist.get_rank() == 0:  # rank 0 converts the sharded save into the asked format
+        try:
+            if args.ckpt_format == "torch_dist":
+                export_megatron_lm(args, written, root, iteration, cfg)
+            else:
+                final = root / written.name
+                if final.exists():
+                    shutil.rmtree(final)
+                fsdp_to_full(written, final)
+                (root / ".latest-tmp").write_text(written.name + "\n")
+                os.replace(root / ".latest-tmp", root / "latest")
+        except Exception as exc:  # noqa: BLE001 - every rank stops with the reason
+            error[0] = f"{type(exc).__name__}: {exc}"
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise RuntimeError(f"--ckpt-format {args.ckpt_format}: writing iteration {iteration} to "
+                           f"{root} failed: {error[0]}")
+
+
+def export_megatron_lm(args, written: Path, root: Path, iteration: int, cfg) -> None:
+    """Megatron-LM's ``torch_dist`` into the save root, as Megatron-LM lays it out: the iteration
+    directory moved in whole, then the tracker replaced (a crash in between leaves the previous
+    iteration the one that loads)."""
+    from mfsdp.checkpoint.detect import TRACKER
+    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm
+
+    tmp_root = root / f".export-iter_{iteration:07d}"
+    shutil.rmtree(tmp_root, ignore_errors=True)
+    try:
+        fsdp_to_megatron_lm(written, tmp_root, cfg.to_dict(), progress=False,
+                            expert_model_parallel_size=args.expert_model_parallel_size)
+        name = f"iter_{iteration:07d}"
+        final = root / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp_root / name, final)
+        (root / f".{TRACKER}.tmp").write_text(str(iteration))
+        os.replace(root / f".{TRACKER}.tmp", root / TRACKER)
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+
+
+# Megatron-LM's OptimizerParamScheduler state keys and the names its messages use; steps are
+# iterations here (Megatron-LM counts samples when it trains by --train-samples).
+SCHEDULER_FIELDS = (("max_lr", "lr", "learning rate"), ("min_lr", "min_lr", "minimum learning rate"),
+              ("lr_warmup_steps", "lr_warmup_iters", "warmup iterations"),
+              ("lr_decay_steps", "lr_decay_iters", "total number of iterations"),
+              ("lr_decay_style", "lr_decay_style", "learning rate decay style"))
+
+
+def scheduler_state(args, iteration: int) -> dict:
+    state = {key: getattr(args, attr) for key, attr, _ in SCHEDULER_FIELDS}
+    state["lr_decay_steps"] = args.lr_decay_iters or args.train_iters
+    state["num_steps"] = iteration
+    return state
+
+
+def restore_scheduler(args, saved: dict | None) -> None:
+    """Megatron-LM's rule for the schedule of a resumed run: the command's values must equal the
+    checkpoint's, unless ``--override-opt_param-scheduler`` (the command's win) or
+    ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's win)."""
+    if not saved or args.override_opt_param_scheduler:
+        return
+    mine = scheduler_state(args, 0)
+    if args.use_checkpoint_opt_param_scheduler:
+        for key, attr, _ in SCHEDULER_FIELDS:
+            setattr(args, attr, saved[key])
+        return
+    for key, attr, name in SCHEDULER_FIELDS:
+        if mine[key] != saved[key]:
+            flag = "--" + attr.replace("_", "-")
+            if key == "lr_decay_steps":
+                flag = "--lr-decay-iters (default --train-iters)"
+            raise SystemExit(
+                f"--load: the {name} ({flag}) is {mine[key]} here and {saved[key]} in the "
+                "checkpoint; pass the checkpoint's value, --use-checkpoint-opt_param-scheduler to "
+                "continue its schedule, or --override-opt_param-scheduler to use this command's")
+
+
+def convert_on_rank0(tmp: Path, convert) -> None:
+    """``convert(tmp)`` on rank 0 (a stale ``tmp`` removed first); every rank stops with the
+    reason if it fails, none waits at a barrier for a rank that raised."""
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            convert(tmp)
+        except Exception as exc:  # noqa: BLE001 - every rank stops with the reason
+            shutil.rmtree(tmp, ignore_errors=True)
+            error[0] = f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise SystemExit(f"--load: {error[0]}")
+
+
+def load_for_training(args, model, opt, routers, cfg) -> int:
+    from mfsdp.checkpoint import load_checkpoint, read_manifest
+    from mfsdp.checkpoint.full import full_to_fsdp, is_full_format
+    from mfsdp.checkpoint.manifest import resolve_checkpoint
+    from mfsdp.checkpoint.detect import resolve_megatron_lm
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+
+    from mfsdp.checkpoint.detect import describe_unreadable, is_megatron_fsdp
+
+    root = Path(args.load)
+    if is_megatron_fsdp(root):
+        load_checkpoint(root, model, opt)
+        if dist.get_rank() == 0:
+            print(f"--load {root}: loaded an upstream Megatron-FSDP checkpoint (weights and "
+                  "optimizer state); training starts at iteration 0", flush=True)
+        return 0
+    tmp = None
+    if root.exists() and resolve_megatron_lm(root) is not None:
+        # Megatron-LM's torch_dist or fsdp_dtensor: rank 0 converts it with this job's model config
+        directory, _ = resolve_megatron_lm(root)
+        tmp = root / f".from-megatron_lm-{directory.name}"
+        convert_on_rank0(tmp, lambda out: megatron_lm_to_fsdp(root, out, cfg.to_dict()))
+        path = tmp
+    else:
+        unreadable = describe_unreadable(root)
+        if unreadable:  # never a silent fresh start over a checkpoint we cannot read
+            raise SystemExit(f"--load: {unreadable}")
+        if not root.exists() or not ((root / "latest").exists()
+                                     or (root / "manifest.json").exists()):
+            if dist.get_rank() == 0:
+                print(f"--load {root}: no checkpoint there yet, starting from iteration 0",
+                      flush=True)
+            return 0
+        path = resolve_checkpoint(root)
+    if tmp is None and is_full_format(read_manifest(path)):
+        tmp = root / f".from-mfsdp_full-{path.name}"
+        convert_on_rank0(tmp, lambda out: full_to_fsdp(path, out))
+        path = tmp
+    extra = load_checkpoint(path, model, opt)
+    if int(extra["iteration"]) == 0 and dist.get_rank() == 0:
+        print(f"--load {root}: loaded the weights of {path} (iteration 0, e.g. imported from "
+              "Hugging Face); training starts from them", flush=True)
+    dist.barrier()
+    if tmp is not None and dist.get_rank() == 0:
+        shutil.rmtree(tmp)
+    with torch.no_grad():
+        for name, m in routers:
+            if name in extra.get("expert_bias", {}):
+                m.expert_bias.copy_(extra["expert_bias"][name])
+    restore_scheduler(args, extra.get("opt_param_scheduler"))
+    return int(extra["iteration"])

@@ -1,0 +1,279 @@
+"""The training loop of ``mfsdp train`` (see :mod:`mfsdp.train` for the commands): build, load,
+iterate with accumulation, clipping and the schedule, log, evaluate, save, stop."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from mfsdp.data.batches import MegatronData, global_batch, read_data
+from mfsdp.trainer.arguments import GPU_ONLY, build_parser, check_args
+from mfsdp.trainer.build import (build_param_groups, flops_per_token, learning_rate, make_optimizer,
+                                 model_config, model_family, precision_policy, routers_of, rss_mib)
+from mfsdp.trainer.checkpointing import load_for_training, save_step
+from mfsdp.trainer.metrics import tensorboard_writer
+from mfsdp.trainer.signals import StopRequest
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Train with parsed ``args`` in an initialised process group; return rank 0's log records."""
+    from mfsdp import ParallelLayout, fully_shard
+    from mfsdp.models.gpt import GPT, TransformerLayer, gpt_loss, pack_sequences
+    from mfsdp.moe import collect_aux_losses, shard_experts
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    is_cpu = device.type == "cpu"
+    cfg = model_config(args)
+    num_micro = check_args(args, world, cfg)
+    log = print if rank == 0 else (lambda *a, **k: None)
+    for flag, what in GPU_ONLY.items():
+        if getattr(args, flag):
+            log(f"note: {what}. " + ("This run is on CPU (gloo), so it is accepted and ignored."
+                                     if is_cpu else "mfsdp does not register NCCL buffers yet; "
+                                     "the flag is accepted and has no effect."), flush=True)
+    data = read_data(args)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+
+    torch.manual_seed(args.seed)  # every rank builds the same model
+    meta = args.init_model_with_meta_device and args.use_megatron_fsdp
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = GPT(cfg)
+    model = model.to(dtype=dtype) if meta else model.to(device=device, dtype=dtype)
+    groups = None
+    ep = args.expert_model_parallel_size
+    if args.use_megatron_fsdp:
+        if ep > 1 or args.num_distributed_optimizer_instances > 1 or args.create_all_gather_group:
+            layout = ParallelLayout(world, args.num_distributed_optimizer_instances, ep,
+                                    cfg.num_experts or None)
+            groups = layout.create_groups(all_gather_groups=args.create_all_gather_group)
+        global_names = shard_experts(model, groups["ep"] if groups else None)
+        opt = make_optimizer(build_param_groups(model, args), args)
+        model, opt = fully_shard(
+            model, opt, fsdp_unit_modules=[TransformerLayer],
+            zero_dp_strategy=args.data_parallel_sharding_strategy,
+            outer_dp_sharding_strategy=args.outer_dp_sharding_strategy, process_groups=groups,
+            device=device, init_model_with_meta_device=meta, mixed_precision_policy=precision_policy(args),
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,
+            calculate_per_token_loss=args.calculate_per_token_loss,
+            fsdp_double_buffer=args.fsdp_double_buffer)
+        if global_names:
+            model.set_global_names(global_names)
+        inner = model.module
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        inner = model
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        opt = make_optimizer(build_param_groups(inner, args), args)
+    routers = routers_of(inner)
+    if args.dump_param_to_param_group_map:
+        from mfsdp.checkpoint.state import dump_param_to_param_group_map
+
+        if not args.use_megatron_fsdp:
+            raise SystemExit("--dump-param-to-param-group-map needs --use-megatron-fsdp")
+        dump_param_to_param_group_map(model, opt, args.dump_param_to_param_group_map)
+        log(f"wrote the parameter-to-group map to {args.dump_param_to_param_group_map}", flush=True)
+    start = load_for_training(args, model, opt, routers, cfg) if args.load else 0
+    if start:
+        log(f"resumed from iteration {start} of {args.load}", flush=True)
+    numel = sum(p.numel() for p in inner.parameters())
+    layout_name = (f"{args.data_parallel_sharding_strategy}" if args.use_megatron_fsdp else "ddp")
+    log(f"mfsdp train: {world} ranks ({dist.get_backend()}), {layout_name}, outer "
+        f"{args.num_distributed_optimizer_instances}, EP {ep}, model {model_family(args, cfg)} "
+        f"({cfg.num_layers} layers, hidden {cfg.hidden_size}, experts {cfg.num_experts}), "
+        f"{num_micro} micro-batches of {args.micro_batch_size} per rank", flush=True)
+
+    jsonl = open(args.log_jsonl, "a" if start else "w") if (args.log_jsonl and rank == 0) else None
+    board = tensorboard_writer(args.tensorboard_dir) if rank == 0 else None
+    token_flops = flops_per_token(cfg, args.seq_length) if args.log_throughput else None
+    stop = StopRequest(args.exit_signal_handler)
+    records: list[dict] = []
+    t_start = time.perf_counter()
+    per_rank = args.global_batch_size // world
+    try:
+        for iteration in range(start + 1, args.train_iters + 1):
+            t0 = time.perf_counter()
+            seqs = global_batch(args, iteration, cfg.vocab_size, data)
+            # with packing of indexed samples, each sample is a list of its documents
+            pieces = [t for s in seqs for t in (s if isinstance(s, list) else [s])]
+            global_tokens = sum(len(t) - 1 for t in pieces)  # predicted tokens, all ranks
+            mine = seqs[rank * per_rank:(rank + 1) * per_rank]
+            lr = learning_rate(args, iteration)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.zero_grad()
+            # The engine averages gradients over ranks unless per-token loss asks it to sum.
+            scale = (1.0 if args.calculate_per_token_loss else world) / global_tokens
+            aux_scale = (1.0 / world if args.calculate_per_token_loss else 1.0) / num_micro
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            for i in range(num_micro):
+                chunk = mine[i * args.micro_batch_size:(i + 1) * args.micro_batch_size]
+                chunk = [t for s in chunk for t in (s if isinstance(s, list) else [s])]
+                tokens, cu = pack_sequences(chunk)
+                tokens, cu = tokens.to(device), cu.to(device)
+                last = i == num_micro - 1
+                with contextlib.nullcontext() if last else model.no_sync():
+                    logits = model(tokens, cu)
+                    loss, _ = gpt_loss(logits, tokens, cu)
+                    total = loss * scale + collect_aux_losses(inner).to(loss.device) * aux_scale
+                    total.backward()
+                loss_sum += loss.detach().double()
+            if args.use_megatron_fsdp:
+                grad_norm = (opt.clip_grad_norm_(args.clip_grad) if args.clip_grad > 0
+                             else opt.grad_norm())
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    inner.parameters(), args.clip_grad if args.clip_grad > 0 else float("inf"))
+            opt.step()
+            for _, router in routers:  # balance from the global token counts: layout-invariant
+                load = router.load.to(device)
+                dist.all_reduce(load)
+                router.update_expert_bias(load, args.moe_router_bias_update_rate)
+            dist.all_reduce(loss_sum)
+            now = time.perf_counter()
+            rec = {"iteration": iteration, "loss": loss_sum.item() / global_tokens,
+                   "grad_norm": float(grad_norm), "lr": lr,
+                   "tokens_per_s": (global_tokens + len(pieces)) / (now - t0),
+                   "elapsed_s": now - t_start, "tokens": global_tokens + len(pieces),
+                   "rss_mib": rss_mib()}
+            if args.use_megatron_fsdp:
+                rec["state_mib"] = (sum(model.memory_by_kind().values())
+                                    + opt.local_state_bytes()) / 2**20
+            if token_flops is not None:
+                rec["tflops_per_rank"] = token_flops * rec["tokens_per_s"] / world / 1e12
+                if device.type == "cuda":
+                    rec["max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+            records.append(rec)
+            if jsonl:
+                jsonl.write(json.dumps(rec) + "\n")
+                jsonl.flush()
+            if board is not None:
+                for tag, key in (("lm loss", "loss"), ("learning-rate", "lr"),
+                                 ("grad-norm", "grad_norm"), ("throughput/tokens-per-s",
+                                                              "tokens_per_s"),
+                                 ("throughput/tflops-per-rank", "tflops_per_rank")):
+                    if key in rec:
+                        board.add_scalar(tag, rec[key], iteration)
+            if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                extra = ""
+                if "tflops_per_rank" in rec:
+                    extra = f" | TFLOP/s per rank {rec['tflops_per_rank']:.3g}"
+                    if "max_allocated_mib" in rec:
+                        extra += f" | max allocated {rec['max_allocated_mib']:.0f} MiB"
+                log(f"iteration {iteration:>5}/{args.train_iters} | loss {rec['loss']:.4f} | "
+                    f"grad norm {rec['grad_norm']:.3f} | lr {lr:.2e} | tokens/s "
+                    f"{rec['tokens_per_s']:,.0f} | rss {rec['rss_mib']:.0f} MiB{extra}", flush=True)
+            if (isinstance(data, MegatronData) and data.valid is not None and args.eval_iters > 0
+                    and (iteration % args.eval_interval == 0 or iteration == args.train_iters)):
+                valid_loss = evaluate(args, model, data, routers, device, iteration)
+                rec.update(valid_loss=valid_loss, valid_ppl=math.exp(min(valid_loss, 700.0)))
+                if jsonl:
+                    jsonl.write(json.dumps({"iteration": iteration, "valid_loss": valid_loss,
+                                            "valid_ppl": rec["valid_ppl"]}) + "\n")
+                    jsonl.flush()
+                log(f"validation after iteration {iteration} | loss {valid_loss:.4f} | "
+                    f"perplexity {rec['valid_ppl']:.2f}", flush=True)
+                if board is not None:
+                    board.add_scalar("lm loss validation", valid_loss, iteration)
+                    board.add_scalar("lm loss validation ppl", rec["valid_ppl"], iteration)
+            leaving = bool(args.exit_interval) and iteration % args.exit_interval == 0
+            why = stop.reason(args, t_start, device)  # every rank agrees (one all-reduce)
+            if why and iteration < args.train_iters:
+                leaving = True
+                if not args.save:
+                    log(f"warning: {why} but no --save: nothing is kept", flush=True)
+                log(f"{why}: stopping after iteration {iteration}", flush=True)
+            if args.save and args.use_megatron_fsdp and (
+                    (args.save_interval and iteration % args.save_interval == 0)
+                    or iteration == args.train_iters or leaving):
+                save_step(args, model, opt, iteration, routers, cfg)
+                log(f"saved iteration {iteration} to {args.save} ({args.ckpt_format})", flush=True)
+            if leaving:
+                log(f"exiting after iteration {iteration}", flush=True)
+                break
+    finally:
+        stop.restore()
+        if jsonl:
+            jsonl.close()
+        if board is not None:
+            board.close()
+    return records
+
+
+@torch.no_grad()
+def evaluate(args, model, data: MegatronData, routers, device, iteration: int) -> float:
+    """Mean next-token loss over ``--eval-iters`` global batches of the validation split.
+
+    The validation after iteration ``i`` reads run ``i // eval_interval`` of ``eval_iters x
+    global batch`` validation samples (wrapping around); the routers' token counts are left as training made them.
+    """
+    from mfsdp.models.gpt import gpt_loss, pack_sequences
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    k = iteration // args.eval_interval
+    n = args.eval_iters * args.global_batch_size
+    per_rank = args.global_batch_size // world
+    loads = [router.load.clone() for _, router in routers]
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for b in range(args.eval_iters):
+        base = k * n + b * args.global_batch_size
+        mine = [data.sample(data.valid, (base + j) % len(data.valid))
+                for j in range(rank * per_rank, (rank + 1) * per_rank)]
+        for i in range(0, per_rank, args.micro_batch_size):
+            tokens, cu = pack_sequences(mine[i:i + args.micro_batch_size])
+            tokens, cu = tokens.to(device), cu.to(device)
+            loss, count = gpt_loss(model(tokens, cu), tokens, cu)
+            sums += torch.stack([loss.detach().double(),
+                                 torch.tensor(float(count), dtype=torch.float64, device=device)])
+    for (_, router), load in zip(routers, loads):
+        router.load = load
+    dist.all_reduce(sums)
+    return (sums[0] / sums[1]).item()
+
+
+def run_in_rank(argv: list[str]) -> list[dict]:
+    """Parse ``argv`` and :func:`run` it in a rank of :func:`mfsdp.launch.launch` (tests, recipes)."""
+    return run(build_parser().parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point under ``torchrun``: initialise the process group, train, clean up."""
+    args = build_parser().parse_args(argv)
+    return main_parsed(args)
+
+
+def main_parsed(args: argparse.Namespace) -> int:
+    started = False
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python -m mfsdp.train`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get(
+                                  "MASTER_PORT", "29511"))
+        from mfsdp.launch import init_from_env
+
+        init_from_env()  # NCCL on GPUs, gloo otherwise; survives torchrun restarts
+        started = True
+    from mfsdp.launch import shutdown
+
+    ok = False
+    try:
+        run(args)
+        ok = True
+    finally:
+        if started and ok:
+            # This process owns the group: barrier, destroy, and leave without the interpreter's
+            # teardown, in which gloo's threads can abort a finished run (see shutdown()).
+            shutdown(exit_code=0)
+        elif started:  # an error: no barrier (a peer may never come); the error propagates
+            shutdown(barrier=False)
+    return 0

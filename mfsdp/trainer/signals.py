@@ -1,0 +1,51 @@
+"""Stopping on request: SIGTERM (Slurm's preemption warning) makes every rank save and stop at
+the same iteration."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class StopRequest:
+    """SIGTERM (with ``--exit-signal-handler``) and ``--exit-duration-in-mins``, agreed by all ranks.
+
+    The handler only records the signal; the loop checks it after each iteration, so the
+    checkpoint is written between steps, by every rank, and the process exits with status 0.
+    """
+
+    def __init__(self, handle_signal: bool):
+        import signal
+
+        self.received = None
+        self._previous = None
+        if handle_signal:
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.received = signum
+
+    def reason(self, args, t_start: float, device) -> str | None:
+        """Why to stop now ('' to go on), the same on every rank."""
+        if not (args.exit_signal_handler or args.exit_duration_in_mins):
+            return ""
+        minutes = (time.perf_counter() - t_start) / 60
+        flags = torch.tensor([float(self.received is not None),
+                              float(bool(args.exit_duration_in_mins)
+                                    and minutes >= args.exit_duration_in_mins)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] > 0:
+            return "SIGTERM received (--exit-signal-handler)"
+        if flags[1] > 0:
+            return f"--exit-duration-in-mins {args.exit_duration_in_mins} reached"
+        return ""
+
+    def restore(self) -> None:
+        """Put the previous SIGTERM handler back."""
+        if self._previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
