@@ -25,7 +25,7 @@ with the exact mean. Nothing is extrapolated.
 # backward per simulated rank, each on its own 64-token window of the bundled text.
 import time
 
-from mfsdp.numerics import SCALE_METHODS, rank_gradients, simulate_reduction
+from mfsdp.testing.numerics import SCALE_METHODS, rank_gradients, simulate_reduction
 
 t0 = time.perf_counter()
 grads = rank_gradients(1024)
@@ -34,8 +34,8 @@ print(f"gradients: {tuple(grads.shape)} in {time.perf_counter() - t0:.1f} s")
 # %%
 # Reduce them as each path does
 # -----------------------------
-# :func:`mfsdp.numerics.ring_reduce` follows NCCL's ring reduce-scatter (chunk ``c`` starts at
-# rank ``c + 1`` and rounds after every hop), :func:`mfsdp.numerics.fp32_accum_reduce` mfsdp's gloo
+# :func:`mfsdp.testing.numerics.ring_reduce` follows NCCL's ring reduce-scatter (chunk ``c`` starts at
+# rank ``c + 1`` and rounds after every hop), :func:`mfsdp.testing.numerics.fp32_accum_reduce` mfsdp's gloo
 # path. Powers of two keep NCCL's average (a pre-multiplication by ``1 / N``) exact.
 worlds = [2 ** k for k in range(1, 11)]
 t0 = time.perf_counter()
@@ -53,7 +53,7 @@ for n in worlds:
 import torch
 
 from mfsdp.launch import launch
-from mfsdp.numerics import engine_reduce_scatter, fp32_accum_reduce
+from mfsdp.testing.numerics import engine_reduce_scatter, fp32_accum_reduce
 
 chunks = launch(engine_reduce_scatter, 4, args=(grads[:4],))
 print("engine == simulation:", torch.equal(torch.cat(chunks), fp32_accum_reduce(grads[:4],

@@ -15,9 +15,9 @@ same model trained with one process group and with a separate all-gather group, 
 # %%
 # Measure
 # -------
-# :func:`mfsdp.bench.all_gather_group_timeline` trains both variants side by side, alternating
+# :func:`mfsdp.testing.experiments.all_gather_group_timeline` trains both variants side by side, alternating
 # steps, and reports median step time and median exposed wait over the measured steps.
-from mfsdp.bench import all_gather_group_timeline
+from mfsdp.testing.experiments import all_gather_group_timeline
 from mfsdp.launch import launch
 
 result = launch(all_gather_group_timeline, 2,

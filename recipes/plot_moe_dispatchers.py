@@ -22,7 +22,7 @@ from mfsdp.launch import launch
 counts = [40, 64, 23, 90]  # tokens on each rank: packed batches are uneven
 runs = [dict(kind="allgather"), dict(kind="alltoall"), dict(kind="flex", backend="torch")]
 common = dict(dim=64, ffn=128, num_experts=8, topk=2, steps=5)
-results = launch("mfsdp.moe.check:dispatcher_check_all", 4,
+results = launch("mfsdp.testing.moe_checks:dispatcher_check_all", 4,
                  args=(counts, [dict(common, **r) for r in runs]))
 
 names = ["allgather", "alltoall", "flex/torch"]

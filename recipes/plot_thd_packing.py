@@ -31,7 +31,7 @@ print("cu_seqlens:", cu_seqlens.tolist())
 from mfsdp.launch import launch
 
 counts = [17, 70]
-results = launch("mfsdp.moe.check:dispatcher_check", 2, args=("flex", counts),
+results = launch("mfsdp.testing.moe_checks:dispatcher_check", 2, args=("flex", counts),
                  kwargs=dict(backend="torch"))
 for rank, r in enumerate(results):
     print(f"rank {rank}: {counts[rank]} tokens, padded to {r['padded_tokens']}, padding routes "

@@ -677,7 +677,7 @@ def test_stacked_tensors_are_read_and_written_one_layer_at_a_time(tmp_path):
     """Reading one layer (or expert) of a stacked tensor equals slicing the whole tensor and
     touches only that layer's chunks; the export writes one chunk per layer and per expert, as
     megatron-core does (what keeps a conversion's memory at one weight: measured by
-    ``mfsdp.bench.megatron_lm_conversion_memory``)."""
+    ``mfsdp.testing.experiments.megatron_lm_conversion_memory``)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     import mfsdp.checkpoint.convert as convert

@@ -468,7 +468,7 @@ def test_conversion_streams_a_1gib_checkpoint(tmp_path):
     """``--from hf`` and ``--to hf`` on a 1.16 GiB Llama checkpoint, each in a fresh process:
     peak memory above an idle process's stays under two of its largest tensor (measured about
     1.1x for the import and 1.0x for the export, where a whole-model conversion needs 4.7x)."""
-    from mfsdp.bench import conversion_memory
+    from mfsdp.testing.experiments import conversion_memory
 
     r = conversion_memory(tmp_path)
     assert r["checkpoint_bytes"] >= 2**30

@@ -27,7 +27,7 @@ COUNTS = {1: [7], 2: [5, 11], 4: [3, 9, 0, 14]}  # uneven, one rank with no toke
 
 @functools.lru_cache(maxsize=None)
 def _dispatch(ep: int) -> list[list[dict]]:
-    return launch("mfsdp.moe.check:dispatcher_check_all", ep, args=(COUNTS[ep], RUNS), timeout=300)
+    return launch("mfsdp.testing.moe_checks:dispatcher_check_all", ep, args=(COUNTS[ep], RUNS), timeout=300)
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4])
@@ -58,7 +58,7 @@ def test_dispatchers_agree_and_move_different_bytes(ep):
 
 
 def test_flex_torch_backend_pads_to_a_common_multiple_of_64():
-    results = launch("mfsdp.moe.check:dispatcher_check", 2, args=("flex", [17, 70]),
+    results = launch("mfsdp.testing.moe_checks:dispatcher_check", 2, args=("flex", [17, 70]),
                      kwargs=dict(backend="torch"), timeout=120)
     for r in results:
         assert r["padded_tokens"] == 128  # max(17, 70) rounded up to 64
@@ -69,7 +69,7 @@ def test_flex_torch_backend_pads_to_a_common_multiple_of_64():
 
 @functools.lru_cache(maxsize=None)
 def _fused(mode: str) -> dict:
-    return launch("mfsdp.moe.check:fused_experts_check", 1 if mode == "reference" else 2,
+    return launch("mfsdp.testing.moe_checks:fused_experts_check", 1 if mode == "reference" else 2,
                   args=(mode,), timeout=120)[0]
 
 

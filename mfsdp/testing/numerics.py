@@ -93,7 +93,7 @@ def rank_gradients(world: int, preset: str = "llama-tiny", seq_length: int = 64,
     torch.manual_seed(seed)
     model = GPT(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    text = torch.tensor(list((Path(__file__).parent / "data" / "sample_corpus.txt").read_bytes()))
+    text = torch.tensor(list((Path(__file__).parent.parent / "data" / "sample_corpus.txt").read_bytes()))
     text = text % cfg.vocab_size
     offsets = torch.randint(0, len(text) - seq_length - 1, (world,),
                             generator=torch.Generator().manual_seed(seed + 1))

@@ -7,7 +7,7 @@ the time the training thread spent blocked waiting for communication (the *expos
 communication). Run it from Python::
 
     from mfsdp.launch import launch
-    from mfsdp.bench import all_gather_group_timeline
+    from mfsdp.testing.experiments import all_gather_group_timeline
     result = launch(all_gather_group_timeline, 2, args=({"steps": 8},))[0]
 """
 

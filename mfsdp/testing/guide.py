@@ -1,63 +1,13 @@
-"""A complete training script with mfsdp: the quickstart of the user guide.
-
-Run it on two CPU processes::
-
-    torchrun --nproc-per-node 2 -m mfsdp.examples
-
-or from Python with the in-process launcher (this is what the guide's doctest does)::
-
-    from mfsdp.launch import launch
-    launch(quickstart_train, world_size=2)
-"""
+"""What the guide's pages run: small demonstrations that doctests call (the mistake of stepping
+after ``no_sync``, ordinary PyTorch idioms around a sharded model, meta-device initialisation of a
+Hugging Face model, who owns what in a sharded model). Not public API."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-
-def quickstart_train(steps: int = 5, strategy: str = "optim_grads_params") -> list[float]:
-    """Shard a small model over every rank, train it for ``steps`` steps, return the losses."""
-    import mfsdp
-    from mfsdp.models import Block, ToyModel
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)  # every rank builds the same model
-    model = ToyModel(dim=32, hidden=64, num_blocks=4)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    # One call shards both: each Block is gathered for its forward and backward, then released.
-    model, optimizer = mfsdp.fully_shard(
-        model, optimizer,
-        fsdp_unit_modules=[Block],
-        zero_dp_strategy=strategy,
-    )
-
-    data = torch.Generator().manual_seed(1234)  # the same global batch on every rank
-    x = torch.randn(8 * world, 32, generator=data)
-    y = torch.sin(x)  # a target the model can learn
-    x, y = x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]  # this rank's slice
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        dist.all_reduce(loss := loss.detach().clone())
-        losses.append(round(loss.item() / world, 4))
-    return losses
-
-
-if __name__ == "__main__":
-    from mfsdp.launch import shutdown
-
-    dist.init_process_group("gloo")
-    losses = quickstart_train()
-    if dist.get_rank() == 0:
-        print(f"world size {dist.get_world_size()}, losses: {losses}")
-    # Barrier, destroy the process groups, and end the process without the interpreter's
-    # teardown, in which gloo's threads can abort a finished run (see mfsdp.launch.shutdown).
-    shutdown(exit_code=0)
+__all__ = ['step_after_no_sync', 'pytorch_idioms', 'meta_init_transformers_llama', 'describe_units']
 
 
 def step_after_no_sync() -> None:

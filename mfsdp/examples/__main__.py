@@ -1,0 +1,5 @@
+"""``python -m mfsdp.examples`` (under torchrun): the quickstart."""
+
+from mfsdp.examples.quickstart import main
+
+main()
