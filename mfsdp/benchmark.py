@@ -37,228 +37,35 @@ import time
 import torch
 import torch.distributed as dist
 
+from mfsdp.benchmark_systems import (DEFAULTS, FLOOR_SYSTEMS, LLAMA_1B, OPTIONAL_SYSTEMS, SYSTEMS,
+                                     batch, build_system, loopback_bytes,
+                                     model_flops_per_token, loss_of, reference_parameters,
+                                     timed_step, train_step)
+
 __all__ = ["LLAMA_1B", "SYSTEMS", "bench_memory", "bench_time", "build_parser", "loopback_bytes",
            "main", "model_flops_per_token", "phases_table", "plot", "profile_step", "run_benchmark",
            "step_phases", "table"]
-
-SYSTEMS = ("ddp", "fsdp2", "fsdp2-no-reshard", "mfsdp-no_shard", "mfsdp-optim",
-           "mfsdp-optim_grads", "mfsdp-optim_grads_params")
-OPTIONAL_SYSTEMS = ("megatron_fsdp",)  # upstream Megatron-FSDP, ZeRO-3, when installed
-# Not a system but a bound: each rank trains the whole model on its own batch, with no
-# communication at all, and steps AdamW on 1/N of the parameters (the work ZeRO-3's optimizer
-# does). No data-parallel system can take less time than this on the same machine.
-FLOOR_SYSTEMS = ("no-comm",)
-DEFAULTS = dict(dim=512, hidden=1408, blocks=6, local_batch=16, warmup=2, rounds=8, lr=1e-3,
-                seed=0, model="toy", seq_length=64, vocab_size=2048, heads=6, kv_heads=None,
-                device="cpu", bf16=False, peak_tflops=989.0)
-# TinyLlama-1.1B's shape: 22 layers, width 2048, 32 heads over 4 key/value groups, SwiGLU 5632.
-LLAMA_1B = dict(model="llama", dim=2048, hidden=5632, blocks=22, heads=32, kv_heads=4,
-                vocab_size=32000, seq_length=2048)
-
-
-def _gpt_config(cfg: dict):
-    from mfsdp.models.gpt import GPTConfig
-
-    if cfg["model"] == "llama":
-        return GPTConfig(vocab_size=cfg["vocab_size"], num_layers=cfg["blocks"],
-                         hidden_size=cfg["dim"], ffn_hidden_size=cfg["hidden"],
-                         num_attention_heads=cfg["heads"], num_query_groups=cfg["kv_heads"],
-                         max_position_embeddings=cfg["seq_length"], normalization="RMSNorm",
-                         position_embedding_type="rope", swiglu=True, add_bias_linear=False,
-                         init_method_std=0.02)
-    return GPTConfig(vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["seq_length"],
-                     num_layers=cfg["blocks"], hidden_size=cfg["dim"],
-                     ffn_hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"])
-
-
-def model_flops_per_token(cfg: dict) -> float:
-    """Training FLOPs per token of the configured model: ``6 N`` for the weights (forward and
-    backward) plus causal attention's ``6 L s h`` (scores and weighted sum, half masked).
-
-    >>> round(model_flops_per_token(dict(DEFAULTS, **LLAMA_1B)) / 1e9, 2)
-    6.76
-    """
-    n = sum(p.numel() for p in _build_reference_numel(cfg))
-    if cfg["model"] in ("gpt", "llama"):
-        n -= cfg["vocab_size"] * cfg["dim"]  # the embedding lookup is not a matmul
-        return 6 * n + 6 * cfg["blocks"] * cfg["seq_length"] * cfg["dim"]
-    return 6 * n
-
-
-def _model(cfg: dict):
-    """(model, its FSDP unit class) of the configured shape."""
-    if cfg["model"] in ("gpt", "llama"):
-        from mfsdp.models.gpt import GPT, TransformerLayer
-
-        return GPT(_gpt_config(cfg)), TransformerLayer
-    if cfg["model"] != "toy":
-        raise ValueError(f"model={cfg['model']!r}: use 'toy', 'gpt' or 'llama'")
-    from mfsdp.models import Block, ToyModel
-
-    return ToyModel(cfg["dim"], cfg["hidden"], cfg["blocks"]), Block
-
-
-def loopback_bytes() -> int:
-    """Bytes sent on the loopback interface so far (0 where there is no /proc).
-
-    Only the transmit counter: on loopback every byte sent is also received on the same
-    interface, so adding both would count it twice.
-    """
-    try:
-        with open("/proc/net/dev") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name.strip() == "lo":
-                    fields = rest.split()
-                    return int(fields[8])
-    except OSError:
-        pass
-    return 0
-
-
-def _device(cfg: dict) -> torch.device:
-    if cfg.get("device", "cpu") == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-class _FloorOptimizer(torch.optim.AdamW):
-    """AdamW over a subset of ``model``'s parameters whose ``zero_grad`` clears them all (the
-    ``no-comm`` bound: the others' gradients are computed and dropped, as a shard's would be)."""
-
-    def __init__(self, model: torch.nn.Module, params, lr: float):
-        super().__init__(params, lr=lr)
-        self._model = model
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._model.zero_grad(set_to_none=set_to_none)
-
-
-def _build(system: str, cfg: dict):
-    """(model, optimizer) of one system, built from the same seed on the configured device.
-
-    With ``bf16``: DDP and FSDP2 compute in bf16 with fp32 parameters (autocast-free: FSDP2's
-    ``MixedPrecisionPolicy``; DDP keeps fp32 weights and runs under autocast), mfsdp keeps fp32
-    main weights and bf16 compute weights, as Megatron-FSDP does.
-    """
-    torch.manual_seed(cfg["seed"])
-    device = _device(cfg)
-    with device:
-        model, unit = _model(cfg)
-    lr = cfg["lr"]
-    if system == "no-comm":
-        params = list(model.parameters())
-        return model, _FloorOptimizer(model, params[dist.get_rank()::dist.get_world_size()], lr=lr)
-    if system == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        return model, torch.optim.AdamW(model.parameters(), lr=lr)
-    if system.startswith("fsdp2"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
-        from torch.distributed.fsdp import fully_shard as fsdp2_shard
-
-        reshard = system == "fsdp2"
-        mp = FSDP2Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if cfg.get("bf16") else FSDP2Policy()
-        for block in [m for m in model.modules() if isinstance(m, unit)]:
-            fsdp2_shard(block, reshard_after_forward=reshard, mp_policy=mp)
-        fsdp2_shard(model, reshard_after_forward=reshard, mp_policy=mp)
-        return model, torch.optim.AdamW(model.parameters(), lr=lr)
-    if system == "megatron_fsdp":
-        try:
-            import megatron_fsdp
-        except ImportError:
-            raise SystemExit("mfsdp bench: the system megatron_fsdp needs upstream's package "
-                             "(pip install megatron-fsdp)") from None
-        extra = {}
-        if cfg.get("bf16"):  # bf16 compute, fp32 main weights and gradients, as for mfsdp
-            model = model.to(torch.bfloat16)
-            extra["mixed_precision_policy"] = megatron_fsdp.MixedPrecisionPolicy(
-                main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-        return megatron_fsdp.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=lr),
-                                         fsdp_unit_modules=[unit], zero_dp_strategy=3,
-                                         device=device, **extra)
-    from mfsdp import MixedPrecisionPolicy, fully_shard
-
-    strategy = system.removeprefix("mfsdp-")
-    extra = dict(cfg.get("mfsdp_kwargs", {}))
-    if extra.pop("all_gather_group", False):  # all-gathers on their own communicator
-        extra["fsdp_group_ag"] = dist.new_group(list(range(dist.get_world_size())))
-    if cfg.get("bf16"):
-        model = model.to(torch.bfloat16)
-        extra.setdefault("mixed_precision_policy", MixedPrecisionPolicy(
-            main_params_dtype=torch.float32, main_grads_dtype=torch.float32))
-    return fully_shard(model, torch.optim.AdamW(model.parameters(), lr=lr),
-                       fsdp_unit_modules=[unit], zero_dp_strategy=strategy, device=device, **extra)
-
-
-def _batch(cfg: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(cfg["seed"] * 7919 + step)
-    n = cfg["local_batch"]
-    device = _device(cfg)
-    if cfg["model"] in ("gpt", "llama"):  # token sequences; the targets are the next tokens
-        tokens = torch.randint(0, cfg["vocab_size"], (n * world, cfg["seq_length"]), generator=g)
-        tokens = tokens[rank * n:(rank + 1) * n].to(device)
-        return tokens, tokens.roll(-1, dims=1).reshape(-1)
-    x = torch.randn(n * world, cfg["dim"], generator=g)[rank * n:(rank + 1) * n].to(device)
-    if cfg.get("bf16"):
-        x = x.to(torch.bfloat16)
-    return x, torch.sin(x)
-
-
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if y.dtype == torch.long:
-        return torch.nn.functional.cross_entropy(out.float(), y)
-    return torch.nn.functional.mse_loss(out.float(), y.float())
-
-
-def _step(model, opt, x, y) -> float:
-    opt.zero_grad(set_to_none=True)
-    loss = _loss(model(x), y)
-    loss.backward()
-    opt.step()
-    if hasattr(model, "wait_param_sync"):  # mfsdp ZeRO-1/2: the step ends when weights are back
-        model.wait_param_sync()
-    return loss.item()
-
-
-def _timed_step(model, opt, x, y) -> tuple[float, float]:
-    """(seconds, loss) of one step: CUDA events on a GPU (host timers would stop when the work
-    is queued, not done), the host clock on CPU."""
-    if x.is_cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        loss = _step(model, opt, x, y)  # loss.item() synchronises the loss, not the step
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3, loss
-    t0 = time.perf_counter()
-    loss = _step(model, opt, x, y)
-    return time.perf_counter() - t0, loss
 
 
 def bench_time(systems: list[str], cfg: dict | None = None) -> dict:
     """Interleaved step times and wire bytes of ``systems`` (run in every rank; see module doc)."""
     cfg = dict(DEFAULTS, **(cfg or {}))
     rank, world = dist.get_rank(), dist.get_world_size()
-    built = {s: _build(s, cfg) for s in systems}
-    numel = sum(p.numel() for p in _build_reference_numel(cfg))
+    built = {s: build_system(s, cfg) for s in systems}
+    numel = sum(p.numel() for p in reference_parameters(cfg))
     times = {s: [] for s in systems}
     wire = {s: [] for s in systems}
     losses = {s: [] for s in systems}
     asked = {}
     for r in range(cfg["warmup"] + cfg["rounds"]):
-        x, y = _batch(cfg, r)
+        x, y = batch(cfg, r)
         for s in systems:
             model, opt = built[s]
             if hasattr(model, "comm_log"):
                 model.comm_log.clear()
             dist.barrier()
             before = loopback_bytes() if rank == 0 else 0
-            dt, loss = _timed_step(model, opt, x, y)
+            dt, loss = timed_step(model, opt, x, y)
             dist.barrier()
             after = loopback_bytes() if rank == 0 else 0
             if r >= cfg["warmup"]:
@@ -291,11 +98,6 @@ def bench_time(systems: list[str], cfg: dict | None = None) -> dict:
     return {"systems": result, "numel": numel, "world": world, "cfg": cfg}
 
 
-def _build_reference_numel(cfg: dict):
-    with torch.device("meta"):
-        return list(_model(cfg)[0].parameters())
-
-
 def bench_memory(system: str, cfg: dict | None = None) -> dict:
     """Peak RSS (MiB) of a fresh process training ``system`` for a few steps, and mfsdp's tensor
     bytes by kind (run in every rank)."""
@@ -303,9 +105,9 @@ def bench_memory(system: str, cfg: dict | None = None) -> dict:
     cuda = cfg["device"] == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    model, opt = _build(system, cfg)
+    model, opt = build_system(system, cfg)
     for r in range(cfg["warmup"] + 2):
-        _step(model, opt, *_batch(cfg, r))
+        train_step(model, opt, *batch(cfg, r))
     out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if cuda:
         torch.cuda.synchronize()
@@ -322,15 +124,15 @@ def profile_step(system: str, cfg: dict | None = None, steps: int = 3, top: int 
     from torch.profiler import ProfilerActivity, profile
 
     cfg = dict(DEFAULTS, **(cfg or {}))
-    model, opt = _build(system, cfg)
+    model, opt = build_system(system, cfg)
     for r in range(cfg["warmup"]):
-        _step(model, opt, *_batch(cfg, r))
+        train_step(model, opt, *batch(cfg, r))
     activities = [ProfilerActivity.CPU]
     if cfg.get("device") == "cuda":
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         for r in range(steps):
-            _step(model, opt, *_batch(cfg, cfg["warmup"] + r))
+            train_step(model, opt, *batch(cfg, cfg["warmup"] + r))
     sort = "cuda_time_total" if cfg.get("device") == "cuda" else "cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=top)
 
@@ -341,14 +143,14 @@ def step_phases(system: str, cfg: dict | None = None) -> dict:
     with the reductions it waits for), ``optimizer`` (the step, and for mfsdp ZeRO-1/2 the weights'
     all-gather it waits for) and ``step``. Host clock: CPU only."""
     cfg = dict(DEFAULTS, **(cfg or {}))
-    model, opt = _build(system, cfg)
+    model, opt = build_system(system, cfg)
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": [], "step": []}
     for r in range(cfg["warmup"] + cfg["rounds"]):
-        x, y = _batch(cfg, r)
+        x, y = batch(cfg, r)
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = _loss(model(x), y)
+        loss = loss_of(model(x), y)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -511,7 +313,7 @@ def check_gpu_fit(cfg: dict, systems, world: int, gpu_bytes: int) -> None:
     ...
     SystemExit: mfsdp bench: 3 systems hold 55.3 GiB of weights, gradients and AdamW state per GPU (1 ranks), 69% of the 80.0 GiB GPU before activations; pass fewer --systems per run (e.g. two), or more ranks
     """
-    numel = sum(p.numel() for p in _build_reference_numel(cfg))
+    numel = sum(p.numel() for p in reference_parameters(cfg))
     per_rank = [numel * _STATE_BYTES[bool(cfg.get("bf16"))] / (1 if s.startswith("ddp") or
                                                                   s == "mfsdp-no_shard" else world)
                 for s in systems]

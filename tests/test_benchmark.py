@@ -9,13 +9,13 @@ import sys
 import pytest
 import torch
 
-from mfsdp.benchmark import DEFAULTS, LLAMA_1B, _build_reference_numel, model_flops_per_token
+from mfsdp.benchmark_systems import DEFAULTS, LLAMA_1B, model_flops_per_token, reference_parameters
 from mfsdp.launch import launch
 
 
 def test_llama_1b_is_tinyllamas_size():
     cfg = dict(DEFAULTS, **LLAMA_1B)
-    n = sum(p.numel() for p in _build_reference_numel(cfg))
+    n = sum(p.numel() for p in reference_parameters(cfg))
     assert abs(n - 1.1e9) / 1.1e9 < 0.01  # TinyLlama-1.1B: 1,100,048,384 parameters
     # 6 FLOPs per weight (the embedding lookup excluded) plus causal attention
     assert model_flops_per_token(cfg) == 6 * (n - 32000 * 2048) + 6 * 22 * 2048 * 2048
