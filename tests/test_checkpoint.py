@@ -263,3 +263,17 @@ def _rng_round_trip(root: str) -> bool:
 
 def test_rng_state_and_extra_are_restored(tmp_path):
     assert launch(_rng_round_trip, 2, args=(str(tmp_path),)) == [True, True]
+
+
+def test_conversion_progress_in_a_log_is_one_line_per_tenth(capsys):
+    # tqdm's format, but lines rather than carriage returns when stderr is not a terminal
+    from mfsdp.checkpoint.dcp import Progress
+
+    bar = Progress("export model", 1000)
+    for _ in range(100):
+        bar(10)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 11 and all(line.startswith("export model:") for line in lines)
+    assert "100%" in lines[-1] and "\r" not in "".join(lines)
+    Progress("quiet", 10, enabled=False)(10)
+    assert capsys.readouterr().err == ""

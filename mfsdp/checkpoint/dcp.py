@@ -15,6 +15,7 @@ import pickle
 import secrets
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -362,29 +363,39 @@ class DCPSource:
 
 
 class Progress:
-    """A one-line progress report on stderr: a bar on a terminal, a line every 10% otherwise."""
+    """Progress of a long conversion on stderr, through ``tqdm``: a bar on a terminal; in a log
+    (no terminal) one line per 10% of the bytes, in tqdm's format, so Slurm logs stay short and
+    readable. Call it with the bytes done since the last call; ``enabled=False`` prints nothing."""
 
     def __init__(self, what: str, total_bytes: int, enabled: bool = True):
+        from tqdm.auto import tqdm
+
         self.what, self.total, self.done, self.enabled = what, max(total_bytes, 1), 0, enabled
-        self.tty = sys.stderr.isatty()
+        self._tqdm = tqdm
+        self._start = time.monotonic()
         self._last = -1
+        self._bar = (tqdm(total=self.total, desc=what, unit="B", unit_scale=True,
+                          unit_divisor=1024, file=sys.stderr, dynamic_ncols=True)
+                     if enabled and sys.stderr.isatty() else None)
 
     def __call__(self, nbytes: int) -> None:
         if not self.enabled:
             return
         self.done += nbytes
-        pct = min(100, int(100 * self.done / self.total))
-        if self.tty:
-            bar = "#" * (pct // 4)
-            sys.stderr.write(f"\r{self.what} [{bar:<25}] {pct:3d}% "
-                             f"{human_bytes(self.done)} of {human_bytes(self.total)}")
-            if pct == 100:
-                sys.stderr.write("\n")
-        elif pct // 10 != self._last:
-            self._last = pct // 10
-            sys.stderr.write(f"{self.what}: {pct}% ({human_bytes(self.done)} of "
-                             f"{human_bytes(self.total)})\n")
-        sys.stderr.flush()
+        if self._bar is not None:
+            self._bar.update(nbytes)
+            if self.done >= self.total:
+                self._bar.close()
+            return
+        tenth = min(10, 10 * self.done // self.total)
+        if tenth != self._last:
+            self._last = tenth
+            line = self._tqdm.format_meter(min(self.done, self.total), self.total,
+                                           time.monotonic() - self._start, prefix=self.what,
+                                           unit="B", unit_scale=True, unit_divisor=1024,
+                                           ascii=True, ncols=80)
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
 
 
 def human_bytes(n: int) -> str:
