@@ -9,11 +9,11 @@ from __future__ import annotations
 # importing only torch and megatron_fsdp (whose import loads it); importing mfsdp does the same.
 import torch.distributed.checkpoint  # noqa: F401
 
-from mfsdp.api import fully_shard, fully_shard_model, fully_shard_optimizer
+from mfsdp.fsdp.api import fully_shard, fully_shard_model, fully_shard_optimizer
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
-from mfsdp.fsdp import FullyShardedModule
+from mfsdp.fsdp.module import FullyShardedModule
 from mfsdp.layout import ParallelLayout, ProcessGroups
-from mfsdp.optimizer import ShardedOptimizer
+from mfsdp.fsdp.optimizer import ShardedOptimizer
 
 __version__ = "0.1.0"
 

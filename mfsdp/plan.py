@@ -267,7 +267,7 @@ def _activations(model: ModelConfig, layout: Layout) -> float:
 
 def padding(model: ModelConfig, layout: Layout) -> tuple[float, float]:
     """(dense, expert) shard padding as a fraction of the parameters, from the engine's own bucket
-    planner (:func:`mfsdp.buffers.plan_bucket`) on the model's buckets.
+    planner (:func:`mfsdp.fsdp.bucket.plan_bucket`) on the model's buckets.
 
     >>> d, _ = padding(PRESETS["llama3-70b"], Layout(world_size=1024))
     >>> d < 0.01
@@ -293,7 +293,7 @@ _BUCKET_PLANS: dict = {}
 
 
 def _plan_bucket(shapes: tuple, n: int):
-    from mfsdp.buffers import plan_bucket
+    from mfsdp.fsdp.bucket import plan_bucket
 
     if (shapes, n) not in _BUCKET_PLANS:
         _BUCKET_PLANS[(shapes, n)] = plan_bucket(list(shapes), n)

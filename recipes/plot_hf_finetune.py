@@ -60,7 +60,7 @@ print({k: saved[k] for k in ("num_experts", "moe_shared_expert_gate", "add_qkv_b
 
 # %%
 # The imported model is the ``transformers`` model: the same logits on the same tokens.
-from mfsdp.models.hf import load_hf
+from mfsdp.checkpoint.hf_format import load_hf
 
 reference = transformers.AutoModelForCausalLM.from_pretrained(work / "qwen-moe").eval()
 ours = load_hf(work / "qwen-moe").eval()

@@ -4,7 +4,7 @@
 For Llama (also with Llama-3 RoPE scaling and tied embeddings), Qwen2, Qwen3, Mixtral,
 Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (with and without a query LoRA):
 
-* import: :func:`mfsdp.models.hf.load_hf` gives logits equal to the ``transformers`` model
+* import: :func:`mfsdp.checkpoint.hf_format.load_hf` gives logits equal to the ``transformers`` model
   (fp32, 1e-5 relative), on a ``[B, S]`` batch and on packed THD sequences;
 * conversion: ``--from hf`` then ``--to hf`` (sharded files) gives back every tensor bit for bit
   and ``from_pretrained`` reports no missing or unexpected keys;
@@ -99,7 +99,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_import_gives_transformers_logits(family, tmp_path):
     from mfsdp.models.gpt import pack_sequences
-    from mfsdp.models.hf import load_hf
+    from mfsdp.checkpoint.hf_format import load_hf
 
     ref = make_hf(family, tmp_path / "hf")
     ours = load_hf(tmp_path / "hf").eval()
@@ -141,7 +141,7 @@ def test_fused_experts_import_and_export(family, tmp_path):
     """With fused experts (one ``[experts, rows, cols]`` weight per projection) the import gives
     the same logits and the export gives back the per-expert tensors bit for bit."""
     from mfsdp.checkpoint.safetensors import SafetensorsReader
-    from mfsdp.models.hf import load_hf, save_hf
+    from mfsdp.checkpoint.hf_format import load_hf, save_hf
 
     ref = make_hf(family, tmp_path / "hf")
     fused = load_hf(tmp_path / "hf", {"moe_grouped_gemm": True}).eval()
@@ -211,7 +211,7 @@ def _batches(steps: int):
 def _reference(hf_dir: str, steps: int, lr: float) -> dict[str, torch.Tensor]:
     """One process, whole batch: the mfsdp model from ``hf_dir`` after ``steps`` SGD steps."""
     from mfsdp.models.gpt import gpt_loss
-    from mfsdp.models.hf import load_hf
+    from mfsdp.checkpoint.hf_format import load_hf
 
     model = load_hf(hf_dir)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -268,7 +268,7 @@ def _sharded(hf_dir: str, ckpt: str, out: str, ep: int, strategy: str, steps: in
 ])
 def test_imported_model_trains_sharded_and_exports(family, ep, strategy, tmp_path):
     from mfsdp.checkpoint.hf_format import fsdp_to_hf, hf_to_fsdp
-    from mfsdp.models.hf import load_hf
+    from mfsdp.checkpoint.hf_format import load_hf
 
     make_hf(family, tmp_path / "hf")
     hf_to_fsdp(tmp_path / "hf", tmp_path / "imported", progress=False)

@@ -63,7 +63,7 @@ LLAMA2_7B_LAYER = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008), (40
 
 @pytest.mark.parametrize("ranks", [256, 512, 1000, 1024])
 def test_padding_stays_under_one_percent_at_scale(ranks):
-    from mfsdp.buffers import plan_bucket
+    from mfsdp.fsdp.bucket import plan_bucket
 
     rows_only = plan_bucket(LLAMA2_7B_LAYER, ranks, max_row_padding=float("inf"))
     plan = plan_bucket(LLAMA2_7B_LAYER, ranks)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import replace
 import shutil
 from pathlib import Path
 
@@ -14,10 +15,14 @@ import torch
 
 from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE, DCPSource, Progress, tensor_nbytes, write_streaming
 from mfsdp.checkpoint.full import check_format
+from mfsdp.checkpoint.safetensors import SafetensorsReader, write_sharded
+from mfsdp.models.gpt import GPT
+from mfsdp.models.hf import (config_from_hf, config_to_hf, hf_state_dict, hf_to_ours, ours_to_hf,
+                             read_hf_config, weight_rules)
 from mfsdp.checkpoint.manifest import CheckpointError, read_manifest, resolve_checkpoint
 
 
-__all__ = ['hf_to_fsdp', 'fsdp_to_hf']
+__all__ = ['hf_to_fsdp', 'fsdp_to_hf', "load_hf", "save_hf"]
 
 
 def hf_to_fsdp(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
@@ -139,3 +144,55 @@ def fsdp_to_hf(src: str | Path, dst: str | Path, dtype: torch.dtype | None = Non
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def load_hf(path, cfg_overrides: dict | None = None) -> GPT:
+    """A :class:`~mfsdp.models.gpt.GPT` with the weights of a Hugging Face model directory.
+
+    Every tensor of the directory must be used and every weight of the model found (an error
+    names the first that is not). ``cfg_overrides`` changes options that do not alter the
+    weights' meaning (dispatcher, fused experts...).
+    """
+    hf = read_hf_config(path)
+    cfg = replace(config_from_hf(hf), **(cfg_overrides or {}))
+    reader = SafetensorsReader(path)
+    model = GPT(cfg)
+    state = model.state_dict()
+    used = set()
+    for rule in weight_rules(cfg, hf["model_type"]):
+        missing = [n for n in rule.hf if n not in reader]
+        if missing:
+            raise KeyError(f"{path} has no tensor {missing[0]!r} (needed for {rule.ours})")
+        t = hf_to_ours(rule, [reader.get(n) for n in rule.hf], cfg)
+        if tuple(t.shape) != tuple(state[rule.ours].shape):
+            raise ValueError(f"{rule.hf[0]} gives {rule.ours} the shape {tuple(t.shape)}; the model "
+                             f"from config.json has {tuple(state[rule.ours].shape)}")
+        with torch.no_grad():
+            state[rule.ours].copy_(t)
+        used.update(rule.hf)
+    extra = sorted(set(reader.keys()) - used - {"lm_head.weight"} if
+                   cfg.share_embeddings_and_output_weights else set(reader.keys()) - used)
+    if extra:
+        raise KeyError(f"{path} holds {len(extra)} tensors the model does not use, e.g. "
+                       f"{extra[0]!r} (a model_type mfsdp maps differently?)")
+    return model
+
+
+def save_hf(model: torch.nn.Module, path, dtype: torch.dtype | None = None,
+            max_shard_bytes: int = 5 * 2**30) -> dict:
+    """Write an unsharded :class:`~mfsdp.models.gpt.GPT` as a Hugging Face directory (config.json
+    and safetensors) that ``AutoModelForCausalLM.from_pretrained`` loads. Returns the index."""
+    cfg = model.config
+    state = model.state_dict()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = dtype or next(iter(state.values())).dtype
+    specs, rules = {}, weight_rules(cfg)
+    for rule in rules:
+        for name, t in zip(rule.hf, ours_to_hf(rule, state[rule.ours].to("meta"), cfg)):
+            specs[name] = (tuple(t.shape), dtype)
+    stream = ((n, t.detach().to("cpu", dtype).contiguous())
+              for n, t in hf_state_dict(cfg, lambda k: state[k]))
+    index = write_sharded(stream, specs, path, max_shard_bytes)
+    (path / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
+    return index

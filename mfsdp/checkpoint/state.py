@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mfsdp.checkpoint.dcp import DCPSource
 from mfsdp.checkpoint.megatron_common import mfsdp_name
-from mfsdp.dtensor import uneven_dtensor
+from mfsdp.fsdp.dtensor import uneven_dtensor
 
 __all__ = ["param_entries", "model_state", "optimizer_state", "param_groups_state",
            "param_to_param_group_map", "global_param_to_param_group_map",

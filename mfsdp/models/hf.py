@@ -42,8 +42,8 @@ import torch
 from mfsdp.models.gpt import GPTConfig
 
 __all__ = ["HF_MODEL_TYPES", "Rule", "UnsupportedModel", "config_from_hf", "config_to_hf",
-           "hf_model_type", "hf_state_dict", "hf_to_ours", "load_hf", "ours_to_hf",
-           "read_hf_config", "save_hf", "weight_rules"]
+           "hf_model_type", "hf_state_dict", "hf_to_ours", "ours_to_hf",
+           "read_hf_config", "weight_rules"]
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
                   "deepseek_v3")
@@ -423,65 +423,3 @@ def read_hf_config(path) -> dict:
     if not f.exists():
         raise FileNotFoundError(f"{path} has no config.json (not a Hugging Face model directory)")
     return json.loads(f.read_text())
-
-
-def load_hf(path, cfg_overrides: dict | None = None) -> "GPT":
-    """A :class:`~mfsdp.models.gpt.GPT` with the weights of a Hugging Face model directory.
-
-    Every tensor of the directory must be used and every weight of the model found (an error
-    names the first that is not). ``cfg_overrides`` changes options that do not alter the
-    weights' meaning (dispatcher, fused experts...).
-    """
-    from dataclasses import replace
-
-    from mfsdp.checkpoint.safetensors import SafetensorsReader
-    from mfsdp.models.gpt import GPT
-
-    hf = read_hf_config(path)
-    cfg = replace(config_from_hf(hf), **(cfg_overrides or {}))
-    reader = SafetensorsReader(path)
-    model = GPT(cfg)
-    state = model.state_dict()
-    used = set()
-    for rule in weight_rules(cfg, hf["model_type"]):
-        missing = [n for n in rule.hf if n not in reader]
-        if missing:
-            raise KeyError(f"{path} has no tensor {missing[0]!r} (needed for {rule.ours})")
-        t = hf_to_ours(rule, [reader.get(n) for n in rule.hf], cfg)
-        if tuple(t.shape) != tuple(state[rule.ours].shape):
-            raise ValueError(f"{rule.hf[0]} gives {rule.ours} the shape {tuple(t.shape)}; the model "
-                             f"from config.json has {tuple(state[rule.ours].shape)}")
-        with torch.no_grad():
-            state[rule.ours].copy_(t)
-        used.update(rule.hf)
-    extra = sorted(set(reader.keys()) - used - {"lm_head.weight"} if
-                   cfg.share_embeddings_and_output_weights else set(reader.keys()) - used)
-    if extra:
-        raise KeyError(f"{path} holds {len(extra)} tensors the model does not use, e.g. "
-                       f"{extra[0]!r} (a model_type mfsdp maps differently?)")
-    return model
-
-
-def save_hf(model: torch.nn.Module, path, dtype: torch.dtype | None = None,
-            max_shard_bytes: int = 5 * 2**30) -> dict:
-    """Write an unsharded :class:`~mfsdp.models.gpt.GPT` as a Hugging Face directory (config.json
-    and safetensors) that ``AutoModelForCausalLM.from_pretrained`` loads. Returns the index."""
-    import json
-    from pathlib import Path
-
-    from mfsdp.checkpoint.safetensors import write_sharded
-
-    cfg = model.config
-    state = model.state_dict()
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    dtype = dtype or next(iter(state.values())).dtype
-    specs, rules = {}, weight_rules(cfg)
-    for rule in rules:
-        for name, t in zip(rule.hf, ours_to_hf(rule, state[rule.ours].to("meta"), cfg)):
-            specs[name] = (tuple(t.shape), dtype)
-    stream = ((n, t.detach().to("cpu", dtype).contiguous())
-              for n, t in hf_state_dict(cfg, lambda k: state[k]))
-    index = write_sharded(stream, specs, path, max_shard_bytes)
-    (path / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
-    return index

@@ -109,10 +109,10 @@ def rank_gradients(world: int, preset: str = "llama-tiny", seq_length: int = 64,
 
 def engine_reduce_scatter(grads: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Run in every rank of :func:`mfsdp.launch.launch`: this rank's row of ``grads`` (cast to
-    ``dtype``) through the engine's own reduce-scatter (``mfsdp.collectives.Communicator``,
+    ``dtype``) through the engine's own reduce-scatter (``mfsdp.fsdp.collectives.Communicator``,
     the path of ``grad_comm_dtype``); returns this rank's chunk of the sum, in fp32. With gloo it
     equals :func:`fp32_accum_reduce` bit for bit (``tests/test_numerics.py``)."""
-    from mfsdp.collectives import Communicator
+    from mfsdp.fsdp.collectives import Communicator
 
     rank = dist.get_rank()
     comm = Communicator(None, "dp")

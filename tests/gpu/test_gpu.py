@@ -238,7 +238,7 @@ def _dispatch_deepep() -> torch.Tensor:
 
 
 def _exposed_wait() -> dict:
-    from mfsdp.collectives import CommLog, Handle
+    from mfsdp.fsdp.collectives import CommLog, Handle
 
     t = torch.ones(1 << 20, device="cuda")
     log = CommLog()
@@ -255,7 +255,7 @@ def test_exposed_communication_is_timed_with_cuda_events():
 
 
 def _default_backend() -> dict:
-    from mfsdp.collectives import backend_of
+    from mfsdp.fsdp.collectives import backend_of
 
     return {"cuda": backend_of(None, torch.device("cuda")),
             "cpu": backend_of(None, torch.device("cpu"))}

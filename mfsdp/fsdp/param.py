@@ -7,7 +7,7 @@ Every parameter of a :class:`mfsdp.FullyShardedModule` is a :class:`ShardedParam
   post-accumulate-grad hook moves gradients into the bucket;
 * ``sharded``: what modules hold *outside forward*, so that reading a parameter never touches
   released memory. Under a sharding strategy it is a ``DTensor`` of the full shape, sharded on
-  dim 0 over the bucket's shard group (uneven row split, see :mod:`mfsdp.dtensor`), whose
+  dim 0 over the bucket's shard group (uneven row split, see :mod:`mfsdp.fsdp.dtensor`), whose
   local tensor is this rank's piece of the *main* weights (fp32 by default; whole rows, or a flat
   range where the bucket is cut on element boundaries), as FSDP2 and upstream
   Megatron-FSDP hand out; under ``no_shard`` it is a plain parameter over the (full) main weights;
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mfsdp.dtensor import attach_uneven, gather_pieces, uneven_dtensor
+from mfsdp.fsdp.dtensor import attach_uneven, gather_pieces, uneven_dtensor
 
 __all__ = ["ShardedParam", "gather_pieces"]
 

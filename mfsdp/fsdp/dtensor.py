@@ -2,7 +2,7 @@
 not), readable by DCP, and the collective that gathers such pieces.
 
 ``torch.distributed.checkpoint`` asks a DTensor where its local piece sits in the global tensor; a
-DTensor assumes ``torch.chunk``'s split, which is not ours (see :mod:`mfsdp.buffers`: shards follow
+DTensor assumes ``torch.chunk``'s split, which is not ours (see :mod:`mfsdp.fsdp.bucket`: shards follow
 bucket boundaries). DTensor defers that question to its local tensor when the local tensor has
 ``__create_chunk_list__`` / ``__create_write_items__`` / ``__get_tensor_shard__``, so we attach
 them: each uneven DTensor carries its own chunk metadata. A rank's piece is a contiguous range of

@@ -1,16 +1,16 @@
 """An FSDP unit: a module whose parameters are gathered together and released together.
 
 :class:`FSDPUnit` plays the part of FSDP2's ``FSDPParamGroup``: it owns its buckets (the flat
-buffers, :mod:`mfsdp.buffers`), its parameters (:class:`mfsdp.params.ShardedParam`), the all-gathers
+buffers, :mod:`mfsdp.fsdp.bucket`), its parameters (:class:`mfsdp.fsdp.param.ShardedParam`), the all-gathers
 in flight into its buckets, its progress through a backward, and the forward/backward hooks that
 move all of these. What units share (communicators, the forward order that drives prefetching,
 memory counters, the double buffer, whether a backward synchronises) lives in the model that owns
 them, :class:`mfsdp.FullyShardedModule`, which each unit reaches as ``unit.model``; gradient
-reduction is the model's :class:`mfsdp.reduce.GradReducer`. Building units from a module is
-:mod:`mfsdp.construct`.
+reduction is the model's :class:`mfsdp.fsdp.reducer.GradReducer`. Building units from a module is
+:mod:`mfsdp.fsdp.construct`.
 
 The sequence of hooks is described in ``docs/concepts.md``; the version-counter and ordering notes
-are in ``mfsdp/fsdp.py`` and ``mfsdp/reduce.py``.
+are in ``mfsdp/fsdp/module.py`` and ``mfsdp/fsdp/reducer.py``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from mfsdp.buffers import Bucket
-from mfsdp.collectives import Handle
+from mfsdp.fsdp.bucket import Bucket
+from mfsdp.fsdp.collectives import Handle
 from mfsdp.config import ShardingStrategy
 
 __all__ = ["FSDPUnit", "Groups", "in_backward", "tensors_requiring_grad"]

@@ -4,18 +4,18 @@
 parameters of ``module``. The work is done by objects that each own their state, in the manner of
 FSDP2's ``_fully_shard`` package:
 
-* :class:`mfsdp.units.FSDPUnit` (one per unit, as FSDP2's ``FSDPParamGroup``): its buckets, its
+* :class:`mfsdp.fsdp.unit.FSDPUnit` (one per unit, as FSDP2's ``FSDPParamGroup``): its buckets, its
   parameters, the all-gathers in flight into it, its backward progress and its hooks;
-* :class:`mfsdp.params.ShardedParam` (one per parameter, as ``FSDPParam``): its faces (the full
+* :class:`mfsdp.fsdp.param.ShardedParam` (one per parameter, as ``FSDPParam``): its faces (the full
   view during forward, the ``DTensor`` outside), its rows, its reduced gradient;
-* :class:`mfsdp.buffers.Bucket`: the flat buffers of one group of parameters on one rank;
-* :class:`mfsdp.reduce.GradReducer` (one per model): the gradient reductions of a backward;
-* :func:`mfsdp.construct.build_units` makes the units from the module.
+* :class:`mfsdp.fsdp.bucket.Bucket`: the flat buffers of one group of parameters on one rank;
+* :class:`mfsdp.fsdp.reducer.GradReducer` (one per model): the gradient reductions of a backward;
+* :func:`mfsdp.fsdp.construct.build_units` makes the units from the module.
 
 The model itself holds what units share (communicators, the forward order that drives prefetching,
 memory counters, the double buffer, whether a backward synchronises) and the API: ``no_sync``,
 ``unshard``/``reshard``, state-dict hooks, ``zero_grad_buffer``... The mechanism, step by step, is
-described in ``docs/concepts.md``; the notes below and in ``mfsdp/reduce.py`` say why.
+described in ``docs/concepts.md``; the notes below and in ``mfsdp/fsdp/reducer.py`` say why.
 
 [Note: version counters] Parameters are views of ``Bucket.full`` and share its version counter,
 which autograd checks for the weights it saved in forward. Re-gathering weights for backward writes
@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mfsdp.buffers import Bucket
-from mfsdp.collectives import CommLog, Communicator, Handle, backend_of
+from mfsdp.fsdp.bucket import Bucket
+from mfsdp.fsdp.collectives import CommLog, Communicator, Handle, backend_of
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
-from mfsdp.construct import build_units
-from mfsdp.reduce import GradReducer
-from mfsdp.units import FSDPUnit, Groups, in_backward
+from mfsdp.fsdp.construct import build_units
+from mfsdp.fsdp.reducer import GradReducer
+from mfsdp.fsdp.unit import FSDPUnit, Groups, in_backward
 
 __all__ = ["FullyShardedModule", "FSDPUnit", "Groups"]
 
@@ -510,7 +510,7 @@ class FullyShardedModule(nn.Module):
     def comm_scratch_bytes(self) -> int:
         """Bytes of the communication scratch buffers this rank keeps for reuse (gloo only: the
         all-to-all inputs of all-gathers and receive buffers of reduce-scatters, see [Note: gloo
-        all-gather as all-to-all] in ``mfsdp/collectives.py``); not part of :meth:`memory_by_kind`."""
+        all-gather as all-to-all] in ``mfsdp/fsdp/collectives.py``); not part of :meth:`memory_by_kind`."""
         comms = {id(c): c for c in (self.comm, self.ag_comm, self.outer_comm, self.expt_comm,
                                     self.expt_ag_comm, self.ep_comm) if c is not None}
         return sum(c.scratch_bytes for c in comms.values())

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy, resolve_unit_classes
-from mfsdp.fsdp import FullyShardedModule, Groups
+from mfsdp.fsdp.module import FullyShardedModule, Groups
 from mfsdp.layout import ProcessGroups
-from mfsdp.optimizer import ShardedOptimizer
+from mfsdp.fsdp.optimizer import ShardedOptimizer
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 

@@ -1,5 +1,5 @@
 """Building a sharded model's units from a module: which parameters go together, in which flat
-buffer, how each parameter becomes a :class:`~mfsdp.params.ShardedParam` viewing it, and the
+buffer, how each parameter becomes a :class:`~mfsdp.fsdp.param.ShardedParam` viewing it, and the
 initial values (meta-device initialisation one module at a time).
 
 :func:`build_units` runs once, in :class:`mfsdp.FullyShardedModule`'s constructor, and returns a
@@ -17,17 +17,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mfsdp.buffers import Bucket, DoubleBuffer, plan_bucket
+from mfsdp.fsdp.bucket import Bucket, DoubleBuffer, plan_bucket
 from mfsdp.config import ShardingStrategy
-from mfsdp.params import ShardedParam
-from mfsdp.units import FSDPUnit
+from mfsdp.fsdp.param import ShardedParam
+from mfsdp.fsdp.unit import FSDPUnit
 
 __all__ = ["Construction", "build_units"]
 
 
 @dataclass
 class Construction:
-    """What :func:`~mfsdp.construct.build_units` made."""
+    """What :func:`~mfsdp.fsdp.construct.build_units` made."""
 
     units: list[FSDPUnit]  # the root unit first, then the others in module order
     pool: DoubleBuffer | None  # gathered weights of non-root units (fsdp_double_buffer)
@@ -100,7 +100,7 @@ def _parameters_by_unit(root: nn.Module, unit_paths: list[str]) -> dict[int, dic
 
 
 def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -> Construction:
-    """Units, buckets and :class:`~mfsdp.params.ShardedParam` objects of ``model.module``, with the settings of
+    """Units, buckets and :class:`~mfsdp.fsdp.param.ShardedParam` objects of ``model.module``, with the settings of
     ``model`` (a :class:`mfsdp.FullyShardedModule` under construction: its strategy, device,
     communicators and mixed-precision policy)."""
     root = model.module
@@ -149,11 +149,9 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
                 sharded_grads=model.strategy.shards_grads, replicated=replicated,
                 outer_factor=factor,
                 outer_rank=model.outer_comm.rank if factor > 1 else 0,
+                comm=comm, ag_comm=model.expt_ag_comm if is_expert else model.ag_comm,
+                grad_scale=scale,
             )
-            bucket.comm = comm  # the inner (shard) group of this bucket
-            bucket.ag_comm = model.expt_ag_comm if is_expert else model.ag_comm
-            bucket.grad_scale = scale
-            bucket.outer_pending = None  # inner-reduced gradients awaiting the outer reduction
             for i, e in enumerate(entries):
                 slot[id(e["param"])] = (bucket, i)
             unit.buckets.append(bucket)
@@ -165,7 +163,7 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
     _load_values(model, buckets, params, slot, meta_init)
     out = Construction(units, pool, originals=[e["param"] for e in params.values()])
     # Replace every parameter by a ShardedParam: a view of its bucket during forward, a DTensor
-    # over its main-weight rows outside (see mfsdp/params.py).
+    # over its main-weight rows outside (see mfsdp/fsdp/param.py).
     paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)}
     unit_by_name = {u.name: u for u in units}
     meshes: dict[tuple, tuple] = {}
@@ -183,12 +181,6 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
             out.by_id[id(face)] = sp
     for b in buckets:
         b.n_grad_params = len(b.names) if b.requires_grad else 0
-        b.is_ready = False
-        b.holds_reduced = False  # no_shard: grad_shard holds reduced gradients
-        # Which parameters received a gradient (on any rank) since the last zero_grad: the
-        # optimizer skips the others, as plain PyTorch skips parameters whose .grad is None.
-        # Host-side flags: a device write per parameter per backward would be a kernel launch
-        # in every gradient hook.
         b.used = [0.0] * len(b.names)
         if not b.main_aliases_model():
             b.main_shard.copy_(b.model_sub_shard())

@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mfsdp.buffers import Bucket
-from mfsdp.collectives import Handle
+from mfsdp.fsdp.bucket import Bucket
+from mfsdp.fsdp.collectives import Handle
 
 __all__ = ["GradReducer"]
 

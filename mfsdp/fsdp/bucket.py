@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -221,6 +222,15 @@ class Bucket:
     # sub-shard `rank * outer_factor + outer_rank`.
     outer_factor: int = 1
     outer_rank: int = 0
+    # The communicator of this bucket's shard group (the dense or the expert one): its
+    # reduce-scatters and, unless a separate all-gather group exists, its all-gathers.
+    comm: Any = None
+    # The communicator its all-gathers use: a second group over the same ranks when
+    # create_all_gather_group is set, so that gathers never queue behind reductions.
+    ag_comm: Any = None
+    # The factor its gradients are multiplied by before reduction (1 / data-parallel ranks, or 1
+    # with per-token loss or in-collective averaging).
+    grad_scale: float = 1.0
     full: torch.Tensor = field(init=False)
     full_comm: torch.Tensor = field(init=False)
     model_shard: torch.Tensor = field(init=False)
@@ -233,6 +243,18 @@ class Bucket:
     # Double buffer: the gathered weights live in a pool slot instead of their own storage.
     in_pool: bool = field(init=False, default=False)
     pool_held: bool = field(init=False, default=False)  # its slot holds this bucket's weights now
+    # HSDP: inner-reduced gradients whose outer reduction is in flight (the reducer's handle).
+    outer_pending: Any = field(init=False, default=None)
+    # Parameters that take a gradient: the hooks count `ready` up to it.
+    n_grad_params: int = field(init=False, default=0)
+    # Every gradient of this backward arrived and the reduction was launched.
+    is_ready: bool = field(init=False, default=False)
+    # no_shard: grad_shard already holds reduced gradients (a deferred reduction happened).
+    holds_reduced: bool = field(init=False, default=False)
+    # Which parameters received a gradient (on any rank) since the last zero_grad: the optimizer
+    # skips the others, as plain PyTorch skips parameters whose .grad is None. Host-side flags:
+    # a device write per parameter per backward would be a kernel launch in every gradient hook.
+    used: list = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         n, s = self.plan.padded_numel, self.plan.shard_numel

@@ -1,0 +1,81 @@
+"""The package's shape (DESIGN.md): no import cycle, no module over 600 lines, data flowing one way
+(the engine imports nothing from the floors above it; models/ never imports checkpoint/), no
+harness imported by the package it tests. Read from the source with ``ast``: lazy imports inside
+functions count."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "mfsdp"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        name = ".".join(p.relative_to(PKG.parent).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def _imports() -> dict[str, set[str]]:
+    mods = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mfsdp"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    edges[name].add(full if full in mods else node.module)
+            elif isinstance(node, ast.Import):
+                edges[name] |= {a.name for a in node.names if a.name in mods}
+    return edges
+
+
+def test_no_import_cycle():
+    edges = _imports()
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(edges.get(m, ())):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+
+
+def test_no_module_over_600_lines():
+    long = {n: len(p.read_text().splitlines()) for n, p in _modules().items()}
+    assert not {n: k for n, k in long.items() if k > 600}
+
+
+def _floor(importer: str, forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, ts in _imports().items() if m.startswith(importer)
+                  for t in ts if t.startswith(forbidden))
+
+
+def test_the_engine_imports_nothing_from_the_floors_above():
+    above = ("mfsdp.checkpoint", "mfsdp.models", "mfsdp.data", "mfsdp.moe", "mfsdp.trainer",
+             "mfsdp.train", "mfsdp.cli", "mfsdp.testing", "mfsdp.examples", "mfsdp.benchmark",
+             "mfsdp.plan", "mfsdp.sbatch")
+    assert _floor("mfsdp.fsdp", above) == []
+    assert _floor("mfsdp.config", above + ("mfsdp.fsdp",)) == []
+    assert _floor("mfsdp.layout", above + ("mfsdp.fsdp",)) == []
+
+
+def test_models_never_import_checkpoints_and_nothing_imports_the_harnesses():
+    assert _floor("mfsdp.models", ("mfsdp.checkpoint",)) == []
+    users = [m for m, ts in _imports().items()
+             if not m.startswith(("mfsdp.testing", "mfsdp.examples"))
+             for t in ts if t.startswith("mfsdp.testing")]
+    assert users == []
