@@ -8,6 +8,7 @@ checkpoint of the wrong format) prints one line naming the input and exits with 
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
 
@@ -50,6 +51,25 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return _USER_ERRORS + (CheckpointError, RenderError)
 
 
+# The subcommands: name -> (module with build_parser(parser), the function that runs the parsed
+# arguments, the one-line summary of `mfsdp --help`).
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "convert": ("mfsdp.checkpoint.convert", "run_distributed",
+                "convert checkpoints: fsdp_dtensor, Megatron-LM (torch_dist), mfsdp_full, "
+                "safetensors and Hugging Face (hf)"),
+    "plan": ("mfsdp.plan", "run",
+             "estimate per-rank memory and per-step communication of a layout"),
+    "train": ("mfsdp.train", "main_parsed",
+              "train Llama, Qwen, Mixtral, DeepSeek-V3 or GPT models with Megatron-LM's flags "
+              "(under torchrun)"),
+    "sbatch": ("mfsdp.sbatch", "run", "render Slurm batch scripts from presets"),
+    "bench": ("mfsdp.benchmark", "run",
+              "step time, memory and bytes: DDP, PyTorch FSDP2 and mfsdp side by side"),
+    "preprocess": ("mfsdp.data.preprocess", "run",
+                   "tokenize JSONL into Megatron .bin/.idx datasets"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level ``mfsdp`` argument parser with one subparser per subcommand."""
     parser = argparse.ArgumentParser(
@@ -67,26 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=plain(doc.splitlines()[0]),
                               formatter_class=PlainFormatter)
 
-    from mfsdp.checkpoint import convert
-
-    convert.build_parser(add("convert", "convert checkpoints: fsdp_dtensor, Megatron-LM "
-                                        "(torch_dist), mfsdp_full, safetensors and Hugging "
-                                        "Face (hf)", convert.__doc__))
-    from mfsdp import plan
-
-    plan.build_parser(add("plan", "estimate per-rank memory and per-step communication of a "
-                                  "layout", plan.__doc__))
-    from mfsdp import benchmark, sbatch, train
-
-    train.build_parser(add("train", "train Llama, Qwen, Mixtral, DeepSeek-V3 or GPT models with "
-                                    "Megatron-LM's flags (under torchrun)", train.__doc__))
-    sbatch.build_parser(add("sbatch", "render Slurm batch scripts from presets", sbatch.__doc__))
-    benchmark.build_parser(add("bench", "step time, memory and bytes: DDP, PyTorch FSDP2 and "
-                                        "mfsdp side by side", benchmark.__doc__))
-    from mfsdp.data import preprocess
-
-    preprocess.build_parser(add("preprocess", "tokenize JSONL into Megatron .bin/.idx datasets",
-                                preprocess.__doc__))
+    for name, (module, _, summary) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        mod.build_parser(add(name, summary, mod.__doc__))
     return parser
 
 
@@ -118,33 +121,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.command == "convert":
-        from mfsdp.checkpoint import convert
-
-        return convert.run_distributed(args)
-    if args.command == "plan":
-        from mfsdp import plan
-
-        return plan.run(args)
-    if args.command == "train":
-        from mfsdp import train
-
-        return train.main_parsed(args)
-    if args.command == "bench":
-        from mfsdp import benchmark
-
-        return benchmark.run(args)
-    if args.command == "sbatch":
-        from mfsdp import sbatch
-
-        return sbatch.run(args)
-    if args.command == "preprocess":
-        from mfsdp.data import preprocess
-
-        return preprocess.run(args)
-    parser.error(f"unknown command {args.command!r}")
-    return 2
-
+    if args.command not in COMMANDS:
+        parser.error(f"unknown command {args.command!r}")
+    module, runner, _ = COMMANDS[args.command]
+    return getattr(importlib.import_module(module), runner)(args)
 
 if __name__ == "__main__":
     sys.exit(main())

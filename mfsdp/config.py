@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShardingStrategy", "MixedPrecisionPolicy", "resolve_unit_classes", "check_dtype"]
+__all__ = ["ShardingStrategy", "MixedPrecisionPolicy", "EngineOptions", "resolve_unit_classes",
+           "check_dtype"]
 
 
 class ShardingStrategy(str, enum.Enum):
@@ -146,3 +147,24 @@ def resolve_unit_classes(units: Any, model: torch.nn.Module | None = None) -> tu
                              "itself or its full dotted path")
         out.append(cls)
     return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """How a sharded model runs: the engine-side options of :func:`mfsdp.fully_shard_model`,
+    gathered once and handed to :class:`mfsdp.FullyShardedModule` (upstream's names)."""
+
+    init_model_with_meta_device: bool = False  # parameters on meta, materialised unit by unit
+    param_init_fn: Any = None  # called on each module to initialise meta parameters
+    overlap_grad_reduce: bool = True  # reduce-scatter per bucket during backward
+    overlap_param_gather: bool = True  # prefetch the next unit's all-gather (ZeRO-3)
+    sync_model_each_microbatch: bool = True  # reduce every backward (no_sync() defers)
+    average_in_collective: bool = False  # average inside the collective, not by a pre-scale
+    calculate_per_token_loss: bool = False  # gradients summed, the loss divides by tokens
+    disable_bucketing: bool = False  # one bucket per parameter
+    max_inflight_reduce: int = 2  # reductions in flight before backward waits for the oldest
+    fsdp_double_buffer: bool = False  # gathered weights in a fixed two-slot pool (ZeRO-3)
+    prefetch_depth: int = 1  # units ahead whose all-gather is launched
+    preproc_state_dict_for_dcp_ckpt: bool = True  # state_dict() hands out DTensors for DCP
+    report_nan_in_param_grad: bool = False  # check reduced gradients for NaN and name them
+    use_decoupled_grad: bool = False  # gradients in .decoupled_grad, as upstream's option

@@ -9,6 +9,7 @@ keeps working after changing the import::
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy, resolve_unit_classes
+from mfsdp.config import EngineOptions, MixedPrecisionPolicy, ShardingStrategy, resolve_unit_classes
 from mfsdp.fsdp.module import FullyShardedModule, Groups
 from mfsdp.layout import ProcessGroups
 from mfsdp.fsdp.optimizer import ShardedOptimizer
@@ -185,6 +186,7 @@ def fully_shard_model(
             ``maxpool_double_buffer``, ``cuda_graph_mode``): a non-default value is an error
             that says so.
     """
+    local = dict(locals())  # the arguments as given, before anything below rebinds them
     _refuse_unsupported(
         nccl_ub=nccl_ub, disable_symmetric_registration=disable_symmetric_registration,
         keep_fp8_transpose_cache=keep_fp8_transpose_cache,
@@ -282,19 +284,10 @@ def fully_shard_model(
     if fsdp_double_buffer and not strategy.shards_params:
         raise ValueError("fsdp_double_buffer=True needs zero_dp_strategy='optim_grads_params' "
                          f"(gathered weights only exist under ZeRO-3), got {strategy.value!r}")
-    model = FullyShardedModule(
-        module, groups=groups, strategy=strategy, unit_classes=units, device=device,
-        mixed_precision_policy=mixed_precision_policy,
-        init_model_with_meta_device=init_model_with_meta_device,
-        param_init_fn=param_init_fn,
-        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-        sync_model_each_microbatch=sync_model_each_microbatch,
-        average_in_collective=average_in_collective,
-        calculate_per_token_loss=calculate_per_token_loss, disable_bucketing=disable_bucketing,
-        max_inflight_reduce=max_inflight_reduce, fsdp_double_buffer=fsdp_double_buffer,
-        prefetch_depth=prefetch_depth, preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt,
-        report_nan_in_param_grad=report_nan_in_param_grad, use_decoupled_grad=use_decoupled_grad,
-    )
+    options = EngineOptions(**{f.name: local[f.name] for f in dataclasses.fields(EngineOptions)})
+    model = FullyShardedModule(module, groups=groups, strategy=strategy, unit_classes=units,
+                               device=device, mixed_precision_policy=mixed_precision_policy,
+                               options=options)
     recursive = resolve_unit_classes(recursive_gather_modules, module)
     for m in module.modules():
         if recursive and isinstance(m, recursive):

@@ -35,7 +35,7 @@ from torch import nn
 
 from mfsdp.fsdp.bucket import Bucket
 from mfsdp.fsdp.collectives import CommLog, Communicator, Handle, backend_of
-from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
+from mfsdp.config import EngineOptions, MixedPrecisionPolicy, ShardingStrategy
 from mfsdp.fsdp.construct import build_units
 from mfsdp.fsdp.reducer import GradReducer
 from mfsdp.fsdp.unit import FSDPUnit, Groups, in_backward
@@ -59,30 +59,19 @@ class FullyShardedModule(nn.Module):
         unit_classes: tuple[type, ...],
         device: torch.device,
         mixed_precision_policy: MixedPrecisionPolicy,
-        init_model_with_meta_device: bool = False,
-        param_init_fn=None,
-        overlap_grad_reduce: bool = True,
-        overlap_param_gather: bool = True,
-        sync_model_each_microbatch: bool = True,
-        average_in_collective: bool = False,
-        calculate_per_token_loss: bool = False,
-        disable_bucketing: bool = False,
-        max_inflight_reduce: int = 2,
-        fsdp_double_buffer: bool = False,
-        prefetch_depth: int = 1,
-        preproc_state_dict_for_dcp_ckpt: bool = True,
-        report_nan_in_param_grad: bool = False,
-        use_decoupled_grad: bool = False,
+        options: EngineOptions | None = None,
     ):
         super().__init__()
+        opts = options or EngineOptions()
+        self.options = opts  # how this model runs (read-only)
         self.module = module
         self.strategy = strategy
         self.device = device
         self.mp_policy = mixed_precision_policy
-        self.overlap_grad_reduce = overlap_grad_reduce
-        self.overlap_param_gather = overlap_param_gather
-        self.calculate_per_token_loss = calculate_per_token_loss
-        self.average_in_collective = average_in_collective
+        self.overlap_grad_reduce = opts.overlap_grad_reduce
+        self.overlap_param_gather = opts.overlap_param_gather
+        self.calculate_per_token_loss = opts.calculate_per_token_loss
+        self.average_in_collective = opts.average_in_collective
         # The log every collective of this model is recorded in (tests and benchmarks read it).
         self.comm_log = CommLog()
         self.groups = groups
@@ -102,9 +91,9 @@ class FullyShardedModule(nn.Module):
         self.ep_comm = (Communicator(groups.ep, "ep", self.comm_log)
                         if groups.ep is not None and dist.get_world_size(groups.ep) > 1 else None)
         # How many units ahead all-gathers are launched (ZeRO-3, with overlap_param_gather).
-        self.prefetch_depth = prefetch_depth
+        self.prefetch_depth = opts.prefetch_depth
         # Whether this backward reduces gradients that can wait (no_shard/optim, see no_sync()).
-        self._auto_sync = sync_model_each_microbatch
+        self._auto_sync = opts.sync_model_each_microbatch
         self._sync_override: bool | None = None
         self._unreduced = False  # a deferred backward left gradients unreduced
         # Forward order of non-root units, recorded on the first forward; drives prefetching.
@@ -116,30 +105,31 @@ class FullyShardedModule(nn.Module):
         self.memory = {"gathered_bytes": 0, "peak_gathered_bytes": 0,
                        "grad_full_bytes": 0, "peak_grad_full_bytes": 0, "init_peak_bytes": 0}
         # Gathered weights of non-root units in a fixed two-slot pool (ZeRO-3 only).
-        self.double_buffer = fsdp_double_buffer and self.strategy.shards_params
+        self.double_buffer = opts.fsdp_double_buffer and self.strategy.shards_params
         # Whether unshard() holds every unit gathered, with the full views in the modules.
         self.user_unsharded = False
         for c in (self.comm, self.ag_comm, self.outer_comm, self.expt_comm, self.expt_ag_comm,
                   self.ep_comm):
             if c is not None:
                 c.backend = backend_of(c.group, device)
-        self.report_nan_in_param_grad = report_nan_in_param_grad
-        self.use_decoupled_grad = use_decoupled_grad
-        self.param_init_fn = param_init_fn
-        built = build_units(self, unit_classes, disable_bucketing, init_model_with_meta_device)
+        self.report_nan_in_param_grad = opts.report_nan_in_param_grad
+        self.use_decoupled_grad = opts.use_decoupled_grad
+        self.param_init_fn = opts.param_init_fn
+        built = build_units(self, unit_classes, opts.disable_bucketing,
+                            opts.init_model_with_meta_device)
         self.units: list[FSDPUnit] = built.units
         self.unit_by_name = {u.name: u for u in self.units}
         self.pool = built.pool
         self._sparams = built.sparams
         self._sparam_by_id = built.by_id
         self._original_params = built.originals  # read once by the API, then dropped
-        self.reducer = GradReducer(self, max_inflight_reduce)
+        self.reducer = GradReducer(self, opts.max_inflight_reduce)
         for unit in self.units:
             unit.register_hooks()
         # shard_experts() recorded the global names of the experts this rank kept
         if getattr(self.module, "_mfsdp_expert_names", None):
             self.set_global_names(self.module._mfsdp_expert_names)
-        if preproc_state_dict_for_dcp_ckpt:
+        if opts.preproc_state_dict_for_dcp_ckpt:
             self._register_state_dict_hook(FullyShardedModule._state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_pre_hook)
         self.register_load_state_dict_post_hook(FullyShardedModule._load_post_hook)

@@ -5,11 +5,13 @@ the figures the logs report (FLOPs per token, resident memory)."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 import math
 
 import torch
 
 from mfsdp.data.batches import is_indexed_prefix, tokenizer_of
+from mfsdp.models.config import GPTConfig
 
 from mfsdp.trainer.arguments import DTYPES
 
@@ -57,40 +59,18 @@ def model_config(args):
 def overridden_config(base, args, max_pos):
     from mfsdp.models.gpt import with_overrides
 
-    cfg = with_overrides(
-        base, num_layers=args.num_layers, hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=args.vocab_size, swiglu=args.swiglu, num_experts=args.num_experts,
-        moe_router_topk=args.moe_router_topk, moe_first_dense_layers=args.moe_first_dense_layers,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_router_score_function=args.moe_router_score_function,
-        moe_router_num_groups=args.moe_router_num_groups,
-        moe_router_group_topk=args.moe_router_group_topk,
-        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
-        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-        moe_token_drop_policy=args.moe_token_drop_policy,
-        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
-        moe_grouped_gemm=args.moe_grouped_gemm, max_position_embeddings=max_pos,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        normalization=args.normalization, norm_epsilon=args.norm_epsilon,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        rope_scaling_factor=args.rope_scaling_factor if args.use_rope_scaling else None,
-        rotary_interleaved=args.rotary_interleaved, kv_channels=args.kv_channels,
-        add_bias_linear=False if args.disable_bias_linear else None,
-        add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
-        share_embeddings_and_output_weights=(False if args.untie_embeddings_and_output_weights
-                                             else None),
-        multi_latent_attention=args.multi_latent_attention, q_lora_rank=args.q_lora_rank,
-        kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
-        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
-        init_method_std=args.init_method_std, moe_router_pre_softmax=args.moe_router_pre_softmax,
-        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
-        moe_shared_expert_gate=args.moe_shared_expert_gate)
+    # Flags whose value means something else than the field of the same name.
+    special = {"max_position_embeddings": max_pos,
+               "rope_scaling_factor": args.rope_scaling_factor if args.use_rope_scaling else None,
+               "add_bias_linear": False if args.disable_bias_linear else None,
+               "share_embeddings_and_output_weights": (
+                   False if args.untie_embeddings_and_output_weights else None),
+               "num_query_groups": None}  # checked with --group-query-attention below
+    # Every other GPTConfig field is a Megatron-LM flag of the same name; a flag not given (None)
+    # keeps the preset's value.
+    flags = {f.name: getattr(args, f.name) for f in fields(GPTConfig)
+             if f.name not in special and hasattr(args, f.name)}
+    cfg = with_overrides(base, **flags, **special)
     if args.group_query_attention != bool(args.num_query_groups):
         raise ValueError("--group-query-attention and --num-query-groups go together (as in "
                          "Megatron-LM): pass both, or neither for multi-head attention")
