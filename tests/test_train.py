@@ -293,3 +293,27 @@ def test_learning_rates_equal_megatron_cores_scheduler(case):
     args = build_parser().parse_args(argv)
     got = [learning_rate(args, i) for i in range(1, data["train_iters"] + 1)]
     assert got == pytest.approx(c["lrs"], rel=1e-12, abs=1e-15)
+
+
+def test_nan_stops_every_rank_before_the_step_and_nothing_non_finite_is_saved(tmp_path):
+    """Megatron-LM's --check-for-nan-in-loss-and-grad, on by default: --lr 1e6 makes iteration
+    2's loss NaN; the run stops there with one line (rank 0), before the optimizer step, so the
+    only checkpoint is iteration 1's and it is finite. Without the check it trains on."""
+    from mfsdp.checkpoint.dcp import read_full
+
+    save = tmp_path / "ckpt"
+    proc = _torchrun(["--use-megatron-fsdp", "--train-iters", "6", "--lr", "1e6", "--save",
+                      str(save), "--save-interval", "1", "--log-interval", "1"])
+    assert proc.returncode != 0
+    said = [line for line in (proc.stdout + proc.stderr).splitlines()
+            if line.startswith("mfsdp train: iteration")]
+    assert len(said) == 1 and "iteration 2: the loss is nan" in said[0], proc.stderr[-2000:]
+    assert (save / "latest").read_text().strip() == "iter_0000001"
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000001", "latest"]
+    tensors, _, _ = read_full(save / "iter_0000001")
+    assert all(bool(t.isfinite().all()) for k, t in tensors.items() if t.is_floating_point())
+    log = tmp_path / "log.jsonl"
+    proc = _torchrun(["--use-megatron-fsdp", "--train-iters", "3", "--lr", "1e6",
+                      "--no-check-for-nan-in-loss-and-grad", "--log-jsonl", str(log)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["iteration"] for r in _jsonl(log)] == [1, 2, 3]

@@ -186,6 +186,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     t.add_argument("--adam-beta1", type=float, default=0.9)
     t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    t.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_true", default=True,
+                   help="stop when the loss or the gradient norm is NaN or Inf, before the "
+                        "optimizer step and before any save (Megatron-LM's default: on)")
+    t.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="train on through NaN/Inf (not recommended)")
     t.add_argument("--seed", type=int, default=1234, help="model init and data order")
     t.add_argument("--mock-data", action="store_true",
                    help="synthetic sequences (the default when no --data-path is given)")

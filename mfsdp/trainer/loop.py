@@ -134,12 +134,14 @@ def run(args: argparse.Namespace) -> list[dict]:
             else:
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     inner.parameters(), args.clip_grad if args.clip_grad > 0 else float("inf"))
+            dist.all_reduce(loss_sum)  # every rank now holds the global loss and norm
+            if args.check_for_nan_in_loss_and_grad:
+                check_finite(iteration, loss_sum.item() / global_tokens, float(grad_norm), rank)
             opt.step()
             for _, router in routers:  # balance from the global token counts: layout-invariant
                 load = router.load.to(device)
                 dist.all_reduce(load)
                 router.update_expert_bias(load, args.moe_router_bias_update_rate)
-            dist.all_reduce(loss_sum)
             now = time.perf_counter()
             rec = {"iteration": iteration, "loss": loss_sum.item() / global_tokens,
                    "grad_norm": float(grad_norm), "lr": lr,
@@ -277,3 +279,18 @@ def main_parsed(args: argparse.Namespace) -> int:
         elif started:  # an error: no barrier (a peer may never come); the error propagates
             shutdown(barrier=False)
     return 0
+
+
+def check_finite(iteration: int, loss: float, grad_norm: float, rank: int) -> None:
+    """Stop every rank, before the optimizer step, when the global loss or gradient norm is NaN
+    or Inf (Megatron-LM's --check-for-nan-in-loss-and-grad): the weights and every checkpoint
+    stay as they were after the last finite iteration. Rank 0 says why, in one line."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    what = (f"the loss is {loss}" if not math.isfinite(loss) else
+            f"the gradient norm is {grad_norm}")
+    raise SystemExit(
+        f"mfsdp train: iteration {iteration}: {what}; stopped before the optimizer step, so "
+        "the weights and checkpoints are those of the last finite iteration. Lower --lr, check "
+        "the data, or pass --no-check-for-nan-in-loss-and-grad to train on"
+        if rank == 0 else 1)
