@@ -12,6 +12,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -317,3 +318,49 @@ def test_nan_stops_every_rank_before_the_step_and_nothing_non_finite_is_saved(tm
                       "--no-check-for-nan-in-loss-and-grad", "--log-jsonl", str(log)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["iteration"] for r in _jsonl(log)] == [1, 2, 3]
+
+
+def test_load_of_what_is_not_a_checkpoint_is_refused_and_nothing_is_overwritten(tmp_path):
+    """--load starts from iteration 0 only where the directory is new or empty; a file, a Hugging
+    Face directory, iteration directories without latest, or anything else is refused with one
+    line naming what was found, and the run neither trains nor saves over it."""
+    base = ["--use-megatron-fsdp", "--train-iters", "2", "--save-interval", "1"]
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"\0" * 16)
+    iters = tmp_path / "iters"
+    (iters / "iter_0000002").mkdir(parents=True)
+    (iters / "iter_0000002" / "weights").write_text("keep me")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    cases = {afile: "is a file", hf: "is a Hugging Face model directory",
+             iters: "holds iteration directories (iter_0000002) but no latest",
+             other: "holds no checkpoint mfsdp reads (found notes.txt)"}
+    for where, message in cases.items():
+        before = sorted((p.relative_to(tmp_path), p.read_bytes() if p.is_file() else b"")
+                        for p in [where, *where.rglob("*")])
+        with pytest.raises(RankError, match="SystemExit.*" + re.escape(message)):
+            launch("mfsdp.train:run_in_rank", 1,
+                   args=(base + ["--load", str(where), "--save", str(where)],))
+        after = sorted((p.relative_to(tmp_path), p.read_bytes() if p.is_file() else b"")
+                       for p in [where, *where.rglob("*")])
+        assert after == before, where
+    # a new or empty directory starts from iteration 0 (the first job of a chain) ...
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / ".tmp-iter_0000001-ab12").mkdir()  # a save that never finished does not count
+    for where in (empty, tmp_path / "new"):
+        recs = launch("mfsdp.train:run_in_rank", 1,
+                      args=(base + ["--load", str(where), "--save", str(where)],))[0]
+        assert [r["iteration"] for r in recs] == [1, 2]
+        assert (where / "latest").read_text().strip() == "iter_0000002"
+    # ... unless --exit-on-missing-checkpoint asks for one
+    with pytest.raises(RankError, match="--exit-on-missing-checkpoint"):
+        launch("mfsdp.train:run_in_rank", 1, args=(base + [
+            "--load", str(tmp_path / "absent"), "--save", str(tmp_path / "absent"),
+            "--exit-on-missing-checkpoint"],))
+    assert not (tmp_path / "absent").exists()

@@ -17,7 +17,8 @@ from mfsdp.checkpoint.dcp import DCPSource
 from mfsdp.checkpoint.manifest import CheckpointError
 
 __all__ = ["TRACKER", "is_fsdp_dtensor_keys", "resolve_megatron_lm", "is_megatron_lm",
-           "megatron_lm_backend", "is_megatron_fsdp", "describe_unreadable"]
+           "megatron_lm_backend", "is_megatron_fsdp", "describe_unreadable",
+           "is_empty_directory", "describe_non_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -128,3 +129,32 @@ def describe_unreadable(path: str | Path) -> str | None:
         return (f"{path} holds a torch.distributed.checkpoint whose keys are neither mfsdp's nor "
                 "upstream Megatron-FSDP's (model.module.*, optimizer.state.<position>.*)")
     return None
+
+
+def is_empty_directory(path: str | Path) -> bool:
+    """Whether ``path`` is a directory with nothing but hidden leftovers (``.tmp-*`` of a save
+    that never finished, staging directories): a place where a new run may start."""
+    path = Path(path)
+    return path.is_dir() and not any(not p.name.startswith(".") for p in path.iterdir())
+
+
+def describe_non_checkpoint(path: str | Path) -> str:
+    """What ``path`` is, when it exists, is not empty and is no checkpoint mfsdp reads: one
+    sentence naming what was found and the fix, for an error instead of a fresh start that
+    would later overwrite it."""
+    path = Path(path)
+    if not path.is_dir():
+        return (f"{path} is a file, not a checkpoint directory; point --load at the directory "
+                "--save wrote (it holds a file named latest)")
+    names = sorted(p.name for p in path.iterdir() if not p.name.startswith("."))
+    if (path / "config.json").is_file() and any(n.endswith(".safetensors") for n in names):
+        return (f"{path} is a Hugging Face model directory; import it first with mfsdp convert "
+                f"--from hf --to fsdp_dtensor {path} OUT, then --load OUT")
+    iters = [n for n in names if n.startswith("iter_")]
+    if iters:
+        return (f"{path} holds iteration directories ({', '.join(iters[:3])}"
+                f"{', ...' if len(iters) > 3 else ''}) but no latest file naming the one to "
+                "load: point --load at one of them, or write its name into latest")
+    return (f"{path} holds no checkpoint mfsdp reads (found {', '.join(names[:5])}"
+            f"{', ...' if len(names) > 5 else ''}); point --load at a checkpoint, or at a new or "
+            "empty directory to start from iteration 0")

@@ -221,7 +221,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    "datasets, each sample is cut into its documents at EOD tokens")
     c = parser.add_argument_group("checkpoints")
     c.add_argument("--save", help="checkpoint directory to write")
-    c.add_argument("--load", help="checkpoint directory to resume from (latest)")
+    c.add_argument("--load", help="checkpoint directory to resume from (latest); a new or empty "
+                   "directory starts from iteration 0, anything else that is not a checkpoint "
+                   "is refused")
+    c.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="--load of a new or empty directory stops instead of starting from "
+                        "iteration 0 (Megatron-LM's flag)")
     c.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM (Slurm's --signal before the time limit): save and exit 0")
     c.add_argument("--exit-duration-in-mins", type=float,

@@ -132,7 +132,8 @@ def load_for_training(args, model, opt, routers, cfg) -> int:
     from mfsdp.checkpoint.detect import resolve_megatron_lm
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
-    from mfsdp.checkpoint.detect import describe_unreadable, is_megatron_fsdp
+    from mfsdp.checkpoint.detect import (describe_non_checkpoint, describe_unreadable,
+                                         is_empty_directory, is_megatron_fsdp)
 
     root = Path(args.load)
     if is_megatron_fsdp(root):
@@ -152,12 +153,19 @@ def load_for_training(args, model, opt, routers, cfg) -> int:
         unreadable = describe_unreadable(root)
         if unreadable:  # never a silent fresh start over a checkpoint we cannot read
             raise SystemExit(f"--load: {unreadable}")
-        if not root.exists() or not ((root / "latest").exists()
-                                     or (root / "manifest.json").exists()):
+        if not root.exists() or is_empty_directory(root):
+            if args.exit_on_missing_checkpoint:
+                raise SystemExit(f"mfsdp train: --load {root}: no checkpoint there, and "
+                                 "--exit-on-missing-checkpoint asks to stop"
+                                 if dist.get_rank() == 0 else 1)
             if dist.get_rank() == 0:
                 print(f"--load {root}: no checkpoint there yet, starting from iteration 0",
                       flush=True)
             return 0
+        if not ((root / "latest").exists() or (root / "manifest.json").exists()):
+            # anything else is refused: a fresh start would later overwrite what is there
+            raise SystemExit(f"mfsdp train: --load: {describe_non_checkpoint(root)}"
+                             if dist.get_rank() == 0 else 1)
         path = resolve_checkpoint(root)
     if tmp is None and is_full_format(read_manifest(path)):
         tmp = root / f".from-mfsdp_full-{path.name}"
