@@ -277,3 +277,25 @@ def test_conversion_progress_in_a_log_is_one_line_per_tenth(capsys):
     assert "100%" in lines[-1] and "\r" not in "".join(lines)
     Progress("quiet", 10, enabled=False)(10)
     assert capsys.readouterr().err == ""
+
+
+def test_convert_refuses_a_from_that_is_not_what_is_on_disk(saved, tmp_path):
+    """Read as another format, a checkpoint loses what the two do not share without a word
+    (mfsdp's read as upstream Megatron-FSDP's kept 29 of 116 tensors): the input is recognised
+    by what is on disk and a --from that disagrees is refused, writing nothing."""
+    from mfsdp.checkpoint.convert import main
+    from mfsdp.checkpoint.detect import checkpoint_format
+
+    megatron_lm = Path(__file__).parent / "fixtures" / "megatron_lm" / "ckpt"
+    upstream = Path(__file__).parent / "fixtures" / "megatron_fsdp" / "ckpt"
+    assert [checkpoint_format(p) for p in (saved, megatron_lm, upstream)] == [
+        "fsdp_dtensor", "megatron_lm", "megatron_fsdp"]
+    for src, wrong, found in [(saved, "megatron_fsdp", "fsdp_dtensor"),
+                              (saved, "mfsdp_full", "fsdp_dtensor"),
+                              (megatron_lm, "megatron_fsdp", "megatron_lm"),
+                              (upstream, "fsdp_dtensor", "megatron_fsdp")]:
+        out = tmp_path / f"{wrong}-{found}"
+        to = "hf" if wrong == "fsdp_dtensor" else "fsdp_dtensor"
+        with pytest.raises(SystemExit, match=f"is a {found} checkpoint .* pass --from {found}"):
+            main(["--from", wrong, "--to", to, str(src), str(out), "--no-progress"])
+        assert not out.exists()

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from mfsdp.checkpoint.dcp import spread_over_ranks
-from mfsdp.checkpoint.detect import is_megatron_lm
+from mfsdp.checkpoint.detect import checkpoint_format, is_megatron_lm
 from mfsdp.checkpoint.full import full_to_fsdp, fsdp_to_full, is_full_format
 from mfsdp.checkpoint.hf_format import fsdp_to_hf, hf_to_fsdp
 from mfsdp.checkpoint.manifest import CheckpointError, read_manifest, resolve_checkpoint
@@ -169,9 +169,22 @@ def _normalise(args: argparse.Namespace) -> None:
         args.src_format = "mfsdp_full"
 
 
+def _check_input(args: argparse.Namespace) -> None:
+    """Refuse a ``--from`` that is not what is on disk: reading one format as another keeps
+    only what the two share and drops the rest without a word."""
+    found = checkpoint_format(args.input)
+    if found is None or found == args.src_format:
+        return
+    if {found, args.src_format} == {"hf", "safetensors"}:
+        return  # both are config.json with safetensors: the reader of each says what it misses
+    raise SystemExit(f"mfsdp convert: {args.input} is a {found} checkpoint (recognised by what is "
+                     f"on disk), not {args.src_format}; pass --from {found}")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp convert`` command."""
     _normalise(args)
+    _check_input(args)
     pair = (args.src_format, args.dst_format)
     shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work
     dtensor_flags = [f for f, on in (("--bf16", args.bf16), ("--fp16", args.fp16)) if on]

@@ -14,11 +14,11 @@ import re
 from pathlib import Path
 
 from mfsdp.checkpoint.dcp import DCPSource
-from mfsdp.checkpoint.manifest import CheckpointError
+from mfsdp.checkpoint.manifest import CheckpointError, read_manifest
 
 __all__ = ["TRACKER", "is_fsdp_dtensor_keys", "resolve_megatron_lm", "is_megatron_lm",
            "megatron_lm_backend", "is_megatron_fsdp", "describe_unreadable",
-           "is_empty_directory", "describe_non_checkpoint"]
+           "is_empty_directory", "describe_non_checkpoint", "checkpoint_format"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -158,3 +158,35 @@ def describe_non_checkpoint(path: str | Path) -> str:
     return (f"{path} holds no checkpoint mfsdp reads (found {', '.join(names[:5])}"
             f"{', ...' if len(names) > 5 else ''}); point --load at a checkpoint, or at a new or "
             "empty directory to start from iteration 0")
+
+
+def checkpoint_format(path: str | Path) -> str | None:
+    """The format of what is at ``path``, by what is on disk, in ``mfsdp convert``'s names:
+    ``fsdp_dtensor`` or ``mfsdp_full`` (mfsdp's, by the manifest), ``megatron_lm`` (either of
+    Megatron-LM's), ``megatron_fsdp`` (upstream's README checkpoint), ``hf`` or ``safetensors``
+    (``config.json`` beside safetensors files; the two are told apart by Hugging Face's
+    ``model_type``); ``None`` when it is none of them (or unreadable)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    if (path / "manifest.json").exists() or (path / "latest").exists():
+        try:
+            fmt = read_manifest(path).get("format")
+        except (CheckpointError, OSError, ValueError, KeyError):
+            return None
+        return "mfsdp_full" if fmt in ("mfsdp_full", "torch_dist") else fmt
+    try:
+        if resolve_megatron_lm(path) is not None:
+            return "megatron_lm"
+    except CheckpointError:
+        return "megatron_lm"  # a tracker naming a missing iteration: still Megatron-LM's layout
+    if is_megatron_fsdp(path):
+        return "megatron_fsdp"
+    if (path / "config.json").is_file() and ((path / "model.safetensors").exists() or
+                                             (path / "model.safetensors.index.json").exists()):
+        try:
+            hf = "model_type" in json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return "hf" if hf else "safetensors"
+    return None
