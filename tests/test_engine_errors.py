@@ -130,3 +130,25 @@ def test_config_errors_in_process():
         import mfsdp
 
         mfsdp.fully_shard_model(ToyModel())
+
+
+def _shard_twice() -> list[str]:
+    import mfsdp
+    from mfsdp.models import Block, ToyModel
+
+    model = ToyModel(dim=8, hidden=16, num_blocks=2)
+    wrapped = mfsdp.fully_shard_model(model, fsdp_unit_modules=[Block])
+    said = []
+    for again in (model, wrapped, wrapped.module):
+        try:
+            mfsdp.fully_shard_model(again, fsdp_unit_modules=[Block])
+        except ValueError as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_sharding_a_model_twice_is_refused_by_name():
+    # was: "shape '[512]' is invalid for input of size 0"
+    said = launch(_shard_twice, 2)[0]
+    assert len(said) == 3 and all("already sharded by an earlier fully_shard call" in s
+                                  for s in said), said

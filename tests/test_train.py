@@ -364,3 +364,43 @@ def test_load_of_what_is_not_a_checkpoint_is_refused_and_nothing_is_overwritten(
             "--load", str(tmp_path / "absent"), "--save", str(tmp_path / "absent"),
             "--exit-on-missing-checkpoint"],))
     assert not (tmp_path / "absent").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--clip-grad", "-1"], "--clip-grad -1.0: the largest gradient norm must be positive"),
+    (["--vocab-size", "1"], "--vocab-size 1: a language model needs at least 2 tokens"),
+    (["--use-megatron-fsdp", "--save", "{file}/sub"], "is not a directory this process may write"),
+    (["--use-megatron-fsdp", "--save", "{file}"], "is a file; name a directory"),
+], ids=["clip-grad", "vocab-size", "save-below-a-file", "save-is-a-file"])
+def test_bad_values_are_refused_at_start(flags, message, tmp_path):
+    from mfsdp.train import build_parser, check_args, model_config
+
+    (tmp_path / "afile").write_text("x")
+    args = build_parser().parse_args([f.format(file=tmp_path / "afile") for f in flags])
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        check_args(args, 1, model_config(args))
+
+
+def test_damaged_checkpoint_files_are_named(tmp_path):
+    """Garbage in manifest.json, model_config.json or Megatron-LM's tracker: an error naming the
+    file, not a bare JSONDecodeError or UnicodeDecodeError."""
+    from mfsdp.checkpoint import CheckpointError, read_manifest
+    from mfsdp.checkpoint.detect import resolve_megatron_lm
+    from mfsdp.trainer.build import saved_config
+
+    ckpt = tmp_path / "iter_0000001"
+    ckpt.mkdir()
+    (tmp_path / "latest").write_text("iter_0000001\n")
+    for garbage in (b"{not json", b"\xff\xfe\x00garbage", b"[1, 2]"):
+        (ckpt / "manifest.json").write_bytes(garbage)
+        with pytest.raises(CheckpointError, match=re.escape(str(ckpt / "manifest.json"))):
+            read_manifest(tmp_path)
+    (ckpt / "manifest.json").write_text('{"files": {}, "format_version": 1}')
+    (ckpt / "model_config.json").write_bytes(b"{oops")
+    with pytest.raises(SystemExit, match="model_config.json is not valid JSON"):
+        saved_config(str(tmp_path))
+    mlm = tmp_path / "mlm"
+    mlm.mkdir()
+    (mlm / "latest_checkpointed_iteration.txt").write_bytes(b"\x80\x81")
+    with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt is not text"):
+        resolve_megatron_lm(mlm)

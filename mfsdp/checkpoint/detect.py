@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from mfsdp.checkpoint.dcp import DCPSource
-from mfsdp.checkpoint.manifest import CheckpointError, read_manifest
+from mfsdp.checkpoint.manifest import CheckpointError, read_manifest, read_text
 
 __all__ = ["TRACKER", "is_fsdp_dtensor_keys", "resolve_megatron_lm", "is_megatron_lm",
            "megatron_lm_backend", "is_megatron_fsdp", "describe_unreadable",
@@ -47,7 +47,7 @@ def resolve_megatron_lm(path: str | Path) -> tuple[Path, int | None] | None:
     one ``iter_XXXXXXX``), or None when ``path`` is not one."""
     path = Path(path)
     if (path / TRACKER).is_file():
-        text = (path / TRACKER).read_text().strip()
+        text = read_text(path / TRACKER).strip()
         if text == "release":
             return path / "release", None
         try:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FORMAT_VERSION", "DTYPES", "CheckpointError", "resolve_checkpoint", "read_manifest"]
+__all__ = ["FORMAT_VERSION", "DTYPES", "CheckpointError", "resolve_checkpoint", "read_manifest",
+           "read_text", "read_json"]
 
 FORMAT_VERSION = 1
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
@@ -31,7 +32,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return path
     latest = path / "latest"
     if latest.exists():
-        target = path / latest.read_text().strip()
+        target = path / read_text(latest).strip()
         if not (target / "manifest.json").exists():
             raise CheckpointError(f"{latest} names {target.name}, which has no manifest.json "
                                   "(incomplete or deleted checkpoint)")
@@ -44,7 +45,10 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 def read_manifest(path: str | os.PathLike) -> dict:
     """The manifest of a checkpoint, checked for format version and file sizes."""
     ckpt = resolve_checkpoint(path)
-    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest = read_json(ckpt / "manifest.json")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{ckpt}/manifest.json is not an mfsdp manifest (no files table): "
+                              "the file is damaged; restore it or load another iteration")
     version = manifest.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(f"{ckpt}/manifest.json has format_version={version!r}, newer than "
@@ -57,3 +61,23 @@ def read_manifest(path: str | os.PathLike) -> dict:
             raise CheckpointError(f"checkpoint file {f} has {f.stat().st_size} bytes, the manifest "
                                   f"says {size}: the file is truncated or was modified")
     return manifest
+
+
+def read_text(path: Path) -> str:
+    """The text of a small checkpoint file (``latest``, a tracker), or a CheckpointError naming
+    the file when it is not text."""
+    try:
+        return Path(path).read_text()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not text: the file is damaged; restore it or point at "
+                              "another checkpoint") from None
+
+
+def read_json(path: Path):
+    """A JSON file of a checkpoint (``manifest.json``, ``model_config.json``, ...), or a
+    CheckpointError naming the file and what is wrong with it."""
+    try:
+        return json.loads(read_text(path))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}): the "
+                              "file is damaged; restore it or point at another checkpoint") from None

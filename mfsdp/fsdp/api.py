@@ -187,6 +187,11 @@ def fully_shard_model(
             that says so.
     """
     local = dict(locals())  # the arguments as given, before anything below rebinds them
+    if isinstance(module, FullyShardedModule) or any(_owner(p) is not None
+                                                     for p in module.parameters()):
+        raise ValueError("fully_shard_model: this module is already sharded by an earlier "
+                         "fully_shard call (its parameters belong to a FullyShardedModule); "
+                         "shard a model once and keep using the wrapped model it returned")
     _refuse_unsupported(
         nccl_ub=nccl_ub, disable_symmetric_registration=disable_symmetric_registration,
         keep_fp8_transpose_cache=keep_fp8_transpose_cache,

@@ -4,6 +4,8 @@ of their values (``check_args``), each error naming the flag and the fix."""
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 import torch
 
@@ -305,4 +307,25 @@ def check_args(args, world: int, cfg) -> int:
     if (args.save or args.load) and not args.use_megatron_fsdp:
         raise SystemExit("--save and --load need --use-megatron-fsdp (checkpoints are sharded "
                          "DTensors)")
+    if args.clip_grad < 0:
+        raise SystemExit(f"--clip-grad {args.clip_grad}: the largest gradient norm must be "
+                         "positive, or 0 to turn clipping off")
+    if cfg.vocab_size < 2:
+        raise SystemExit(f"--vocab-size {cfg.vocab_size}: a language model needs at least 2 "
+                         "tokens")
+    if args.save:
+        _check_save_dir(Path(args.save))
     return args.global_batch_size // per
+
+
+def _check_save_dir(save: Path) -> None:
+    """Fail at start, not at the first save, when --save cannot be written: it must be a
+    directory or not exist yet below a directory this process may write in."""
+    if save.exists() and not save.is_dir():
+        raise SystemExit(f"--save {save} is a file; name a directory (new or one --save wrote)")
+    parent = save
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise SystemExit(f"--save {save}: {parent} is not a directory this process may write in; "
+                         "choose another --save")

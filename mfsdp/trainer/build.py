@@ -4,7 +4,6 @@ the figures the logs report (FLOPs per token, resident memory)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 import math
 
@@ -19,7 +18,7 @@ from mfsdp.trainer.arguments import DTYPES
 def saved_config(load: str | None) -> dict | None:
     """The ``model_config.json`` of the checkpoint ``--load`` resolves to, if it has one."""
     from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE
-    from mfsdp.checkpoint.manifest import CheckpointError, resolve_checkpoint
+    from mfsdp.checkpoint.manifest import CheckpointError, read_json, resolve_checkpoint
 
     if not load:
         return None
@@ -28,7 +27,12 @@ def saved_config(load: str | None) -> dict | None:
     except CheckpointError:
         return None  # reported by load_for_training
     f = path / MODEL_CONFIG_FILE
-    return json.loads(f.read_text()) if f.exists() else None
+    if not f.exists():
+        return None
+    try:
+        return read_json(f)
+    except CheckpointError as exc:
+        raise SystemExit(f"mfsdp train: --load: {exc}") from None
 
 
 def model_config(args):
