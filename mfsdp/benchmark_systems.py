@@ -99,6 +99,7 @@ def loopback_bytes() -> int:
 
 
 def device_of(cfg: dict) -> torch.device:
+    """The device a benchmark runs on: the rank's GPU for ``--device cuda``, else the CPU."""
     if cfg.get("device", "cpu") == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -176,6 +177,7 @@ def build_system(system: str, cfg: dict):
 
 
 def batch(cfg: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (the same on every rank and system), this rank's slice."""
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(cfg["seed"] * 7919 + step)
     n = cfg["local_batch"]
@@ -191,12 +193,14 @@ def batch(cfg: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The training loss of the benchmark model's output against its target."""
     if y.dtype == torch.long:
         return torch.nn.functional.cross_entropy(out.float(), y)
     return torch.nn.functional.mse_loss(out.float(), y.float())
 
 
 def train_step(model, opt, x, y) -> float:
+    """One training step of a system (forward, backward, optimizer step); returns the loss."""
     opt.zero_grad(set_to_none=True)
     loss = loss_of(model(x), y)
     loss.backward()
@@ -223,5 +227,6 @@ def timed_step(model, opt, x, y) -> tuple[float, float]:
 
 
 def reference_parameters(cfg: dict):
+    """The parameters of the unsharded benchmark model (built on ``meta``): what every system trains."""
     with torch.device("meta"):
         return list(model_of(cfg)[0].parameters())

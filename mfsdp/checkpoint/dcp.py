@@ -399,6 +399,7 @@ class Progress:
 
 
 def human_bytes(n: int) -> str:
+    """``n`` bytes in GiB, MiB or KiB, for messages."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.2f} {unit}"

@@ -25,6 +25,7 @@ class MegatronData:
 
 
 def tokenizer_of(args):
+    """The tokenizer ``--tokenizer-type`` names (None: bytes), for its EOD token."""
     if not args.tokenizer_type:
         return None
     from mfsdp.data.tokenizers import build_tokenizer
@@ -121,6 +122,7 @@ def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
 
 
 def is_indexed_prefix(path: str) -> bool:
+    """Whether ``path`` is the prefix of a Megatron indexed dataset (``path.bin`` and ``path.idx``)."""
     from mfsdp.data.indexed import is_indexed_prefix
 
     return is_indexed_prefix(path)

@@ -24,6 +24,7 @@ GPU_ONLY = {
 
 
 def positive_int(value: str) -> int:
+    """argparse type: an integer of at least 1."""
     n = int(value)
     if n < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")

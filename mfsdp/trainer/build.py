@@ -36,6 +36,8 @@ def saved_config(load: str | None) -> dict | None:
 
 
 def model_config(args):
+    """The model's :class:`~mfsdp.models.gpt.GPTConfig`: the checkpoint's or the preset's, with
+    every model flag given on the command line applied."""
     from mfsdp.models.gpt import GPT_PRESETS, GPTConfig, with_overrides
 
     saved = saved_config(getattr(args, "load", None))
@@ -61,6 +63,8 @@ def model_config(args):
 
 
 def overridden_config(base, args, max_pos):
+    """``base`` (a preset's or a checkpoint's config) with every model flag given on the command
+    line applied; a flag not given keeps ``base``'s value."""
     from mfsdp.models.gpt import with_overrides
 
     # Flags whose value means something else than the field of the same name.
@@ -96,6 +100,7 @@ def model_family(args, cfg) -> str:
 
 
 def precision_policy(args):
+    """The :class:`~mfsdp.MixedPrecisionPolicy` of ``--bf16``/``--fp16`` and the ``--megatron-fsdp-*-dtype`` flags."""
     from mfsdp import MixedPrecisionPolicy
 
     main = DTYPES[args.megatron_fsdp_main_params_dtype] if args.megatron_fsdp_main_params_dtype \
@@ -108,6 +113,7 @@ def precision_policy(args):
 
 
 def build_param_groups(model, args) -> list[dict]:
+    """The optimizer's two parameter groups (weight decay on matrices, none on norms and biases)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -118,6 +124,7 @@ def build_param_groups(model, args) -> list[dict]:
 
 
 def make_optimizer(groups: list[dict], args) -> torch.optim.Optimizer:
+    """The optimizer ``--optimizer`` names, with ``--lr``, ``--weight-decay`` and Adam's betas and eps."""
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2))
@@ -167,6 +174,7 @@ def learning_rate(args, iteration: int) -> float:
 
 
 def routers_of(model):
+    """``(name, router)`` of every MoE router of the model (their expert bias is saved and updated)."""
     from mfsdp.moe.router import TopKRouter
 
     return [(n, m) for n, m in model.named_modules()
@@ -174,6 +182,7 @@ def routers_of(model):
 
 
 def rss_mib() -> float:
+    """This process's resident memory now (VmRSS), in MiB."""
     try:
         with open("/proc/self/status") as f:
             for line in f:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 
 def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
+    """Save iteration ``iteration`` into ``--save`` in ``--ckpt-format`` (a collective call)."""
     from mfsdp.checkpoint import save_checkpoint
     from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE
     from mfsdp.checkpoint.full import fsdp_to_full
@@ -80,6 +81,7 @@ SCHEDULER_FIELDS = (("max_lr", "lr", "learning rate"), ("min_lr", "min_lr", "min
 
 
 def scheduler_state(args, iteration: int) -> dict:
+    """The learning-rate schedule a checkpoint records (Megatron-LM's opt_param_scheduler fields)."""
     state = {key: getattr(args, attr) for key, attr, _ in SCHEDULER_FIELDS}
     state["lr_decay_steps"] = args.lr_decay_iters or args.train_iters
     state["num_steps"] = iteration
@@ -126,6 +128,8 @@ def convert_on_rank0(tmp: Path, convert) -> None:
 
 
 def load_for_training(args, model, opt, routers, cfg) -> int:
+    """Resume from ``--load`` in any format mfsdp reads; return the iteration to continue after
+    (0 for a new or empty directory). Refuses what is not a checkpoint (see the trainer page)."""
     from mfsdp.checkpoint import load_checkpoint, read_manifest
     from mfsdp.checkpoint.full import full_to_fsdp, is_full_format
     from mfsdp.checkpoint.manifest import resolve_checkpoint

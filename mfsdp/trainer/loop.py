@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_parsed(args: argparse.Namespace) -> int:
+    """Run parsed ``mfsdp train`` arguments as a job: start the process group when none is, train,
+    and end the process cleanly (see :func:`mfsdp.launch.shutdown`)."""
     started = False
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m mfsdp.train`: a world of one

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 def tensorboard_writer(directory: str | None):
+    """A TensorBoard ``SummaryWriter`` for ``--tensorboard-dir`` (None without it)."""
     if not directory:
         return None
     try:
