@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -352,7 +353,7 @@ class DCPSource:
             return torch.load(_Window(f, info.offset, info.length), map_location="cpu",
                               weights_only=True)
 
-    def blob(self, key: str) -> object:
+    def blob(self, key: str) -> Any:
         """A non-tensor entry (mfsdp's pickled blobs unpickled; others as DCP stored them)."""
         state = {key: b""}
         with warnings.catch_warnings():

@@ -247,7 +247,7 @@ def write_iteration(dst: Path, iteration: int, state: dict, produce, split=froze
     Megatron-LM checkpoint ``dst``: ``iter_XXXXXXX/`` (one file per rank, with ``metadata.json``
     when given) and the tracker, in a temporary directory renamed into place when complete, so
     that a failure leaves nothing behind. Every rank of
-    :class:`mfsdp.checkpoint.convert.spread_over_ranks` calls it."""
+    :class:`mfsdp.checkpoint.dcp.spread_over_ranks` calls it."""
     import shutil
     import warnings
 

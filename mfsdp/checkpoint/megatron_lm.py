@@ -209,7 +209,7 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed: stacked tensors are
     written one chunk per layer (or expert), as megatron-core writes them, so one weight is in
     memory at a time; ``progress`` reports on stderr. Within
-    :class:`mfsdp.checkpoint.convert.spread_over_ranks` every rank calls it and writes its share
+    :class:`mfsdp.checkpoint.dcp.spread_over_ranks` every rank calls it and writes its share
     of the tensors.
 
     Weights are stacked per layer with megatron-core's key names; optimizer state is written in

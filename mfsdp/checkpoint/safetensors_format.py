@@ -45,7 +45,7 @@ def split_swiglu(weights: dict[str, torch.Tensor],
 
 
 def join_swiglu(weights: dict[str, torch.Tensor], pattern: str = "fc1") -> dict[str, torch.Tensor]:
-    """The inverse of :func:`mfsdp.checkpoint.convert.split_swiglu`."""
+    """The inverse of :func:`mfsdp.checkpoint.safetensors_format.split_swiglu`."""
     out = {}
     for name, t in weights.items():
         prefix, _, leaf = name.rpartition(".")

@@ -152,7 +152,7 @@ def read_param_to_param_group_map(path) -> dict[str, int]:
     any of: mfsdp's JSON, the directory upstream's ``--dump-param-to-param-group-map`` writes (a
     DCP of ``{name: group}``), or the JSON upstream's ``checkpoint_inspector.py
     print-torch-dcp-in-json`` makes of it (``model.module.decoder.layers.0...``). Megatron-LM's
-    names become mfsdp's (:func:`mfsdp.checkpoint.megatron_lm.mfsdp_name`)."""
+    names become mfsdp's (:func:`mfsdp.checkpoint.megatron_common.mfsdp_name`)."""
     import json
     from pathlib import Path
 
