@@ -44,6 +44,9 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "partition": (str, "partition (empty: the cluster's default)"),
     "account": (str, "account to charge (empty: your default)"),
     "exclusive": (bool, "whole nodes only"),
+    "env_setup": (str, "a line that activates the Python environment with mfsdp, e.g. 'source "
+                       "~/venvs/mfsdp/bin/activate' or 'conda activate mfsdp' (empty: a "
+                       "commented example)"),
     "container_image": (str, "pyxis/enroot image (empty: no container)"),
     "container_mounts": (str, "more pyxis mounts, src:dst[,src:dst] (data, checkpoints; the "
                               "mfsdp source is mounted from MFSDP_SRC)"),
@@ -100,7 +103,7 @@ CHOICES = {
                   "megatron_fsdp"),
 }
 
-_SLURM = dict(partition="", account="", exclusive=False, container_image="",
+_SLURM = dict(partition="", account="", exclusive=False, env_setup="", container_image="",
               container_mounts="", rdzv_port=29500)
 _TRAIN = dict(_SLURM, strategy="optim_grads_params", outer=1, outer_strategy="no_shard", ep=1,
               num_experts=0, dispatcher="alltoall", flex_backend="torch", meta_init=False,

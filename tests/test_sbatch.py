@@ -103,11 +103,11 @@ def test_container_flags_only_with_an_image():
                                        "container_mounts": "/lustre:/lustre"})
     assert "  --container-image=nvcr.io#nvidia/pytorch:25.01-py3\n" in text
     assert '--container-mounts="$MFSDP_SRC:/opt/mfsdp,$PWD:$PWD,/lustre:/lustre"' in text
-    assert 'srun "${CONTAINER_ARGS[@]}" \\\n' in text
+    assert 'srun --kill-on-bad-exit=1 "${CONTAINER_ARGS[@]}" \\\n' in text
     assert 'export PYTHONPATH="/opt/mfsdp' in text
     # the conversion script runs in the same container the same way
     conv = sbatch.render("convert", {"container_image": "img"})
-    assert 'srun "${CONTAINER_ARGS[@]}" \\\n' in conv and "--container-image=img" in conv
+    assert 'srun --kill-on-bad-exit=1 "${CONTAINER_ARGS[@]}" \\\n' in conv and "--container-image=img" in conv
 
 
 def test_signal_handler_and_restarts_follow_the_keys():
@@ -143,3 +143,18 @@ def test_cli_render_to_file(tmp_path):
     assert main(["sbatch", "render", "cpu-smoke", "--set", "train_iters=3", "-o", str(out)]) == 0
     assert "--train-iters 3" in out.read_text()
     assert "--set train_iters=3" in out.read_text()  # the header records how it was rendered
+
+
+@pytest.mark.parametrize("name", sorted(sbatch.PRESETS))
+def test_srun_gets_the_cpu_count_and_stops_on_a_failed_rank(name):
+    # Since Slurm 22.05 srun does not inherit --cpus-per-task: SRUN_CPUS_PER_TASK carries it.
+    text = (SCRIPTS / f"{name}.sbatch").read_text()
+    export = text.index("export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-")
+    srun = text.index("\nsrun --kill-on-bad-exit=1")
+    assert export < srun
+
+
+def test_env_setup_is_rendered_before_python_is_used():
+    text = sbatch.render("cpu-smoke", {"env_setup": "source /opt/venvs/mfsdp/bin/activate"})
+    assert text.index("source /opt/venvs/mfsdp/bin/activate") < text.index("PYTHON=")
+    assert "# Activate the environment" in (SCRIPTS / "cpu-smoke.sbatch").read_text()
