@@ -252,7 +252,8 @@ def test_flags_the_guide_names_exist():
         "sbatch": {"--wait", "--test-only", "--nodes", "--export", "--chdir", "--gpus-per-node",
                    "--ntasks-per-node", "--cpus-per-task", "--time", "--output", "--partition",
                    "--account", "--exclusive", "--job-name", "--signal"},
-        "srun/pyxis": {"--container-image", "--container-mounts", "--container-workdir"},
+        "srun/pyxis": {"--container-image", "--container-mounts", "--container-workdir",
+                       "--kill-on-bad-exit"},
         "sphinx/pytest/pip": {"--keep-going", "--upgrade"},
         "nsys": {"--trace", "--output"},
         # Megatron-LM flags of features mfsdp does not implement or does not need; the page
