@@ -44,10 +44,10 @@ from pathlib import Path
 import torch
 
 from mfsdp.checkpoint.dcp import spread_over_ranks
-from mfsdp.checkpoint.detect import checkpoint_format, is_megatron_lm
-from mfsdp.checkpoint.full import full_to_fsdp, fsdp_to_full, is_full_format
+from mfsdp.checkpoint.detect import checkpoint_format
+from mfsdp.checkpoint.full import full_to_fsdp, fsdp_to_full
 from mfsdp.checkpoint.hf_format import fsdp_to_hf, hf_to_fsdp
-from mfsdp.checkpoint.manifest import CheckpointError, read_manifest, resolve_checkpoint
+from mfsdp.checkpoint.manifest import resolve_checkpoint
 from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
 from mfsdp.checkpoint.megatron_lm_dtensor import fsdp_to_megatron_lm_dtensor
 from mfsdp.checkpoint.state import read_param_to_param_group_map
@@ -141,38 +141,36 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
-def _normalise(args: argparse.Namespace) -> None:
-    """Give ``torch_dist`` its one meaning, Megatron-LM's format: ``--to torch_dist`` writes it
-    (as ``--to megatron_lm``); ``--from torch_dist`` reads it, or mfsdp's full-tensor format that
-    had that name before, with a one-line notice."""
+def _normalise(args: argparse.Namespace) -> str | None:
+    """Give ``torch_dist`` its one meaning, Megatron-LM's format, and return what is on disk at
+    ``INPUT`` (:func:`~mfsdp.checkpoint.detect.checkpoint_format`). ``--to torch_dist`` writes
+    Megatron-LM's (as ``--to megatron_lm``); ``--from torch_dist`` reads it, or mfsdp's
+    full-tensor format that had that name before, with a one-line notice."""
     if args.dst_format == "torch_dist":
         if args.ckpt_format == "fsdp_dtensor":
             raise SystemExit("mfsdp convert: --to torch_dist writes Megatron-LM's torch_dist; for "
                              "its fsdp_dtensor use --to megatron_lm --ckpt-format fsdp_dtensor")
         args.dst_format = "megatron_lm"
+    found = checkpoint_format(args.input)
     if args.src_format == "torch_dist":
-        if is_megatron_lm(args.input):
+        if found == "megatron_lm":
             args.src_format = "megatron_lm"
-            return
-        try:
-            full = is_full_format(read_manifest(args.input))
-        except (CheckpointError, OSError, ValueError, KeyError):
-            full = False
-        if not full:
+        elif found == "mfsdp_full":
+            if os.environ.get("RANK", "0") == "0":
+                print("mfsdp convert: --from torch_dist names Megatron-LM's format now; mfsdp's "
+                      "full-tensor format is --from mfsdp_full (the old spelling works for one "
+                      "release)", file=sys.stderr, flush=True)
+            args.src_format = "mfsdp_full"
+        else:
             raise SystemExit(f"mfsdp convert: {args.input} is not a Megatron-LM torch_dist "
                              "checkpoint (no latest_checkpointed_iteration.txt, no "
                              "iter_XXXXXXX with metadata.json)")
-        if os.environ.get("RANK", "0") == "0":
-            print("mfsdp convert: --from torch_dist names Megatron-LM's format now; mfsdp's "
-                  "full-tensor format is --from mfsdp_full (the old spelling works for one "
-                  "release)", file=sys.stderr, flush=True)
-        args.src_format = "mfsdp_full"
+    return found
 
 
-def _check_input(args: argparse.Namespace) -> None:
-    """Refuse a ``--from`` that is not what is on disk: reading one format as another keeps
-    only what the two share and drops the rest without a word."""
-    found = checkpoint_format(args.input)
+def _check_input(args: argparse.Namespace, found: str | None) -> None:
+    """Refuse a ``--from`` that is not ``found``, what is on disk: reading one format as another
+    keeps only what the two share and drops the rest without a word."""
     if found is None or found == args.src_format:
         return
     if {found, args.src_format} == {"hf", "safetensors"}:
@@ -183,8 +181,7 @@ def _check_input(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp convert`` command."""
-    _normalise(args)
-    _check_input(args)
+    _check_input(args, _normalise(args))
     pair = (args.src_format, args.dst_format)
     shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work
     dtensor_flags = [f for f, on in (("--bf16", args.bf16), ("--fp16", args.fp16)) if on]

@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 
 from mfsdp.checkpoint.dcp import DCPSource
-from mfsdp.checkpoint.manifest import CheckpointError, read_manifest, read_text
+from mfsdp.checkpoint.manifest import (FULL_FORMAT, CheckpointError, is_full_format,
+                                      read_manifest, read_text)
 
 __all__ = ["TRACKER", "is_fsdp_dtensor_keys", "resolve_megatron_lm", "is_megatron_lm",
            "megatron_lm_backend", "is_megatron_fsdp", "describe_unreadable",
@@ -171,10 +172,10 @@ def checkpoint_format(path: str | Path) -> str | None:
         return None
     if (path / "manifest.json").exists() or (path / "latest").exists():
         try:
-            fmt = read_manifest(path).get("format")
+            manifest = read_manifest(path)
         except (CheckpointError, OSError, ValueError, KeyError):
             return None
-        return "mfsdp_full" if fmt in ("mfsdp_full", "torch_dist") else fmt
+        return FULL_FORMAT if is_full_format(manifest) else manifest.get("format")
     try:
         if resolve_megatron_lm(path) is not None:
             return "megatron_lm"

@@ -19,11 +19,10 @@ import torch
 
 from mfsdp.checkpoint.dcp import MAP_FILE, MODEL_CONFIG_FILE, read_full, write_full
 from mfsdp.checkpoint.state import read_param_to_param_group_map
-from mfsdp.checkpoint.manifest import CheckpointError, read_manifest, resolve_checkpoint
+from mfsdp.checkpoint.manifest import (FULL_FORMAT, CheckpointError, is_full_format,
+                                      read_manifest, resolve_checkpoint)
 
-FORMAT = "mfsdp_full"
-# what manifest.json said before the rename; read as FORMAT
-LEGACY_FORMAT = "torch_dist"
+FORMAT = FULL_FORMAT
 
 
 __all__ = ["FORMAT", "fsdp_source", "check_format", "carried_files", "fsdp_to_full", "full_to_fsdp",
@@ -41,11 +40,6 @@ def fsdp_source(src: str | Path, dst: str | Path) -> tuple[Path, Path]:
     if dst.exists():
         raise FileExistsError(f"{dst} exists; choose a new output directory")
     return src, dst
-
-
-def is_full_format(manifest: dict) -> bool:
-    """Whether a manifest is of mfsdp's full-tensor format (under its new or its old name)."""
-    return manifest.get("format") in (FORMAT, LEGACY_FORMAT)
 
 
 def check_format(manifest: dict, expected: str, path: Path) -> None:

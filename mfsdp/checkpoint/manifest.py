@@ -12,10 +12,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FORMAT_VERSION", "DTYPES", "CheckpointError", "resolve_checkpoint", "read_manifest",
-           "read_text", "read_json"]
+__all__ = ["FORMAT_VERSION", "DTYPES", "FULL_FORMAT", "CheckpointError", "resolve_checkpoint",
+           "read_manifest", "read_text", "read_json", "is_full_format"]
 
 FORMAT_VERSION = 1
+# mfsdp's full-tensor format (mfsdp.checkpoint.full); manifests before the rename say torch_dist
+FULL_FORMAT = "mfsdp_full"
+_FULL_FORMAT_NAMES = (FULL_FORMAT, "torch_dist")
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
                                torch.int64, torch.int32, torch.uint8, torch.bool)}
 
@@ -81,3 +84,8 @@ def read_json(path: Path):
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}): the "
                               "file is damaged; restore it or point at another checkpoint") from None
+
+
+def is_full_format(manifest: dict) -> bool:
+    """Whether a manifest is of mfsdp's full-tensor format (under its new or its old name)."""
+    return manifest.get("format") in _FULL_FORMAT_NAMES

@@ -63,7 +63,6 @@ class FullyShardedModule(nn.Module):
     ):
         super().__init__()
         opts = options or EngineOptions()
-        self.options = opts  # how this model runs (read-only)
         self.module = module
         self.strategy = strategy
         self.device = device

@@ -131,7 +131,8 @@ def load_for_training(args, model, opt, routers, cfg) -> int:
     """Resume from ``--load`` in any format mfsdp reads; return the iteration to continue after
     (0 for a new or empty directory). Refuses what is not a checkpoint (see the trainer page)."""
     from mfsdp.checkpoint import load_checkpoint, read_manifest
-    from mfsdp.checkpoint.full import full_to_fsdp, is_full_format
+    from mfsdp.checkpoint.full import full_to_fsdp
+    from mfsdp.checkpoint.manifest import is_full_format
     from mfsdp.checkpoint.manifest import resolve_checkpoint
     from mfsdp.checkpoint.detect import resolve_megatron_lm
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
