@@ -114,7 +114,10 @@ def idioms(strategy: str, ckpt_dir: str, outer: str | None = None) -> dict:
         # DTensor ops on uneven shards: the sum is Partial, full_tensor() all-reduces it
         torch.testing.assert_close(float(_full(p.detach().float().pow(2).sum())),
                                    float(rp.pow(2).sum()), rtol=1e-5, atol=1e-6)
-    report["param_is_dtensor"] = isinstance(next(model.parameters()), DTensor)
+    first = next(model.parameters())
+    report["param_is_dtensor"] = isinstance(first, DTensor)
+    report["param_placement"] = type(first.placements[0]).__name__ if report["param_is_dtensor"] else None
+    report["grad_is_dtensor"] = isinstance(first.grad, DTensor) if first.grad is not None else None
     # This small model's buckets are cut on element boundaries (whole rows would pad > 1%): some
     # parameters' pieces start or end inside a row, and every idiom below must still hold.
     report["cut_inside_rows"] = sum(
@@ -184,7 +187,10 @@ def test_pytorch_idioms_match_plain_pytorch(strategy, tmp_path):
         for norm, rnorm in r["norms"]:
             assert norm == pytest.approx(rnorm, rel=1e-5)
         assert "after fully_shard" in r["requires_grad_error"]
-        assert r["param_is_dtensor"] == (strategy != "no_shard")
+        # every strategy hands out DTensors, as upstream: no_shard's replicated over the mesh
+        assert r["param_is_dtensor"]
+        assert r["param_placement"] == ("Replicate" if strategy == "no_shard" else "Shard")
+        assert r["grad_is_dtensor"] in (True, None)
         if strategy != "no_shard":
             assert r["cut_inside_rows"] > 0
 

@@ -35,27 +35,28 @@ def _mesh(model) -> DeviceMesh:
     return model._ckpt_mesh
 
 
-def _where(model, bucket, i: int) -> tuple[str, tuple, int]:
-    """(checkpoint name, global shape, first local element) of parameter ``i`` of ``bucket``."""
-    slot = bucket.plan.params[i]
-    start, _ = slot.local_range(bucket.main_index)
-    return model.global_name(bucket.names[i]), (slot.shape or (1,)), start
+def _where(model, bucket, i: int) -> tuple[str, tuple, int, object]:
+    """(checkpoint name, global shape, first local element, TP spec or None) of parameter ``i``
+    of ``bucket`` (under TP the first element counts in the parameter's TP block)."""
+    sp = bucket.sparams[i]
+    return model.global_name(bucket.names[i]), (sp.global_shape or (1,)), sp.start, sp.tp
 
 
-def param_entries(model) -> list[tuple[str, torch.Tensor, tuple, int]]:
-    """(checkpoint name, local main-weight piece, global shape, its first element) per parameter."""
+def param_entries(model) -> list[tuple[str, torch.Tensor, tuple, int, object]]:
+    """(checkpoint name, local main-weight piece, global shape, its first element, TP spec or
+    None) per parameter."""
     out = []
     for _, local, b, i in model.named_main_shards():
-        name, shape, start = _where(model, b, i)
-        out.append((name, local, shape, start))
+        name, shape, start, tp = _where(model, b, i)
+        out.append((name, local, shape, start, tp))
     return out
 
 
 def model_state(model) -> dict:
     """``model.<name>`` -> uneven DTensor over the main weights (reads and writes in place)."""
     mesh = _mesh(model)
-    return {f"model.{name}": uneven_dtensor(local, mesh, shape, start)
-            for name, local, shape, start in param_entries(model)}
+    return {f"model.{name}": uneven_dtensor(local, mesh, shape, start, tp=tp)
+            for name, local, shape, start, tp in param_entries(model)}
 
 
 def optimizer_state(model, optimizer, template: dict[str, tuple] | None = None) -> dict:
@@ -67,7 +68,7 @@ def optimizer_state(model, optimizer, template: dict[str, tuple] | None = None) 
     mesh = _mesh(model)
     out = {}
     for main, bucket, i in optimizer._mains:
-        name, shape, start = _where(model, bucket, i)
+        name, shape, start, tp = _where(model, bucket, i)
         state = optimizer.optimizer.state.setdefault(main, {})
         if template is not None:
             prefix = f"optimizer.state.{name}."
@@ -79,7 +80,7 @@ def optimizer_state(model, optimizer, template: dict[str, tuple] | None = None) 
         for k, v in state.items():
             key = f"optimizer.state.{name}.{k}"
             if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(main.shape):
-                out[key] = uneven_dtensor(v, mesh, shape, start)
+                out[key] = uneven_dtensor(v, mesh, shape, start, tp=tp)
             else:
                 out[key] = v
         if not state:

@@ -132,7 +132,10 @@ def fully_shard_model(
         device_mesh: a ``torch.distributed.DeviceMesh``; ``None`` shards over the whole world.
         dp_shard_dim: the mesh dimension to shard over (required for a mesh of more than one dim).
         dp_outer_dim: the outer (replica) dimension for HSDP; a size of 1 is plain FSDP.
-        tp_dim: a tensor-parallel dimension; only size 1 is supported.
+        tp_dim: the tensor-parallel dimension of ``device_mesh``. Parameters that are DTensors
+            over ``device_mesh[tp_dim]`` (``parallelize_module``, a Hugging Face TP plan) are
+            sharded over ``dp_shard_dim`` on their TP block; plain parameters are replicated
+            over TP. Gradients are reduced over the data-parallel dimensions only.
         fsdp_unit_modules: module classes (or dotted import strings) gathered and released as
             units; parameters outside every unit form the root unit.
         zero_dp_strategy: ``0``-``3`` or ``"no_shard"``, ``"optim"``, ``"optim_grads"``,
@@ -246,10 +249,8 @@ def fully_shard_model(
             raise ValueError(f"device_mesh covers {device_mesh.size()} ranks but the world has "
                              f"{dist.get_world_size()}; build the mesh over every rank")
         if tp_dim is not None:
-            _mesh_group(device_mesh, tp_dim, "tp_dim")
-            if _mesh_size(device_mesh, tp_dim) != 1:
-                raise ValueError(f"tp_dim={tp_dim!r} has size {_mesh_size(device_mesh, tp_dim)}; "
-                                 "tensor parallelism is not supported by mfsdp, only a size of 1")
+            groups.tp = _mesh_group(device_mesh, tp_dim, "tp_dim")
+            groups.tp_mesh = device_mesh[tp_dim]
         if dp_outer_dim is not None:
             groups.dp_outer = _mesh_group(device_mesh, dp_outer_dim, "dp_outer_dim")
         elif device_mesh.ndim > 1 and dp_shard_dim is None:

@@ -255,6 +255,8 @@ class Bucket:
     # skips the others, as plain PyTorch skips parameters whose .grad is None. Host-side flags:
     # a device write per parameter per backward would be a kernel launch in every gradient hook.
     used: list = field(init=False, default_factory=list)
+    # Its parameters (mfsdp.fsdp.param.ShardedParam), in slot order.
+    sparams: list = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         n, s = self.plan.padded_numel, self.plan.shard_numel

@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mfsdp.fsdp.bucket import Bucket, DoubleBuffer, plan_bucket
 from mfsdp.config import ShardingStrategy
+from mfsdp.fsdp.dtensor import TPSpec
 from mfsdp.fsdp.param import ShardedParam
 from mfsdp.fsdp.unit import FSDPUnit
 
@@ -57,6 +59,34 @@ def _hybrid_group(inner: dist.ProcessGroup, outer: dist.ProcessGroup) -> dist.Pr
         if me in ranks:
             found = g
     return found
+
+
+def _tp_specs(model, params: dict[int, dict]) -> None:
+    """Give every parameter entry its :class:`TPSpec` (``entry["tp"]``, ``None`` outside a TP
+    mesh), checking that DTensor parameters live on the model's TP mesh."""
+    tp_group = model.tp_group
+    tp_ranks = dist.get_process_group_ranks(tp_group) if tp_group is not None else None
+    for e in params.values():
+        p = e["param"]
+        if not isinstance(p, DTensor):
+            e["tp"] = TPSpec.of(p, model.tp_mesh) if tp_group is not None else None
+            continue
+        where = f"parameter {e['name']!r} is a DTensor over {p.device_mesh}"
+        if tp_group is None:
+            raise ValueError(f"{where} (tensor parallel) but fully_shard was given no TP "
+                             "dimension; pass device_mesh=<the (dp, tp) mesh>, dp_shard_dim=... "
+                             "and tp_dim=<the mesh dimension the TP plan used>")
+        if p.device_mesh.ndim != 1 or (sorted(dist.get_process_group_ranks(
+                p.device_mesh.get_group())) != sorted(tp_ranks)):
+            raise ValueError(f"{where}, but tp_dim spans ranks {sorted(tp_ranks)}; parallelize "
+                             "the model over device_mesh[tp_dim] (the same TP ranks)")
+        for pl in p.placements:
+            if not isinstance(pl, (Shard, Replicate)):
+                raise ValueError(f"{where} with placement {pl}; TP parameters must be Shard or "
+                                 "Replicate over the TP mesh")
+        e["tp"] = TPSpec.of(p)
+        if model.tp_mesh is None:
+            model.tp_mesh = p.device_mesh
 
 
 def _unit_paths(root: nn.Module, unit_classes, disable_bucketing: bool) -> list[str]:
@@ -107,6 +137,7 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
     unit_paths = _unit_paths(root, unit_classes, disable_bucketing)
     mods = dict(root.named_modules())
     params = _parameters_by_unit(root, unit_paths)
+    _tp_specs(model, params)
     if not meta_init:
         for e in params.values():
             p = e["param"]
@@ -141,7 +172,7 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
             main, grads, comm_dtype = model.mp_policy.resolve(dtype)
             bucket = Bucket(
                 unit=upath, key=key, names=[e["name"] for e in entries],
-                plan=plan_bucket([tuple(e["param"].shape) for e in entries],
+                plan=plan_bucket([_block_shape(e) for e in entries],
                                  1 if replicated else comm.size * factor),
                 rank=0 if replicated else comm.rank, device=model.device, dtype=dtype,
                 main_dtype=main, grad_dtype=grads, comm_dtype=comm_dtype,
@@ -169,10 +200,11 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
     meshes: dict[tuple, tuple] = {}
     for e in params.values():
         bucket, i = slot[id(e["param"])]
-        new = nn.Parameter(bucket.param_view(i), requires_grad=e["param"].requires_grad)
-        mesh, group = _param_mesh(model, bucket, meshes)
-        sp = ShardedParam(e["name"], bucket, i, e["uses"], new, mesh, group,
-                          e["param"].requires_grad)
+        mesh, group = _param_mesh(model, bucket, meshes, e["tp"] is not None)
+        sp = ShardedParam(e["name"], bucket, i, e["uses"], mesh, group,
+                          e["param"].requires_grad, e["tp"])
+        new = sp.unsharded
+        bucket.sparams.append(sp)
         sp.names = [f"{paths[id(m)]}.{a}" if paths[id(m)] else a for m, a in e["uses"]]
         sp.to_sharded()
         unit_by_name[bucket.unit].params.append(sp)
@@ -191,19 +223,51 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
     return out
 
 
-def _param_mesh(model, bucket: Bucket, cache: dict):
+def _block_shape(entry: dict) -> tuple:
+    """The shape the bucket holds for a parameter: its TP block, or the whole parameter."""
+    return tuple(entry["tp"].local_shape) if entry["tp"] is not None else tuple(entry["param"].shape)
+
+
+def _param_mesh(model, bucket: Bucket, cache: dict, tp: bool):
     """(device mesh, process group) of the ranks holding distinct rows of ``bucket``'s
-    parameters, or ``(None, None)`` when every rank holds them whole (``no_shard``)."""
-    if bucket.replicated:
-        return None, None
+    parameters; the group is ``None`` when every rank holds them whole (``no_shard``). Under TP
+    the mesh is 2-D, ``(dp, tp)``; the group is the data-parallel one."""
     comm = bucket.comm
-    key = (id(comm), bucket.outer_factor)
+    key = (id(comm), bucket.outer_factor, tp)
     if key not in cache:
         group = comm.group if comm.group is not None else dist.group.WORLD
         if bucket.outer_factor > 1:  # HFSDP: main rows differ over inner x outer
             group = _hybrid_group(group, model.outer_comm.group)
-        cache[key] = (DeviceMesh.from_group(group, model.device.type), group)
-    return cache[key]
+        if tp:
+            mesh = _dp_tp_mesh(group, model.tp_group, model.device.type)
+        else:
+            mesh = DeviceMesh.from_group(group, model.device.type)
+        cache[key] = (mesh, group)
+    mesh, group = cache[key]
+    # no_shard: a DTensor replicated over the data-parallel mesh; no rows differ between ranks
+    return (mesh, None) if bucket.replicated else (mesh, group)
+
+
+def _ordered_ranks(group: dist.ProcessGroup) -> list[int]:
+    """The global ranks of ``group`` in the order of their group ranks."""
+    ranks = dist.get_process_group_ranks(group)
+    return sorted(ranks, key=lambda r: dist.get_group_rank(group, r))
+
+
+def _dp_tp_mesh(dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup,
+                device_type: str) -> DeviceMesh:
+    """The 2-D ``(dp, tp)`` mesh whose row ``i`` is the TP group of the ``i``-th rank of
+    ``dp_group`` (a collective over the world: every rank learns the others' TP groups)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dist.get_rank(), _ordered_ranks(tp_group)))
+    tp_of = dict(everyone)
+    rows = [tp_of[r] for r in _ordered_ranks(dp_group)]
+    if any(len(row) != len(rows[0]) for row in rows):
+        raise ValueError("the data-parallel ranks' TP groups differ in size; build the mesh "
+                         "with init_device_mesh so that every TP group has the same size")
+    return DeviceMesh.from_group([dp_group, tp_group], device_type,
+                                 mesh=torch.tensor(rows, dtype=torch.int),
+                                 mesh_dim_names=("dp", "tp"))
 
 
 @torch.no_grad()
@@ -217,9 +281,12 @@ def _load_values(model, buckets: list[Bucket], params: dict[int, dict],
         else:
             bucket.param_view(i).copy_(value)
 
+    def block(value: torch.Tensor) -> torch.Tensor:
+        return value.to_local() if isinstance(value, DTensor) else value
+
     if not meta_init:
         for e in params.values():
-            store(*slot[id(e["param"])], e["param"].detach())
+            store(*slot[id(e["param"])], block(e["param"].detach()))
         return
     # Meta-device initialisation, one module at a time, in construction order.
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -258,6 +325,6 @@ def _load_values(model, buckets: list[Bucket], params: dict[int, dict],
         temp = sum(p.numel() * p.element_size() for p in m._parameters.values() if p is not None)
         model.memory["init_peak_bytes"] = max(model.memory["init_peak_bytes"], held + temp)
         for a, p in originals.items():
-            store(*slot[id(p)], m._parameters[a].detach())
+            store(*slot[id(p)], block(m._parameters[a].detach()))
             m._parameters[a] = p  # keep the original object until the views replace it
             done.add(id(p))

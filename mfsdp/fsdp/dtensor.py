@@ -12,12 +12,18 @@ recursively for more dimensions). A rank with an empty piece contributes no chun
 
 >>> flat_boxes((4, 3), 2, 10)  # elements 2..9 of a 4 x 3 tensor
 [((0, 2), (1, 1)), ((1, 0), (2, 3)), ((3, 0), (1, 1))]
+
+Under tensor parallelism (:class:`TPSpec`) a parameter's data-parallel pieces are cut from its
+*TP-local* tensor (this rank's column or row block of the global weight, as FSDP2 does with
+DTensor TP): the boxes are computed in the TP-local tensor and moved by the block's offset in the
+global tensor, and the DTensor is 2-D, over ``(dp, tp)``, with placements ``(Shard(0), <TP's>)``.
 """
 
 from __future__ import annotations
 
 import math
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,8 +34,71 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["uneven_dtensor", "attach_uneven", "flat_boxes", "gather_pieces", "UnevenDTensor"]
+__all__ = ["uneven_dtensor", "attach_uneven", "flat_boxes", "gather_pieces", "UnevenDTensor",
+           "TPSpec", "ViewDTensor", "view_dtensor"]
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """Where a parameter's tensor-parallel block sits: the TP mesh, the placements over it, the
+    global shape and this rank's block (its shape and offset in the global tensor).
+
+    A parameter that is a ``DTensor`` over the TP mesh (``parallelize_module``, a Hugging Face TP
+    plan, Megatron-style layers) has the placements it came with; a plain parameter of a model in
+    a TP mesh is replicated over it (``dtensor_param=False``: modules keep computing with a plain
+    tensor)."""
+
+    mesh: object  # a 1-D DeviceMesh over the tensor-parallel ranks
+    placements: tuple
+    global_shape: tuple
+    local_shape: tuple
+    offset: tuple
+    dtensor_param: bool
+
+    @classmethod
+    def of(cls, param: torch.Tensor, mesh=None) -> "TPSpec":
+        """The spec of ``param``: a DTensor over the TP mesh, or a plain tensor replicated over
+        ``mesh``."""
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            placements = tuple(param.placements)
+            shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+            return cls(mesh, placements, tuple(param.shape), tuple(shape), tuple(offset), True)
+        shape = tuple(param.shape)
+        return cls(mesh, (Replicate(),), shape, shape, (0,) * len(shape), False)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether TP ranks hold different blocks (else every TP rank holds the whole tensor)."""
+        return any(not isinstance(p, Replicate) for p in self.placements)
+
+    @property
+    def stride(self) -> tuple:
+        return tuple(torch.empty(self.global_shape, device="meta").stride())
+
+    def block_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's TP block of a full (global-shape) tensor (a view)."""
+        if not self.sharded:
+            return full
+        return full[tuple(slice(o, o + n) for o, n in zip(self.offset, self.local_shape))]
+
+    def full_of(self, block: torch.Tensor) -> torch.Tensor:
+        """The global tensor from every TP rank's block (a collective over the TP group)."""
+        if not self.sharded:
+            return block
+        return self.as_dtensor(block.contiguous()).full_tensor()
+
+    def as_dtensor(self, block: torch.Tensor) -> DTensor:
+        """``block`` as a DTensor over the TP mesh, with this parameter's placements."""
+        return DTensor.from_local(block, self.mesh, list(self.placements), run_check=False,
+                                  shape=torch.Size(self.global_shape), stride=self.stride)
+
+    def boxes(self, start: int, end: int) -> list[tuple[tuple, tuple]]:
+        """:func:`flat_boxes` of elements ``[start, end)`` of the block, in global coordinates."""
+        return [(tuple(o + a for o, a in zip(offsets, self.offset)), sizes)
+                for offsets, sizes in flat_boxes(self.local_shape, start, end)]
 
 
 def flat_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple, tuple]]:
@@ -57,23 +126,26 @@ def flat_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple
 
 
 def uneven_dtensor(local: torch.Tensor, mesh, global_shape: tuple[int, ...],
-                   start: int, group=None) -> DTensor:
+                   start: int, group=None, tp: TPSpec | None = None) -> DTensor:
     """Wrap ``local``: elements ``[start, start + local.numel())`` of the flattened global tensor
     (whole rows: ``local`` is shaped ``(rows, *global_shape[1:])``; otherwise flat).
 
     The result is a DTensor of the global shape, sharded on dim 0 over ``mesh``; writes and reads
     by DCP go straight to ``local``'s memory. With ``group`` (the ranks holding distinct pieces),
     ``full_tensor()`` gathers the uneven pieces correctly (see :func:`attach_uneven`).
+    With ``tp``, the elements are those of this rank's TP block (``global_shape`` is still the
+    whole tensor's); on a 2-D ``(dp, tp)`` mesh the placements are ``(Shard(0), <TP's>)``.
     """
     global_shape = tuple(global_shape)
     stride = torch.empty(global_shape, device="meta").stride()
-    dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(global_shape),
-                            stride=stride)
-    return attach_uneven(dt, global_shape, start, group)
+    placements = [Shard(0)] + (list(tp.placements) if tp is not None and mesh.ndim == 2 else [])
+    dt = DTensor.from_local(local, mesh, placements, run_check=False,
+                            shape=torch.Size(global_shape), stride=stride)
+    return attach_uneven(dt, global_shape, start, group, tp)
 
 
 def attach_uneven(dt: DTensor, global_shape: tuple[int, ...], start: int,
-                  group=None) -> DTensor:
+                  group=None, tp: TPSpec | None = None) -> DTensor:
     """Give ``dt`` (whose local tensor holds elements from ``start`` on) its own chunk metadata.
 
     DCP then writes and reads exactly those elements. When ``group`` is given (it must be the
@@ -82,12 +154,13 @@ def attach_uneven(dt: DTensor, global_shape: tuple[int, ...], start: int,
     (DTensor's own versions assume ``torch.chunk``'s split, which uneven pieces do not follow).
     Ops on ``dt`` that make new DTensors (``dt + 1``, ``dt.detach()``) lose this: call
     ``full_tensor()`` on the parameter or state-dict entry itself. Reductions are unaffected
-    (``dt.pow(2).sum().full_tensor()`` is right).
+    (``dt.pow(2).sum().full_tensor()`` is right). With ``tp``, ``start`` counts in the TP block.
     """
     global_shape = tuple(global_shape)
     inner = dt._local_tensor
     flat = inner.reshape(-1)
-    boxes = flat_boxes(global_shape, start, start + inner.numel())
+    boxes = (tp.boxes(start, start + inner.numel()) if tp is not None
+             else flat_boxes(global_shape, start, start + inner.numel()))
     chunks, views, at = [], {}, 0
     for offsets, sizes in boxes:
         n = math.prod(sizes)
@@ -116,8 +189,11 @@ def attach_uneven(dt: DTensor, global_shape: tuple[int, ...], start: int,
     inner.__create_write_items__ = types.MethodType(write_items, inner)
     inner.__get_tensor_shard__ = types.MethodType(tensor_shard, inner)
     inner._mfsdp_start = start
+    inner._mfsdp_tp_offset = tp.offset if tp is not None else None
     if group is not None:
         dt._mfsdp_start = start
+        dt._mfsdp_group = group
+        dt._mfsdp_tp = tp
         dt.__class__ = UnevenDTensor
     return dt
 
@@ -131,15 +207,20 @@ class UnevenDTensor(DTensor):
     """
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
-        """The whole tensor on every rank of the mesh (a collective call)."""
-        return gather_pieces(self._local_tensor.detach(), self.__dict__["_mfsdp_start"],
-                             tuple(self.shape), self.device_mesh.get_group())
+        """The whole tensor on every rank of the mesh (a collective call): the pieces gathered
+        over the data-parallel group, then the TP blocks over the TP group."""
+        tp = self.__dict__.get("_mfsdp_tp")
+        block = gather_pieces(self._local_tensor.detach(), self.__dict__["_mfsdp_start"],
+                              tp.local_shape if tp is not None else tuple(self.shape),
+                              self.__dict__["_mfsdp_group"])
+        return tp.full_of(block) if tp is not None else block
 
     def __reduce_ex__(self, protocol):
         # torch.save of a DTensor whose local tensor is a view at a non-zero offset fails in
         # DTensor's own path ("invalid python storage"); rebuild from the local piece instead.
         return (_rebuild_uneven, (self._local_tensor.detach(), self.device_mesh, tuple(self.shape),
-                                  self.__dict__["_mfsdp_start"], self.requires_grad))
+                                  self.__dict__["_mfsdp_start"], self.requires_grad,
+                                  self.__dict__.get("_mfsdp_tp")))
 
     def redistribute(self, device_mesh=None, placements=None, **kwargs):
         """As DTensor's; to ``[Replicate()]`` it gathers the uneven pieces first."""
@@ -149,8 +230,37 @@ class UnevenDTensor(DTensor):
         return DTensor.redistribute(self, device_mesh, placements, **kwargs)
 
 
-def _rebuild_uneven(local, mesh, global_shape, start, requires_grad):
-    dt = uneven_dtensor(local, mesh, global_shape, start, mesh.get_group())
+class ViewDTensor(DTensor):
+    """A DTensor (of any placements) whose local tensor views a bucket's flat buffer; only
+    pickling differs from DTensor's, which fails on such views (see :class:`UnevenDTensor`)."""
+
+    def __reduce_ex__(self, protocol):
+        return (_rebuild_view, (self._local_tensor.detach(), self.device_mesh,
+                                tuple(self.placements), tuple(self.shape), tuple(self.stride()),
+                                self.requires_grad))
+
+
+def view_dtensor(local: torch.Tensor, mesh, placements, global_shape: tuple,
+                 requires_grad: bool = False) -> DTensor:
+    """``local`` as a :class:`ViewDTensor` of ``global_shape`` over ``mesh`` (no copy, no check)."""
+    stride = torch.empty(tuple(global_shape), device="meta").stride()
+    dt = DTensor.from_local(local, mesh, list(placements), run_check=False,
+                            shape=torch.Size(tuple(global_shape)), stride=stride)
+    if requires_grad:
+        dt = torch.nn.Parameter(dt, requires_grad=True)
+    dt.__class__ = ViewDTensor
+    return dt
+
+
+def _rebuild_view(local, mesh, placements, shape, stride, requires_grad):
+    dt = DTensor.from_local(local, mesh, list(placements), run_check=False,
+                            shape=torch.Size(shape), stride=stride)
+    return dt.requires_grad_(requires_grad) if requires_grad else dt
+
+
+def _rebuild_uneven(local, mesh, global_shape, start, requires_grad, tp=None):
+    group = mesh.get_group(0) if mesh.ndim > 1 else mesh.get_group()
+    dt = uneven_dtensor(local, mesh, global_shape, start, group, tp)
     return dt.requires_grad_(requires_grad) if requires_grad else dt
 
 

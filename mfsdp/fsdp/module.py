@@ -32,6 +32,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from mfsdp.fsdp.bucket import Bucket
 from mfsdp.fsdp.collectives import CommLog, Communicator, Handle, backend_of
@@ -89,6 +90,13 @@ class FullyShardedModule(nn.Module):
                              if groups.expt_dp_shard_ag is not None else self.expt_comm)
         self.ep_comm = (Communicator(groups.ep, "ep", self.comm_log)
                         if groups.ep is not None and dist.get_world_size(groups.ep) > 1 else None)
+        # Tensor parallelism: parameters are sharded over the data-parallel group on their TP
+        # block; the TP mesh is the caller's (or the DTensor parameters', see construct.py).
+        self.tp_group = (groups.tp if groups.tp is not None and dist.get_world_size(groups.tp) > 1
+                         else None)
+        self.tp_mesh = groups.tp_mesh
+        if self.tp_group is not None and self.tp_mesh is None:
+            self.tp_mesh = DeviceMesh.from_group(self.tp_group, device.type)
         # How many units ahead all-gathers are launched (ZeRO-3, with overlap_param_gather).
         self.prefetch_depth = opts.prefetch_depth
         # Whether this backward reduces gradients that can wait (no_shard/optim, see no_sync()).
@@ -494,7 +502,9 @@ class FullyShardedModule(nn.Module):
             for i, name in enumerate(b.names):
                 slot = b.plan.params[i]
                 full[name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-        return {sp.name: full[sp.name] for sp in self._sparams}
+        # Under TP each parameter so far is this rank's TP block: gather the blocks.
+        return {sp.name: sp.tp.full_of(full[sp.name]) if sp.tp_sharded else full[sp.name]
+                for sp in self._sparams}
 
     def comm_scratch_bytes(self) -> int:
         """Bytes of the communication scratch buffers this rank keeps for reuse (gloo only: the

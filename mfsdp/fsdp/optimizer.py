@@ -108,20 +108,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Sum squares over the ranks holding *different* rows: each parameter's shard group (the
         # hybrid group under HFSDP, none under no_shard) and, for experts, the EP group. Groups
         # are visited in parameter order, which is the same on every rank.
+        # Parameters whose TP ranks hold different blocks are summed over the TP group too.
         sums: dict = {}
         for sp in model._sparams:
-            key = (id(sp.group), sp.bucket.is_expert)
+            tp = model.tp_group if sp.tp_sharded else None
+            key = (id(sp.group), sp.bucket.is_expert, id(tp))
             if key not in sums:
-                sums[key] = [sp.group, sp.bucket.is_expert,
+                sums[key] = [sp.group, sp.bucket.is_expert, tp,
                              torch.zeros((), dtype=torch.float64, device=model.device)]
             if sp.grad is not None and sp in self._sparam_set:
-                sums[key][2] += sp.grad.double().pow(2).sum()
+                sums[key][3] += sp.grad.double().pow(2).sum()
         total = 0.0
-        for group, expert, sq in sums.values():
+        for group, expert, tp, sq in sums.values():
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
             if expert and model.ep_comm is not None:
                 model.ep_comm.all_reduce(sq, async_op=False, kind="grad_norm")
+            if tp is not None:
+                dist.all_reduce(sq, group=tp)
             total += sq.item()
         return math.sqrt(total)
 
@@ -284,14 +288,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for k, v in st.items():
                 if isinstance(v, DTensor):
                     local = v._local_tensor
-                    if (getattr(local, "_mfsdp_start", None) != sp.start
-                            or local.numel() != sp.local.numel()):
-                        local = v.full_tensor().reshape(-1)[
-                            sp.start:sp.start + sp.local.numel()]
+                    if not sp.owns(local):
+                        local = sp.piece_of(v.full_tensor())
                     v = local.reshape(sp.local.shape)
-                elif (torch.is_tensor(v) and sp.is_dtensor and v.dim() > 0
+                elif (torch.is_tensor(v) and (sp.is_dtensor or sp.tp_sharded) and v.dim() > 0
                       and tuple(v.shape) == sp.global_shape and v.shape != sp.local.shape):
-                    v = v.reshape(-1)[sp.start:sp.start + sp.local.numel()].view(sp.local.shape)
+                    v = sp.piece_of(v)
                 out[k] = v
             state[int(i)] = out
         self.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})

@@ -18,6 +18,13 @@ Every parameter of a :class:`mfsdp.FullyShardedModule` is a :class:`ShardedParam
 
 Swapping is a dictionary assignment in the owning modules' ``_parameters``: cheap, and invisible
 to code that looks parameters up by attribute on every call (as ``nn.Module`` does).
+
+Under tensor parallelism (``tp``, a :class:`~mfsdp.fsdp.dtensor.TPSpec`) the bucket holds the
+parameter's *TP block* (``block_shape``): ``unsharded`` is a DTensor over the TP mesh with the
+parameter's own placements (what the TP layers expect), ``sharded`` a DTensor over the 2-D
+``(dp, tp)`` mesh, and gradients arriving as DTensors are brought to the parameter's placements
+(a ``Partial`` is reduced over TP there, as FSDP2 does) before their local block enters the
+bucket.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor, Replicate
 
-from mfsdp.fsdp.dtensor import attach_uneven, gather_pieces, uneven_dtensor
+from mfsdp.fsdp.dtensor import (TPSpec, attach_uneven, gather_pieces, uneven_dtensor,
+                                view_dtensor)
 
 __all__ = ["ShardedParam", "gather_pieces"]
 
@@ -36,26 +45,33 @@ class ShardedParam:
     """A parameter of a sharded model (see the module notes): its views, its rows, its grad."""
 
     def __init__(self, name: str, bucket, index: int, uses: list[tuple[nn.Module, str]],
-                 unsharded: nn.Parameter, mesh, group, requires_grad: bool):
+                 mesh, group, requires_grad: bool, tp: TPSpec | None = None):
         self.name = name
         self.bucket = bucket
         self.index = index
         self.uses = uses
-        self.unsharded = unsharded
         self.requires_grad = requires_grad
+        self.tp = tp
+        view = bucket.param_view(index)
+        if tp is not None and tp.dtensor_param:  # the TP layers compute with a DTensor
+            view = tp.as_dtensor(view)
+        self.unsharded = nn.Parameter(view, requires_grad=requires_grad)
         slot = bucket.plan.params[index]
-        self.global_shape = tuple(slot.shape)
+        self.block_shape = tuple(slot.shape)  # what the bucket holds: the TP block, or all
+        self.global_shape = tuple(tp.global_shape) if tp is not None else self.block_shape
         self.start = slot.local_range(bucket.main_index)[0]  # first element of the local piece
         self.local = bucket.local_view(bucket.main_shard, index)
-        if not self.global_shape and mesh is None:  # a replicated 0-dim parameter keeps its shape
-            self.local = self.local.reshape(())
+        self.replicated = bucket.replicated  # no_shard: every data-parallel rank holds it all
+        if self.replicated:  # (whole: a 0-dim parameter keeps its shape)
+            self.local = self.local.view(self.block_shape)
         self.mesh = mesh
         self.group = group  # the ranks holding distinct rows (None: replicated, no_shard)
-        if mesh is None:
-            self.sharded = nn.Parameter(self.local, requires_grad=requires_grad)
+        if self.replicated:  # a DTensor replicated over the data-parallel mesh, as upstream's
+            self.sharded = view_dtensor(self.local, mesh, self._replicated_placements(),
+                                        self.global_shape, requires_grad)
         else:
             # (a 0-dim parameter is sharded as one row: its DTensor has shape (1,))
-            dt = uneven_dtensor(self.local, mesh, self.global_shape or (1,), self.start)
+            dt = uneven_dtensor(self.local, mesh, self.global_shape or (1,), self.start, tp=tp)
             self.sharded = nn.Parameter(dt, requires_grad=requires_grad)
             self._attach(self.sharded)  # the parameter has a local tensor of its own
         self.grad: torch.Tensor | None = None
@@ -63,18 +79,52 @@ class ShardedParam:
     # -- faces ----------------------------------------------------------------------------------
     @property
     def is_dtensor(self) -> bool:
+        """Whether ``sharded`` is a DTensor (always, with a mesh: sharded or replicated over DP)."""
         return self.mesh is not None
 
+    @property
+    def tp_sharded(self) -> bool:
+        """Whether TP ranks hold different blocks of this parameter."""
+        return self.tp is not None and self.tp.sharded
+
     def _attach(self, dt: DTensor) -> DTensor:
-        attach_uneven(dt, self.global_shape or (1,), self.start, self.group)
+        attach_uneven(dt, self.global_shape or (1,), self.start, self.group, self.tp)
         return dt
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (a tensor shaped like this rank's rows) in the form of ``sharded``."""
-        if self.mesh is None:
-            return local
+        if self.replicated:
+            return view_dtensor(local.view(self.block_shape), self.mesh,
+                                self._replicated_placements(), self.global_shape)
         return uneven_dtensor(local, self.mesh, self.global_shape or (1,), self.start,
-                              self.group)
+                              self.group, self.tp)
+
+    def _replicated_placements(self) -> list:
+        return [Replicate()] + (list(self.tp.placements) if self.tp is not None else [])
+
+    def piece_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece (shaped like ``local``) of a full tensor of the parameter's shape."""
+        block = self.tp.block_of(full) if self.tp is not None else full
+        flat = block.reshape(-1)
+        return flat[self.start:self.start + self.local.numel()].view(self.local.shape)
+
+    def owns(self, piece: torch.Tensor) -> bool:
+        """Whether ``piece`` (a DTensor's local tensor) is exactly this rank's piece."""
+        return (getattr(piece, "_mfsdp_start", None) == self.start
+                and piece.numel() == self.local.numel()
+                and getattr(piece, "_mfsdp_tp_offset", None) == (self.tp.offset if self.tp
+                                                                 else None))
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient of ``unsharded`` as the plain block the bucket holds: a DTensor gradient
+        is first brought to the parameter's TP placements (a ``Partial`` is all-reduced over
+        TP, as FSDP2 does)."""
+        if not isinstance(grad, DTensor):
+            return grad
+        if self.tp is not None and tuple(grad.placements) != self.tp.placements:
+            grad = grad.redistribute(placements=list(self.tp.placements))
+        local = grad.to_local()
+        return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
 
     def to_unsharded(self) -> None:
         for module, attr in self.uses:
@@ -99,7 +149,7 @@ class ShardedParam:
         """Install this rank's reduced gradient rows (``None``: no gradient on any rank), as
         ``.grad``, or as ``.decoupled_grad`` (upstream's ``use_decoupled_grad``)."""
         self.grad = grad
-        face = None if grad is None else (grad if self.mesh is None else self.wrap(grad))
+        face = None if grad is None else (self.wrap(grad) if self.is_dtensor else grad)
         if decoupled:
             self.local.decoupled_grad = grad
             self.sharded.decoupled_grad = face
@@ -118,11 +168,8 @@ class ShardedParam:
                              f"{self.global_shape}")
         if isinstance(value, DTensor):
             local = value._local_tensor
-            if (getattr(local, "_mfsdp_start", None) == self.start
-                    and local.numel() == self.local.numel()):
+            if self.owns(local):
                 self.local.copy_(local.reshape(self.local.shape))
                 return
             value = value.full_tensor()
-        flat = value.reshape(-1)
-        self.local.copy_(flat[self.start:self.start + self.local.numel()]
-                         .view(self.local.shape).to(self.local.device))
+        self.local.copy_(self.piece_of(value).to(self.local.device))

@@ -41,6 +41,8 @@ class Groups:
     expt_dp_shard: dist.ProcessGroup | None = None  # expert parameters are sharded over it
     expt_dp_shard_ag: dist.ProcessGroup | None = None
     ep: dist.ProcessGroup | None = None  # ranks holding different experts
+    tp: dist.ProcessGroup | None = None  # tensor-parallel ranks (None: no TP, or a size of 1)
+    tp_mesh: object = None  # the 1-D DeviceMesh over `tp`, when the caller has it
 
 
 def tensors_requiring_grad(obj) -> list[torch.Tensor]:
@@ -187,7 +189,7 @@ class FSDPUnit:
         self.module.register_forward_hook(self._post_forward)
         for sp in self.params:
             if sp.unsharded.requires_grad:
-                sp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(sp.bucket, sp.index))
+                sp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(sp))
 
     def _pre_forward(self, module, args, kwargs):
         model = self.model
@@ -274,20 +276,22 @@ class FSDPUnit:
             self.reshard()
         reducer.poll()
 
-    def _grad_hook(self, bucket: Bucket, i: int):
+    def _grad_hook(self, sp):
         # [Note: weak hook references] The hook lives on the parameter tensor, which C++ owns:
         # a strong reference from it to the bucket or the reducer would close a cycle (tensor ->
         # hook -> bucket -> model -> tensor) that Python's garbage collector cannot see, and the
         # model, its communicators and so its process groups would never be freed (gloo's threads
         # then outlive destroy_process_group() and abort the process at exit).
-        bucket_ref, reducer_ref = weakref.ref(bucket), weakref.ref(self.model.reducer)
+        bucket_ref, reducer_ref = weakref.ref(sp.bucket), weakref.ref(self.model.reducer)
+        sp_ref, i = weakref.ref(sp), sp.index
 
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             param.grad = None
-            bucket, reducer = bucket_ref(), reducer_ref()
-            if grad is None or bucket is None or reducer is None:
+            bucket, reducer, owner = bucket_ref(), reducer_ref(), sp_ref()
+            if grad is None or bucket is None or reducer is None or owner is None:
                 return
+            grad = owner.local_grad(grad)
             if bucket.is_ready:
                 raise RuntimeError(
                     f"a gradient of {bucket.names[i]!r} arrived after its FSDP unit "
