@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp.benchmark_systems import (DEFAULTS, FLOOR_SYSTEMS, LLAMA_1B, OPTIONAL_SYSTEMS, SYSTEMS,
+                                     TP_SYSTEMS,
                                      batch, build_system, loopback_bytes,
                                      model_flops_per_token, loss_of, reference_parameters,
                                      timed_step, train_step)
@@ -90,7 +91,7 @@ def bench_time(systems: list[str], cfg: dict | None = None) -> dict:
             "final_loss": losses[s][-1],
         }
     if cfg["model"] in ("gpt", "llama"):  # throughput and model FLOPs utilisation
-        tokens = cfg["local_batch"] * cfg["seq_length"] * world
+        tokens = cfg["local_batch"] * cfg["seq_length"] * world // cfg.get("tp", 1)
         flops = model_flops_per_token(cfg) * tokens
         for v in result.values():
             v["tokens_per_s"] = tokens / v["median_s"]
@@ -276,6 +277,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--micro-batch-size", "--local-batch", dest="local_batch", type=int,
                         default=DEFAULTS["local_batch"],
                         help="samples per rank per step")
+    parser.add_argument("--tensor-model-parallel-size", dest="tp", type=int, default=1,
+                        help="tensor-parallel size: FSDP2 and mfsdp run on a (dp, tp) mesh with "
+                             "Megatron-LM's TP plan of the GPT (needs --model gpt; default 1)")
     parser.add_argument("--rounds", type=int, default=DEFAULTS["rounds"],
                         help="timed steps per system (after --warmup)")
     parser.add_argument("--warmup", type=int, default=DEFAULTS["warmup"])
@@ -362,9 +366,19 @@ def run(args: argparse.Namespace) -> int:
                rounds=args.rounds, warmup=args.warmup, model=args.model,
                seq_length=args.seq_length, vocab_size=args.vocab_size, heads=args.heads,
                kv_heads=args.kv_heads, device=args.device, bf16=args.bf16,
-               peak_tflops=args.peak_tflops)
+               peak_tflops=args.peak_tflops, tp=args.tp)
     if args.model == "llama-1b":
         cfg.update(LLAMA_1B)
+    if args.tp > 1:
+        others = [s for s in args.systems if s not in TP_SYSTEMS]
+        if others and args.systems != list(SYSTEMS):
+            raise SystemExit(f"mfsdp bench: {', '.join(others)} cannot run with "
+                             f"--tensor-model-parallel-size {args.tp}; choose among "
+                             f"{', '.join(TP_SYSTEMS)}")
+        args.systems = [s for s in args.systems if s in TP_SYSTEMS]  # the default: those that can
+        if args.model not in ("gpt",):
+            raise SystemExit("mfsdp bench: --tensor-model-parallel-size needs --model gpt "
+                             "(the plan splits a GELU MLP; SwiGLU's stacked fc1 is not split)")
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("mfsdp bench: --device cuda, but CUDA is not available here")

@@ -10,7 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["SYSTEMS", "OPTIONAL_SYSTEMS", "FLOOR_SYSTEMS", "DEFAULTS", "LLAMA_1B", "build_system",
+__all__ = ["SYSTEMS", "OPTIONAL_SYSTEMS", "FLOOR_SYSTEMS", "TP_SYSTEMS", "DEFAULTS", "LLAMA_1B",
+           "build_system", "tp_mesh", "dp_rank_and_size",
            "batch", "train_step", "timed_step", "device_of", "loopback_bytes",
            "model_flops_per_token", "model_of", "loss_of", "reference_parameters"]
 
@@ -30,7 +31,41 @@ FLOOR_SYSTEMS = ("no-comm",)
 
 DEFAULTS = dict(dim=512, hidden=1408, blocks=6, local_batch=16, warmup=2, rounds=8, lr=1e-3,
                 seed=0, model="toy", seq_length=64, vocab_size=2048, heads=6, kv_heads=None,
-                device="cpu", bf16=False, peak_tflops=989.0)
+                device="cpu", bf16=False, peak_tflops=989.0, tp=1)
+
+# Systems that run with tensor parallelism (--tensor-model-parallel-size > 1): FSDP2 and mfsdp,
+# each on the same (dp, tp) mesh and the same TP plan (mfsdp.models.tensor_parallel).
+TP_SYSTEMS = ("fsdp2", "fsdp2-no-reshard", "mfsdp-no_shard", "mfsdp-optim", "mfsdp-optim_grads",
+              "mfsdp-optim_grads_params")
+
+
+def tp_mesh(cfg: dict):
+    """The ``(dp, tp)`` device mesh of a TP benchmark (made once per process), or ``None``."""
+    tp = cfg.get("tp", 1)
+    if tp == 1:
+        return None
+    global _MESH
+    if _MESH is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        if world % tp:
+            raise SystemExit(f"mfsdp bench: --tensor-model-parallel-size {tp} does not divide "
+                             f"the {world} ranks")
+        _MESH = init_device_mesh(device_of(cfg).type, (world // tp, tp),
+                                 mesh_dim_names=("dp", "tp"))
+    return _MESH
+
+
+_MESH = None
+
+
+def dp_rank_and_size(cfg: dict) -> tuple[int, int]:
+    """This rank's index among the ranks that read different data, and their number."""
+    mesh = tp_mesh(cfg)
+    if mesh is None:
+        return dist.get_rank(), dist.get_world_size()
+    return mesh["dp"].get_local_rank(), mesh["dp"].size()
 
 
 # TinyLlama-1.1B's shape: 22 layers, width 2048, 32 heads over 4 key/value groups, SwiGLU 5632.
@@ -126,8 +161,19 @@ def build_system(system: str, cfg: dict):
     """
     torch.manual_seed(cfg["seed"])
     device = device_of(cfg)
+    mesh = tp_mesh(cfg)
+    if mesh is not None and system not in TP_SYSTEMS:
+        raise SystemExit(f"mfsdp bench: {system} does not run with tensor parallelism; with "
+                         f"--tensor-model-parallel-size use {', '.join(TP_SYSTEMS)}")
+    if mesh is not None and cfg["model"] == "toy":
+        raise SystemExit("mfsdp bench: --tensor-model-parallel-size needs a transformer "
+                         "(--model gpt); the toy MLP has no TP plan")
     with device:
         model, unit = model_of(cfg)
+    if mesh is not None:
+        from mfsdp.models.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"])
     lr = cfg["lr"]
     if system == "no-comm":
         params = list(model.parameters())
@@ -144,9 +190,10 @@ def build_system(system: str, cfg: dict):
         reshard = system == "fsdp2"
         mp = FSDP2Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if cfg.get("bf16") else FSDP2Policy()
+        where = dict(mesh=mesh["dp"]) if mesh is not None else {}
         for block in [m for m in model.modules() if isinstance(m, unit)]:
-            fsdp2_shard(block, reshard_after_forward=reshard, mp_policy=mp)
-        fsdp2_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+            fsdp2_shard(block, reshard_after_forward=reshard, mp_policy=mp, **where)
+        fsdp2_shard(model, reshard_after_forward=reshard, mp_policy=mp, **where)
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
     if system == "megatron_fsdp":
         try:
@@ -168,6 +215,8 @@ def build_system(system: str, cfg: dict):
     extra = dict(cfg.get("mfsdp_kwargs", {}))
     if extra.pop("all_gather_group", False):  # all-gathers on their own communicator
         extra["fsdp_group_ag"] = dist.new_group(list(range(dist.get_world_size())))
+    if mesh is not None:
+        extra.update(device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp")
     if cfg.get("bf16"):
         model = model.to(torch.bfloat16)
         extra.setdefault("mixed_precision_policy", MixedPrecisionPolicy(
@@ -178,7 +227,7 @@ def build_system(system: str, cfg: dict):
 
 def batch(cfg: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step`` (the same on every rank and system), this rank's slice."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dp_rank_and_size(cfg)  # TP ranks of a replica read the same batch
     g = torch.Generator().manual_seed(cfg["seed"] * 7919 + step)
     n = cfg["local_batch"]
     device = device_of(cfg)

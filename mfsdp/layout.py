@@ -1,4 +1,5 @@
-"""ParallelLayout: how the world's ranks split into shard, outer, expert and expert-data groups.
+"""ParallelLayout: how the world's ranks split into tensor-, context-, data- and expert-parallel
+groups.
 
 Pure rank arithmetic first (no process group needed), then one call that creates the groups::
 
@@ -7,11 +8,15 @@ Pure rank arithmetic first (no process group needed), then one call that creates
     [[0, 1], [2, 3], [4, 5], [6, 7]]
     >>> layout.groups("expt_dp_shard")
     [[0, 2], [4, 6], [1, 3], [5, 7]]
+    >>> ParallelLayout(world_size=8, tp=2, cp=2).groups("dp_shard")
+    [[0, 2, 4, 6], [1, 3, 5, 7]]
 
-Dense ranks form the mesh ``[dp_outer][dp_shard]`` = ``arange(world).reshape(dp_outer, -1)``.
-Expert ranks are laid out ``(dp_outer, expt_dp_shard, ep)``, so that each EP group is contiguous
-(on one node, where the all-to-all is fastest). The outer groups are the same for dense and expert
-parameters.
+Dense ranks form the grid ``[dp_outer][dp][cp][tp]`` = ``arange(world).reshape(...)``: TP fastest,
+then CP, then DP, as Megatron-LM orders them, so a TP group is consecutive ranks (one node's
+NVLink). Parameters are sharded over ``dp_shard``, the ranks of one replica at one TP index
+(``dp x cp``: upstream's ``dp_shard_cp``). Experts are laid out inside each such shard group as
+``(expt_dp_shard, ep)``, so that each EP group is contiguous when ``tp == 1`` (on one node, where the
+all-to-all is fastest). The outer groups are the same for dense and expert parameters.
 """
 
 from __future__ import annotations
@@ -23,37 +28,46 @@ import torch.distributed as dist
 
 __all__ = ["ParallelLayout", "ProcessGroups", "GROUP_KINDS"]
 
-GROUP_KINDS = ("dp_shard", "dp_outer", "ep", "expt_dp_shard", "expt_dp")
+GROUP_KINDS = ("dp_shard", "dp_outer", "ep", "expt_dp_shard", "expt_dp", "tp", "cp", "dp")
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """The rank layout of data parallelism (shard x outer) and expert parallelism.
+    """The rank layout of tensor, context, data (shard x outer) and expert parallelism.
 
     Args:
         world_size: number of ranks.
-        dp_outer: size of the outer (replica) dimension; ``world_size // dp_outer`` ranks shard.
-        ep: expert-parallel size; experts are split over ``ep`` consecutive ranks.
+        dp_outer: size of the outer (replica) dimension.
+        ep: expert-parallel size; experts are split over ``ep`` ranks of a shard group.
         num_experts: when given, checked against ``ep`` (each EP rank owns ``num_experts / ep``).
+        tp: tensor-parallel size (consecutive ranks).
+        cp: context-parallel size; parameters are sharded over ``dp x cp``.
     """
 
     world_size: int
     dp_outer: int = 1
     ep: int = 1
     num_experts: int | None = None
+    tp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "dp_outer", "ep"):
+        for name in ("world_size", "dp_outer", "ep", "tp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.world_size % self.dp_outer:
             raise ValueError(f"world_size={self.world_size} is not divisible by dp_outer="
                              f"{self.dp_outer}; choose an outer size that divides the world")
+        if (self.world_size // self.dp_outer) % (self.tp * self.cp):
+            raise ValueError(f"world_size={self.world_size} / dp_outer={self.dp_outer} is not "
+                             f"divisible by tp x cp = {self.tp} x {self.cp}; the world must be "
+                             "dp_outer x dp x cp x tp")
         if self.dp_shard % self.ep:
             raise ValueError(f"ep={self.ep} does not divide the shard group size "
-                             f"{self.dp_shard} (= world_size {self.world_size} / dp_outer "
-                             f"{self.dp_outer}); EP groups must fit inside a shard group")
+                             f"{self.dp_shard} (= world_size {self.world_size} / (dp_outer "
+                             f"{self.dp_outer} x tp {self.tp})); EP groups must fit inside a "
+                             "shard group")
         if self.num_experts is not None:
             if self.ep > self.num_experts:
                 raise ValueError(f"ep={self.ep} is larger than num_experts={self.num_experts}; "
@@ -63,32 +77,51 @@ class ParallelLayout:
                                  f"{self.ep}; each EP rank must own the same number of experts")
 
     @property
+    def dp(self) -> int:
+        """Data-parallel ranks of one replica that read different data (without CP)."""
+        return self.world_size // (self.dp_outer * self.cp * self.tp)
+
+    @property
     def dp_shard(self) -> int:
-        """Ranks in one dense shard group."""
-        return self.world_size // self.dp_outer
+        """Ranks in one dense shard group (``dp x cp``)."""
+        return self.dp * self.cp
 
     @property
     def expt_dp_shard(self) -> int:
         """Ranks in one expert shard group."""
         return self.dp_shard // self.ep
 
+    def _grid(self) -> torch.Tensor:
+        return torch.arange(self.world_size).reshape(self.dp_outer, self.dp, self.cp, self.tp)
+
     def _expert_grid(self) -> torch.Tensor:
-        return torch.arange(self.world_size).reshape(self.dp_outer, self.expt_dp_shard, self.ep)
+        """``[tp][dp_outer][expt_dp_shard][ep]``: each shard group laid out for experts."""
+        g = self._grid().permute(3, 0, 1, 2).reshape(self.tp, self.dp_outer, self.dp_shard)
+        return g.reshape(self.tp, self.dp_outer, self.expt_dp_shard, self.ep)
 
     def groups(self, kind: str) -> list[list[int]]:
         """Rank lists of every group of ``kind`` (one of ``GROUP_KINDS``)."""
-        dense = torch.arange(self.world_size).reshape(self.dp_outer, self.dp_shard)
-        grid = self._expert_grid()
+        g = self._grid()
+        shard = g.permute(0, 3, 1, 2).reshape(self.dp_outer * self.tp, self.dp_shard)
+        ex = self._expert_grid()
+        t_range, o_range = range(self.tp), range(self.dp_outer)
         if kind == "dp_shard":
-            return dense.tolist()
+            return shard.tolist()
         if kind == "dp_outer":
-            return dense.t().tolist()
+            return g.permute(1, 2, 3, 0).reshape(-1, self.dp_outer).tolist()
+        if kind == "tp":
+            return g.reshape(-1, self.tp).tolist()
+        if kind == "cp":
+            return g.permute(0, 1, 3, 2).reshape(-1, self.cp).tolist()
+        if kind == "dp":
+            return g.permute(2, 3, 0, 1).reshape(-1, self.dp_outer * self.dp).tolist()
         if kind == "ep":
-            return grid.reshape(-1, self.ep).tolist()
+            return ex.reshape(-1, self.ep).tolist()
         if kind == "expt_dp_shard":
-            return [grid[o, :, e].tolist() for e in range(self.ep) for o in range(self.dp_outer)]
+            return [ex[t, o, :, e].tolist() for t in t_range for e in range(self.ep)
+                    for o in o_range]
         if kind == "expt_dp":
-            return [grid[:, :, e].flatten().tolist() for e in range(self.ep)]
+            return [ex[t, :, :, e].flatten().tolist() for t in t_range for e in range(self.ep)]
         raise ValueError(f"kind={kind!r} is not a group kind; use one of {GROUP_KINDS}")
 
     def group_of(self, kind: str, rank: int) -> list[int]:
@@ -96,11 +129,17 @@ class ParallelLayout:
         return next(g for g in self.groups(kind) if rank in g)
 
     def __str__(self) -> str:
+        extra = "".join(f", {k}={getattr(self, k)}" for k in ("tp", "cp") if getattr(self, k) > 1)
         rows = [f"ParallelLayout(world_size={self.world_size}, dp_outer={self.dp_outer}, "
-                f"ep={self.ep}): dp_shard={self.dp_shard}, expt_dp_shard={self.expt_dp_shard}",
+                f"ep={self.ep}{extra}): dp_shard={self.dp_shard}, "
+                f"expt_dp_shard={self.expt_dp_shard}",
                 f"{'group':<14} | ranks"]
         rows.append("-" * 15 + "+" + "-" * 40)
         for kind in GROUP_KINDS:
+            if kind in ("tp", "cp") and getattr(self, kind) == 1:
+                continue
+            if kind == "dp" and self.cp == 1 and self.tp == 1:
+                continue  # the same ranks as dp_shard x dp_outer
             rows.append(f"{kind:<14} | " + " ".join(str(g).replace(" ", "")
                                                     for g in self.groups(kind)))
         return "\n".join(rows)

@@ -38,8 +38,8 @@ def _bad_inputs() -> dict[str, str]:
         "mesh_dim": lambda: mfsdp.fully_shard_model(ToyModel(), device_mesh=mesh,
                                                     dp_shard_dim="data"),
         "mesh_dim_missing": lambda: mfsdp.fully_shard_model(ToyModel(), device_mesh=mesh),
-        "tp_size": lambda: mfsdp.fully_shard_model(ToyModel(), device_mesh=tp_mesh,
-                                                   dp_shard_dim="dp", tp_dim="tp"),
+        "tp_without_tp_dim": lambda: mfsdp.fully_shard_model(
+            _tensor_parallel(tp_mesh["tp"]), device_mesh=tp_mesh, dp_shard_dim="dp"),
         "meta_without_flag": lambda: mfsdp.fully_shard_model(_meta()),
         "wrong_device": lambda: mfsdp.fully_shard_model(ToyModel(), device="meta"),
         "optimizer_first": lambda: mfsdp.fully_shard_optimizer(
@@ -55,6 +55,13 @@ def _bad_inputs() -> dict[str, str]:
     out = {name: attempt(fn) for name, fn in cases.items()}
     dist.barrier()
     return out
+
+
+def _tensor_parallel(tp_mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    return parallelize_module(torch.nn.Sequential(torch.nn.Linear(4, 4)), tp_mesh,
+                              {"0": ColwiseParallel()})
 
 
 def _meta():
@@ -92,7 +99,7 @@ EXPECTED = {
     "mesh_dim": "ValueError: dp_shard_dim='data' is not a dimension of device_mesh; its "
                 "dimensions are ('dp', 'tp')",
     "mesh_dim_missing": "ValueError: dp_shard_dim is required for a 2-D device_mesh",
-    "tp_size": "ValueError: tp_dim='tp' has size 2; tensor parallelism is not supported",
+    "tp_without_tp_dim": "ValueError: parameter '0.weight' is a DTensor over DeviceMesh",
     "meta_without_flag": "ValueError: parameter 'inp.weight' is on the meta device; pass "
                          "init_model_with_meta_device=True",
     "wrong_device": "ValueError: parameter 'inp.weight' is on cpu but the mesh device is meta",

@@ -69,6 +69,7 @@ def test_groups_are_orthogonal_and_sizes_multiply_to_the_world(layout):
     (dict(world_size=8, ep=4, num_experts=2), "ep=4 is larger than num_experts=2"),
     (dict(world_size=8, ep=4, num_experts=6), "num_experts=6 is not divisible by ep=4"),
     (dict(world_size=0), "world_size=0 must be a positive integer"),
+    (dict(world_size=8, tp=3), "is not divisible by tp x cp = 3 x 1"),
 ])
 def test_bad_layouts_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -76,5 +77,41 @@ def test_bad_layouts_are_refused(kwargs, message):
 
 
 def test_unknown_group_kind():
-    with pytest.raises(ValueError, match="kind='tp' is not a group kind"):
-        ParallelLayout(4).groups("tp")
+    with pytest.raises(ValueError, match="kind='pp' is not a group kind"):
+        ParallelLayout(4).groups("pp")
+
+
+def test_tp_and_cp_follow_megatron_lm_rank_order():
+    """Megatron-LM's order (tp fastest, then cp, then dp): rank = ((o*dp + d)*cp + c)*tp + t."""
+    outer, dp, cp, tp = 2, 2, 2, 2
+    layout = ParallelLayout(world_size=16, dp_outer=outer, tp=tp, cp=cp)
+    rank = {(o, d, c, t): ((o * dp + d) * cp + c) * tp + t for o in range(outer)
+            for d in range(dp) for c in range(cp) for t in range(tp)}
+    for (o, d, c, t), r in rank.items():
+        assert layout.group_of("tp", r) == [rank[o, d, c, x] for x in range(tp)]
+        assert layout.group_of("cp", r) == [rank[o, d, x, t] for x in range(cp)]
+        # parameters are sharded over dp x cp at one TP index (upstream's dp_shard_cp)
+        assert layout.group_of("dp_shard", r) == [rank[o, y, x, t] for y in range(dp)
+                                                  for x in range(cp)]
+        assert layout.group_of("dp_outer", r) == [rank[x, d, c, t] for x in range(outer)]
+        assert layout.group_of("dp", r) == [rank[x, y, c, t] for x in range(outer)
+                                            for y in range(dp)]
+    assert "tp             | [0,1] [2,3]" in str(layout)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([1, 2]), st.sampled_from([1, 2, 3]), st.sampled_from([1, 2]),
+       st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]))
+def test_tp_cp_layouts_cover_every_rank_once(outer, dp, cp, tp, ep):
+    if (dp * cp) % ep:
+        return
+    layout = ParallelLayout(world_size=outer * dp * cp * tp, dp_outer=outer, ep=ep, tp=tp, cp=cp)
+    for kind in GROUP_KINDS:
+        ranks = sorted(r for g in layout.groups(kind) for r in g)
+        assert ranks == list(range(layout.world_size)), kind
+    size = {k: len(layout.groups(k)[0]) for k in GROUP_KINDS}
+    assert size["dp_shard"] * size["dp_outer"] * size["tp"] == layout.world_size
+    assert size["expt_dp_shard"] * size["ep"] == size["dp_shard"]
+    # an EP group never crosses TP indices or replicas: it lies inside one shard group
+    for g in layout.groups("ep"):
+        assert any(set(g) <= set(s) for s in layout.groups("dp_shard"))

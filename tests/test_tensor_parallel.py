@@ -17,7 +17,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from mfsdp import fully_shard
 from mfsdp.launch import launch
@@ -243,3 +242,101 @@ def test_checkpoint_reshards_across_tp_sizes(tmp_path):
             assert st.keys() == got["state"][name].keys() and st
             for k, v in st.items():
                 assert torch.equal(got["state"][name][k], v), f"{shape}: {name}.{k} differs"
+
+
+def upstream_mesh(shape: tuple, strategy_kind: str) -> dict:
+    """Upstream's mesh ``(dp_outer, dp_shard, cp, tp)`` with ``dp_shard_cp`` flattened, HSDP over
+    ``dp_outer``; the data split over every (outer, shard, cp) rank, as Megatron-LM's
+    ``dp_cp`` group sees it when the model itself is not context-parallel."""
+    mesh = _mesh(shape, ("dp_outer", "dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    mesh["dp_outer", "dp_shard", "cp"]._flatten("hsdp")
+    out = {}
+    for strategy in STRATEGIES:
+        net = llama()
+        if shape[3] > 1:
+            net = tensor_parallel(net, mesh["tp"])
+        unit = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+        model, opt = fully_shard(net, _optimizer(strategy_kind, net.parameters()),
+                                 device_mesh=mesh, dp_shard_dim="dp_shard_cp",
+                                 dp_outer_dim="dp_outer", tp_dim="tp",
+                                 hybrid_fsdp_group=mesh["hsdp"].get_group(),
+                                 fsdp_unit_modules=[unit], zero_dp_strategy=strategy)
+        data, n_data = mesh["hsdp"].get_local_rank(), mesh["hsdp"].size()
+        for ids in _batches(3):
+            ids = torch.cat([ids, ids.flip(0)])  # 8 sequences: one or two per data rank
+            n = ids.shape[0] // n_data
+            mine = ids[data * n:(data + 1) * n]
+            model(input_ids=mine, labels=mine).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        full = model.full_parameters()
+        ref = llama()
+        ropt = _optimizer(strategy_kind, ref.parameters())
+        for ids in _batches(3):
+            ids = torch.cat([ids, ids.flip(0)])
+            ref(input_ids=ids, labels=ids).loss.backward()
+            ropt.step()
+            ropt.zero_grad()
+        out[strategy] = _error(full, ref)
+    return out
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 2)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_upstream_meshes_with_cp_and_hsdp(shape):
+    errors = launch(upstream_mesh, 8, args=(shape, "sgd"), timeout=900)[0]
+    for case, err in errors.items():
+        assert err < 1e-5, f"mesh {shape} {case}: parameters differ by {err:.2e} (relative L2)"
+
+
+def gpt_tp(kind: str) -> dict:
+    """mfsdp's own GPT (grouped-query attention, GELU MLP) split with Megatron-LM's plan."""
+    from mfsdp.models.gpt import GPT, GPTConfig, TransformerLayer
+    from mfsdp.models.tensor_parallel import apply_tensor_parallel
+
+    cfg = GPTConfig(vocab_size=64, max_position_embeddings=16, num_layers=2, hidden_size=32,
+                    ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2)
+    mesh = _mesh((2, 2), ("dp", "tp"))
+    out = {}
+    for strategy in ("optim", "optim_grads_params"):
+        torch.manual_seed(0)
+        ref = GPT(cfg)
+        net = apply_tensor_parallel(copy.deepcopy(ref), mesh["tp"])
+        model, opt = fully_shard(net, _optimizer(kind, net.parameters()), device_mesh=mesh,
+                                 dp_shard_dim="dp", tp_dim="tp",
+                                 fsdp_unit_modules=[TransformerLayer], zero_dp_strategy=strategy)
+        ropt = _optimizer(kind, ref.parameters())
+        dp = mesh["dp"].get_local_rank()
+        for ids in _batches(3):
+            mine = ids[dp * 2:dp * 2 + 2]
+            _next_token_loss(model(mine), mine).backward()
+            _next_token_loss(ref(ids), ids).backward()
+            for o in (opt, ropt):
+                o.step()
+                o.zero_grad()
+        out[strategy] = _error(model.full_parameters(), ref)
+    return out
+
+
+def _next_token_loss(logits, ids):
+    return torch.nn.functional.cross_entropy(logits, ids.roll(-1, dims=1).reshape(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_mfsdp_gpt_with_megatron_tp_plan_matches_one_process(kind):
+    for case, err in launch(gpt_tp, 4, args=(kind,), timeout=600)[0].items():
+        assert err < 1e-5, f"{case} ({kind}): parameters differ by {err:.2e}"
+
+
+def test_tp_plan_refuses_what_it_cannot_split():
+    from mfsdp.models.gpt import GPTConfig
+    from mfsdp.models.tensor_parallel import check_tensor_parallel
+
+    cfg = GPTConfig(num_layers=1, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                    num_query_groups=2, swiglu=True)
+    with pytest.raises(ValueError, match="num_query_groups=2 is not divisible by the "
+                                         "tensor-parallel size 4.*swiglu=True"):
+        check_tensor_parallel(cfg, 4)

@@ -77,7 +77,7 @@ def refused(arg: str, value) -> str:
 def test_cuda_only_features_are_refused_by_name():
     cases = [("nccl_ub", True), ("keep_fp8_transpose_cache", True),
              ("disable_symmetric_registration", True), ("enable_fine_grained_param_gather", True),
-             ("maxpool_double_buffer", True), ("cuda_graph_mode", "full_iteration")]
+             ("cuda_graph_mode", "full_iteration")]
     for (arg, value), msg in zip(cases, launch(_refusals, 1, args=(cases,))[0]):
         assert msg.startswith(f"{arg}={value!r}: ") and "not implemented by mfsdp" in msg, msg
 
@@ -177,3 +177,40 @@ def test_meta_init_uses_underscore_reset_parameters():
     params = launch(meta_multihead_attention, 2)[0]
     in_proj = dict((n, s) for n, _, s in params)["1.self_attn.in_proj_weight"]
     assert all(finite for _, finite, _ in params) and in_proj > 0
+
+
+def buffers_and_maxpool(strategy: str) -> dict:
+    policy = mfsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                        main_grads_dtype=torch.float32)
+    ref = _net()
+    net = copy.deepcopy(ref).to(torch.bfloat16)
+    model = mfsdp.fully_shard_model(net, fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
+                                    mixed_precision_policy=policy, maxpool_double_buffer=True)
+    view = model.param_and_grad_buffer
+    groups = view.parameter_groups
+    out = {
+        "n_groups": len(groups), "n_buckets": len(model.buckets),
+        "model": {g.model_weight_buffer.data.dtype for g in groups},
+        "main": {g.main_weight_buffer.data.dtype for g in groups if g.main_weight_buffer},
+        "grads": {g.main_grad_buffer.data.dtype for g in groups},
+        "pool": model.pool is not None,
+    }
+    # the grad view is the live gradient shard: after a backward it holds the reduced gradient
+    opt = mfsdp.fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(4, 4, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    model.finish_grad_sync()
+    out["grad_view_live"] = all(g.main_grad_buffer.data.abs().sum() > 0 for g in groups)
+    opt.zero_grad()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_param_and_grad_buffer_view_and_maxpool_double_buffer(strategy):
+    r = launch(buffers_and_maxpool, 2, args=(strategy,))[0]
+    assert r["n_groups"] == r["n_buckets"] > 1
+    assert r["model"] == {torch.bfloat16}
+    assert r["main"] == {torch.float32} and r["grads"] == {torch.float32}
+    assert r["grad_view_live"]
+    # maxpool_double_buffer is the double buffer under ZeRO-3; no buffer to lay out otherwise
+    assert r["pool"] == (strategy == "optim_grads_params")

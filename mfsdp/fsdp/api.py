@@ -50,7 +50,6 @@ _CUDA_ONLY = {
     "disable_symmetric_registration": (False, "NCCL symmetric (window) registration"),
     "keep_fp8_transpose_cache": (False, "the FP8 transpose cache of TransformerEngine"),
     "enable_fine_grained_param_gather": (False, "per-module all-gathers of MXFP8 parameters"),
-    "maxpool_double_buffer": (False, "the max-pooled double buffer of NCCL user buffers"),
     "cuda_graph_mode": (None, "CUDA graph capture of the FSDP hooks"),
 }
 
@@ -184,10 +183,13 @@ def fully_shard_model(
             together with ``mixed_precision_policy``.
         fsdp_db_use_persist_buf_on_alloc_fail: accepted either way: mfsdp sizes the double
             buffer's slots for the largest unit, so a unit never fails to fit.
+        maxpool_double_buffer: the double buffer with both slots sized to the largest unit
+            (upstream's max-pooled layout, which is mfsdp's double buffer): under
+            ``optim_grads_params`` it turns ``fsdp_double_buffer`` on; the other strategies
+            gather no weights, so there is no buffer to lay out.
         nccl_ub: upstream's CUDA-only features (also ``keep_fp8_transpose_cache``,
             ``disable_symmetric_registration``, ``enable_fine_grained_param_gather``,
-            ``maxpool_double_buffer``, ``cuda_graph_mode``): a non-default value is an error
-            that says so.
+            ``cuda_graph_mode``): a non-default value is an error that says so.
     """
     local = dict(locals())  # the arguments as given, before anything below rebinds them
     if isinstance(module, FullyShardedModule) or any(_owner(p) is not None
@@ -199,7 +201,7 @@ def fully_shard_model(
         nccl_ub=nccl_ub, disable_symmetric_registration=disable_symmetric_registration,
         keep_fp8_transpose_cache=keep_fp8_transpose_cache,
         enable_fine_grained_param_gather=enable_fine_grained_param_gather,
-        maxpool_double_buffer=maxpool_double_buffer, cuda_graph_mode=cuda_graph_mode)
+        cuda_graph_mode=cuda_graph_mode)
     if grad_reduce_in_fp32 is not None or preserve_fp32_weights is not None:
         if mixed_precision_policy is not None:
             raise ValueError("grad_reduce_in_fp32 / preserve_fp32_weights are the older spelling "
@@ -243,7 +245,7 @@ def fully_shard_model(
                         dp_shard_ag=process_groups["dp_shard_ag"], outer_strategy=outer,
                         expt_dp_shard=process_groups["expt_dp_shard"],
                         expt_dp_shard_ag=process_groups["expt_dp_shard_ag"],
-                        ep=process_groups["ep"])
+                        ep=process_groups["ep"], tp=process_groups["tp"])
     if device_mesh is not None:
         if device_mesh.size() != dist.get_world_size():
             raise ValueError(f"device_mesh covers {device_mesh.size()} ranks but the world has "
@@ -290,6 +292,10 @@ def fully_shard_model(
     if fsdp_double_buffer and not strategy.shards_params:
         raise ValueError("fsdp_double_buffer=True needs zero_dp_strategy='optim_grads_params' "
                          f"(gathered weights only exist under ZeRO-3), got {strategy.value!r}")
+    if maxpool_double_buffer and strategy.shards_params:
+        # upstream's max-pooled double buffer: two slots, each sized to the largest unit, which
+        # is how mfsdp's double buffer is laid out (see DoubleBuffer in mfsdp/fsdp/bucket.py)
+        local["fsdp_double_buffer"] = True
     options = EngineOptions(**{f.name: local[f.name] for f in dataclasses.fields(EngineOptions)})
     model = FullyShardedModule(module, groups=groups, strategy=strategy, unit_classes=units,
                                device=device, mixed_precision_policy=mixed_precision_policy,

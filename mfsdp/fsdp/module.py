@@ -506,6 +506,13 @@ class FullyShardedModule(nn.Module):
         return {sp.name: sp.tp.full_of(full[sp.name]) if sp.tp_sharded else full[sp.name]
                 for sp in self._sparams}
 
+    @property
+    def param_and_grad_buffer(self):
+        """Upstream's view of the buffers: ``.parameter_groups[i]`` with ``model_weight_buffer``,
+        ``main_weight_buffer`` and ``main_grad_buffer`` (see :mod:`mfsdp.fsdp.buffers`)."""
+        from mfsdp.fsdp.buffers import ParamAndGradBufferView
+        return ParamAndGradBufferView(self)
+
     def comm_scratch_bytes(self) -> int:
         """Bytes of the communication scratch buffers this rank keeps for reuse (gloo only: the
         all-to-all inputs of all-gathers and receive buffers of reduce-scatters, see [Note: gloo

@@ -219,8 +219,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor, rope=None) -> torch.Tensor:
         T = x.shape[0]
         per = self.heads // self.groups
-        qkv = self.linear_qkv(x).view(T, self.groups, per + 2, self.dim)
-        q = qkv[:, :, :per].reshape(T, self.heads, self.dim)
+        # (-1: the groups this rank holds, all of them unless linear_qkv is column-parallel)
+        qkv = self.linear_qkv(x).view(T, -1, per + 2, self.dim)
+        q = qkv[:, :, :per].reshape(T, -1, self.dim)
         k, v = qkv[:, :, per], qkv[:, :, per + 1]
         if hasattr(self, "q_layernorm"):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
@@ -229,7 +230,7 @@ class Attention(nn.Module):
         if per > 1:
             k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
         out = _core_attention(q, k, v, mask, self.selective)
-        return self.linear_proj(out.reshape(T, self.heads * self.dim))
+        return self.linear_proj(out.reshape(T, -1))
 
 
 class MLAttention(nn.Module):
