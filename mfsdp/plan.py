@@ -124,6 +124,19 @@ class ModelConfig:
         out["root"] = ([(self.vocab, h)] * (1 if self.tied_embeddings else 2) + [(h,)], 1)
         return out
 
+    def tp_replicated_params(self) -> int:
+        """Dense parameters that Megatron-LM's tensor parallelism keeps whole on every TP rank:
+        norms, routers, shared-expert gates and query/key norms. Everything else dense (attention
+        and MLP projections, shared experts, vocabulary-parallel embedding and output layer) is
+        split ``tp`` ways; routed experts are split over EP instead (expert TP size 1)."""
+        h = self.hidden
+        moe_layers = self.num_layers - self.first_dense_layers if self.num_experts else 0
+        per_layer = 2 * h + (2 * (self.head_dim or h // self.num_heads) if self.qk_norm else 0)
+        if self.mla:
+            per_layer += self.mla[0] + self.mla[1]  # the q and kv latent norms
+        router = h * self.num_experts + (h if self.shared_expert_gate else 0)
+        return self.num_layers * per_layer + moe_layers * router + h
+
     def param_counts(self) -> tuple[int, int]:
         """(dense, expert) parameters of the whole model."""
         moe_layers = self.num_layers - self.first_dense_layers if self.num_experts else 0
@@ -172,6 +185,9 @@ class Layout:
     recompute_method: str = "uniform"  # with full: "uniform" chunks or the first layers ("block")
     recompute_num_layers: int = 1
     flash_attention: bool = True  # no s x s attention scores kept for backward
+    tp: int = 1  # tensor-parallel size (Megatron-LM's split, see ModelConfig.tp_replicated_params)
+    cp: int = 1  # context-parallel size: each rank holds seq_length / cp tokens of a sequence
+    sequence_parallel: bool = False  # norms and dropout on sequence shards (needs tp > 1)
 
     def __post_init__(self) -> None:
         from mfsdp.config import ShardingStrategy
@@ -179,13 +195,22 @@ class Layout:
 
         ShardingStrategy.parse(self.strategy)
         ShardingStrategy.parse(self.outer_strategy, "outer_strategy")
-        ParallelLayout(self.world_size, self.dp_outer, self.ep)
+        ParallelLayout(self.world_size, self.dp_outer, self.ep, tp=self.tp, cp=self.cp)
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=True needs tp > 1 (it splits the TP region's "
+                             "norms and dropout over the TP ranks)")
+
+    @property
+    def shard(self) -> int:
+        """Ranks the dense parameters are sharded over (``dp x cp``)."""
+        return self.world_size // (self.dp_outer * self.tp)
 
 
 def state_bytes(dense: int, expert: int, layout: Layout) -> dict[str, float]:
     """Per-rank bytes of weights, main weights, gradients and optimizer state (no padding).
 
-    The same terms the engine allocates (see ``docs/sharding.md``): dense parameters are sharded
+    ``dense`` counts what one TP rank holds (see :func:`tp_dense`). The same terms the engine
+    allocates (see ``docs/sharding.md``): dense parameters are sharded
     over the shard group, expert parameters (``expert / ep`` per rank) over the expert shard
     group; under HFSDP main weights, gradients and optimizer state are also split over the outer
     dimension. Main weights take no memory of their own when their dtype is the compute dtype.
@@ -193,7 +218,7 @@ def state_bytes(dense: int, expert: int, layout: Layout) -> dict[str, float]:
     from mfsdp.config import ShardingStrategy
 
     stage = ShardingStrategy.parse(layout.strategy).zero_stage
-    shard = layout.world_size // layout.dp_outer
+    shard = layout.shard
     outer = layout.dp_outer if ShardingStrategy.parse(layout.outer_strategy).zero_stage else 1
     separate_main = layout.main_bytes != layout.compute_bytes
     out = {"weights": 0.0, "main_weights": 0.0, "grads": 0.0, "optimizer": 0.0}
@@ -241,6 +266,12 @@ class Plan:
         return "\n".join(rows)
 
 
+def tp_dense(model: ModelConfig, dense: float, tp: int) -> float:
+    """Dense parameters one TP rank holds: the split ones ``/ tp``, the replicated ones whole."""
+    whole = model.tp_replicated_params()
+    return (dense - whole) / tp + whole
+
+
 def _activations(model: ModelConfig, layout: Layout) -> float:
     """Activation bytes of one micro-batch in bf16 (Korthikanti et al., 2022), an estimate.
 
@@ -249,12 +280,17 @@ def _activations(model: ModelConfig, layout: Layout) -> float:
     recomputed chunk's input plus one chunk's activations while it is recomputed (uniform), or
     ``2 s b h`` for each of the first ``recompute_num_layers`` layers (block).
     """
-    s, b, h, a = layout.seq_length, layout.micro_batch, model.hidden, model.num_heads
+    s, b, h, a = layout.seq_length // layout.cp, layout.micro_batch, model.hidden, model.num_heads
+    t = layout.tp
     granularity = layout.recompute_granularity or ("full" if layout.recompute else None)
-    scores = 0 if layout.flash_attention or granularity == "selective" else 5 * a * s / h
-    per_layer = s * b * h * (34 + scores)
+    scores = 0 if layout.flash_attention or granularity == "selective" else 5 * a * s / (h * t)
+    # Korthikanti et al.: 10 of the 34 bytes per token and channel (norm inputs, dropout masks)
+    # stay whole on every TP rank unless sequence parallelism splits them too.
+    per_layer = s * b * h * ((34 / t if layout.sequence_parallel else 10 + 24 / t) + scores)
     if model.num_experts:  # routed tokens: topk copies of the MLP activations
         per_layer += s * b * (model.topk - 1) * 3 * model.moe_ffn_hidden * 2
+    if layout.sequence_parallel:  # the checkpointed layer inputs are sequence shards too
+        s = s // t
     L = model.num_layers
     if granularity != "full":
         return L * per_layer
@@ -277,7 +313,7 @@ def padding(model: ModelConfig, layout: Layout) -> tuple[float, float]:
 
     if ShardingStrategy.parse(layout.strategy).zero_stage == 0:
         return 0.0, 0.0
-    shard = layout.world_size // layout.dp_outer
+    shard = layout.shard
     factor = layout.dp_outer if ShardingStrategy.parse(layout.outer_strategy).zero_stage else 1
     pad = {"dense": [0, 0], "expert": [0, 0]}  # [padding, numel]
     for name, (shapes, count) in model.bucket_shapes(layout.ep).items():
@@ -309,21 +345,40 @@ def plan(model: ModelConfig, layout: Layout) -> Plan:
 
     dense, expert = model.param_counts()
     pad_dense, pad_expert = padding(model, layout)
-    memory = state_bytes(dense * (1 + pad_dense), expert * (1 + pad_expert), layout)
+    local_dense = tp_dense(model, dense, layout.tp)  # what one TP rank holds
+    memory = state_bytes(local_dense * (1 + pad_dense), expert * (1 + pad_expert), layout)
     s = ShardingStrategy.parse(layout.strategy).zero_stage
     unit_dense, unit_expert = model.layer_params(bool(model.num_experts))
-    unit = (unit_dense + unit_expert / layout.ep) * layout.compute_bytes
+    unit = (unit_dense / layout.tp + unit_expert / layout.ep) * layout.compute_bytes
     memory["gathered"] = (layout.prefetch_depth + 1) * unit if s == 3 else 0.0
     memory["activations"] = _activations(model, layout)
-    shard = layout.world_size // layout.dp_outer
+    shard = layout.shard
     ring = (shard - 1) / shard
-    model_bytes = (dense + expert / layout.ep) * layout.compute_bytes
+    model_bytes = (local_dense + expert / layout.ep) * layout.compute_bytes
     comm = {"dp_shard": (3 if s == 3 else 2) * ring * model_bytes}
     if layout.dp_outer > 1:
         o = layout.dp_outer
         comm["dp_outer"] = 2 * (o - 1) / o * model_bytes / shard
+    granularity = layout.recompute_granularity or ("full" if layout.recompute else None)
+    tokens_here = layout.micro_batch * layout.seq_length // layout.cp  # one rank's tokens
+    act = tokens_here * model.hidden * layout.compute_bytes  # one [s, b, h] activation
+    if layout.tp > 1:
+        # Per layer: an all-reduce after attention and after the MLP in forward, two for the
+        # input gradients in backward (with SP: all-gather + reduce-scatter, the same bytes);
+        # full recomputation repeats the forward's two.
+        n = 4 + (2 if granularity == "full" else 0)
+        comm["tp"] = model.num_layers * n * 2 * (layout.tp - 1) / layout.tp * act
+    if layout.cp > 1:
+        # Per layer: keys and values of the other CP ranks' chunks in forward (all-gathered, as
+        # Llama 3 does), their gradients reduce-scattered back in backward, again in recompute.
+        head = model.head_dim or model.hidden // model.num_heads
+        kv = 2 * (model.num_kv_heads or model.num_heads) * head if not model.mla else \
+            2 * model.num_heads * model.mla[2]
+        n = 2 + (1 if granularity == "full" else 0)
+        comm["cp"] = (model.num_layers * n * (layout.cp - 1) * tokens_here * kv
+                      * layout.compute_bytes / layout.tp)
     if layout.ep > 1 and model.num_experts:
-        tokens = layout.micro_batch * layout.seq_length
+        tokens = tokens_here
         moe_layers = model.num_layers - model.first_dense_layers
         # dispatch + combine, forward + backward, topk copies of each token
         comm["ep"] = 4 * moe_layers * tokens * model.topk * model.hidden * layout.compute_bytes \
@@ -360,6 +415,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--outer-dp-sharding-strategy", "--outer-strategy", dest="outer_strategy",
                         default="no_shard", choices=["no_shard", "optim"])
     parser.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, default=1)
+    parser.add_argument("--tensor-model-parallel-size", dest="tp", type=int, default=1,
+                        help="tensor-parallel size (Megatron-LM's split of every projection)")
+    parser.add_argument("--context-parallel-size", dest="cp", type=int, default=1,
+                        help="context-parallel size (each rank holds seq_length / cp tokens)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="sequence parallelism in the TP regions (needs TP > 1)")
     parser.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int,
                         default=1, help="sequences per micro-batch (the trainer's name)")
     parser.add_argument("--seq-length", type=int, default=4096)
@@ -382,7 +443,8 @@ def run(args: argparse.Namespace) -> int:
                     micro_batch=args.micro_batch, seq_length=args.seq_length,
                     recompute=args.recompute, recompute_granularity=args.recompute_granularity,
                     recompute_method=args.recompute_method,
-                    recompute_num_layers=args.recompute_num_layers)
+                    recompute_num_layers=args.recompute_num_layers, tp=args.tp, cp=args.cp,
+                    sequence_parallel=args.sequence_parallel)
     p = plan(model, layout)
     print(f"{args.preset}: {p.params / 1e9:.1f}B parameters ({p.expert_params / 1e9:.1f}B in "
           f"experts), {args.world_size} ranks, {args.strategy}")

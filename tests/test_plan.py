@@ -112,3 +112,69 @@ def test_recompute_granularity_orders_activation_memory():
     every = plan(model, Layout(32, recompute_granularity="full", recompute_method="block",
                                recompute_num_layers=80)).memory["activations"]
     assert every == pytest.approx(80 * 2 * 4096 * 8192)
+
+
+def tp_state_bytes(strategy: str) -> int:
+    """Measured state bytes of one rank: a Hugging Face Llama split with Megatron-LM's full plan
+    (projections, vocabulary-parallel embedding and output layer; as torchtitan's Llama plan)
+    and sharded at (dp 2, tp 2)."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from mfsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_HF_LLAMA))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan_ = {k: styles[v]() for k, v in model.config.base_model_tp_plan.items()}
+    plan_["embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+    parallelize_module(model.model, mesh["tp"], plan_)
+    parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    model, opt = fully_shard(model, torch.optim.AdamW(model.parameters()), device_mesh=mesh,
+                             dp_shard_dim="dp", tp_dim="tp", fsdp_unit_modules=[LlamaDecoderLayer],
+                             zero_dp_strategy=strategy)
+    ids = torch.randint(0, _HF_LLAMA["vocab_size"], (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return sum(model.memory_by_kind().values()) + opt.local_state_bytes()
+
+
+_HF_LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_tensor_parallel_state_bytes_match_measured(strategy):
+    from mfsdp.plan import ModelConfig, tp_dense
+
+    measured = max(launch(tp_state_bytes, 4, args=(strategy,), timeout=300))
+    model = ModelConfig(num_layers=2, hidden=128, ffn_hidden=256, num_heads=4, vocab=256,
+                        num_kv_heads=2)
+    layout = Layout(4, strategy, tp=2, compute_bytes=4, main_bytes=4, grad_bytes=4)
+    dense, _ = model.param_counts()
+    estimated = sum(state_bytes(tp_dense(model, dense, 2), 0, layout).values())
+    assert abs(estimated / measured - 1) < 0.05, (estimated, measured)
+
+
+def test_tp_cp_and_sp_change_what_they_should():
+    model = PRESETS["llama3-70b"]
+    base = plan(model, Layout(64, seq_length=8192))
+    tp = plan(model, Layout(64, seq_length=8192, tp=8))
+    sp = plan(model, Layout(64, seq_length=8192, tp=8, sequence_parallel=True))
+    cp = plan(model, Layout(64, seq_length=8192, tp=8, cp=2, sequence_parallel=True))
+    # the same 64 ranks hold the same state, whatever splits it; a gathered layer is 1/tp
+    assert tp.memory["optimizer"] == pytest.approx(base.memory["optimizer"], rel=0.01)
+    assert tp.memory["gathered"] == pytest.approx(base.memory["gathered"] / 8, rel=0.01)
+    # Korthikanti et al.: 34 -> 10 + 24/t without SP, 34/t with it; CP halves the tokens
+    assert tp.memory["activations"] / base.memory["activations"] == pytest.approx(13 / 34)
+    assert sp.memory["activations"] / base.memory["activations"] == pytest.approx(1 / 8)
+    assert cp.memory["activations"] == pytest.approx(sp.memory["activations"] / 2)
+    assert "tp" in tp.comm and "tp" not in base.comm and "cp" in cp.comm
+    with pytest.raises(ValueError, match="sequence_parallel=True needs tp > 1"):
+        Layout(8, sequence_parallel=True)

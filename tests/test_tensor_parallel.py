@@ -291,19 +291,37 @@ def test_upstream_meshes_with_cp_and_hsdp(shape):
         assert err < 1e-5, f"mesh {shape} {case}: parameters differ by {err:.2e} (relative L2)"
 
 
-def gpt_tp(kind: str) -> dict:
-    """mfsdp's own GPT (grouped-query attention, GELU MLP) split with Megatron-LM's plan."""
+GPT_VARIANTS = {
+    # Llama-style: RMSNorm, RoPE, SwiGLU (split per rank as [gate_r; up_r]), GQA, no biases
+    "llama": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                  add_bias_linear=False, num_query_groups=2),
+    "gpt-gelu": dict(num_query_groups=2),  # LayerNorm, learned positions, GELU, biases
+    "llama-gelu": dict(normalization="RMSNorm", position_embedding_type="rope",
+                       add_bias_linear=False, num_query_groups=2),
+    "mla": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                add_bias_linear=False, multi_latent_attention=True, q_lora_rank=16,
+                kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8),
+    "moe": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                add_bias_linear=False, num_query_groups=2, num_experts=4, moe_router_topk=2,
+                moe_ffn_hidden_size=16, moe_first_dense_layers=1,
+                moe_shared_expert_intermediate_size=16),
+}
+
+
+def gpt_tp(kind: str, variant: str, sequence_parallel: bool) -> dict:
+    """mfsdp's own GPT split with Megatron-LM's plan (mfsdp.models.tensor_parallel), against
+    the unsplit model trained in one process."""
     from mfsdp.models.gpt import GPT, GPTConfig, TransformerLayer
     from mfsdp.models.tensor_parallel import apply_tensor_parallel
 
     cfg = GPTConfig(vocab_size=64, max_position_embeddings=16, num_layers=2, hidden_size=32,
-                    ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2)
+                    ffn_hidden_size=48, num_attention_heads=4, **GPT_VARIANTS[variant])
     mesh = _mesh((2, 2), ("dp", "tp"))
     out = {}
     for strategy in ("optim", "optim_grads_params"):
         torch.manual_seed(0)
         ref = GPT(cfg)
-        net = apply_tensor_parallel(copy.deepcopy(ref), mesh["tp"])
+        net = apply_tensor_parallel(copy.deepcopy(ref), mesh["tp"], sequence_parallel)
         model, opt = fully_shard(net, _optimizer(kind, net.parameters()), device_mesh=mesh,
                                  dp_shard_dim="dp", tp_dim="tp",
                                  fsdp_unit_modules=[TransformerLayer], zero_dp_strategy=strategy)
@@ -325,10 +343,12 @@ def _next_token_loss(logits, ids):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("variant, sp", [("llama", False), ("llama", True), ("gpt-gelu", True),
+                                         ("mla", True), ("moe", True)])
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
-def test_mfsdp_gpt_with_megatron_tp_plan_matches_one_process(kind):
-    for case, err in launch(gpt_tp, 4, args=(kind,), timeout=600)[0].items():
-        assert err < 1e-5, f"{case} ({kind}): parameters differ by {err:.2e}"
+def test_mfsdp_gpt_with_megatron_tp_plan_matches_one_process(kind, variant, sp):
+    for case, err in launch(gpt_tp, 4, args=(kind, variant, sp), timeout=600)[0].items():
+        assert err < 1e-5, f"{variant} sp={sp} {case} ({kind}): parameters differ by {err:.2e}"
 
 
 def test_tp_plan_refuses_what_it_cannot_split():
@@ -336,7 +356,9 @@ def test_tp_plan_refuses_what_it_cannot_split():
     from mfsdp.models.tensor_parallel import check_tensor_parallel
 
     cfg = GPTConfig(num_layers=1, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
-                    num_query_groups=2, swiglu=True)
+                    num_query_groups=2, vocab_size=30, share_embeddings_and_output_weights=True)
     with pytest.raises(ValueError, match="num_query_groups=2 is not divisible by the "
-                                         "tensor-parallel size 4.*swiglu=True"):
+                                         "tensor-parallel size 4.*vocab_size=30.*tied"):
         check_tensor_parallel(cfg, 4)
+    with pytest.raises(ValueError, match="sequence parallelism needs a tensor-parallel size"):
+        check_tensor_parallel(cfg, 1, sequence_parallel=True)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from mfsdp.fsdp.bucket import Bucket, DoubleBuffer, plan_bucket
 from mfsdp.config import ShardingStrategy
@@ -81,9 +82,9 @@ def _tp_specs(model, params: dict[int, dict]) -> None:
             raise ValueError(f"{where}, but tp_dim spans ranks {sorted(tp_ranks)}; parallelize "
                              "the model over device_mesh[tp_dim] (the same TP ranks)")
         for pl in p.placements:
-            if not isinstance(pl, (Shard, Replicate)):
-                raise ValueError(f"{where} with placement {pl}; TP parameters must be Shard or "
-                                 "Replicate over the TP mesh")
+            if not isinstance(pl, (Shard, _StridedShard, Replicate)):
+                raise ValueError(f"{where} with placement {pl}; TP parameters must be Shard, "
+                                 "_StridedShard or Replicate over the TP mesh")
         e["tp"] = TPSpec.of(p)
         if model.tp_mesh is None:
             model.tp_mesh = p.device_mesh

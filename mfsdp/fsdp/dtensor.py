@@ -43,46 +43,69 @@ __all__ = ["uneven_dtensor", "attach_uneven", "flat_boxes", "gather_pieces", "Un
 @dataclass(frozen=True)
 class TPSpec:
     """Where a parameter's tensor-parallel block sits: the TP mesh, the placements over it, the
-    global shape and this rank's block (its shape and offset in the global tensor).
+    global shape, this rank's block shape and where its rows come from.
 
     A parameter that is a ``DTensor`` over the TP mesh (``parallelize_module``, a Hugging Face TP
-    plan, Megatron-style layers) has the placements it came with; a plain parameter of a model in
-    a TP mesh is replicated over it (``dtensor_param=False``: modules keep computing with a plain
-    tensor)."""
+    plan, :mod:`mfsdp.models.tensor_parallel`) has the placements it came with; a plain parameter
+    of a model in a TP mesh is replicated over it (``dtensor_param=False``: modules keep computing
+    with a plain tensor). The block is made of ``segments`` along dimension ``dim``:
+    ``(global start, local start, length)``; one for ``Shard(dim)``, ``split_factor`` of them for
+    ``_StridedShard`` (SwiGLU's stacked gate and up, split per rank as Megatron-LM does)."""
 
     mesh: object  # a 1-D DeviceMesh over the tensor-parallel ranks
     placements: tuple
     global_shape: tuple
     local_shape: tuple
-    offset: tuple
+    dim: int | None  # the dimension TP splits (None: replicated)
+    segments: tuple  # ((global start, local start, length), ...) along `dim`
     dtensor_param: bool
 
     @classmethod
     def of(cls, param: torch.Tensor, mesh=None) -> "TPSpec":
         """The spec of ``param``: a DTensor over the TP mesh, or a plain tensor replicated over
         ``mesh``."""
-        if isinstance(param, DTensor):
-            mesh = param.device_mesh
-            placements = tuple(param.placements)
-            shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
-            return cls(mesh, placements, tuple(param.shape), tuple(shape), tuple(offset), True)
-        shape = tuple(param.shape)
-        return cls(mesh, (Replicate(),), shape, shape, (0,) * len(shape), False)
+        if not isinstance(param, DTensor):
+            shape = tuple(param.shape)
+            return cls(mesh, (Replicate(),), shape, shape, None, (), False)
+        mesh = param.device_mesh
+        placements = tuple(param.placements)
+        local_shape = tuple(param._local_tensor.shape)
+        (pl,) = placements  # a 1-D mesh
+        if isinstance(pl, Replicate):
+            return cls(mesh, placements, tuple(param.shape), local_shape, None, (), True)
+        dim = pl.dim % param.dim()
+        length = local_shape[dim]
+        factor = getattr(pl, "split_factor", 1)  # _StridedShard
+        if factor > 1:
+            if dim != 0:  # a piece's boxes must stay contiguous runs of the local tensor
+                raise ValueError(f"{pl}: only a strided split of dim 0 is supported")
+            n, r = mesh.size(), mesh.get_local_rank()
+            block = param.shape[dim] // factor
+            chunk = length // factor
+            if block * factor != param.shape[dim] or chunk * n != block:
+                raise ValueError(f"a {pl} parameter of shape {tuple(param.shape)} over {n} TP "
+                                 "ranks must split evenly")
+            segments = tuple((k * block + r * chunk, k * chunk, chunk) for k in range(factor))
+        else:
+            _, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+            segments = ((offset[dim], 0, length),)
+        return cls(mesh, placements, tuple(param.shape), local_shape, dim, segments, True)
 
     @property
     def sharded(self) -> bool:
         """Whether TP ranks hold different blocks (else every TP rank holds the whole tensor)."""
-        return any(not isinstance(p, Replicate) for p in self.placements)
+        return self.dim is not None
 
     @property
     def stride(self) -> tuple:
         return tuple(torch.empty(self.global_shape, device="meta").stride())
 
     def block_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's TP block of a full (global-shape) tensor (a view)."""
+        """This rank's TP block of a full (global-shape) tensor."""
         if not self.sharded:
             return full
-        return full[tuple(slice(o, o + n) for o, n in zip(self.offset, self.local_shape))]
+        parts = [full.narrow(self.dim, g, n) for g, _, n in self.segments]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
 
     def full_of(self, block: torch.Tensor) -> torch.Tensor:
         """The global tensor from every TP rank's block (a collective over the TP group)."""
@@ -97,8 +120,19 @@ class TPSpec:
 
     def boxes(self, start: int, end: int) -> list[tuple[tuple, tuple]]:
         """:func:`flat_boxes` of elements ``[start, end)`` of the block, in global coordinates."""
-        return [(tuple(o + a for o, a in zip(offsets, self.offset)), sizes)
-                for offsets, sizes in flat_boxes(self.local_shape, start, end)]
+        local = flat_boxes(self.local_shape, start, end)
+        if not self.sharded:
+            return local
+        d, out = self.dim, []
+        for offsets, sizes in local:
+            lo, hi = offsets[d], offsets[d] + sizes[d]
+            for g, l, n in self.segments:
+                a, b = max(lo, l), min(hi, l + n)
+                if a < b:
+                    o, z = list(offsets), list(sizes)
+                    o[d], z[d] = g + a - l, b - a
+                    out.append((tuple(o), tuple(z)))
+        return out
 
 
 def flat_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple, tuple]]:
@@ -189,7 +223,7 @@ def attach_uneven(dt: DTensor, global_shape: tuple[int, ...], start: int,
     inner.__create_write_items__ = types.MethodType(write_items, inner)
     inner.__get_tensor_shard__ = types.MethodType(tensor_shard, inner)
     inner._mfsdp_start = start
-    inner._mfsdp_tp_offset = tp.offset if tp is not None else None
+    inner._mfsdp_tp_segments = tp.segments if tp is not None else None
     if group is not None:
         dt._mfsdp_start = start
         dt._mfsdp_group = group

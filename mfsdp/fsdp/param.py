@@ -112,8 +112,8 @@ class ShardedParam:
         """Whether ``piece`` (a DTensor's local tensor) is exactly this rank's piece."""
         return (getattr(piece, "_mfsdp_start", None) == self.start
                 and piece.numel() == self.local.numel()
-                and getattr(piece, "_mfsdp_tp_offset", None) == (self.tp.offset if self.tp
-                                                                 else None))
+                and getattr(piece, "_mfsdp_tp_segments", None) == (self.tp.segments if self.tp
+                                                                   else None))
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient of ``unsharded`` as the plain block the bucket holds: a DTensor gradient

@@ -267,7 +267,9 @@ class MLAttention(nn.Module):
             q = self.linear_q_proj(x)
         else:
             q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))
-        q_nope, q_rot = q.view(T, n, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
+        # (-1: the heads this rank holds, all of them unless the up-projections are split)
+        q_nope, q_rot = q.view(T, -1, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
+        n = q_nope.shape[1]
         latent, k_rot = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.dr], dim=-1)
         kv = self.linear_kv_up_proj(self.kv_layernorm(latent)).view(T, n, self.dn + self.dv)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)

@@ -1,68 +1,214 @@
-"""Tensor parallelism for :class:`mfsdp.models.gpt.GPT` with PyTorch's ``parallelize_module``.
+"""Megatron-LM's tensor and sequence parallelism for :class:`mfsdp.models.gpt.GPT`, expressed as
+PyTorch ``parallelize_module`` plans.
 
-Megatron-LM's split of a transformer layer: ``linear_qkv`` column-parallel (its rows are stacked
-per query group, so each rank gets whole groups: their query heads, key and value), ``linear_proj``
-row-parallel; ``linear_fc1`` column-parallel and ``linear_fc2`` row-parallel. Embeddings, norms and
-the output layer stay whole on every TP rank. The parameters become DTensors over the TP mesh,
-which :func:`mfsdp.fully_shard` then shards over the data-parallel dimension (``tp_dim=``)::
+The split is Megatron-LM's:
+
+* attention: ``linear_qkv`` column-parallel (its rows are stacked per query group, so each rank
+  gets whole groups: their query heads, key and value), ``linear_proj`` row-parallel; under
+  multi-head latent attention, the up-projections (``linear_q_proj`` / ``linear_q_up_proj``,
+  ``linear_kv_up_proj``) column-parallel by head, the down-projections whole;
+* MLP: ``linear_fc1`` column-parallel, ``linear_fc2`` row-parallel; with SwiGLU each rank gets its
+  slice of the gate *and* of the up projection (``[gate_r; up_r]``, a ``_StridedShard(0,
+  split_factor=2)`` DTensor, so that checkpoints still hold the global ``[gate; up]``);
+* the embedding vocabulary-parallel (each rank looks up its rows of the vocabulary, the partial
+  results are summed), the output layer column-parallel over the vocabulary (logits gathered);
+* MLA's rotary key, computed whole and used by every head, gets its gradient summed over TP;
+* MoE layers: the experts over EP as without TP (expert TP size 1, each TP rank runs the layer on
+  the same tokens), the router whole;
+* **sequence parallelism** (``sequence_parallel=True``): norms run on sequence shards (the
+  token dimension split ``tp`` ways), the column-parallel inputs are all-gathered and the
+  row-parallel outputs reduce-scattered instead of all-reduced; norm gradients, which each rank
+  computes from its shard, are all-reduced over TP.
+
+Parameters become DTensors over the TP mesh; :func:`mfsdp.fully_shard` then shards them over the
+data-parallel dimension (``tp_dim=``)::
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = apply_tensor_parallel(GPT(cfg), mesh["tp"])
+    model = apply_tensor_parallel(GPT(cfg), mesh["tp"], sequence_parallel=True)
     model, optimizer = fully_shard(model, optimizer, device_mesh=mesh, dp_shard_dim="dp",
                                    tp_dim="tp", fsdp_unit_modules=[TransformerLayer])
 
->>> sorted(tp_plan_names())
-['layers.*.mlp.linear_fc1', 'layers.*.mlp.linear_fc2', 'layers.*.self_attention.linear_proj', 'layers.*.self_attention.linear_qkv']
+>>> sorted(tp_plan(_tiny(), sequence_parallel=False))[:3]
+['embedding', 'layers.0.mlp.linear_fc1', 'layers.0.mlp.linear_fc2']
 """
 
 from __future__ import annotations
 
-__all__ = ["apply_tensor_parallel", "tp_plan_names", "check_tensor_parallel"]
+import torch
+import torch.distributed as dist
+from torch import nn
 
-_PLAN = {
-    "layers.*.self_attention.linear_qkv": "colwise",
-    "layers.*.self_attention.linear_proj": "rowwise",
-    "layers.*.mlp.linear_fc1": "colwise",
-    "layers.*.mlp.linear_fc2": "rowwise",
-}
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tp_plan", "StridedColwiseParallel"]
 
 
-def tp_plan_names() -> dict[str, str]:
-    """The plan: module name pattern -> ``"colwise"`` / ``"rowwise"``."""
-    return dict(_PLAN)
+def _styles():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class StridedColwise(ColwiseParallel):
+        """Column-parallel for a stacked ``[gate; up]`` weight: rank ``r`` holds
+        ``[gate_r; up_r]`` (``_StridedShard(0, split_factor=2)``), as Megatron-LM splits
+        SwiGLU's ``linear_fc1``."""
+
+        def _partition_linear_fn(self, name, module, device_mesh):
+            from torch.distributed.tensor import distribute_tensor
+            from torch.distributed.tensor.placement_types import _StridedShard
+
+            for pname, param in list(module.named_parameters()):
+                module.register_parameter(pname, nn.Parameter(
+                    distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=2)]),
+                    requires_grad=param.requires_grad))
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            # The output's columns are [gate_r | up_r] (_StridedShard(-1, 2)): keep them as they
+            # are; ColwiseParallel would redistribute them to Shard(-1), mixing gate and up.
+            return outputs.to_local() if use_local_output else outputs
+
+    return StridedColwise
 
 
-def check_tensor_parallel(cfg, tp: int) -> None:
-    """Raise ``ValueError`` naming the setting when ``cfg`` cannot be split ``tp`` ways."""
+def StridedColwiseParallel(**kwargs):
+    """A ``ColwiseParallel`` whose stacked ``[gate; up]`` weight is split per rank as
+    ``[gate_r; up_r]`` (Megatron-LM's SwiGLU layout)."""
+    return _styles()(**kwargs)
+
+
+def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False) -> None:
+    """Raise ``ValueError`` naming every setting of ``cfg`` that cannot be split ``tp`` ways,
+    with Megatron-LM's rules."""
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence parallelism needs a tensor-parallel size > 1 (Megatron-LM: "
+                         "--sequence-parallel with --tensor-model-parallel-size 1 does nothing)")
     if tp == 1:
         return
-    groups = cfg.num_query_groups or cfg.num_attention_heads
     problems = []
-    if cfg.num_attention_heads % tp:
-        problems.append(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
-                        f"the tensor-parallel size {tp}")
-    if groups % tp:
-        problems.append(f"num_query_groups={groups} is not divisible by the tensor-parallel "
-                        f"size {tp} (each rank holds whole query groups)")
+    heads = cfg.num_attention_heads
+    if heads % tp:
+        problems.append(f"num_attention_heads={heads} is not divisible by the tensor-parallel "
+                        f"size {tp}")
+    if not cfg.multi_latent_attention:
+        groups = cfg.num_query_groups or heads
+        if groups % tp:
+            problems.append(f"num_query_groups={groups} is not divisible by the tensor-parallel "
+                            f"size {tp} (each rank holds whole query groups)")
     if cfg.ffn_hidden_size % tp:
         problems.append(f"ffn_hidden_size={cfg.ffn_hidden_size} is not divisible by {tp}")
-    if cfg.swiglu:
-        problems.append("swiglu=True: linear_fc1 stacks gate and up, which a column split "
-                        "would give to different ranks; use a GELU MLP with this plan")
-    if cfg.num_experts:
-        problems.append("num_experts: MoE layers are not split by this plan")
-    if cfg.multi_latent_attention:
-        problems.append("multi_latent_attention: MLA's projections are not split by this plan")
+    if cfg.vocab_size % tp:
+        problems.append(f"vocab_size={cfg.vocab_size} is not divisible by {tp} (the embedding "
+                        "and output layer are split by vocabulary; pad the vocabulary)")
+    if cfg.share_embeddings_and_output_weights:
+        problems.append("share_embeddings_and_output_weights=True: tied embeddings are not "
+                        "split by this plan; untie them for tensor parallelism")
     if problems:
         raise ValueError("tensor parallelism: " + "; ".join(problems))
 
 
-def apply_tensor_parallel(model, tp_mesh):
-    """Split ``model`` (a :class:`~mfsdp.models.gpt.GPT`) over ``tp_mesh`` in place; return it."""
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+def tp_plan(model, sequence_parallel: bool = False) -> dict:
+    """The ``parallelize_module`` plan of ``model`` (a :class:`~mfsdp.models.gpt.GPT`): module
+    name -> parallel style (see the module notes)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   PrepareModuleInputOutput, RowwiseParallel,
+                                                   SequenceParallel)
 
-    check_tensor_parallel(model.config, tp_mesh.size())
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, tp_mesh, {k: styles[v]() for k, v in _PLAN.items()})
+    from mfsdp.moe.layer import MoELayer
+
+    cfg = model.config
+    sp = sequence_parallel
+    seq = dict(output_layouts=Shard(0)) if sp else {}  # row-parallel outputs: shards or whole
+    plan: dict = {
+        # whole embeddings (position embeddings are added to them) ...
+        "embedding": RowwiseParallel(input_layouts=Replicate()),
+        "output_layer": ColwiseParallel(input_layouts=Shard(0) if sp else Replicate(),
+                                        output_layouts=Replicate()),
+    }
+    if sp:
+        plan["final_layernorm"] = SequenceParallel(sequence_dim=0)
+        # ... cut into sequence shards where the first layer takes them (a local slice)
+        plan["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(), None, None),
+                                              desired_input_layouts=(Shard(0), None, None),
+                                              use_local_output=True)
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}"
+        attn = layer.self_attention
+        if cfg.multi_latent_attention:
+            up = "linear_q_proj" if hasattr(attn, "linear_q_proj") else "linear_q_up_proj"
+            plan[f"{p}.self_attention.{up}"] = ColwiseParallel()
+            plan[f"{p}.self_attention.linear_kv_up_proj"] = ColwiseParallel()
+        else:
+            plan[f"{p}.self_attention.linear_qkv"] = ColwiseParallel()
+        plan[f"{p}.self_attention.linear_proj"] = RowwiseParallel(**seq)
+        if isinstance(layer.mlp, MoELayer):
+            if sp:  # the layer sees every token of the sequence; the residual keeps shards
+                plan[f"{p}.mlp"] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),),
+                    use_local_input=True, output_layouts=(Replicate(),),
+                    desired_output_layouts=(Shard(0),), use_local_output=True)
+        else:
+            fc1 = StridedColwiseParallel() if cfg.swiglu else ColwiseParallel()
+            plan[f"{p}.mlp.linear_fc1"] = fc1
+            plan[f"{p}.mlp.linear_fc2"] = RowwiseParallel(**seq)
+            if sp:
+                plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(Shard(0),),
+                                                      desired_input_layouts=(Replicate(),),
+                                                      use_local_output=True)
+        if sp:
+            plan[f"{p}.input_layernorm"] = SequenceParallel(sequence_dim=0)
+            plan[f"{p}.pre_mlp_layernorm"] = SequenceParallel(sequence_dim=0)
+            # (local tensors inside: the projections TP leaves whole take them too)
+            plan[f"{p}.self_attention"] = PrepareModuleInput(
+                input_layouts=(Shard(0), None, None), desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True)
+    return plan
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the TP group (Megatron-LM's "copy
+    to the tensor-parallel region"): for a whole tensor every TP rank uses with only its own
+    heads, whose gradient each rank therefore holds a part of."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _shared_rope_key_hook(kv_lora_rank: int, group):
+    """MLA's rotary key (the last channels of ``linear_kv_down_proj``) is shared by all heads,
+    and each TP rank uses it with its own heads only: sum its gradient over TP."""
+
+    def hook(module, args, out):
+        latent, k_rot = out.split([kv_lora_rank, out.shape[-1] - kv_lora_rank], dim=-1)
+        return torch.cat([latent, _SumGradOverTP.apply(k_rot, group)], dim=-1)
+
+    return hook
+
+
+def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False):
+    """Split ``model`` (a :class:`~mfsdp.models.gpt.GPT`) over ``tp_mesh`` in place; return it.
+
+    With ``sequence_parallel`` the tokens of a micro-batch (``micro_batch x seq_length``) must
+    divide by the TP size.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    check_tensor_parallel(model.config, tp_mesh.size(), sequence_parallel)
+    parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel))
+    if model.config.multi_latent_attention and tp_mesh.size() > 1:
+        for layer in model.layers:
+            layer.self_attention.linear_kv_down_proj.register_forward_hook(
+                _shared_rope_key_hook(model.config.kv_lora_rank, tp_mesh.get_group()))
     return model
+
+
+def _tiny():
+    from mfsdp.models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=16, num_layers=1, hidden_size=8, ffn_hidden_size=8,
+                         num_attention_heads=2))
