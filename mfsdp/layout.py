@@ -64,10 +64,11 @@ class ParallelLayout:
                              f"divisible by tp x cp = {self.tp} x {self.cp}; the world must be "
                              "dp_outer x dp x cp x tp")
         if self.dp_shard % self.ep:
+            over = (f"dp_outer {self.dp_outer}" if self.tp == 1
+                    else f"(dp_outer {self.dp_outer} x tp {self.tp})")
             raise ValueError(f"ep={self.ep} does not divide the shard group size "
-                             f"{self.dp_shard} (= world_size {self.world_size} / (dp_outer "
-                             f"{self.dp_outer} x tp {self.tp})); EP groups must fit inside a "
-                             "shard group")
+                             f"{self.dp_shard} (= world_size {self.world_size} / {over}); EP "
+                             "groups must fit inside a shard group")
         if self.num_experts is not None:
             if self.ep > self.num_experts:
                 raise ValueError(f"ep={self.ep} is larger than num_experts={self.num_experts}; "

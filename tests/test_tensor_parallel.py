@@ -61,12 +61,11 @@ def _batches(steps: int):
     return [torch.randint(0, 64, (4, 16), generator=g) for _ in range(steps)]
 
 
-def _error(full: dict, ref) -> float:
-    worst = 0.0
-    for name, p in ref.named_parameters():
-        err = ((full[name] - p.detach()).norm() / p.detach().norm().clamp_min(1e-12)).item()
-        worst = max(worst, err)
-    return worst
+def _error(full: dict, ref, worst_name: bool = False):
+    errs = {name: ((full[name] - p.detach()).norm() / p.detach().norm().clamp_min(1e-12)).item()
+            for name, p in ref.named_parameters()}
+    name = max(errs, key=errs.get)
+    return (errs[name], name) if worst_name else errs[name]
 
 
 def _reference(kind: str, steps: int):
@@ -334,7 +333,7 @@ def gpt_tp(kind: str, variant: str, sequence_parallel: bool) -> dict:
             for o in (opt, ropt):
                 o.step()
                 o.zero_grad()
-        out[strategy] = _error(model.full_parameters(), ref)
+        out[strategy] = _error(model.full_parameters(), ref, worst_name=True)
     return out
 
 
@@ -342,13 +341,31 @@ def _next_token_loss(logits, ids):
     return torch.nn.functional.cross_entropy(logits, ids.roll(-1, dims=1).reshape(-1))
 
 
+# (variant, sequence parallel, optimizer). The GELU GPT runs with SGD only: its k-projection
+# bias has a gradient that is zero in exact arithmetic (softmax ignores a shift shared by all
+# keys), and AdamW turns the rounding noise there into full-size steps, in one process too.
+GPT_CASES = [("llama", True, "sgd"), ("llama", True, "adamw"), ("gpt-gelu", True, "sgd"),
+             ("moe", True, "sgd")]
+GPT_CASES_EXTENDED = [("llama", False, "sgd"), ("llama", False, "adamw"), ("mla", True, "sgd"),
+                      ("mla", True, "adamw"), ("mla", False, "sgd"), ("moe", True, "adamw"),
+                      ("moe", False, "sgd"), ("gpt-gelu", False, "sgd")]
+
+
+def _check_gpt(variant, sp, kind):
+    for case, (err, name) in launch(gpt_tp, 4, args=(kind, variant, sp), timeout=600)[0].items():
+        assert err < 1e-5, f"{variant} sp={sp} {case} ({kind}): {name} differs by {err:.2e}"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant, sp", [("llama", False), ("llama", True), ("gpt-gelu", True),
-                                         ("mla", True), ("moe", True)])
-@pytest.mark.parametrize("kind", ["sgd", "adamw"])
-def test_mfsdp_gpt_with_megatron_tp_plan_matches_one_process(kind, variant, sp):
-    for case, err in launch(gpt_tp, 4, args=(kind, variant, sp), timeout=600)[0].items():
-        assert err < 1e-5, f"{variant} sp={sp} {case} ({kind}): parameters differ by {err:.2e}"
+@pytest.mark.parametrize("variant, sp, kind", GPT_CASES)
+def test_mfsdp_gpt_with_megatron_tp_plan_matches_one_process(variant, sp, kind):
+    _check_gpt(variant, sp, kind)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("variant, sp, kind", GPT_CASES_EXTENDED)
+def test_mfsdp_gpt_tp_variants_match_one_process(variant, sp, kind):
+    _check_gpt(variant, sp, kind)
 
 
 def test_tp_plan_refuses_what_it_cannot_split():

@@ -80,8 +80,7 @@ def train(dp: int = 2, tp: int = 2, steps: int = 8, strategy: str = "optim_grads
     q = model.module.model.layers[0].self_attn.q_proj.weight
     return {
         "losses": losses,
-        "q_proj": f"{tuple(q.shape)} {tuple(q.placements)} on mesh {q.device_mesh.mesh_dim_names}, "
-                  f"local {tuple(q.to_local().shape)}",
+        "q_proj": f"{tuple(q.shape)} {tuple(q.placements)} on mesh {q.device_mesh.mesh_dim_names}",
         "bytes": sum(b.main_shard.numel() * b.main_shard.element_size() for b in model.buckets),
     }
 

@@ -165,6 +165,9 @@ class PackedSequences:
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           mask: "torch.Tensor | PackedSequences") -> torch.Tensor:
+    if not isinstance(mask, (torch.Tensor, PackedSequences)):  # context parallel: every rank's
+        k, v = mask.gather(k), mask.gather(v)                   # keys and values, masked by place
+        mask = mask.mask
     if isinstance(mask, torch.Tensor):  # an explicit [T, T] mask
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
                                              v.transpose(0, 1), attn_mask=mask)
@@ -427,8 +430,13 @@ class GPT(nn.Module):
             x = ckpt(chunk, x, *layers[start:start + n], use_reentrant=False)
         return x
 
-    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[T, vocab]`` for packed ``tokens`` ``[T]`` (or ``[B, S]``, flattened)."""
+    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                context=None) -> torch.Tensor:
+        """Logits ``[T, vocab]`` for packed ``tokens`` ``[T]`` (or ``[B, S]``, flattened).
+
+        With ``context`` (a :class:`~mfsdp.models.context_parallel.ContextParallelSplit`),
+        ``tokens`` are this CP rank's share of the packed batch whose offsets the split holds.
+        """
         if tokens.dim() == 2:
             B, S = tokens.shape
             if cu_seqlens is None:
@@ -437,12 +445,14 @@ class GPT(nn.Module):
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, tokens.numel()], device=tokens.device)
         pos = position_ids(cu_seqlens)
+        if context is not None:  # this rank's tokens of the whole packed batch
+            pos = position_ids(context.cu_seqlens)[context.index]
         cfg = self.config
         if int(pos.max()) >= cfg.max_position_embeddings and \
                 cfg.position_embedding_type == "learned_absolute":
             raise ValueError(f"a sequence of {int(pos.max()) + 1} tokens exceeds "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        mask = PackedSequences.from_cu_seqlens(cu_seqlens)
+        mask = PackedSequences.from_cu_seqlens(cu_seqlens) if context is None else context
         x = self.embedding(tokens)
         rope = None
         if cfg.position_embedding_type == "learned_absolute":

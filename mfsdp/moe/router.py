@@ -195,6 +195,10 @@ class TopKRouter(nn.Module):
         self.losses: dict[str, torch.Tensor] = {}
         # Tokens routed to each expert since the last update_expert_bias() (with expert_bias).
         self.load = torch.zeros(num_experts)
+        # Which of the next forward's tokens count toward `load` (None: all). A trainer that
+        # pads micro-batches (sequence or context parallelism) leaves the padding out, so that
+        # the bias updates do not depend on the layout.
+        self.count_mask: torch.Tensor | None = None
 
     def reset_parameters(self) -> None:
         """Initialise the gate weight (normal, std ``hidden ** -0.5``)."""
@@ -211,7 +215,8 @@ class TopKRouter(nn.Module):
         # inside backward
         recomputing = torch._C._current_graph_task_id() != -1
         if self.expert_bias is not None and torch.is_grad_enabled() and not recomputing:
-            self.load = self.load.to(routing_map.device) + routing_map.sum(0).float()
+            counted = routing_map if self.count_mask is None else routing_map[self.count_mask]
+            self.load = self.load.to(routing_map.device) + counted.sum(0).float()
         if self.aux_loss_coeff:
             scores = (torch.softmax(logits, -1) if self.score_func == "softmax"
                       else torch.sigmoid(logits))

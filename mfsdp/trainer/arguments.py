@@ -135,6 +135,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="outer (HSDP) size: model replicas, each sharded over world/N ranks")
     p.add_argument("--expert-model-parallel-size", type=positive_int, default=1,
                    help="EP size: ranks that split the experts of each MoE layer")
+    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
+                   help="TP size: consecutive ranks that split every layer (Megatron-LM's split: "
+                        "column/row-parallel projections, vocabulary-parallel embedding)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with TP: norms on sequence shards, all-gather/reduce-scatter around "
+                        "the TP regions")
+    p.add_argument("--context-parallel-size", type=positive_int, default=1,
+                   help="CP size: ranks that split every sequence (Megatron-LM's load-balanced "
+                        "2 x CP chunks; attention over the whole sequence)")
+    p.add_argument("--expert-tensor-parallel-size", type=positive_int, default=None,
+                   help="TP size inside the experts (Megatron-LM's default: the TP size); "
+                        "mfsdp keeps experts whole, split over EP: 1")
     p.add_argument("--create-all-gather-group", action="store_true",
                    help="all-gathers on their own communicator (overlap with reduce-scatters)")
     p.add_argument("--fsdp-double-buffer", action="store_true",
@@ -268,11 +280,38 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def check_args(args, world: int, cfg) -> int:
     """Validate the combination of flags; return the micro-batches per iteration per rank."""
-    per = args.micro_batch_size * world
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    if world % (tp * cp * args.num_distributed_optimizer_instances):
+        raise SystemExit(f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} x "
+                         f"--num-distributed-optimizer-instances "
+                         f"{args.num_distributed_optimizer_instances} does not divide the "
+                         f"{world} ranks")
+    if cp > 1 and not args.use_megatron_fsdp:
+        raise SystemExit("--context-parallel-size needs --use-megatron-fsdp (the DDP path "
+                         "replicates the model)")
+    if tp > 1:
+        from mfsdp.models.tensor_parallel import check_tensor_parallel
+
+        if not args.use_megatron_fsdp:
+            raise SystemExit("--tensor-model-parallel-size needs --use-megatron-fsdp (the DDP "
+                             "path replicates the model)")
+        try:
+            check_tensor_parallel(cfg, tp)
+        except ValueError as e:
+            raise SystemExit(f"--tensor-model-parallel-size {tp}: {e}") from None
+    etp = args.expert_tensor_parallel_size or tp  # Megatron-LM's default: the TP size
+    if etp != 1 and cfg.num_experts:
+        raise SystemExit(f"expert tensor parallelism {etp}"
+                         + ("" if args.expert_tensor_parallel_size else
+                            " (Megatron-LM's default for --expert-tensor-parallel-size is the TP "
+                            "size)") + ": mfsdp keeps experts whole, split over EP; pass "
+                         "--expert-tensor-parallel-size 1")
+    dp = world // (tp * cp)
+    per = args.micro_batch_size * dp
     if args.global_batch_size % per:
         raise SystemExit(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"--micro-batch-size x data-parallel size = {args.micro_batch_size} x "
-                         f"{world}; pick a multiple of {per}")
+                         f"{dp}; pick a multiple of {per}")
     if args.train_samples:
         args.train_iters = max(1, args.train_samples // args.global_batch_size)
     if args.lr_decay_style == "WSD" and not args.lr_wsd_decay_iters:

@@ -19,13 +19,15 @@ from mfsdp.trainer.build import (build_param_groups, flops_per_token, learning_r
                                  model_config, model_family, precision_policy, routers_of, rss_mib)
 from mfsdp.trainer.checkpointing import load_for_training, save_step
 from mfsdp.trainer.metrics import tensorboard_writer
+from mfsdp.trainer.parallel import build_parallel, micro_batch
 from mfsdp.trainer.signals import StopRequest
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Train with parsed ``args`` in an initialised process group; return rank 0's log records."""
-    from mfsdp import ParallelLayout, fully_shard
-    from mfsdp.models.gpt import GPT, TransformerLayer, gpt_loss, pack_sequences
+    from mfsdp import fully_shard
+    from mfsdp.models.gpt import GPT, TransformerLayer
+    from mfsdp.models.tensor_parallel import apply_tensor_parallel
     from mfsdp.moe import collect_aux_losses, shard_experts
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -48,13 +50,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = GPT(cfg)
     model = model.to(dtype=dtype) if meta else model.to(device=device, dtype=dtype)
-    groups = None
     ep = args.expert_model_parallel_size
+    par = build_parallel(args, world, cfg, device, log)
+    groups = par.groups
+    if par.tp_mesh is not None:  # Megatron-LM's split, before the data-parallel sharding
+        apply_tensor_parallel(model, par.tp_mesh, par.sequence_parallel)
     if args.use_megatron_fsdp:
-        if ep > 1 or args.num_distributed_optimizer_instances > 1 or args.create_all_gather_group:
-            layout = ParallelLayout(world, args.num_distributed_optimizer_instances, ep,
-                                    cfg.num_experts or None)
-            groups = layout.create_groups(all_gather_groups=args.create_all_gather_group)
         global_names = shard_experts(model, groups["ep"] if groups else None)
         opt = make_optimizer(build_param_groups(model, args), args)
         model, opt = fully_shard(
@@ -88,8 +89,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         log(f"resumed from iteration {start} of {args.load}", flush=True)
     numel = sum(p.numel() for p in inner.parameters())
     layout_name = (f"{args.data_parallel_sharding_strategy}" if args.use_megatron_fsdp else "ddp")
+    tp_note = ((f", TP {par.tp}{' + SP' if par.sequence_parallel else ''}" if par.tp > 1 else "")
+               + (f", CP {par.cp}" if par.cp > 1 else ""))
     log(f"mfsdp train: {world} ranks ({dist.get_backend()}), {layout_name}, outer "
-        f"{args.num_distributed_optimizer_instances}, EP {ep}, model {model_family(args, cfg)} "
+        f"{args.num_distributed_optimizer_instances}, EP {ep}{tp_note}, model "
+        f"{model_family(args, cfg)} "
         f"({cfg.num_layers} layers, hidden {cfg.hidden_size}, experts {cfg.num_experts}), "
         f"{num_micro} micro-batches of {args.micro_batch_size} per rank", flush=True)
 
@@ -99,7 +103,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     stop = StopRequest(args.exit_signal_handler)
     records: list[dict] = []
     t_start = time.perf_counter()
-    per_rank = args.global_batch_size // world
+    per_rank = args.global_batch_size // par.dp_size
     try:
         for iteration in range(start + 1, args.train_iters + 1):
             t0 = time.perf_counter()
@@ -107,24 +111,24 @@ def run(args: argparse.Namespace) -> list[dict]:
             # with packing of indexed samples, each sample is a list of its documents
             pieces = [t for s in seqs for t in (s if isinstance(s, list) else [s])]
             global_tokens = sum(len(t) - 1 for t in pieces)  # predicted tokens, all ranks
-            mine = seqs[rank * per_rank:(rank + 1) * per_rank]
+            mine = seqs[par.dp_rank * per_rank:(par.dp_rank + 1) * per_rank]
             lr = learning_rate(args, iteration)
             for g in opt.param_groups:
                 g["lr"] = lr
             opt.zero_grad()
-            # The engine averages gradients over ranks unless per-token loss asks it to sum.
-            scale = (1.0 if args.calculate_per_token_loss else world) / global_tokens
-            aux_scale = (1.0 / world if args.calculate_per_token_loss else 1.0) / num_micro
+            # The engine averages gradients over the data-parallel ranks (never over TP) unless
+            # per-token loss asks it to sum.
+            n_dp = par.grad_ranks
+            scale = (1.0 if args.calculate_per_token_loss else n_dp) / global_tokens
+            aux_scale = (1.0 / n_dp if args.calculate_per_token_loss else 1.0) / num_micro
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for i in range(num_micro):
                 chunk = mine[i * args.micro_batch_size:(i + 1) * args.micro_batch_size]
                 chunk = [t for s in chunk for t in (s if isinstance(s, list) else [s])]
-                tokens, cu = pack_sequences(chunk)
-                tokens, cu = tokens.to(device), cu.to(device)
+                batch = micro_batch(chunk, par, device)
                 last = i == num_micro - 1
                 with contextlib.nullcontext() if last else model.no_sync():
-                    logits = model(tokens, cu)
-                    loss, _ = gpt_loss(logits, tokens, cu)
+                    loss, _ = batch.loss(model, routers)
                     total = loss * scale + collect_aux_losses(inner).to(loss.device) * aux_scale
                     total.backward()
                 loss_sum += loss.detach().double()
@@ -134,13 +138,13 @@ def run(args: argparse.Namespace) -> list[dict]:
             else:
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     inner.parameters(), args.clip_grad if args.clip_grad > 0 else float("inf"))
-            dist.all_reduce(loss_sum)  # every rank now holds the global loss and norm
+            par.sum_over_tokens(loss_sum)  # every rank: the global loss
             if args.check_for_nan_in_loss_and_grad:
                 check_finite(iteration, loss_sum.item() / global_tokens, float(grad_norm), rank)
             opt.step()
             for _, router in routers:  # balance from the global token counts: layout-invariant
                 load = router.load.to(device)
-                dist.all_reduce(load)
+                par.sum_over_tokens(load)  # (TP ranks route the same tokens)
                 router.update_expert_bias(load, args.moe_router_bias_update_rate)
             now = time.perf_counter()
             rec = {"iteration": iteration, "loss": loss_sum.item() / global_tokens,
@@ -177,7 +181,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     f"{rec['tokens_per_s']:,.0f} | rss {rec['rss_mib']:.0f} MiB{extra}", flush=True)
             if (isinstance(data, MegatronData) and data.valid is not None and args.eval_iters > 0
                     and (iteration % args.eval_interval == 0 or iteration == args.train_iters)):
-                valid_loss = evaluate(args, model, data, routers, device, iteration)
+                valid_loss = evaluate(args, model, data, routers, device, iteration, par)
                 rec.update(valid_loss=valid_loss, valid_ppl=math.exp(min(valid_loss, 700.0)))
                 if jsonl:
                     jsonl.write(json.dumps({"iteration": iteration, "valid_loss": valid_loss,
@@ -213,15 +217,14 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 @torch.no_grad()
-def evaluate(args, model, data: MegatronData, routers, device, iteration: int) -> float:
+def evaluate(args, model, data: MegatronData, routers, device, iteration: int, par) -> float:
     """Mean next-token loss over ``--eval-iters`` global batches of the validation split.
 
     The validation after iteration ``i`` reads run ``i // eval_interval`` of ``eval_iters x
     global batch`` validation samples (wrapping around); the routers' token counts are left as training made them.
     """
-    from mfsdp.models.gpt import gpt_loss, pack_sequences
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = par.dp_rank, par.dp_size  # the ranks that read different samples
     k = iteration // args.eval_interval
     n = args.eval_iters * args.global_batch_size
     per_rank = args.global_batch_size // world
@@ -232,14 +235,13 @@ def evaluate(args, model, data: MegatronData, routers, device, iteration: int) -
         mine = [data.sample(data.valid, (base + j) % len(data.valid))
                 for j in range(rank * per_rank, (rank + 1) * per_rank)]
         for i in range(0, per_rank, args.micro_batch_size):
-            tokens, cu = pack_sequences(mine[i:i + args.micro_batch_size])
-            tokens, cu = tokens.to(device), cu.to(device)
-            loss, count = gpt_loss(model(tokens, cu), tokens, cu)
+            loss, count = micro_batch(mine[i:i + args.micro_batch_size], par,
+                                      device).loss(model, routers)
             sums += torch.stack([loss.detach().double(),
                                  torch.tensor(float(count), dtype=torch.float64, device=device)])
     for (_, router), load in zip(routers, loads):
         router.load = load
-    dist.all_reduce(sums)
+    par.sum_over_tokens(sums)
     return (sums[0] / sums[1]).item()
 
 

@@ -1,0 +1,150 @@
+"""Where a rank of ``mfsdp train`` sits (its data-parallel place, its tensor- and context-parallel
+groups) and how a micro-batch is laid out for it.
+
+Megatron-LM's rank order (TP fastest, then CP, then DP; see :class:`mfsdp.ParallelLayout`): the TP
+and CP ranks of a replica read the same samples, the data-parallel ranks (``dp`` groups)
+different ones; each CP rank takes its load-balanced share of every sequence
+(:mod:`mfsdp.models.context_parallel`). Gradients are averaged over the ranks that hold different
+tokens (``dp x cp`` and the outer replicas), never over TP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mfsdp.models.context_parallel import (ContextParallelSplit, next_token_targets,
+                                           pad_sequences)
+
+__all__ = ["TrainParallel", "MicroBatch", "build_parallel", "micro_batch",
+           "pad_for_sequence_parallel"]
+
+
+@dataclass
+class TrainParallel:
+    """This rank's place in the training layout."""
+
+    layout: object  # mfsdp.ParallelLayout
+    groups: object  # mfsdp.ProcessGroups, or None: everything over the world
+    dp_rank: int  # index among the ranks that read different samples
+    dp_size: int
+    dp_group: dist.ProcessGroup | None  # those ranks (None: the world)
+    tp_mesh: object  # a 1-D DeviceMesh over this rank's TP group, or None
+    sequence_parallel: bool
+    cp_group: dist.ProcessGroup | None = None  # this rank's CP group (None: no CP)
+    cp: int = 1
+
+    @property
+    def tp(self) -> int:
+        return self.tp_mesh.size() if self.tp_mesh is not None else 1
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks the engine averages gradients over (different tokens): ``dp x cp``."""
+        return self.dp_size * self.cp
+
+    def sum_over_tokens(self, t: torch.Tensor) -> None:
+        """Sum ``t`` in place over every rank holding different tokens (not over TP)."""
+        dist.all_reduce(t, group=self.dp_group)
+        if self.cp_group is not None:
+            dist.all_reduce(t, group=self.cp_group)
+
+
+def build_parallel(args, world: int, cfg, device: torch.device, log) -> TrainParallel:
+    """Create the groups ``args`` ask for (a collective call) and say where this rank is."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from mfsdp import ParallelLayout
+
+    tp = args.tensor_model_parallel_size
+    cp = args.context_parallel_size
+    ep = args.expert_model_parallel_size
+    outer = args.num_distributed_optimizer_instances
+    sp = args.sequence_parallel
+    if sp and tp == 1:  # Megatron-LM's rule
+        log("note: disabling sequence parallelism because tensor model parallelism is disabled "
+            "(--tensor-model-parallel-size 1)", flush=True)
+        sp = args.sequence_parallel = False
+    layout = ParallelLayout(world, outer, ep, cfg.num_experts or None, tp=tp, cp=cp)
+    groups = None
+    if args.use_megatron_fsdp and (ep > 1 or outer > 1 or tp > 1 or cp > 1
+                                   or args.create_all_gather_group):
+        groups = layout.create_groups(all_gather_groups=args.create_all_gather_group)
+    rank = dist.get_rank()
+    dp_ranks = layout.group_of("dp", rank)
+    dp_group = groups["dp"] if groups is not None and tp * cp > 1 else None
+    tp_mesh = DeviceMesh.from_group(groups["tp"], device.type) if tp > 1 else None
+    return TrainParallel(layout, groups, dp_ranks.index(rank), len(dp_ranks), dp_group, tp_mesh,
+                         sp, groups["cp"] if cp > 1 else None, cp)
+
+
+def pad_for_sequence_parallel(tokens: torch.Tensor, cu_seqlens: torch.Tensor,
+                              tp: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Packed ``tokens`` padded to a multiple of ``tp`` (sequence parallelism splits the token
+    dimension evenly) by one extra sequence, which attends only to itself and which the loss
+    leaves out; returns ``(tokens, cu_seqlens, real tokens)``.
+
+    >>> t, cu, n = pad_for_sequence_parallel(torch.arange(5), torch.tensor([0, 2, 5]), 4)
+    >>> t.tolist(), cu.tolist(), n
+    ([0, 1, 2, 3, 4, 0, 0, 0], [0, 2, 5, 8], 5)
+    """
+    n = tokens.numel()
+    pad = -n % tp
+    if pad == 0:
+        return tokens, cu_seqlens, n
+    tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+    cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([n + pad])])
+    return tokens, cu_seqlens, n
+
+
+@dataclass
+class MicroBatch:
+    """What one rank feeds the model for one packed micro-batch, and the loss's targets."""
+
+    tokens: torch.Tensor  # this rank's tokens (all of them without CP)
+    cu_seqlens: torch.Tensor | None
+    context: ContextParallelSplit | None
+    targets: torch.Tensor  # the next token of each fed token
+    valid: torch.Tensor  # which fed tokens predict one (not padding, not a sequence's last)
+    real: torch.Tensor  # which fed tokens are not padding
+
+    def loss(self, model, routers=()) -> tuple[torch.Tensor, int]:
+        """``(summed next-token cross-entropy, predicted tokens)`` of this rank's tokens; the
+        ``routers`` (``(name, router)`` pairs) count only real tokens toward their load."""
+        padded = not bool(self.real.all())
+        for _, router in routers:
+            router.count_mask = self.real if padded else None
+        if self.context is not None:
+            logits = model(self.tokens, context=self.context)
+        else:
+            logits = model(self.tokens, self.cu_seqlens)
+        v = self.valid
+        return (F.cross_entropy(logits[v].float(), self.targets[v], reduction="sum"),
+                int(v.sum()))
+
+
+def micro_batch(samples: list, par: TrainParallel, device: torch.device) -> MicroBatch:
+    """Pack ``samples`` for this rank: under sequence parallelism padded to a multiple of the TP
+    size; under context parallelism every sequence padded to a multiple of ``2 x cp`` (x TP with
+    SP) and this rank's load-balanced share taken."""
+    from mfsdp.models.gpt import pack_sequences
+
+    tokens, cu = pack_sequences(samples)
+    if par.cp > 1:
+        tokens, cu, real = pad_sequences(tokens, cu, 2 * par.cp * (par.tp if par.sequence_parallel
+                                                                    else 1))
+        targets, valid = next_token_targets(tokens, cu, real)
+        split = ContextParallelSplit.build(cu, par.cp_group, device)
+        mine = split.index.cpu()
+        return MicroBatch(tokens[mine].to(device), None, split, targets[mine].to(device),
+                          valid[mine].to(device), real[mine].to(device))
+    real = torch.ones_like(tokens, dtype=torch.bool)
+    if par.sequence_parallel:
+        tokens, cu, n = pad_for_sequence_parallel(tokens, cu, par.tp)
+        real = torch.arange(tokens.numel()) < n
+    targets, valid = next_token_targets(tokens, cu, real)
+    return MicroBatch(tokens.to(device), cu.to(device), None, targets.to(device),
+                      valid.to(device), real.to(device))
