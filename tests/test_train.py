@@ -105,7 +105,12 @@ _SIZE_FLAGS = ("--tensor-model-parallel-size", "--num-distributed-optimizer-inst
                "--context-parallel-size")
 
 
-@pytest.mark.parametrize("name", list(TP_LAYOUTS))
+TP_DEFAULT = ("llama-tp2-sp", "llama-tp2-cp2-sp", "moe-mla-cp2-ep2-sgd")
+
+
+@pytest.mark.parametrize("name", [n if n in TP_DEFAULT else
+                                  pytest.param(n, marks=pytest.mark.extended)
+                                  for n in TP_LAYOUTS])
 def test_tensor_parallel_layouts_give_the_single_process_loss_curve(name):
     args, rel = TP_LAYOUTS[name]
     one = [a for i, a in enumerate(args) if a != "--sequence-parallel" and not (

@@ -20,6 +20,13 @@ reduces again must not all-reduce what was already reduced, so it accumulates in
 buffer that is all-reduced and added (see ``GradReducer.grad_full``); ``zero_grad`` drops that
 buffer.
 
+[Note: no blocking in hooks] A gradient hook may only wait for a collective at points that are
+the same on every rank (the bounded reduce-scatters below: the launch order is fixed). Outer
+reductions are launched when an inner one is found finished, which differs between ranks; a
+blocking one there deadlocks once other collectives run in backward too (tensor parallelism's:
+rank A waits in the outer all-reduce for rank B, which waits in a TP all-reduce for rank C, ...).
+So every outer reduction is asynchronous and waited for at the end of backward.
+
 [Note: bounded reduce-scatters] At most ``max_inflight_reduce`` reduce-scatters are in flight; the
 oldest is finished (its full gradient buffer released) before another is launched, so full gradient
 buffers never pile up until the end of backward.
@@ -118,14 +125,9 @@ class GradReducer:
 
             def finish(value, src=src, g=g, b=b):
                 if model.outer_comm is not None:  # HSDP over no_shard: the same buffer again
-                    self._outer_reduce(b, src)
-                if g is b.grad_shard:  # nothing reduced since zero_grad: reduce in place
-                    if src is not g:
-                        g.copy_(src)
-                else:  # [Note: no_shard accumulation]
-                    b.grad_shard.add_(src)
-                    g.zero_()
-                b.holds_reduced = True
+                    self._outer_reduce(b, src, then=lambda: self._keep_replicated(b, src, g))
+                else:
+                    self._keep_replicated(b, src, g)
         else:
             handle = b.comm.reduce_scatter(src, op=op)
 
@@ -146,6 +148,17 @@ class GradReducer:
         while len(self.inflight) > self.max_inflight:
             self._finish_one()
 
+    @staticmethod
+    def _keep_replicated(b: Bucket, src: torch.Tensor, g: torch.Tensor) -> None:
+        """Put a no_shard bucket's all-reduced gradients where the optimizer reads them."""
+        if g is b.grad_shard:  # nothing reduced since zero_grad: reduced in place
+            if src is not g:
+                g.copy_(src)
+        else:  # [Note: no_shard accumulation]
+            b.grad_shard.add_(src)
+            g.zero_()
+        b.holds_reduced = True
+
     def reduce_op(self, b: Bucket) -> tuple:
         """(reduce op, pre-scale factor) of a bucket's gradient reductions.
 
@@ -160,13 +173,16 @@ class GradReducer:
             return dist.ReduceOp.AVG, b.grad_scale * b.comm.size * outer
         return dist.ReduceOp.SUM, b.grad_scale
 
-    def _outer_reduce(self, b: Bucket, pending: torch.Tensor) -> None:
-        """Launch the outer (HSDP all-reduce / HFSDP reduce-scatter) reduction of a bucket."""
+    def _outer_reduce(self, b: Bucket, pending: torch.Tensor, then=None) -> None:
+        """Launch the outer (HSDP all-reduce / HFSDP reduce-scatter) reduction of a bucket.
+
+        Never waits: [Note: no blocking in hooks]. ``then`` (no_shard buckets) runs when it is
+        done, at the end of backward."""
         model = self.model
         op = self.reduce_op(b)[0]
         if b.replicated:
-            self.outer_inflight.append((model.outer_comm.all_reduce(pending, async_op=False, op=op),
-                                        lambda value: None))
+            self.outer_inflight.append((model.outer_comm.all_reduce(pending, op=op),
+                                        lambda value: then()))
             return
         if model.outer_sharded:
             handle = model.outer_comm.reduce_scatter(pending, op=op)
