@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 __all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes",
-           "smallest_world", "main", "build_parser"]
+           "smallest_world", "smallest_layout", "tp_dense", "main", "build_parser"]
 
 GiB = 2**30
 
@@ -401,6 +401,31 @@ def smallest_world(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
     return None
 
 
+def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
+                    gpus_per_node: int = 8, tps=(1, 2, 4, 8), cps=(1, 2, 4, 8),
+                    max_nodes: int = 4096) -> Layout | None:
+    """The layout on the fewest whole nodes where every rank fits, searching the TP and CP sizes
+    too (TP at most a node: its traffic needs NVLink); among equal worlds the least TP x CP.
+
+    >>> best = smallest_layout(PRESETS["llama3-70b"], Layout(8, seq_length=8192))
+    >>> best.world_size, best.tp, best.cp  # FSDP alone fits nowhere (activations: 170 GiB)
+    (24, 1, 8)
+    """
+    for nodes in range(1, max_nodes + 1):
+        world = nodes * gpus_per_node
+        options = sorted(((tp, cp) for tp in tps for cp in cps if tp <= gpus_per_node),
+                         key=lambda tc: (tc[0] * tc[1], tc[0]))
+        for tp, cp in options:
+            try:
+                candidate = replace(layout, world_size=world, tp=tp, cp=cp,
+                                    sequence_parallel=tp > 1)
+            except ValueError:
+                continue
+            if plan(model, candidate).fits(device_gib):
+                return candidate
+    return None
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``mfsdp plan`` argument parser."""
     parser = parser or argparse.ArgumentParser(prog="mfsdp plan", description=__doc__.splitlines()[0])
@@ -432,7 +457,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="shorthand for --recompute-granularity full (uniform, 1 layer)")
     parser.add_argument("--device-gib", type=float, default=80.0)
     parser.add_argument("--smallest", action="store_true",
-                        help="also find the smallest number of devices (whole 8-GPU nodes) that fits")
+                        help="also find the smallest number of devices (whole 8-GPU nodes) that "
+                             "fits: with this layout's TP/CP, and searching TP (with SP) and CP")
     return parser
 
 
@@ -454,6 +480,10 @@ def run(args: argparse.Namespace) -> int:
     if args.smallest:
         world = smallest_world(model, layout, args.device_gib)
         print(f"smallest world that fits: {world if world else 'none up to 4096 nodes'}")
+        best = smallest_layout(model, layout, args.device_gib)
+        if best is not None:
+            print(f"smallest with TP/CP searched: {best.world_size} (TP {best.tp}"
+                  f"{' + SP' if best.sequence_parallel else ''}, CP {best.cp})")
     return 0
 
 

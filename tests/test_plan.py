@@ -178,3 +178,22 @@ def test_tp_cp_and_sp_change_what_they_should():
     assert "tp" in tp.comm and "tp" not in base.comm and "cp" in cp.comm
     with pytest.raises(ValueError, match="sequence_parallel=True needs tp > 1"):
         Layout(8, sequence_parallel=True)
+
+
+def test_smallest_search_covers_tp_and_cp():
+    from mfsdp.plan import smallest_layout
+
+    model = PRESETS["llama3-70b"]
+    layout = Layout(8, seq_length=8192)
+    assert smallest_world(model, layout) is None  # 170 GiB of activations on every rank
+    best = smallest_layout(model, layout)
+    assert best is not None and plan(model, best).fits()
+    # nothing smaller fits, at any TP x CP searched
+    for tp in (1, 2, 4, 8):
+        for cp in (1, 2, 4, 8):
+            try:
+                smaller = Layout(best.world_size - 8, seq_length=8192, tp=tp, cp=cp,
+                                 sequence_parallel=tp > 1)
+            except ValueError:
+                continue
+            assert not plan(model, smaller).fits()

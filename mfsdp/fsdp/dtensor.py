@@ -46,7 +46,7 @@ class TPSpec:
     global shape, this rank's block shape and where its rows come from.
 
     A parameter that is a ``DTensor`` over the TP mesh (``parallelize_module``, a Hugging Face TP
-    plan, :mod:`mfsdp.models.tensor_parallel`) has the placements it came with; a plain parameter
+    plan, ``mfsdp.models.tensor_parallel``) has the placements it came with; a plain parameter
     of a model in a TP mesh is replicated over it (``dtensor_param=False``: modules keep computing
     with a plain tensor). The block is made of ``segments`` along dimension ``dim``:
     ``(global start, local start, length)``; one for ``Shard(dim)``, ``split_factor`` of them for
@@ -119,7 +119,7 @@ class TPSpec:
                                   shape=torch.Size(self.global_shape), stride=self.stride)
 
     def boxes(self, start: int, end: int) -> list[tuple[tuple, tuple]]:
-        """:func:`flat_boxes` of elements ``[start, end)`` of the block, in global coordinates."""
+        """:func:`~mfsdp.fsdp.dtensor.flat_boxes` of elements ``[start, end)`` of the block, in global coordinates."""
         local = flat_boxes(self.local_shape, start, end)
         if not self.sharded:
             return local
@@ -166,7 +166,7 @@ def uneven_dtensor(local: torch.Tensor, mesh, global_shape: tuple[int, ...],
 
     The result is a DTensor of the global shape, sharded on dim 0 over ``mesh``; writes and reads
     by DCP go straight to ``local``'s memory. With ``group`` (the ranks holding distinct pieces),
-    ``full_tensor()`` gathers the uneven pieces correctly (see :func:`attach_uneven`).
+    ``full_tensor()`` gathers the uneven pieces correctly (see :func:`~mfsdp.fsdp.dtensor.attach_uneven`).
     With ``tp``, the elements are those of this rank's TP block (``global_shape`` is still the
     whole tensor's); on a 2-D ``(dp, tp)`` mesh the placements are ``(Shard(0), <TP's>)``.
     """
@@ -183,7 +183,7 @@ def attach_uneven(dt: DTensor, global_shape: tuple[int, ...], start: int,
     """Give ``dt`` (whose local tensor holds elements from ``start`` on) its own chunk metadata.
 
     DCP then writes and reads exactly those elements. When ``group`` is given (it must be the
-    group of ``dt``'s mesh), ``dt`` becomes an :class:`UnevenDTensor`, whose ``full_tensor()`` and
+    group of ``dt``'s mesh), ``dt`` becomes an :class:`~mfsdp.fsdp.dtensor.UnevenDTensor`, whose ``full_tensor()`` and
     ``redistribute(placements=[Replicate()])`` gather the pieces of every rank of ``group``
     (DTensor's own versions assume ``torch.chunk``'s split, which uneven pieces do not follow).
     Ops on ``dt`` that make new DTensors (``dt + 1``, ``dt.detach()``) lose this: call
@@ -233,7 +233,7 @@ def attach_uneven(dt: DTensor, global_shape: tuple[int, ...], start: int,
 
 
 class UnevenDTensor(DTensor):
-    """A DTensor whose local tensor is this rank's uneven piece (see :func:`attach_uneven`).
+    """A DTensor whose local tensor is this rank's uneven piece (see :func:`~mfsdp.fsdp.dtensor.attach_uneven`).
 
     Only ``full_tensor()`` and ``redistribute`` to ``Replicate`` differ from DTensor's: they gather
     the pieces where they are (DTensor's own assume ``torch.chunk``'s split). Every op on it returns
@@ -266,7 +266,7 @@ class UnevenDTensor(DTensor):
 
 class ViewDTensor(DTensor):
     """A DTensor (of any placements) whose local tensor views a bucket's flat buffer; only
-    pickling differs from DTensor's, which fails on such views (see :class:`UnevenDTensor`)."""
+    pickling differs from DTensor's, which fails on such views (see :class:`~mfsdp.fsdp.dtensor.UnevenDTensor`)."""
 
     def __reduce_ex__(self, protocol):
         return (_rebuild_view, (self._local_tensor.detach(), self.device_mesh,
@@ -276,7 +276,7 @@ class ViewDTensor(DTensor):
 
 def view_dtensor(local: torch.Tensor, mesh, placements, global_shape: tuple,
                  requires_grad: bool = False) -> DTensor:
-    """``local`` as a :class:`ViewDTensor` of ``global_shape`` over ``mesh`` (no copy, no check)."""
+    """``local`` as a :class:`~mfsdp.fsdp.dtensor.ViewDTensor` of ``global_shape`` over ``mesh`` (no copy, no check)."""
     stride = torch.empty(tuple(global_shape), device="meta").stride()
     dt = DTensor.from_local(local, mesh, list(placements), run_check=False,
                             shape=torch.Size(tuple(global_shape)), stride=stride)

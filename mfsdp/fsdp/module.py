@@ -508,8 +508,9 @@ class FullyShardedModule(nn.Module):
 
     @property
     def param_and_grad_buffer(self):
-        """Upstream's view of the buffers: ``.parameter_groups[i]`` with ``model_weight_buffer``,
-        ``main_weight_buffer`` and ``main_grad_buffer`` (see :mod:`mfsdp.fsdp.buffers`)."""
+        """The buffers as upstream's code reads them, ``.parameter_groups[i]`` with
+        ``model_weight_buffer``, ``main_weight_buffer`` and ``main_grad_buffer`` (see
+        :class:`~mfsdp.fsdp.buffers.ParamAndGradBufferView`)."""
         from mfsdp.fsdp.buffers import ParamAndGradBufferView
         return ParamAndGradBufferView(self)
 

@@ -43,7 +43,7 @@ class TrainParallel:
 
     @property
     def grad_ranks(self) -> int:
-        """Ranks the engine averages gradients over (different tokens): ``dp x cp``."""
+        """How many ranks the engine averages gradients over, ``dp x cp`` (different tokens)."""
         return self.dp_size * self.cp
 
     def sum_over_tokens(self, t: torch.Tensor) -> None:
