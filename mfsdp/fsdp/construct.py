@@ -86,8 +86,6 @@ def _tp_specs(model, params: dict[int, dict]) -> None:
                 raise ValueError(f"{where} with placement {pl}; TP parameters must be Shard, "
                                  "_StridedShard or Replicate over the TP mesh")
         e["tp"] = TPSpec.of(p)
-        if model.tp_mesh is None:
-            model.tp_mesh = p.device_mesh
 
 
 def _unit_paths(root: nn.Module, unit_classes, disable_bucketing: bool) -> list[str]:

@@ -91,7 +91,7 @@ class FullyShardedModule(nn.Module):
         self.ep_comm = (Communicator(groups.ep, "ep", self.comm_log)
                         if groups.ep is not None and dist.get_world_size(groups.ep) > 1 else None)
         # Tensor parallelism: parameters are sharded over the data-parallel group on their TP
-        # block; the TP mesh is the caller's (or the DTensor parameters', see construct.py).
+        # block; the TP mesh is the caller's, or one made over the TP group.
         self.tp_group = (groups.tp if groups.tp is not None and dist.get_world_size(groups.tp) > 1
                          else None)
         self.tp_mesh = groups.tp_mesh

@@ -291,7 +291,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     if not sp.owns(local):
                         local = sp.piece_of(v.full_tensor())
                     v = local.reshape(sp.local.shape)
-                elif (torch.is_tensor(v) and (sp.is_dtensor or sp.tp_sharded) and v.dim() > 0
+                elif (torch.is_tensor(v) and sp.is_dtensor and v.dim() > 0
                       and tuple(v.shape) == sp.global_shape and v.shape != sp.local.shape):
                     v = sp.piece_of(v)
                 out[k] = v

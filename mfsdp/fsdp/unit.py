@@ -282,15 +282,15 @@ class FSDPUnit:
         # hook -> bucket -> model -> tensor) that Python's garbage collector cannot see, and the
         # model, its communicators and so its process groups would never be freed (gloo's threads
         # then outlive destroy_process_group() and abort the process at exit).
-        bucket_ref, reducer_ref = weakref.ref(sp.bucket), weakref.ref(self.model.reducer)
-        sp_ref, i = weakref.ref(sp), sp.index
+        sp_ref, reducer_ref, i = weakref.ref(sp), weakref.ref(self.model.reducer), sp.index
 
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             param.grad = None
-            bucket, reducer, owner = bucket_ref(), reducer_ref(), sp_ref()
-            if grad is None or bucket is None or reducer is None or owner is None:
+            owner, reducer = sp_ref(), reducer_ref()
+            if grad is None or owner is None or reducer is None:
                 return
+            bucket = owner.bucket
             grad = owner.local_grad(grad)
             if bucket.is_ready:
                 raise RuntimeError(

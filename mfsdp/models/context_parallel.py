@@ -93,8 +93,9 @@ class ContextParallelSplit:
               device: torch.device) -> "ContextParallelSplit":
         """The split of the packed batch with offsets ``cu_seqlens`` for this rank of ``group``."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        mine = split_indices(cu_seqlens, size, rank)
         every = torch.cat([split_indices(cu_seqlens, size, r) for r in range(size)])
+        n = every.numel() // size  # every rank holds the same number of tokens
+        mine = every[rank * n:(rank + 1) * n]
         seq = torch.bucketize(torch.arange(int(cu_seqlens[-1])), cu_seqlens[1:].cpu(), right=True)
         q, k = mine.unsqueeze(1), every.unsqueeze(0)
         mask = (seq[q] == seq[k]) & (k <= q)

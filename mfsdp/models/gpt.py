@@ -42,6 +42,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from mfsdp.models.config import GPT_PRESETS, GPTConfig, with_overrides
+from mfsdp.models.context_parallel import next_token_targets
 from mfsdp.moe.experts import FusedExperts
 from mfsdp.moe.layer import MoELayer
 
@@ -474,8 +475,8 @@ def gpt_loss(logits: torch.Tensor, tokens: torch.Tensor,
 
     The last token of each sequence predicts nothing (its successor belongs to another sequence).
     """
-    target = torch.roll(tokens.reshape(-1), -1)
-    valid = torch.ones_like(target, dtype=torch.bool)
-    valid[cu_seqlens[1:] - 1] = False
+    tokens = tokens.reshape(-1)
+    target, valid = next_token_targets(tokens, cu_seqlens,
+                                       torch.ones_like(tokens, dtype=torch.bool))
     loss = F.cross_entropy(logits[valid].float(), target[valid], reduction="sum")
     return loss, int(valid.sum())

@@ -37,40 +37,31 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               PrepareModuleInputOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tp_plan", "StridedColwiseParallel"]
 
 
-def _styles():
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    class StridedColwise(ColwiseParallel):
-        """Column-parallel for a stacked ``[gate; up]`` weight: rank ``r`` holds
-        ``[gate_r; up_r]`` (``_StridedShard(0, split_factor=2)``), as Megatron-LM splits
-        SwiGLU's ``linear_fc1``."""
-
-        def _partition_linear_fn(self, name, module, device_mesh):
-            from torch.distributed.tensor import distribute_tensor
-            from torch.distributed.tensor.placement_types import _StridedShard
-
-            for pname, param in list(module.named_parameters()):
-                module.register_parameter(pname, nn.Parameter(
-                    distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=2)]),
-                    requires_grad=param.requires_grad))
-
-        @staticmethod
-        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-            # The output's columns are [gate_r | up_r] (_StridedShard(-1, 2)): keep them as they
-            # are; ColwiseParallel would redistribute them to Shard(-1), mixing gate and up.
-            return outputs.to_local() if use_local_output else outputs
-
-    return StridedColwise
-
-
-def StridedColwiseParallel(**kwargs):
+class StridedColwiseParallel(ColwiseParallel):
     """A ``ColwiseParallel`` whose stacked ``[gate; up]`` weight is split per rank as
-    ``[gate_r; up_r]`` (Megatron-LM's SwiGLU layout)."""
-    return _styles()(**kwargs)
+    ``[gate_r; up_r]`` (``_StridedShard(0, split_factor=2)``), as Megatron-LM splits SwiGLU's
+    ``linear_fc1``."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for pname, param in list(module.named_parameters()):
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=2)]),
+                requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        # The output's columns are [gate_r | up_r] (_StridedShard(-1, 2)): keep them as they
+        # are; ColwiseParallel would redistribute them to Shard(-1), mixing gate and up.
+        return outputs.to_local() if use_local_output else outputs
 
 
 def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False) -> None:
@@ -106,11 +97,6 @@ def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False) -> None
 def tp_plan(model, sequence_parallel: bool = False) -> dict:
     """The ``parallelize_module`` plan of ``model`` (a :class:`~mfsdp.models.gpt.GPT`): module
     name -> parallel style (see the module notes)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   PrepareModuleInputOutput, RowwiseParallel,
-                                                   SequenceParallel)
-
     from mfsdp.moe.layer import MoELayer
 
     cfg = model.config
@@ -196,8 +182,6 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False):
     With ``sequence_parallel`` the tokens of a micro-batch (``micro_batch x seq_length``) must
     divide by the TP size.
     """
-    from torch.distributed.tensor.parallel import parallelize_module
-
     check_tensor_parallel(model.config, tp_mesh.size(), sequence_parallel)
     parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel))
     if model.config.multi_latent_attention and tp_mesh.size() > 1:

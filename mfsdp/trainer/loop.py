@@ -223,7 +223,6 @@ def evaluate(args, model, data: MegatronData, routers, device, iteration: int, p
     The validation after iteration ``i`` reads run ``i // eval_interval`` of ``eval_iters x
     global batch`` validation samples (wrapping around); the routers' token counts are left as training made them.
     """
-
     rank, world = par.dp_rank, par.dp_size  # the ranks that read different samples
     k = iteration // args.eval_interval
     n = args.eval_iters * args.global_batch_size
