@@ -118,6 +118,7 @@ def test_mfsdp_full_with_two_groups_needs_the_map(tmp_path):
     (tmp_path / "A" / "param_to_param_group_map.json").unlink()
     manifest = json.loads((tmp_path / "A" / "manifest.json").read_text())
     del manifest["files"]["param_to_param_group_map.json"]
+    del manifest["sha256"]["param_to_param_group_map.json"]
     (tmp_path / "A" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="2 optimizer parameter groups but no "
                                               "param_to_param_group_map.json"):
@@ -176,6 +177,7 @@ def _copy(saved, tmp_path):
     ("unexpected", "has unexpected key 'model.blocks.3.fc1.bias'"),
     ("shape", "key 'model.blocks.0.fc1.weight' has shape (64, 32) in checkpoint"),
     ("truncated", "is truncated or was modified"),
+    ("zeroed", "does not match the SHA-256 its manifest records"),
     ("version", "format_version=99, newer than this mfsdp reads (1)"),
 ])
 def test_corrupt_checkpoints_fail_with_a_message(saved, tmp_path, case, message):
@@ -191,6 +193,13 @@ def test_corrupt_checkpoints_fail_with_a_message(saved, tmp_path, case, message)
         victim = next(f for f in sorted(ckpt.iterdir()) if f.suffix == ".distcp")
         victim.write_bytes(victim.read_bytes()[:100])
         message = f"{victim.name} has 100 bytes"
+    elif case == "zeroed":  # 4 KiB zeroed in place: the same size, other bytes
+        victim = max((f for f in ckpt.iterdir() if f.suffix == ".distcp"),
+                     key=lambda f: f.stat().st_size)
+        data = bytearray(victim.read_bytes())
+        data[512:512 + 4096] = bytes(4096)
+        victim.write_bytes(bytes(data))
+        message = f"{victim} does not match the SHA-256"
     elif case == "version":
         manifest = json.loads((ckpt / "manifest.json").read_text())
         manifest["format_version"] = 99
@@ -199,6 +208,18 @@ def test_corrupt_checkpoints_fail_with_a_message(saved, tmp_path, case, message)
         _load(root, **cfg)
     assert info.value.exc_type == "CheckpointError"
     assert message in info.value.message, info.value.message
+
+
+def test_manifest_checksums_are_what_sha256sum_prints(saved):
+    """Every file of a save but the manifest has its SHA-256 recorded, as coreutils' sha256sum
+    computes it (an operator can check a copied checkpoint with ``sha256sum -c``)."""
+    ckpt = saved / (saved / "latest").read_text().strip()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    names = sorted(f.name for f in ckpt.iterdir() if f.name != "manifest.json")
+    assert sorted(manifest["sha256"]) == names and len(names) >= 4
+    out = subprocess.run(["sha256sum", *names], cwd=ckpt, capture_output=True, text=True,
+                         check=True).stdout
+    assert {n: h for h, n in (line.split() for line in out.splitlines())} == manifest["sha256"]
 
 
 def _save_then_die(root: str) -> None:

@@ -27,7 +27,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from mfsdp.checkpoint.manifest import FORMAT_VERSION, CheckpointError, read_manifest
+from mfsdp.checkpoint.manifest import (CHECKSUMS, FORMAT_VERSION, CheckpointError,
+                                      file_checksums, file_sha256, read_manifest,
+                                      verify_checksums)
 
 __all__ = ["MAP_FILE", "MODEL_CONFIG_FILE", "read_full", "write_full", "write_streaming",
            "LazyPlanner", "DCPSource", "Progress", "spread_over_ranks", "ranks",
@@ -37,10 +39,14 @@ MAP_FILE = "param_to_param_group_map.json"
 MODEL_CONFIG_FILE = "model_config.json"
 
 
-def read_full(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, object], dict]:
-    """Every tensor of a DCP checkpoint as a full tensor, every blob unpickled, and the manifest."""
+def read_full(path: str | Path, verify: bool = True
+              ) -> tuple[dict[str, torch.Tensor], dict[str, object], dict]:
+    """Every tensor of a DCP checkpoint as a full tensor, every blob unpickled, and the manifest;
+    with ``verify``, the files are first checked against their recorded SHA-256 sums."""
     path = Path(path)
     manifest = read_manifest(path)
+    if verify:
+        verify_checksums(path, manifest)
     meta = FileSystemReader(str(path)).read_metadata()
     state: dict[str, object] = {}
     for key, md in meta.state_dict_metadata.items():
@@ -74,7 +80,8 @@ def write_full(path: str | Path, tensors: dict[str, torch.Tensor], blobs: dict[s
                 "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype)}
                             for k, v in tensors.items()},
                 "blobs": sorted(blobs),
-                "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}}
+                "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
+                CHECKSUMS: file_checksums(tmp)}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     tmp.rename(path)
     return path
@@ -232,15 +239,25 @@ def write_streaming(path: str | Path, specs: dict[str, tuple[tuple[int, ...], to
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind
         raise
+    sums = [file_checksums(tmp, rank, world)]  # each rank the files it wrote
+    if world > 1:
+        import torch.distributed as dist
+
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, sums[0])
+        sums = gathered
 
     def finish() -> None:
         for name, text in (files or {}).items():
             (tmp / name).write_text(text)
+        checksums = {k: v for part in sums for k, v in part.items()}
+        checksums.update({name: file_sha256(tmp / name) for name in (files or {})})
         manifest = {"format": fmt, "format_version": FORMAT_VERSION, "layout": layout or {},
                     "tensors": {k: {"shape": list(shape), "dtype": str(dtype)}
                                 for k, (shape, dtype) in specs.items()},
                     "blobs": sorted(blobs),
-                    "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}}
+                    "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
+                    CHECKSUMS: dict(sorted(checksums.items()))}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
 
     commit_dir(tmp, path, finish)
@@ -286,10 +303,15 @@ class _Window(io.RawIOBase):
 
 
 class DCPSource:
-    """Read one tensor of a DCP checkpoint at a time (whatever layout wrote it), in one process."""
+    """Read one tensor of a DCP checkpoint at a time (whatever layout wrote it), in one process.
 
-    def __init__(self, path: str | Path):
+    An mfsdp checkpoint's files are first checked against the SHA-256 sums of its manifest
+    (``verify``); within :class:`spread_over_ranks` each rank checks its share."""
+
+    def __init__(self, path: str | Path, verify: bool = True):
         self.path = Path(path)
+        if verify and (self.path / "manifest.json").exists():
+            verify_checksums(self.path, read_manifest(self.path), *ranks())
         self._reader = _CachedReader(str(self.path))
         meta = self._reader.read_metadata()
         self.tensors = {k: (tuple(md.size), md.properties.dtype)

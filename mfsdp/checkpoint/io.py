@@ -28,11 +28,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from mfsdp.checkpoint.manifest import (
+    CHECKSUMS,
     DTYPES,
     FORMAT_VERSION,
     CheckpointError,
+    file_checksums,
     read_manifest,
     resolve_checkpoint,
+    verify_checksums,
 )
 from mfsdp.checkpoint.state import (
     global_param_to_param_group_map,
@@ -117,17 +120,23 @@ def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: i
     blobs: list = [None] * dist.get_world_size()
     dist.all_gather_object(blobs, [k for k, v in state.items() if isinstance(v, bytes)])
     group_map = global_param_to_param_group_map(model, optimizer) if optimizer is not None else None
-    dist.barrier()
     if dist.get_rank() == 0:
         for fname, text in (files or {}).items():
             (tmp / fname).write_text(text)
+        if optimizer is not None:
+            (tmp / "param_to_param_group_map.json").write_text(json.dumps(group_map, indent=1))
+    dist.barrier()
+    # Every rank hashes the files it wrote (still in its page cache): the save costs one read
+    # of 1/world of the checkpoint per rank, in parallel.
+    sums: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sums, file_checksums(tmp, dist.get_rank(), dist.get_world_size()))
+    if dist.get_rank() == 0:
         manifest = {"format": "fsdp_dtensor", "format_version": FORMAT_VERSION,
                     "layout": _layout(model), "tensors": described,
                     "blobs": sorted({k for part in blobs for k in part}),
-                    "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}}
+                    "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
+                    CHECKSUMS: {k: v for part in sums for k, v in sorted(part.items())}}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        if optimizer is not None:
-            (tmp / "param_to_param_group_map.json").write_text(json.dumps(group_map, indent=1))
         _fsync_dir(tmp)
         final = root / name
         if final.exists():  # an older save of the same iteration: replace it
@@ -187,16 +196,35 @@ def load_converted(path: str | os.PathLike, model, optimizer, convert, what: str
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_fsdp_dtensor(path: str | os.PathLike, model, optimizer=None) -> dict:
+def verify_distributed(ckpt: Path, manifest: dict) -> None:
+    """Check the checkpoint's files against their recorded SHA-256 sums, each rank a share (a
+    collective call); every rank raises the same CheckpointError naming the first bad file."""
+    error = None
+    try:
+        verify_checksums(ckpt, manifest, dist.get_rank(), dist.get_world_size())
+    except (CheckpointError, OSError) as exc:
+        error = str(exc)
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    bad = [e for e in errors if e]
+    if bad:
+        raise CheckpointError(bad[0])
+
+
+def load_fsdp_dtensor(path: str | os.PathLike, model, optimizer=None, verify: bool = True) -> dict:
     """Load an mfsdp ``fsdp_dtensor`` checkpoint (or its root) into ``model`` (and
     ``optimizer``), resharding to their layout; :func:`mfsdp.checkpoint.load_checkpoint` reads
     every format and calls this for mfsdp's own.
 
+    With ``verify`` (the default) every file is first checked against the SHA-256 its manifest
+    records, the ranks sharing the reading; a damaged file is named and nothing is loaded.
     Restores the RNG state that was saved and returns the ``extra`` dict (with ``iteration``
     and ``rng_state``). A collective call.
     """
     ckpt = resolve_checkpoint(path)
     manifest = read_manifest(ckpt)
+    if verify:
+        verify_distributed(ckpt, manifest)
     theirs = manifest["tensors"]
     state = model_state(model)
     has_groups = "optimizer.param_groups" in manifest.get("blobs", [])

@@ -14,7 +14,7 @@ from mfsdp.checkpoint.upstream import load_megatron_fsdp
 __all__ = ["load_checkpoint"]
 
 
-def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
+def load_checkpoint(path: str | os.PathLike, model, optimizer=None, verify: bool = True) -> dict:
     """Load a checkpoint into ``model`` (and ``optimizer``), whatever layout wrote it.
 
     ``path`` is an mfsdp checkpoint (or its root), a checkpoint written by upstream
@@ -22,6 +22,9 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     ``mfsdp.checkpoint.upstream``) or a Megatron-LM ``torch_dist`` or ``fsdp_dtensor``
     checkpoint (root with ``latest_checkpointed_iteration.txt`` or one ``iter_XXXXXXX``; see
     ``mfsdp.checkpoint.megatron_lm``), recognised by what is on disk.
+
+    ``verify`` (mfsdp's checkpoints): check every file against the SHA-256 sum its manifest
+    records before anything is loaded (the ranks share the reading); a damaged file is named.
 
     Restores the RNG state that was saved and returns the ``extra`` dict (with ``iteration``
     and ``rng_state``). A collective call.
@@ -33,4 +36,4 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     unreadable = describe_unreadable(path)
     if unreadable:
         raise CheckpointError(unreadable)
-    return load_fsdp_dtensor(path, model, optimizer)
+    return load_fsdp_dtensor(path, model, optimizer, verify=verify)

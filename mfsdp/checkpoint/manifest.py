@@ -6,19 +6,24 @@ formats by what is on disk is :mod:`mfsdp.checkpoint.detect`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 
 __all__ = ["FORMAT_VERSION", "DTYPES", "FULL_FORMAT", "CheckpointError", "resolve_checkpoint",
-           "read_manifest", "read_text", "read_json", "is_full_format"]
+           "read_manifest", "read_text", "read_json", "is_full_format", "CHECKSUMS",
+           "file_sha256", "checksum_owner", "file_checksums", "verify_checksums"]
 
 FORMAT_VERSION = 1
 # mfsdp's full-tensor format (mfsdp.checkpoint.full); manifests before the rename say torch_dist
 FULL_FORMAT = "mfsdp_full"
 _FULL_FORMAT_NAMES = (FULL_FORMAT, "torch_dist")
+# manifest key: file name -> hex SHA-256 of every file of the directory but manifest.json
+CHECKSUMS = "sha256"
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
                                torch.int64, torch.int32, torch.uint8, torch.bool)}
 
@@ -89,3 +94,62 @@ def read_json(path: Path):
 def is_full_format(manifest: dict) -> bool:
     """Whether a manifest is of mfsdp's full-tensor format (under its new or its old name)."""
     return manifest.get("format") in _FULL_FORMAT_NAMES
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The hex SHA-256 of a file, read in blocks (what ``sha256sum`` prints)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def checksum_owner(names: dict[str, int], rank: int, world: int) -> list[str]:
+    """The files (name -> size) rank ``rank`` of ``world`` hashes: the ``__<r>_*.distcp`` files
+    that rank ``r`` wrote go to ``r`` (still in its page cache after a save); the rest are spread
+    by size, largest first, to the rank with the fewest bytes so far."""
+    load = [0] * world
+    owner = {}
+    for name, size in names.items():
+        m = _RANK_FILE.match(name)
+        if m and int(m.group(1)) < world:
+            owner[name] = int(m.group(1))
+            load[owner[name]] += size
+    for name in sorted(set(names) - set(owner), key=lambda n: (-names[n], n)):
+        owner[name] = min(range(world), key=lambda r: (load[r], r))
+        load[owner[name]] += names[name]
+    return sorted(n for n, r in owner.items() if r == rank)
+
+
+def file_checksums(directory: str | os.PathLike, rank: int = 0, world: int = 1) -> dict[str, str]:
+    """SHA-256 of this rank's share (:func:`checksum_owner`) of the files in ``directory``
+    (``manifest.json`` excepted); all of them in one process."""
+    directory = Path(directory)
+    sizes = {f.name: f.stat().st_size for f in directory.iterdir()
+             if f.is_file() and f.name != "manifest.json"}
+    return {n: file_sha256(directory / n) for n in checksum_owner(sizes, rank, world)}
+
+
+def verify_checksums(ckpt: str | os.PathLike, manifest: dict, rank: int = 0,
+                     world: int = 1) -> int:
+    """Check this rank's share of the checkpoint's files against the SHA-256 sums its manifest
+    records; return the bytes checked. A mismatch raises a CheckpointError naming the file.
+    Checkpoints written before mfsdp recorded sums have none: nothing is checked (0)."""
+    ckpt = Path(ckpt)
+    sums = manifest.get(CHECKSUMS)
+    if not isinstance(sums, dict):
+        return 0
+    sizes = {n: int(manifest["files"].get(n, 0)) for n in sums}
+    checked = 0
+    for name in checksum_owner(sizes, rank, world):
+        if not (ckpt / name).is_file():
+            raise CheckpointError(f"checkpoint file {ckpt / name} is missing (the manifest "
+                                  "records its SHA-256)")
+        if file_sha256(ckpt / name) != sums[name]:
+            raise CheckpointError(
+                f"checkpoint file {ckpt / name} does not match the SHA-256 its manifest records "
+                "(same size, different bytes): it was modified or damaged after the save; "
+                "restore it from a copy or load another iteration")
+        checked += sizes[name]
+    return checked

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -31,13 +32,33 @@ def positive_int(value: str) -> int:
     return n
 
 
+def non_negative_float(value: str) -> float:
+    """argparse type: a finite number of at least 0."""
+    x = float(value)
+    if not (x >= 0 and x != float("inf")):
+        raise argparse.ArgumentTypeError(f"{value} is not a finite number of at least 0")
+    return x
+
+
+class OneRankParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are printed by rank 0 only (``RANK`` of torchrun):
+    a typo on 512 ranks is one message, not 512. Every rank still exits with status 2."""
+
+    def error(self, message: str):
+        """Print the usage and ``message`` on rank 0 (or without a rank), then exit 2."""
+        if os.environ.get("RANK", "0") == "0":
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The trainer's argument parser (the flag reference of the guide is generated from it)."""
     from mfsdp.models.gpt import GPT_PRESETS
     from mfsdp.moe.dispatcher import DISPATCHERS, FLEX_BACKENDS
 
     if parser is None:
-        parser = argparse.ArgumentParser(prog="mfsdp train", description=__doc__.splitlines()[0])
+        parser = OneRankParser(prog="mfsdp train", description=__doc__.splitlines()[0])
     m = parser.add_argument_group("model")
     m.add_argument("--model-preset", choices=sorted(GPT_PRESETS), default=None,
                    help="starting sizes; the flags below override them (default: the "
@@ -177,8 +198,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     t.add_argument("--seq-length", type=positive_int, default=64,
                    help="tokens per sequence (the longest one with packing; default: %(default)s)")
     t.add_argument("--train-iters", type=positive_int, default=20, help="iterations to reach")
-    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    t.add_argument("--min-lr", type=float, default=0.0, help="the learning rate decay ends at")
+    t.add_argument("--lr", type=non_negative_float, default=3e-3, help="peak learning rate")
+    t.add_argument("--min-lr", type=non_negative_float, default=0.0,
+                   help="the learning rate decay ends at")
     t.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up iterations")
     t.add_argument("--lr-decay-style", default="linear",
                    choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
@@ -234,6 +256,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     t.add_argument("--sequence-packing", action="store_true",
                    help="variable-length sequences packed per micro-batch (THD); with indexed "
                    "datasets, each sample is cut into its documents at EOD tokens")
+    j = parser.add_argument_group("job")
+    j.add_argument("--distributed-timeout-minutes", type=non_negative_float, default=10.0,
+                   help="how long a collective waits for the other ranks before the job stops "
+                   "(Megatron-LM's flag and default: %(default)s); shortly before, the rank that "
+                   "waits names the ranks that are behind and where they are")
+    j.add_argument("--debug", action="store_true",
+                   help="errors with their full traceback (by default a user error is one line)")
     c = parser.add_argument_group("checkpoints")
     c.add_argument("--save", help="checkpoint directory to write")
     c.add_argument("--load", help="checkpoint directory to resume from (latest); a new or empty "
@@ -256,6 +285,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    action="store_true", dest="use_checkpoint_opt_param_scheduler",
                    help="--load: continue the checkpoint's learning-rate schedule (--lr, --min-lr, "
                    "warm-up, decay iterations and style)")
+    c.add_argument("--no-ckpt-verify", dest="ckpt_verify", action="store_false",
+                   help="--load: skip checking every file of an mfsdp checkpoint against the "
+                   "SHA-256 sums its manifest records (the check reads the checkpoint once more)")
     c.add_argument("--ckpt-format", choices=("fsdp_dtensor", "torch_dist", "mfsdp_full"),
                    default="fsdp_dtensor",
                    help="format of --save: mfsdp's sharded fsdp_dtensor, Megatron-LM's torch_dist "
@@ -347,12 +379,20 @@ def check_args(args, world: int, cfg) -> int:
     if (args.save or args.load) and not args.use_megatron_fsdp:
         raise SystemExit("--save and --load need --use-megatron-fsdp (checkpoints are sharded "
                          "DTensors)")
+    if cfg.num_experts and cfg.num_experts % ep:
+        raise SystemExit(f"--expert-model-parallel-size {ep} does not divide the "
+                         f"{cfg.num_experts} experts (--num-experts); pick a divisor")
+    if cfg.num_experts and cfg.moe_router_topk > cfg.num_experts:
+        raise SystemExit(f"--moe-router-topk {cfg.moe_router_topk} exceeds the "
+                         f"{cfg.num_experts} experts (--num-experts)")
     if args.clip_grad < 0:
         raise SystemExit(f"--clip-grad {args.clip_grad}: the largest gradient norm must be "
                          "positive, or 0 to turn clipping off")
     if cfg.vocab_size < 2:
         raise SystemExit(f"--vocab-size {cfg.vocab_size}: a language model needs at least 2 "
                          "tokens")
+    if args.distributed_timeout_minutes <= 0:
+        raise SystemExit("--distributed-timeout-minutes must be positive")
     if args.save:
         _check_save_dir(Path(args.save))
     return args.global_batch_size // per

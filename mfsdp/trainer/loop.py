@@ -18,18 +18,17 @@ from mfsdp.trainer.arguments import GPU_ONLY, build_parser, check_args
 from mfsdp.trainer.build import (build_param_groups, flops_per_token, learning_rate, make_optimizer,
                                  model_config, model_family, precision_policy, routers_of, rss_mib)
 from mfsdp.trainer.checkpointing import load_for_training, save_step
+from mfsdp.trainer.guard import SaveLock, Watch, report_error
 from mfsdp.trainer.metrics import tensorboard_writer
 from mfsdp.trainer.parallel import build_parallel, micro_batch
 from mfsdp.trainer.signals import StopRequest
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    """Train with parsed ``args`` in an initialised process group; return rank 0's log records."""
-    from mfsdp import fully_shard
-    from mfsdp.models.gpt import GPT, TransformerLayer
-    from mfsdp.models.tensor_parallel import apply_tensor_parallel
-    from mfsdp.moe import collect_aux_losses, shard_experts
+    """Train with parsed ``args`` in an initialised process group; return rank 0's log records.
 
+    ``--save``'s directory is locked for the run (:class:`~mfsdp.trainer.guard.SaveLock`) and a
+    :class:`~mfsdp.trainer.guard.Watch` reports hangs (and, under torchrun, a dead launcher)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend() == "nccl" else torch.device("cpu"))
@@ -42,8 +41,46 @@ def run(args: argparse.Namespace) -> list[dict]:
             log(f"note: {what}. " + ("This run is on CPU (gloo), so it is accepted and ignored."
                                      if is_cpu else "mfsdp does not register NCCL buffers yet; "
                                      "the flag is accepted and has no effect."), flush=True)
+    lock = SaveLock(args.save) if (args.save and args.use_megatron_fsdp) else None
+    take_save_lock(lock, log)
+    watch = Watch(args.distributed_timeout_minutes * 60, lock if rank == 0 else None)
+    try:
+        return train(args, cfg, num_micro, device, log, watch)
+    finally:
+        watch.stop()
+        if lock is not None:
+            lock.release()
+
+
+def take_save_lock(lock: SaveLock | None, log) -> None:
+    """Rank 0 takes ``--save``'s lock; every rank stops with its message when it cannot."""
+    error = [None]
+    if lock is not None and dist.get_rank() == 0:
+        try:
+            lock.acquire()
+        except SystemExit as exc:
+            error[0] = str(exc.code)
+    if lock is not None and dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise SystemExit(error[0])
+    for note in lock.notes if lock is not None else ():
+        log(f"note: {note}", flush=True)
+
+
+def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
+    """Build, load and train (the body of :func:`run`, once the save directory is ours);
+    ``watch`` hears where this rank is."""
+    from mfsdp import fully_shard
+    from mfsdp.models.gpt import GPT, TransformerLayer
+    from mfsdp.models.tensor_parallel import apply_tensor_parallel
+    from mfsdp.moe import collect_aux_losses, shard_experts
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    watch.mark("reading the data")
     data = read_data(args)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    watch.mark("building the model")
 
     torch.manual_seed(args.seed)  # every rank builds the same model
     meta = args.init_model_with_meta_device and args.use_megatron_fsdp
@@ -84,6 +121,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             raise SystemExit("--dump-param-to-param-group-map needs --use-megatron-fsdp")
         dump_param_to_param_group_map(model, opt, args.dump_param_to_param_group_map)
         log(f"wrote the parameter-to-group map to {args.dump_param_to_param_group_map}", flush=True)
+    watch.mark(f"loading --load {args.load}")
     start = load_for_training(args, model, opt, routers, cfg) if args.load else 0
     if start:
         log(f"resumed from iteration {start} of {args.load}", flush=True)
@@ -126,12 +164,14 @@ def run(args: argparse.Namespace) -> list[dict]:
                 chunk = mine[i * args.micro_batch_size:(i + 1) * args.micro_batch_size]
                 chunk = [t for s in chunk for t in (s if isinstance(s, list) else [s])]
                 batch = micro_batch(chunk, par, device)
+                watch.mark(f"iteration {iteration}: forward and backward of micro-batch {i + 1}")
                 last = i == num_micro - 1
                 with contextlib.nullcontext() if last else model.no_sync():
                     loss, _ = batch.loss(model, routers)
                     total = loss * scale + collect_aux_losses(inner).to(loss.device) * aux_scale
                     total.backward()
                 loss_sum += loss.detach().double()
+            watch.mark(f"iteration {iteration}: gradient norm and optimizer step")
             if args.use_megatron_fsdp:
                 grad_norm = (opt.clip_grad_norm_(args.clip_grad) if args.clip_grad > 0
                              else opt.grad_norm())
@@ -181,6 +221,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     f"{rec['tokens_per_s']:,.0f} | rss {rec['rss_mib']:.0f} MiB{extra}", flush=True)
             if (isinstance(data, MegatronData) and data.valid is not None and args.eval_iters > 0
                     and (iteration % args.eval_interval == 0 or iteration == args.train_iters)):
+                watch.mark(f"iteration {iteration}: validation")
                 valid_loss = evaluate(args, model, data, routers, device, iteration, par)
                 rec.update(valid_loss=valid_loss, valid_ppl=math.exp(min(valid_loss, 700.0)))
                 if jsonl:
@@ -193,6 +234,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     board.add_scalar("lm loss validation", valid_loss, iteration)
                     board.add_scalar("lm loss validation ppl", rec["valid_ppl"], iteration)
             leaving = bool(args.exit_interval) and iteration % args.exit_interval == 0
+            watch.mark(f"iteration {iteration}: end")
             why = stop.reason(args, t_start, device)  # every rank agrees (one all-reduce)
             if why and iteration < args.train_iters:
                 leaving = True
@@ -202,6 +244,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             if args.save and args.use_megatron_fsdp and (
                     (args.save_interval and iteration % args.save_interval == 0)
                     or iteration == args.train_iters or leaving):
+                watch.mark(f"iteration {iteration}: saving")
                 save_step(args, model, opt, iteration, routers, cfg)
                 log(f"saved iteration {iteration} to {args.save} ({args.ckpt_format})", flush=True)
             if leaving:
@@ -266,21 +309,22 @@ def main_parsed(args: argparse.Namespace) -> int:
                                   "MASTER_PORT", "29511"))
         from mfsdp.launch import init_from_env
 
-        init_from_env()  # NCCL on GPUs, gloo otherwise; survives torchrun restarts
+        # NCCL on GPUs, gloo otherwise; survives torchrun restarts
+        init_from_env(timeout_s=args.distributed_timeout_minutes * 60)
         started = True
     from mfsdp.launch import shutdown
 
-    ok = False
     try:
         run(args)
-        ok = True
-    finally:
-        if started and ok:
-            # This process owns the group: barrier, destroy, and leave without the interpreter's
-            # teardown, in which gloo's threads can abort a finished run (see shutdown()).
-            shutdown(exit_code=0)
-        elif started:  # an error: no barrier (a peer may never come); the error propagates
-            shutdown(barrier=False)
+    except BaseException as exc:  # noqa: BLE001 - said once, in one line when it is the user's
+        if not started:
+            raise
+        # no barrier (a peer may never come); leave without the interpreter's teardown
+        shutdown(barrier=False, exit_code=report_error(exc, args.debug))
+    if started:
+        # This process owns the group: barrier, destroy, and leave without the interpreter's
+        # teardown, in which gloo's threads can abort a finished run (see shutdown()).
+        shutdown(exit_code=0)
     return 0
 
 

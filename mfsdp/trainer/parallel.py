@@ -68,7 +68,12 @@ def build_parallel(args, world: int, cfg, device: torch.device, log) -> TrainPar
         log("note: disabling sequence parallelism because tensor model parallelism is disabled "
             "(--tensor-model-parallel-size 1)", flush=True)
         sp = args.sequence_parallel = False
-    layout = ParallelLayout(world, outer, ep, cfg.num_experts or None, tp=tp, cp=cp)
+    try:
+        layout = ParallelLayout(world, outer, ep, cfg.num_experts or None, tp=tp, cp=cp)
+    except ValueError as exc:  # a layout these flags cannot make: the flags are the fix
+        raise SystemExit(f"--expert-model-parallel-size {ep}, --tensor-model-parallel-size {tp}, "
+                         f"--context-parallel-size {cp}, --num-distributed-optimizer-instances "
+                         f"{outer} on {world} ranks: {exc}") from None
     groups = None
     if args.use_megatron_fsdp and (ep > 1 or outer > 1 or tp > 1 or cp > 1
                                    or args.create_all_gather_group):

@@ -1,0 +1,380 @@
+"""What keeps a training job from failing silently or harming another: the save directory's lock,
+the progress board and its hang report, the launcher watch, and the one-line form of user errors.
+
+- :class:`SaveLock`: ``--save DIR`` belongs to one job at a time (``DIR/.lock`` names the holder's
+  host, pid and job); a second job refuses to start, a lock whose holder died is taken over, and
+  the leftovers of unfinished saves are removed and named.
+- :class:`Watch`: every rank posts where it is (``iteration 3: backward``) to the job's store; a
+  background thread notices when its rank made no progress for nearly
+  ``--distributed-timeout-minutes`` and prints, once per job, which rank is behind and where
+  every rank waits. Under ``torchrun`` it also stops a rank whose launcher died (PyTorch leaves
+  such ranks running, training and saving).
+- :func:`report_error`: a user error (a bad flag, a checkpoint that cannot be read, a NaN) is
+  one line, printed once per job, without a traceback unless ``--debug``.
+
+See the reliability page of the guide for what each guard guarantees and how it is tested.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+__all__ = ["SaveLock", "Watch", "report_error", "is_user_error", "LOCK_FILE", "UNFINISHED"]
+
+LOCK_FILE = ".lock"
+# what an interrupted save, export or conversion leaves in a save root (never read)
+UNFINISHED = (".tmp-", ".staging-", ".export-", ".from-", ".latest-")
+HEARTBEAT_S = 30.0  # the holder touches its lock this often
+ALIVE_S = 2.0  # every rank's watch thread says it is alive this often
+UNRESPONSIVE_S = 6.0  # a rank silent this long is stopped, or its host is gone
+STALE_AFTER_S = 300.0  # a lock on another host untouched this long is a dead job's
+
+
+def _store():
+    """The job's key-value store (the one the process group was made from), or None."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - no group, or a backend without a store
+        return None
+
+
+def _first(store, key: str) -> bool:
+    """Whether this rank is the first of the job to claim ``key`` (``store.add`` is atomic)."""
+    if store is None:
+        return True
+    try:
+        return store.add(f"mfsdp/once/{key}", 1) == 1
+    except Exception:  # noqa: BLE001 - the store is gone (the job is ending): say it anyway
+        return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _job_id() -> str:
+    return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
+
+
+class SaveLock:
+    """``DIR/.lock``: one job saves into a directory at a time (rank 0 holds it).
+
+    The lock file is JSON (``host``, ``pid``, ``job``, ``started``); its modification time is the
+    holder's heartbeat (:meth:`touch`, every :data:`HEARTBEAT_S` seconds from :class:`Watch`).
+    A lock is the holder's as long as the holder lives: on this host, while its pid exists; on
+    another host, while the heartbeat is younger than :data:`STALE_AFTER_S`. The same job
+    restarted (``SLURM_JOB_ID`` or torchrun's run id) takes its own lock over.
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.path = self.root / LOCK_FILE
+        self.held = False
+        self.notes: list[str] = []  # what acquiring found and did (stale lock, leftovers)
+
+    def _holder(self) -> dict | None:
+        try:
+            info = json.loads(self.path.read_text())
+            return info if isinstance(info, dict) else {}
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}  # unreadable: treated by its age only
+
+    def _stale(self, info: dict) -> str:
+        """Why the holder of ``info`` is gone ('' when it may be alive)."""
+        try:
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return "it was released"
+        job = _job_id()
+        if job and info.get("job") == job:
+            return f"it is this job's ({job}), from before a restart"
+        if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
+            if not _alive(info["pid"]):
+                return f"its process {info['pid']} on this host is gone"
+            return ""
+        if age > STALE_AFTER_S:
+            return f"its heartbeat stopped {age:.0f} s ago"
+        return ""
+
+    def acquire(self) -> None:
+        """Take the lock or raise SystemExit naming the holder; then remove (and note) what
+        unfinished saves left behind, which only a dead job can have left."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        mine = {"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(),
+                "started": datetime.datetime.now().isoformat(timespec="seconds")}
+        tmp = self.root / f".lock-{socket.gethostname()}-{os.getpid()}"
+        tmp.write_text(json.dumps(mine))
+        try:
+            for _ in range(3):
+                try:
+                    os.link(tmp, self.path)  # atomic, also on NFS
+                    self.held = True
+                    break
+                except FileExistsError:
+                    info = self._holder()
+                    if info is None:
+                        continue  # released in between: try again
+                    why = self._stale(info)
+                    if not why:
+                        age = time.time() - self.path.stat().st_mtime
+                        raise SystemExit(
+                            f"mfsdp train: --save {self.root} is in use by "
+                            f"{('job ' + info['job'] + ', ') if info.get('job') else ''}"
+                            f"pid {info.get('pid', '?')} on {info.get('host', '?')} (since "
+                            f"{info.get('started', '?')}, heartbeat {age:.0f} s ago): two jobs "
+                            "saving into one directory replace each other's checkpoints. Use "
+                            f"another --save, or stop that job (a dead job's lock is taken over "
+                            f"at once on its host, after {STALE_AFTER_S / 60:.0f} minutes "
+                            f"elsewhere; {self.path} can be deleted by hand once it is dead)")
+                    self.notes.append(f"took over the lock of {self.root} ({why})")
+                    try:
+                        self.path.unlink()
+                    except FileNotFoundError:
+                        pass
+            if not self.held:
+                raise SystemExit(f"mfsdp train: could not take the lock {self.path}: another job "
+                                 "keeps taking it; is a second job starting with this --save?")
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._remove_unfinished()
+
+    def _remove_unfinished(self) -> None:
+        import shutil
+
+        left = sorted(p for p in self.root.iterdir()
+                      if p.name.startswith(UNFINISHED) and p.name != LOCK_FILE
+                      and not p.name.startswith(".lock-"))
+        for p in left:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        if left:
+            self.notes.append(f"removed {len(left)} unfinished save(s) an earlier job left in "
+                              f"{self.root}: {', '.join(p.name for p in left)}")
+
+    def touch(self) -> None:
+        """The heartbeat: the lock's modification time is now."""
+        if self.held:
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        """Remove the lock (only if it is still ours)."""
+        if not self.held:
+            return
+        self.held = False
+        info = self._holder()
+        if info and info.get("pid") == os.getpid() and info.get("host") == socket.gethostname():
+            self.path.unlink(missing_ok=True)
+
+
+class Watch:
+    """The progress board, the hang report and the launcher watch of one rank.
+
+    :meth:`mark` posts this rank's position (a counter and a phrase) to the job's store. A
+    daemon thread wakes every second: when the mark has not moved for ``report_after_s`` (a
+    little less than the collectives' timeout, so the report comes before the timeout's error),
+    it reads every rank's position and prints one report per job; under ``torchrun``
+    (``TORCHELASTIC_RUN_ID``) it ends the process when the launcher that started it is gone.
+    """
+
+    def __init__(self, timeout_s: float, lock: SaveLock | None = None, log=print):
+        self.store = _store()
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.timeout_s = timeout_s
+        self.report_after_s = max(timeout_s - 15.0, 0.8 * timeout_s)
+        self.lock = lock
+        self.log = log
+        self.seq = 0
+        self.what = "starting"
+        self.since = time.monotonic()
+        self.reported = False
+        self.launcher = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mfsdp-watch", daemon=True)
+        self._thread.start()
+
+    def mark(self, what: str) -> None:
+        """This rank is now at ``what`` (e.g. ``iteration 3: backward``)."""
+        self.seq += 1
+        self.what, self.since = what, time.monotonic()
+        if self.store is not None:
+            try:
+                self.store.set(f"mfsdp/progress/{self.rank}",
+                               json.dumps([self.seq, time.time(), what]))
+            except Exception:  # noqa: BLE001 - the board is a diagnosis aid, never a failure
+                pass
+
+    def positions(self) -> dict[int, tuple[int, float, str, float]]:
+        """Every rank's last (counter, wall time, phrase, last sign of life) on the board (ranks
+        that never posted are missing)."""
+        out = {}
+        if self.store is None:
+            return out
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=5))
+        except Exception:  # noqa: BLE001
+            pass
+        for r in range(self.world):
+            try:
+                if self.store.check([f"mfsdp/progress/{r}"]):
+                    seq, t, what = json.loads(self.store.get(f"mfsdp/progress/{r}"))
+                    alive = (float(self.store.get(f"mfsdp/alive/{r}"))
+                             if self.store.check([f"mfsdp/alive/{r}"]) else 0.0)
+                    out[r] = (int(seq), float(t), str(what), alive)
+            except Exception:  # noqa: BLE001
+                continue
+        return out
+
+    def hang_report(self) -> str:
+        """One line: for how long this rank has waited, which ranks are behind and where."""
+        pos = self.positions()
+        now = time.time()
+        waited = time.monotonic() - self.since
+        head = (f"mfsdp train: no progress for {waited:.0f} s (--distributed-timeout-minutes "
+                f"{self.timeout_s / 60:g})")
+        if not pos:
+            return f"{head}; rank {self.rank} waits at '{self.what}'"
+        missing = [r for r in range(self.world) if r not in pos]
+        silent = sorted(r for r, p in pos.items() if now - p[3] > UNRESPONSIVE_S)
+        low = min(p[0] for p in pos.values())
+        behind = sorted(r for r, p in pos.items() if p[0] == low)
+        ahead = sorted(set(pos) - set(behind))
+        parts = []
+        if missing:
+            parts.append(f"rank(s) {_ranks(missing)} never started")
+        if silent:
+            r0 = silent[0]
+            parts.append(f"rank(s) {_ranks(silent)} unresponsive for {now - pos[r0][3]:.0f} s, "
+                         f"last at '{pos[r0][2]}' (the process is stopped or its host is gone)")
+            waiting = {}
+            for r in sorted(set(pos) - set(silent)):
+                waiting.setdefault(pos[r][2], []).append(r)
+            parts.append("; ".join(f"rank(s) {_ranks(rs)} wait at '{w}'"
+                                   for w, rs in waiting.items()))
+        elif ahead:
+            r0 = behind[0]
+            parts.append(f"rank(s) {_ranks(behind)} behind, at '{pos[r0][2]}' for "
+                         f"{now - pos[r0][1]:.0f} s (stalled, or stuck outside the collectives: "
+                         "`py-spy dump --pid` on its host shows where)")
+            waiting = {}
+            for r in ahead:
+                waiting.setdefault(pos[r][2], []).append(r)
+            parts.append("; ".join(f"rank(s) {_ranks(rs)} wait at '{w}'"
+                                   for w, rs in waiting.items()))
+        else:
+            places = {}
+            for r, (_, _, w, _) in pos.items():
+                places.setdefault(w, []).append(r)
+            parts.append("every rank is at the same step: " + "; ".join(
+                f"rank(s) {_ranks(rs)} at '{w}'" for w, rs in places.items())
+                + " (a collective that not every rank calls, or a stalled network)")
+        return head + ": " + "; ".join(parts)
+
+    def _run(self) -> None:
+        last_touch = last_alive = 0.0
+        while not self._stop.wait(1.0):
+            if self.store is not None and time.monotonic() - last_alive > ALIVE_S:
+                last_alive = time.monotonic()
+                try:
+                    self.store.set(f"mfsdp/alive/{self.rank}", repr(time.time()))
+                except Exception:  # noqa: BLE001
+                    pass
+            if self.launcher is not None and os.getppid() != self.launcher:
+                sys.stderr.write(f"mfsdp train: rank {self.rank}: the launcher that started this "
+                                 f"process (pid {self.launcher}) is gone; stopping now, without "
+                                 "saving, so that no orphaned rank trains on or writes into "
+                                 "--save\n")
+                sys.stderr.flush()
+                os._exit(1)
+            if self.lock is not None and time.monotonic() - last_touch > HEARTBEAT_S:
+                self.lock.touch()
+                last_touch = time.monotonic()
+            stuck = time.monotonic() - self.since
+            if not self.reported and self.world > 1 and stuck > self.report_after_s:
+                self.reported = True
+                if _first(self.store, "hang"):
+                    sys.stderr.write(self.hang_report() + "\n")
+                    sys.stderr.flush()
+
+    def stop(self) -> None:
+        """End the thread (at the end of the run)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _ranks(rs: list[int]) -> str:
+    rs = sorted(rs)
+    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}"
+    return ",".join(map(str, rs))
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the user's to fix (a flag, a path, a checkpoint, non-finite numbers)
+    rather than a bug: its message is then all there is to say."""
+    from mfsdp.checkpoint.manifest import CheckpointError
+
+    if isinstance(exc, SystemExit):
+        return isinstance(exc.code, str)
+    return isinstance(exc, CheckpointError)
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that timed out (gloo's or NCCL's words for it)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("Timed out" in text or "timed out" in text
+                                              or "Timeout" in text)
+
+
+def report_error(exc: BaseException, debug: bool) -> int:
+    """Say what ended the run, once per job, and return the exit status.
+
+    A user error (:func:`is_user_error`): its message in one line, by the first rank that
+    reaches this (other ranks stay silent), no traceback unless ``debug``. A timed-out
+    collective: nothing more (the hang report said it). Anything else is a bug: the traceback,
+    every rank."""
+    import traceback
+
+    store = _store()
+    if debug:
+        traceback.print_exception(exc)
+        return 1
+    if isinstance(exc, SystemExit) and not isinstance(exc.code, str):
+        return exc.code if isinstance(exc.code, int) else 1  # a rank told to stay silent
+    if is_user_error(exc):
+        text = str(exc.code if isinstance(exc, SystemExit) else exc).strip()
+        line = text if text.startswith("mfsdp") else f"mfsdp train: error: {text}"
+        if _first(store, "error-" + hashlib.sha1(line.encode()).hexdigest()[:16]):
+            sys.stderr.write(line + "\n")
+        return 1
+    if is_timeout(exc):
+        if _first(store, "hang"):
+            sys.stderr.write(f"mfsdp train: a collective timed out: {exc}\n")
+        return 1
+    traceback.print_exception(exc)
+    return 1
