@@ -159,3 +159,112 @@ def test_sharding_a_model_twice_is_refused_by_name():
     said = launch(_shard_twice, 2)[0]
     assert len(said) == 3 and all("already sharded by an earlier fully_shard call" in s
                                   for s in said), said
+
+
+def _disagreeing_ranks() -> dict[str, object]:
+    """Each case on a real 2-rank group: what fully_shard says and does when the ranks disagree."""
+    import logging
+
+    import mfsdp
+    from mfsdp.models import Block, ToyModel
+
+    rank = dist.get_rank()
+    said: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logging.getLogger("mfsdp").addHandler(Catch())
+
+    def seeded(seed, **kw):
+        torch.manual_seed(seed)
+        return ToyModel(dim=8, hidden=16, num_blocks=2, **kw)
+
+    def wrap(build, **kw):
+        """(error or None, what rank 0 built, the wrapped model's full weights, lines said)"""
+        said.clear()
+        model = build()
+        reference = [None]
+        if rank == 0:
+            reference[0] = {k: v.clone() for k, v in model.state_dict().items()}
+        dist.broadcast_object_list(reference, src=0)
+        try:
+            wrapped = mfsdp.fully_shard_model(model, fsdp_unit_modules=[Block], **kw)
+        except ValueError as exc:
+            return str(exc), None, None, list(said)
+        full = {k.removeprefix("module."): v.full_tensor() if hasattr(v, "full_tensor") else v
+                for k, v in wrapped.state_dict().items()}
+        same = all(torch.equal(full[k], reference[0][k]) for k in reference[0])
+        return None, same, full, list(said)
+
+    out = {}
+    for strategy in ("no_shard", "optim_grads_params"):
+        out[f"same-{strategy}"] = wrap(lambda: seeded(0), zero_dp_strategy=strategy)[::3]
+        out[f"seed-{strategy}"] = wrap(lambda: seeded(rank), zero_dp_strategy=strategy)[::3]
+        out[f"seed-{strategy}-equal"] = wrap(lambda: seeded(rank), zero_dp_strategy=strategy)[1]
+
+    def one_tensor():  # weights loaded on one rank differ in one element
+        m = seeded(0)
+        if rank == 0:
+            with torch.no_grad():
+                m.blocks[1].fc2.bias[3] += 1e-7
+        return m
+
+    err, same, _, lines = wrap(one_tensor)
+    out["one-element"] = (err, same, lines)
+    out["blocks"] = wrap(lambda: seeded(0) if rank == 0 else ToyModel(dim=8, hidden=16,
+                                                                       num_blocks=3))[0]
+    out["shape"] = wrap(lambda: seeded(0) if rank == 0 else ToyModel(dim=8, hidden=24,
+                                                                      num_blocks=2))[0]
+    out["dtype"] = wrap(lambda: seeded(0) if rank == 0 else seeded(0).double())[0]
+    # meta-device initialisation with different generator states across HSDP replicas
+    from mfsdp import ParallelLayout
+
+    groups = ParallelLayout(2, 2, 1, None).create_groups()
+    said.clear()
+    torch.manual_seed(rank)
+    with torch.device("meta"):
+        meta = ToyModel(dim=8, hidden=16, num_blocks=2)
+    wrapped = mfsdp.fully_shard_model(meta, fsdp_unit_modules=[Block],
+                                      init_model_with_meta_device=True, process_groups=groups)
+    mine = torch.cat([v.full_tensor().flatten() for v in wrapped.state_dict().values()])
+    everyone = [None, None]
+    dist.all_gather_object(everyone, mine)
+    out["meta-rng-outer"] = (bool(torch.equal(everyone[0], everyone[1])), list(said))
+    return out
+
+
+def test_ranks_that_disagree_are_refused_or_aligned_at_wrap_time():
+    """Different models (which would hang in mismatched collectives): one ValueError on every
+    rank naming the first difference. Different initial values (PyTorch seeds each process at
+    random; under no_shard the replicas would train apart while the logged loss looks fine, and
+    weights loaded on one rank only would be mixed with random rows): the group's first rank
+    broadcasts, as Megatron-LM's DDP does, and rank 0 says so in one line."""
+    said = launch(_disagreeing_ranks, 2)
+    out, other = said
+    for strategy in ("no_shard", "optim_grads_params"):
+        assert out[f"same-{strategy}"] == (None, []) and other[f"same-{strategy}"] == (None, [])
+        err, lines = out[f"seed-{strategy}"]
+        assert err is None and len(lines) == 1, lines
+        assert "the ranks held different initial values of" in lines[0]
+        assert "as Megatron-LM's DDP does" in lines[0]
+        assert other[f"seed-{strategy}"] == (None, [])  # rank 1 says nothing
+        assert out[f"seed-{strategy}-equal"] and other[f"seed-{strategy}-equal"]
+    err, same, lines = other["one-element"]
+    assert err is None and same  # rank 1 now holds rank 0's value
+    assert out["one-element"][2] == ["fully_shard: the ranks held different initial values of 1 "
+                                     "parameter copy (e.g. 'blocks.1.fc2.bias'); every "
+                                     "data-parallel replica now starts from its group's first "
+                                     "rank, as Megatron-LM's DDP does. Seed every rank alike "
+                                     "(torch.manual_seed) or load the weights on every rank to "
+                                     "start from your own"]
+    for r in (out, other):
+        assert ("the ranks wrapped different models: rank 1 has parameter 'blocks.2."
+                in r["blocks"]), r["blocks"]
+        assert ("is (16, 8) torch.float32 on rank 0 but (24, 8) torch.float32 on rank 1"
+                in r["shape"]), r["shape"]
+        assert "(8, 8) torch.float32 on rank 0 but (8, 8) torch.float64 on rank 1" in r["dtype"]
+    assert out["meta-rng-outer"][0] and other["meta-rng-outer"][0]
+    assert len(out["meta-rng-outer"][1]) == 1 and "random-number generator state" in \
+        out["meta-rng-outer"][1][0]

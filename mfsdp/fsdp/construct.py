@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from mfsdp.fsdp.agreement import agree_on_rng, agree_on_values, check_same_model
 from mfsdp.fsdp.bucket import Bucket, DoubleBuffer, plan_bucket
 from mfsdp.config import ShardingStrategy
 from mfsdp.fsdp.dtensor import TPSpec
@@ -137,6 +138,7 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
     mods = dict(root.named_modules())
     params = _parameters_by_unit(root, unit_paths)
     _tp_specs(model, params)
+    check_same_model(params)  # before any collective whose count depends on the model
     if not meta_init:
         for e in params.values():
             p = e["param"]
@@ -190,6 +192,7 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
     if model.double_buffer and len(units) > 1:
         pool = DoubleBuffer(units[1:], model.device)
     buckets = [b for u in units for b in u.buckets]
+    _check_replicas(model, params, slot, meta_init)
     _load_values(model, buckets, params, slot, meta_init)
     out = Construction(units, pool, originals=[e["param"] for e in params.values()])
     # Replace every parameter by a ShardedParam: a view of its bucket during forward, a DTensor
@@ -220,6 +223,30 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
             if buf is not None and buf.device != model.device and buf.device.type != "meta":
                 m._buffers[name] = buf.to(model.device)
     return out
+
+
+def _check_replicas(model, params: dict[int, dict], slot, meta_init: bool) -> None:
+    """The ranks that hold copies of a parameter start from the same values, broadcast where
+    they differ (see :mod:`mfsdp.fsdp.agreement`): its data-parallel group, the outer group when the outer
+    dimension replicates, and the TP group for a parameter TP replicates."""
+
+    def group(comm):
+        if comm is None:
+            return None
+        return comm.group if comm.group is not None else dist.group.WORLD
+
+    outer = group(model.outer_comm) if not model.outer_sharded else None
+    if meta_init:  # no values yet: equal generator states draw equal weights
+        agree_on_rng(model.device, [outer])
+        return
+    entries = []
+    for e in params.values():
+        bucket, _ = slot[id(e["param"])]
+        p = e["param"].detach()
+        tp = model.tp_group if (model.tp_group is not None and not isinstance(p, DTensor)) else None
+        entries.append((e["name"], p.to_local() if isinstance(p, DTensor) else p,
+                        (group(bucket.comm), outer, tp)))
+    agree_on_values(entries, model.device)
 
 
 def _block_shape(entry: dict) -> tuple:
