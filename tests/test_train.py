@@ -464,3 +464,34 @@ def test_damaged_checkpoint_files_are_named(tmp_path):
     (mlm / "latest_checkpointed_iteration.txt").write_bytes(b"\x80\x81")
     with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt is not text"):
         resolve_megatron_lm(mlm)
+
+
+def test_profile_writes_a_trace_with_mfsdps_labels(tmp_path):
+    """Megatron-LM's --profile --use-pytorch-profiler: a torch.profiler trace of iterations 2 and
+    3 (--profile-step-end is exclusive) on rank 0 only, in --tensorboard-dir/profile, where the
+    engine's collectives carry their labels."""
+    tb = tmp_path / "tb"
+    launch("mfsdp.train:run_in_rank", 2, args=(SHORT + [
+        "--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
+        "--profile-step-end", "4", "--tensorboard-dir", str(tb)],))
+    traces = sorted((tb / "profile").glob("*.pt.trace.json"))
+    assert len(traces) == 1 and traces[0].name.startswith("rank0.")
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    names = [e.get("name", "") for e in events]
+    for label in ("mfsdp::all_gather", "mfsdp::reduce_scatter"):
+        assert names.count(label) > 0, label
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--record-memory-history"], "records the CUDA caching allocator, which a CPU run does not use"),
+    (["--profile"], "needs CUDA; on CPU add --use-pytorch-profiler"),
+    (["--profile", "--use-pytorch-profiler"], "pass --tensorboard-dir DIR"),
+    (["--profile", "--use-pytorch-profiler", "--tensorboard-dir", "x", "--profile-step-end", "3"],
+     "--profile-step-end 3 must exceed --profile-step-start 10"),
+], ids=["memory-history-on-cpu", "nsys-on-cpu", "no-trace-dir", "empty-window"])
+def test_profiling_flags_that_cannot_work_are_refused_at_start(flags, message):
+    from mfsdp.train import build_parser
+    from mfsdp.trainer.profiling import check_profile_args
+
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        check_profile_args(build_parser().parse_args(flags), is_cpu=True)

@@ -307,6 +307,27 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="TensorBoard event files (needs the tensorboard package)")
     o.add_argument("--log-throughput", action="store_true",
                    help="add TFLOP/s per rank (model FLOPs estimate) and peak memory to the log")
+    f = parser.add_argument_group("profiling (Megatron-LM's flags)")
+    f.add_argument("--profile", action="store_true",
+                   help="profile iterations --profile-step-start to --profile-step-end (an nsys "
+                   "capture range on GPUs; a torch.profiler trace with --use-pytorch-profiler)")
+    f.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="--profile writes a torch.profiler trace into --tensorboard-dir/profile")
+    f.add_argument("--profile-step-start", type=int, default=10,
+                   help="first profiled iteration (default: %(default)s)")
+    f.add_argument("--profile-step-end", type=int, default=12,
+                   help="profiling stops before this iteration (default: %(default)s)")
+    f.add_argument("--profile-ranks", type=int, nargs="+", default=[0],
+                   help="the ranks that profile (default: 0)")
+    f.add_argument("--pytorch-profiler-collect-shapes", action="store_true",
+                   help="record operator input shapes in the trace")
+    f.add_argument("--pytorch-profiler-collect-callstack", action="store_true",
+                   help="record Python call stacks in the trace")
+    f.add_argument("--record-memory-history", action="store_true",
+                   help="record the CUDA caching allocator's history and dump it to "
+                   "--memory-snapshot-path after each logged iteration (GPU only)")
+    f.add_argument("--memory-snapshot-path", default="snapshot.pickle",
+                   help="where --record-memory-history writes (default: %(default)s)")
     return parser
 
 

@@ -21,6 +21,7 @@ from mfsdp.trainer.checkpointing import load_for_training, save_step
 from mfsdp.trainer.guard import SaveLock, Watch, report_error
 from mfsdp.trainer.metrics import tensorboard_writer
 from mfsdp.trainer.parallel import build_parallel, micro_batch
+from mfsdp.trainer.profiling import Profiler, check_profile_args
 from mfsdp.trainer.signals import StopRequest
 
 
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     is_cpu = device.type == "cpu"
     cfg = model_config(args)
     num_micro = check_args(args, world, cfg)
+    check_profile_args(args, is_cpu)
     log = print if rank == 0 else (lambda *a, **k: None)
     for flag, what in GPU_ONLY.items():
         if getattr(args, flag):
@@ -139,11 +141,13 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
     board = tensorboard_writer(args.tensorboard_dir) if rank == 0 else None
     token_flops = flops_per_token(cfg, args.seq_length) if args.log_throughput else None
     stop = StopRequest(args.exit_signal_handler)
+    profiler = Profiler(args, device)
     records: list[dict] = []
     t_start = time.perf_counter()
     per_rank = args.global_batch_size // par.dp_size
     try:
         for iteration in range(start + 1, args.train_iters + 1):
+            profiler.before(iteration)
             t0 = time.perf_counter()
             seqs = global_batch(args, iteration, cfg.vocab_size, data)
             # with packing of indexed samples, each sample is a list of its documents
@@ -210,7 +214,9 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
                                  ("throughput/tflops-per-rank", "tflops_per_rank")):
                     if key in rec:
                         board.add_scalar(tag, rec[key], iteration)
-            if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            logged = iteration % args.log_interval == 0 or iteration == args.train_iters
+            profiler.after(iteration, logged)
+            if logged:
                 extra = ""
                 if "tflops_per_rank" in rec:
                     extra = f" | TFLOP/s per rank {rec['tflops_per_rank']:.3g}"
@@ -251,6 +257,7 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
                 log(f"exiting after iteration {iteration}", flush=True)
                 break
     finally:
+        profiler.stop()
         stop.restore()
         if jsonl:
             jsonl.close()
