@@ -12,6 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from mfsdp.data.batches import MegatronData, global_batch, read_data
 from mfsdp.trainer.arguments import GPU_ONLY, build_parser, check_args
@@ -171,9 +172,12 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
                 watch.mark(f"iteration {iteration}: forward and backward of micro-batch {i + 1}")
                 last = i == num_micro - 1
                 with contextlib.nullcontext() if last else model.no_sync():
-                    loss, _ = batch.loss(model, routers)
-                    total = loss * scale + collect_aux_losses(inner).to(loss.device) * aux_scale
-                    total.backward()
+                    with record_function("mfsdp::forward"):  # labels for --profile's trace
+                        loss, _ = batch.loss(model, routers)
+                        total = (loss * scale
+                                 + collect_aux_losses(inner).to(loss.device) * aux_scale)
+                    with record_function("mfsdp::backward"):
+                        total.backward()
                 loss_sum += loss.detach().double()
             watch.mark(f"iteration {iteration}: gradient norm and optimizer step")
             if args.use_megatron_fsdp:
@@ -185,7 +189,8 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
             par.sum_over_tokens(loss_sum)  # every rank: the global loss
             if args.check_for_nan_in_loss_and_grad:
                 check_finite(iteration, loss_sum.item() / global_tokens, float(grad_norm), rank)
-            opt.step()
+            with record_function("mfsdp::optimizer_step"):
+                opt.step()
             for _, router in routers:  # balance from the global token counts: layout-invariant
                 load = router.load.to(device)
                 par.sum_over_tokens(load)  # (TP ranks route the same tokens)
