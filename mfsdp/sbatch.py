@@ -55,6 +55,11 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "outer": (int, "--num-distributed-optimizer-instances (HSDP outer size)"),
     "outer_strategy": (str, "--outer-dp-sharding-strategy"),
     "ep": (int, "--expert-model-parallel-size"),
+    "tp": (int, "--tensor-model-parallel-size (inside a node: TP talks every layer)"),
+    "sequence_parallel": (bool, "with tp > 1: --sequence-parallel"),
+    "cp": (int, "--context-parallel-size"),
+    "distributed_timeout_minutes": (float, "--distributed-timeout-minutes: how long a collective "
+                                           "waits before the job stops with a hang report"),
     "num_experts": (int, "routed experts per MoE layer (0: dense; must match model_args)"),
     "dispatcher": (str, "--moe-token-dispatcher-type"),
     "flex_backend": (str, "--moe-flex-dispatcher-backend"),
@@ -106,6 +111,7 @@ CHOICES = {
 _SLURM = dict(partition="", account="", exclusive=False, env_setup="", container_image="",
               container_mounts="", rdzv_port=29500)
 _TRAIN = dict(_SLURM, strategy="optim_grads_params", outer=1, outer_strategy="no_shard", ep=1,
+              tp=1, sequence_parallel=True, cp=1, distributed_timeout_minutes=10,
               num_experts=0, dispatcher="alltoall", flex_backend="torch", meta_init=False,
               all_gather_group=False, save="", save_interval=1000, ckpt_format="fsdp_dtensor",
               load="", signal_seconds=120, max_restarts=0, log_interval=1, log_jsonl="",
@@ -167,6 +173,19 @@ PRESETS: dict[str, Preset] = {
                               lr=0.0002, bf16=True, meta_init=True, all_gather_group=True,
                               save="checkpoints/deepseek-v3", save_interval=500,
                               log_jsonl="deepseek-v3.jsonl")),
+    "llama3-70b": Preset("train", "Llama-3-70B-style dense model on 8 nodes x 8 GPUs: tensor "
+                         "parallelism 4 with sequence parallelism inside a node, ZeRO-3 over the "
+                         "16 data-parallel ranks, selective recompute, bf16 compute, meta-device "
+                         "initialisation.", dict(
+                             _TRAIN, job_name="mfsdp-llama3-70b", nodes=8, gpus_per_node=8,
+                             ranks_per_node=8, cpus_per_task=64, time="24:00:00",
+                             output="%x-%j.log", exclusive=True,
+                             model_args="--model-preset llama3-70b --recompute-granularity "
+                                        "selective",
+                             tp=4, micro_batch_size=1, global_batch_size=128, seq_length=8192,
+                             train_iters=1000, lr=0.00015, bf16=True, meta_init=True,
+                             save="checkpoints/llama3-70b", save_interval=250,
+                             log_jsonl="llama3-70b.jsonl")),
     "convert": Preset("convert", "Checkpoint conversion: a Megatron-LM torch_dist checkpoint to "
                       "mfsdp's fsdp_dtensor, on one CPU node.", dict(
                           _SLURM, job_name="mfsdp-convert", cpus_per_task=16, time="02:00:00",
@@ -223,7 +242,7 @@ def resolve(preset: str, overrides: dict[str, str] | None = None) -> tuple[Prese
 def _check_train(v: dict) -> None:
     from mfsdp.layout import ParallelLayout
 
-    for key in ("nodes", "ranks_per_node", "outer", "ep", "micro_batch_size",
+    for key in ("nodes", "ranks_per_node", "outer", "ep", "tp", "cp", "micro_batch_size",
                 "global_batch_size", "train_iters", "seq_length"):
         if v[key] < 1:
             raise RenderError(f"{key}={v[key]} must be at least 1")
@@ -232,17 +251,29 @@ def _check_train(v: dict) -> None:
                           f"{v['gpus_per_node']}: a GPU job runs one rank per GPU; set both")
     world = v["nodes"] * v["ranks_per_node"]
     what = f"nodes x ranks_per_node = {v['nodes']} x {v['ranks_per_node']} = {world} ranks"
+    if world % (v["tp"] * v["cp"] * v["outer"]):
+        raise RenderError(f"{what} cannot be split with tp={v['tp']} x cp={v['cp']} x "
+                          f"outer={v['outer']}")
+    if v["tp"] > v["ranks_per_node"]:
+        raise RenderError(f"tp={v['tp']} exceeds ranks_per_node={v['ranks_per_node']}: keep "
+                          "tensor parallelism inside a node (it communicates in every layer)")
     try:
-        ParallelLayout(world, v["outer"], v["ep"], v["num_experts"] or None)
+        ParallelLayout(world, v["outer"], v["ep"], v["num_experts"] or None, tp=v["tp"],
+                       cp=v["cp"])
     except ValueError as exc:
         raise RenderError(f"{what} cannot be split with outer={v['outer']}, ep={v['ep']}, "
-                          f"num_experts={v['num_experts']}: {exc}") from None
+                          f"tp={v['tp']}, cp={v['cp']}, num_experts={v['num_experts']}: "
+                          f"{exc}") from None
     if v["ep"] > 1 and not v["num_experts"]:
         raise RenderError(f"ep={v['ep']} needs an MoE model: set num_experts (and the model_args)")
-    per = v["micro_batch_size"] * world
+    dp = world // (v["tp"] * v["cp"])
+    per = v["micro_batch_size"] * dp
     if v["global_batch_size"] % per:
         raise RenderError(f"global_batch_size={v['global_batch_size']} is not divisible by "
-                          f"micro_batch_size x ranks = {v['micro_batch_size']} x {world}")
+                          f"micro_batch_size x data-parallel ranks = {v['micro_batch_size']} x "
+                          f"{dp}")
+    if v["distributed_timeout_minutes"] <= 0:
+        raise RenderError("distributed_timeout_minutes must be positive")
     if v["outer_strategy"] == "optim" and v["outer"] < 2:
         raise RenderError("outer_strategy=optim needs outer of at least 2")
 

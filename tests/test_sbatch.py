@@ -61,6 +61,17 @@ def test_every_flag_in_a_script_exists(name):
         convert.build_parser().parse_args(_array(text, "CONVERT_ARGS"))
 
 
+def test_the_70b_script_asks_for_tensor_and_sequence_parallelism():
+    args = train.build_parser().parse_args(
+        _array((SCRIPTS / "llama3-70b.sbatch").read_text(), "TRAIN_ARGS"))
+    assert (args.tensor_model_parallel_size, args.sequence_parallel,
+            args.context_parallel_size) == (4, True, 1)
+    assert args.distributed_timeout_minutes == 10
+    text = sbatch.render("llama3-70b", {"tp": "1"})
+    assert "--tensor-model-parallel-size" not in text and "--sequence-parallel" not in text
+    assert "  --context-parallel-size 2\n" in sbatch.render("llama3-70b", {"cp": "2"})
+
+
 def test_deepseek_script_builds_the_intended_model():
     args = train.build_parser().parse_args(
         _array((SCRIPTS / "deepseek-v3.sbatch").read_text(), "TRAIN_ARGS"))
@@ -70,7 +81,7 @@ def test_deepseek_script_builds_the_intended_model():
     assert args.expert_model_parallel_size == 8 and args.num_distributed_optimizer_instances == 4
 
 
-@pytest.mark.parametrize("name", ["llama3-8b", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "deepseek-v3"])
 def test_gpu_presets_build_the_real_architecture_and_fit(name):
     """The script's flags build the published architecture, and the planner, on the script's
     own layout, says it fits on 80 GB GPUs."""
@@ -89,6 +100,8 @@ def test_gpu_presets_build_the_real_architecture_and_fit(name):
     layout = Layout(world, args.data_parallel_sharding_strategy,
                     args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy,
                     args.expert_model_parallel_size, micro_batch=args.micro_batch_size,
+                    tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
+                    sequence_parallel=args.sequence_parallel,
                     seq_length=args.seq_length, recompute_granularity=args.recompute_granularity,
                     recompute_method=args.recompute_method or "uniform",
                     recompute_num_layers=args.recompute_num_layers or 1)
@@ -128,8 +141,12 @@ def test_signal_handler_and_restarts_follow_the_keys():
     ("cpu-smoke", {"strategy": "zero3"}, "choose one of"),
     ("convert", {"ep": "2"}, "does not use 'ep'"),
     ("deepseek-v3", {"nodes": "3"}, "3 x 8 = 24 ranks cannot be split"),
-    ("llama3-8b", {"nodes": "3"}, "not divisible by micro_batch_size x ranks"),
+    ("llama3-8b", {"nodes": "3"}, "not divisible by micro_batch_size x data-parallel ranks = 1 x 24"),
     ("cpu-smoke", {"ep": "2"}, "needs an MoE model"),
+    ("llama3-70b", {"tp": "16"}, "tp=16 exceeds ranks_per_node=8"),
+    ("llama3-70b", {"tp": "8", "cp": "3"}, "cannot be split with tp=8 x cp=3"),
+    ("llama3-70b", {"global_batch_size": "120"}, "micro_batch_size x data-parallel ranks = 1 x 16"),
+    ("cpu-smoke", {"distributed_timeout_minutes": "0"}, "distributed_timeout_minutes must be positive"),
 ])
 def test_render_errors(preset, overrides, message):
     with pytest.raises(sbatch.RenderError, match=re.escape(message)):

@@ -235,10 +235,20 @@ class Watch:
         out = {}
         if self.store is None:
             return out
+        previous = None
         try:
+            previous = self.store.timeout
             self.store.set_timeout(datetime.timedelta(seconds=5))
         except Exception:  # noqa: BLE001
             pass
+        try:
+            self._read_positions(out)
+        finally:
+            if previous is not None:
+                self.store.set_timeout(previous)
+        return out
+
+    def _read_positions(self, out: dict) -> None:
         for r in range(self.world):
             try:
                 if self.store.check([f"mfsdp/progress/{r}"]):
@@ -248,7 +258,6 @@ class Watch:
                     out[r] = (int(seq), float(t), str(what), alive)
             except Exception:  # noqa: BLE001
                 continue
-        return out
 
     def hang_report(self) -> str:
         """One line: for how long this rank has waited, which ranks are behind and where."""
