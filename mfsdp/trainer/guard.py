@@ -374,7 +374,8 @@ def report_error(exc: BaseException, debug: bool) -> int:
         traceback.print_exception(exc)
         return 1
     if isinstance(exc, SystemExit) and not isinstance(exc.code, str):
-        return exc.code if isinstance(exc.code, int) else 1  # a rank told to stay silent
+        # a rank told to stay silent (an int), or sys.exit() (None: success)
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
     if is_user_error(exc):
         text = str(exc.code if isinstance(exc, SystemExit) else exc).strip()
         line = text if text.startswith("mfsdp") else f"mfsdp train: error: {text}"
