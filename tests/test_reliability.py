@@ -184,3 +184,11 @@ def test_a_stalled_rank_is_named_before_the_timeout(tmp_path):
     assert len(report) == 1, said
     assert "rank(s) 1 unresponsive for" in report[0], report[0]
     assert "(the process is stopped or its host is gone); rank(s) 0 wait at 'iteration" in report[0]
+
+
+def test_rank_lists_in_reports_stay_one_short_line():
+    from mfsdp.trainer.guard import _ranks
+
+    assert _ranks([1]) == "1" and _ranks([3, 0, 1, 2]) == "0-3"
+    assert _ranks(list(range(13)) + [14, 15]) == "0-12,14-15"
+    assert _ranks(list(range(0, 4096, 2))) == "0,2,4,6,8,10,12,14,... (2048 ranks)"

@@ -35,8 +35,10 @@ LOCK_FILE = ".lock"
 # what an interrupted save, export or conversion leaves in a save root (never read)
 UNFINISHED = (".tmp-", ".staging-", ".export-", ".from-", ".latest-")
 HEARTBEAT_S = 30.0  # the holder touches its lock this often
-ALIVE_S = 2.0  # every rank's watch thread says it is alive this often
-UNRESPONSIVE_S = 6.0  # a rank silent this long is stopped, or its host is gone
+# Every rank's watch thread says it is alive every ALIVE_S seconds (more rarely in large jobs,
+# so that the store sees at most about 250 such writes a second); a rank silent for three
+# periods is stopped, or its host is gone.
+ALIVE_S = 2.0
 STALE_AFTER_S = 300.0  # a lock on another host untouched this long is a dead job's
 
 
@@ -214,6 +216,7 @@ class Watch:
         self.since = time.monotonic()
         self.reported = False
         self.launcher = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
+        self.alive_s = max(ALIVE_S, self.world / 250)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mfsdp-watch", daemon=True)
         self._thread.start()
@@ -269,7 +272,7 @@ class Watch:
         if not pos:
             return f"{head}; rank {self.rank} waits at '{self.what}'"
         missing = [r for r in range(self.world) if r not in pos]
-        silent = sorted(r for r, p in pos.items() if now - p[3] > UNRESPONSIVE_S)
+        silent = sorted(r for r, p in pos.items() if now - p[3] > 3 * self.alive_s)
         low = min(p[0] for p in pos.values())
         behind = sorted(r for r, p in pos.items() if p[0] == low)
         ahead = sorted(set(pos) - set(behind))
@@ -307,7 +310,7 @@ class Watch:
     def _run(self) -> None:
         last_touch = last_alive = 0.0
         while not self._stop.wait(1.0):
-            if self.store is not None and time.monotonic() - last_alive > ALIVE_S:
+            if self.store is not None and time.monotonic() - last_alive > self.alive_s:
                 last_alive = time.monotonic()
                 try:
                     self.store.set(f"mfsdp/alive/{self.rank}", repr(time.time()))
@@ -337,10 +340,16 @@ class Watch:
 
 
 def _ranks(rs: list[int]) -> str:
-    rs = sorted(rs)
-    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
-        return f"{rs[0]}-{rs[-1]}"
-    return ",".join(map(str, rs))
+    """Ranks as runs (``0-12,14-15``); past 8 runs, the first 8 and how many ranks in all."""
+    rs = sorted(set(rs))
+    runs: list[list[int]] = []
+    for r in rs:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs[:8])
+    return text + (f",... ({len(rs)} ranks)" if len(runs) > 8 else "")
 
 
 def is_user_error(exc: BaseException) -> bool:
