@@ -100,7 +100,7 @@ sphinx_gallery_conf = {
     "download_all_examples": False,
     "remove_config_comments": True,
     "matplotlib_animations": False,
-    "within_subsection_order": "FileNameSortKey",
+    "within_subsection_order": "gallery_order.LearningPath",  # docs/_ext: the learning path
     "abort_on_example_error": False,  # -W turns each failing recipe into an error anyway
     "only_warn_on_example_error": False,
     "show_memory": False,

@@ -29,6 +29,21 @@ def test_every_recipe_is_listed_in_the_gallery(built_site):
 
 
 @pytest.mark.docs
+def test_the_gallery_follows_the_learning_path(built_site):
+    """Every recipe has its place in docs/_ext/gallery_order.py, and the built gallery lists them
+    in that order ("Hello, ranks" first), not alphabetically."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    from gallery_order import LEARNING_PATH
+
+    assert sorted(LEARNING_PATH) == sorted(p.name for p in (ROOT / "recipes").glob("plot_*.py"))
+    index = (built_site / "docs" / "recipes" / "index.html").read_text()
+    where = [index.index(f"{name[:-3]}.html") for name in LEARNING_PATH]
+    assert where == sorted(where)
+
+
+@pytest.mark.docs
 def test_no_broken_internal_links(built_site):
     """Every relative ``href``/``src`` in the built site points at a file that exists."""
     import re
