@@ -314,7 +314,8 @@ def test_flags_the_guide_names_exist():
         "srun/pyxis": {"--container-image", "--container-mounts", "--container-workdir",
                        "--kill-on-bad-exit"},
         "sphinx/pytest/pip": {"--keep-going", "--upgrade"},
-        "nsys": {"--trace", "--output"},
+        "nsys": {"--trace", "--output", "--capture-range"},
+        "py-spy/sha256sum": {"--pid", "--quiet"},
         # Megatron-LM flags of features mfsdp does not implement or does not need; the page
         # that names them (gpu-clusters.md) says so on the same row; conversion.md names the
         # flags a Megatron-LM job saves or loads mfsdp's export with

@@ -127,6 +127,17 @@ def convert_on_rank0(tmp: Path, convert) -> None:
         raise SystemExit(f"--load: {error[0]}")
 
 
+def check_load_exists(root) -> None:
+    """``--exit-on-missing-checkpoint``: stop (every rank, one line) when ``--load`` is a new or
+    empty directory."""
+    from mfsdp.checkpoint.detect import is_empty_directory
+
+    root = Path(root)
+    if not root.exists() or is_empty_directory(root):
+        raise SystemExit(f"mfsdp train: --load {root}: no checkpoint there, and "
+                         "--exit-on-missing-checkpoint asks to stop")
+
+
 def load_for_training(args, model, opt, routers, cfg) -> int:
     """Resume from ``--load`` in any format mfsdp reads; return the iteration to continue after
     (0 for a new or empty directory). Refuses what is not a checkpoint (see the trainer page)."""
@@ -160,9 +171,7 @@ def load_for_training(args, model, opt, routers, cfg) -> int:
             raise SystemExit(f"--load: {unreadable}")
         if not root.exists() or is_empty_directory(root):
             if args.exit_on_missing_checkpoint:
-                raise SystemExit(f"mfsdp train: --load {root}: no checkpoint there, and "
-                                 "--exit-on-missing-checkpoint asks to stop"
-                                 if dist.get_rank() == 0 else 1)
+                check_load_exists(root)
             if dist.get_rank() == 0:
                 print(f"--load {root}: no checkpoint there yet, starting from iteration 0",
                       flush=True)

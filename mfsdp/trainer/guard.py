@@ -373,7 +373,7 @@ def report_error(exc: BaseException, debug: bool) -> int:
     """Say what ended the run, once per job, and return the exit status.
 
     A user error (:func:`is_user_error`): its message in one line, by the first rank that
-    reaches this (other ranks stay silent), no traceback unless ``debug``. A timed-out
+    reaches this (other ranks stay silent), no traceback unless ``debug``, status 2. A timed-out
     collective: nothing more (the hang report said it). Anything else is a bug: the traceback,
     every rank."""
     import traceback
@@ -385,12 +385,12 @@ def report_error(exc: BaseException, debug: bool) -> int:
     if isinstance(exc, SystemExit) and not isinstance(exc.code, str):
         # a rank told to stay silent (an int), or sys.exit() (None: success)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-    if is_user_error(exc):
+    if is_user_error(exc):  # status 2, as every mfsdp command's user errors
         text = str(exc.code if isinstance(exc, SystemExit) else exc).strip()
         line = text if text.startswith("mfsdp") else f"mfsdp train: error: {text}"
         if _first(store, "error-" + hashlib.sha1(line.encode()).hexdigest()[:16]):
             sys.stderr.write(line + "\n")
-        return 1
+        return 2
     if is_timeout(exc):
         if _first(store, "hang"):
             sys.stderr.write(f"mfsdp train: a collective timed out: {exc}\n")

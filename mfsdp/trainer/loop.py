@@ -18,7 +18,7 @@ from mfsdp.data.batches import MegatronData, global_batch, read_data
 from mfsdp.trainer.arguments import GPU_ONLY, build_parser, check_args
 from mfsdp.trainer.build import (build_param_groups, flops_per_token, learning_rate, make_optimizer,
                                  model_config, model_family, precision_policy, routers_of, rss_mib)
-from mfsdp.trainer.checkpointing import load_for_training, save_step
+from mfsdp.trainer.checkpointing import check_load_exists, load_for_training, save_step
 from mfsdp.trainer.guard import SaveLock, Watch, report_error
 from mfsdp.trainer.metrics import tensorboard_writer
 from mfsdp.trainer.parallel import build_parallel, micro_batch
@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             log(f"note: {what}. " + ("This run is on CPU (gloo), so it is accepted and ignored."
                                      if is_cpu else "mfsdp does not register NCCL buffers yet; "
                                      "the flag is accepted and has no effect."), flush=True)
+    if args.load and args.exit_on_missing_checkpoint:  # before the lock creates --save
+        check_load_exists(args.load)
     lock = SaveLock(args.save) if (args.save and args.use_megatron_fsdp) else None
     take_save_lock(lock, log)
     watch = Watch(args.distributed_timeout_minutes * 60, lock if rank == 0 else None)
