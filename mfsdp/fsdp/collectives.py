@@ -123,6 +123,19 @@ class _Works:
         return self._done
 
 
+_WAITING: list[dict] = []  # the records of the collectives this process is waiting for now
+
+
+def current_wait() -> str | None:
+    """The collective this process is blocked in right now, as ``all_gather over dp_shard (8
+    ranks)``, or None: what a watchdog (the trainer's hang report) says about a waiting rank."""
+    try:
+        r = _WAITING[-1]
+    except IndexError:  # (read from another thread: the wait may just have ended)
+        return None
+    return f"{r.get('op')} over {r.get('group')} ({r.get('size')} ranks)"
+
+
 class Handle:
     """An in-flight collective. ``wait()`` blocks, runs the finishing step once, returns its value."""
 
@@ -147,7 +160,11 @@ class Handle:
                           torch.cuda.Event(enable_timing=True))
                 events[0].record()
             if self._work is not None:
-                self._work.wait()
+                _WAITING.append(self._record)
+                try:
+                    self._work.wait()
+                finally:
+                    _WAITING.pop()
             if events is not None:
                 events[1].record()
                 self._record.setdefault("wait_events", []).append(events)

@@ -269,6 +269,11 @@ class Watch:
         waited = time.monotonic() - self.since
         head = (f"mfsdp train: no progress for {waited:.0f} s (--distributed-timeout-minutes "
                 f"{self.timeout_s / 60:g})")
+        from mfsdp.fsdp.collectives import current_wait
+
+        inside = current_wait()
+        if inside:  # what this rank itself is blocked in, when it is one of mfsdp's collectives
+            head += f"; rank {self.rank} is inside mfsdp's {inside}"
         if not pos:
             return f"{head}; rank {self.rank} waits at '{self.what}'"
         missing = [r for r in range(self.world) if r not in pos]
