@@ -123,7 +123,7 @@ def checksum_owner(names: dict[str, int], rank: int, world: int) -> list[str]:
 
 
 def file_checksums(directory: str | os.PathLike, rank: int = 0, world: int = 1) -> dict[str, str]:
-    """SHA-256 of this rank's share (:func:`checksum_owner`) of the files in ``directory``
+    """SHA-256 of this rank's share (``checksum_owner``) of the files in ``directory``
     (``manifest.json`` excepted); all of them in one process."""
     directory = Path(directory)
     sizes = {f.name: f.stat().st_size for f in directory.iterdir()

@@ -80,9 +80,9 @@ class SaveLock:
     """``DIR/.lock``: one job saves into a directory at a time (rank 0 holds it).
 
     The lock file is JSON (``host``, ``pid``, ``job``, ``started``); its modification time is the
-    holder's heartbeat (:meth:`touch`, every :data:`HEARTBEAT_S` seconds from :class:`Watch`).
+    holder's heartbeat (:meth:`touch`, every ``HEARTBEAT_S`` seconds from :class:`Watch`).
     A lock is the holder's as long as the holder lives: on this host, while its pid exists; on
-    another host, while the heartbeat is younger than :data:`STALE_AFTER_S`. The same job
+    another host, while the heartbeat is younger than ``STALE_AFTER_S``. The same job
     restarted (``SLURM_JOB_ID`` or torchrun's run id) takes its own lock over.
     """
 
@@ -377,7 +377,7 @@ def is_timeout(exc: BaseException) -> bool:
 def report_error(exc: BaseException, debug: bool) -> int:
     """Say what ended the run, once per job, and return the exit status.
 
-    A user error (:func:`is_user_error`): its message in one line, by the first rank that
+    A user error (``is_user_error``): its message in one line, by the first rank that
     reaches this (other ranks stay silent), no traceback unless ``debug``, status 2. A timed-out
     collective: nothing more (the hang report said it). Anything else is a bug: the traceback,
     every rank."""
