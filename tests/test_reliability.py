@@ -192,3 +192,15 @@ def test_rank_lists_in_reports_stay_one_short_line():
     assert _ranks([1]) == "1" and _ranks([3, 0, 1, 2]) == "0-3"
     assert _ranks(list(range(13)) + [14, 15]) == "0-12,14-15"
     assert _ranks(list(range(0, 4096, 2))) == "0,2,4,6,8,10,12,14,... (2048 ranks)"
+
+
+def test_every_test_the_reliability_page_names_exists():
+    """The page lists, per guarantee, the test that injects the fault: each must exist."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "reliability.md").read_text()
+    named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[^\]]*\])?`", page)
+    assert len(named) >= 12
+    for path, name in named:
+        assert f"def {name}(" in (root / path).read_text(), (path, name)
