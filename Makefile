@@ -4,7 +4,8 @@
 #   make test-extended   the long cross-checks (the strict docs build with every recipe and the
 #                        browser checks, 8-rank EP with HSDP, the 1 GiB streaming conversion,
 #                        the smoke script and preemption under Slurm, conversion over torchrun
-#                        ranks, a Megatron-LM EP 2 checkpoint resumed at EP 2); CI runs both
+#                        ranks, a Megatron-LM EP 2 checkpoint resumed at EP 2, checkpoints
+#                        resharded across TP sizes); CI runs both
 # Both create .venv when it is missing.
 
 PYTHON ?= python3

@@ -229,6 +229,7 @@ def load_at(path: str, shape: tuple, strategy: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 35 s: make test-extended (CI runs both suites)
 def test_checkpoint_reshards_across_tp_sizes(tmp_path):
     path = str(tmp_path / "ckpt")
     saved = launch(save_at_dp2_tp2, 4, args=(path,), timeout=300)[0]
