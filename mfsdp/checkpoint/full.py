@@ -57,10 +57,11 @@ def carried_files(src: Path) -> dict[str, str]:
     return {MODEL_CONFIG_FILE: f.read_text()} if f.exists() else {}
 
 
-def fsdp_to_full(src: str | Path, dst: str | Path) -> Path:
-    """``fsdp_dtensor`` -> ``mfsdp_full``: optimizer state re-keyed from names to positions."""
+def fsdp_to_full(src: str | Path, dst: str | Path, verify: bool = True) -> Path:
+    """``fsdp_dtensor`` -> ``mfsdp_full``: optimizer state re-keyed from names to positions;
+    ``verify``: check ``src``'s files against their SHA-256 sums first."""
     src = Path(src)
-    tensors, blobs, manifest = read_full(src)
+    tensors, blobs, manifest = read_full(src, verify=verify)
     check_format(manifest, "fsdp_dtensor", src)
     out = {k: v for k, v in tensors.items() if k.startswith("model.")}
     files = carried_files(src)
@@ -81,15 +82,16 @@ def fsdp_to_full(src: str | Path, dst: str | Path) -> Path:
 
 
 def full_to_fsdp(src: str | Path, dst: str | Path,
-                       param_map: str | Path | None = None) -> Path:
+                       param_map: str | Path | None = None, verify: bool = True) -> Path:
     """``mfsdp_full`` -> ``fsdp_dtensor``: optimizer state re-keyed from positions to names.
 
     The parameter order (positions) comes from the parameter-group map (``--param-to-param-group-
     map``, or the one inside ``src``); with a single optimizer group and no map, it is the order of
-    the ``model.*`` keys in the checkpoint.
+    the ``model.*`` keys in the checkpoint. ``verify``: check ``src``'s files against their
+    SHA-256 sums first.
     """
     src = Path(src)
-    tensors, blobs, manifest = read_full(src)
+    tensors, blobs, manifest = read_full(src, verify=verify)
     check_format(manifest, FORMAT, src)
     groups = blobs.get("optimizer.param_groups")
     map_path = Path(param_map) if param_map else src / MAP_FILE

@@ -204,7 +204,7 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
 def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | None = None,
                         weights_only: bool = False, progress: bool = True,
                         transformer_impl: str = "transformer_engine",
-                        expert_model_parallel_size: int = 1) -> Path:
+                        expert_model_parallel_size: int = 1, verify: bool = True) -> Path:
     """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``torch_dist`` checkpoint (``dst`` is the root:
     ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed: stacked tensors are
     written one chunk per layer (or expert), as megatron-core writes them, so one weight is in
@@ -227,7 +227,8 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     ``linear_kv_up_proj.layer_norm_weight``, the dense MLP's fused into ``linear_fc1``).
     ``expert_model_parallel_size``: the loading job's; above 1 the optimizer's groups are
     written as megatron-core's chained optimizer holds them (the routed experts' own optimizer
-    after the dense one), the tensors as they are at any expert parallelism.
+    after the dense one), the tensors as they are at any expert parallelism. ``verify``: check
+    ``src``'s files against their SHA-256 sums first.
     """
     from mfsdp.models.gpt import GPT, GPTConfig
 
@@ -245,7 +246,7 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
         model = GPT(cfg)
     ref = model.state_dict()
     params = {n for n, _ in model.named_parameters()}
-    source = DCPSource(src)
+    source = DCPSource(src, verify=verify)
     extra = source.blob("extra") if "extra" in source.blob_keys else {}
     iteration = int(extra.get("iteration", 0))
     per_layer = bool(cfg.num_experts)  # as Megatron-LM builds MoE models (one spec per layer)

@@ -36,7 +36,7 @@ def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
                 final = root / written.name
                 if final.exists():
                     shutil.rmtree(final)
-                fsdp_to_full(written, final)
+                fsdp_to_full(written, final, verify=False)  # hashed by this very save
                 (root / ".latest-tmp").write_text(written.name + "\n")
                 os.replace(root / ".latest-tmp", root / "latest")
         except Exception as exc:  # noqa: BLE001 - every rank stops with the reason
@@ -59,7 +59,7 @@ def export_megatron_lm(args, written: Path, root: Path, iteration: int, cfg) -> 
     tmp_root = root / f".export-iter_{iteration:07d}"
     shutil.rmtree(tmp_root, ignore_errors=True)
     try:
-        fsdp_to_megatron_lm(written, tmp_root, cfg.to_dict(), progress=False,
+        fsdp_to_megatron_lm(written, tmp_root, cfg.to_dict(), progress=False, verify=False,
                             expert_model_parallel_size=args.expert_model_parallel_size)
         name = f"iter_{iteration:07d}"
         final = root / name
@@ -183,9 +183,10 @@ def load_for_training(args, model, opt, routers, cfg) -> int:
         path = resolve_checkpoint(root)
     if tmp is None and is_full_format(read_manifest(path)):
         tmp = root / f".from-mfsdp_full-{path.name}"
-        convert_on_rank0(tmp, lambda out: full_to_fsdp(path, out))
+        convert_on_rank0(tmp, lambda out: full_to_fsdp(path, out, verify=args.ckpt_verify))
         path = tmp
-    extra = load_checkpoint(path, model, opt)
+    # --no-ckpt-verify skips the check; a conversion this job just wrote is not checked again
+    extra = load_checkpoint(path, model, opt, verify=args.ckpt_verify and tmp is None)
     if int(extra["iteration"]) == 0 and dist.get_rank() == 0:
         print(f"--load {root}: loaded the weights of {path} (iteration 0, e.g. imported from "
               "Hugging Face); training starts from them", flush=True)
