@@ -35,9 +35,9 @@ LOCK_FILE = ".lock"
 # what an interrupted save, export or conversion leaves in a save root (never read)
 UNFINISHED = (".tmp-", ".staging-", ".export-", ".from-", ".latest-")
 HEARTBEAT_S = 30.0  # the holder touches its lock this often
-# Every rank's watch thread says it is alive every ALIVE_S seconds (more rarely in large jobs,
-# so that the store sees at most about 250 such writes a second); a rank silent for three
-# periods is stopped, or its host is gone.
+# Every rank's watch thread posts its position, with the time as a heartbeat, every ALIVE_S
+# seconds (more rarely in large jobs, so that the store sees at most about 250 such writes a
+# second); a rank silent for three periods is stopped, or its host is gone.
 ALIVE_S = 2.0
 STALE_AFTER_S = 300.0  # a lock on another host untouched this long is a dead job's
 
@@ -196,24 +196,26 @@ class SaveLock:
 class Watch:
     """The progress board, the hang report and the launcher watch of one rank.
 
-    :meth:`mark` posts this rank's position (a counter and a phrase) to the job's store. A
-    daemon thread wakes every second: when the mark has not moved for ``report_after_s`` (a
-    little less than the collectives' timeout, so the report comes before the timeout's error),
-    it reads every rank's position and prints one report per job; under ``torchrun``
+    :meth:`mark` notes this rank's position (a counter and a phrase); the training loop calls it
+    several times an iteration, so it posts to the job's store at most once per ``alive_s``
+    seconds. A daemon thread wakes every second and posts the position with the time (the
+    heartbeat) when ``alive_s`` passed without a post; when the mark has not moved for ``report_after_s`` (a little
+    less than the collectives' timeout, so the report comes before the timeout's error), it
+    reads every rank's post and prints one report per job; under ``torchrun``
     (``TORCHELASTIC_RUN_ID``) it ends the process when the launcher that started it is gone.
     """
 
-    def __init__(self, timeout_s: float, lock: SaveLock | None = None, log=print):
+    def __init__(self, timeout_s: float, lock: SaveLock | None = None):
         self.store = _store()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.timeout_s = timeout_s
         self.report_after_s = max(timeout_s - 15.0, 0.8 * timeout_s)
         self.lock = lock
-        self.log = log
-        self.seq = 0
-        self.what = "starting"
-        self.since = time.monotonic()
+        # (counter, wall time, phrase): replaced whole, so the thread reads a consistent one
+        self.position = (0, time.time(), "starting")
+        self.since = time.monotonic()  # when the position last moved
+        self.posted = float("-inf")  # when the position was last posted (monotonic)
         self.reported = False
         self.launcher = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
         self.alive_s = max(ALIVE_S, self.world / 250)
@@ -223,12 +225,18 @@ class Watch:
 
     def mark(self, what: str) -> None:
         """This rank is now at ``what`` (e.g. ``iteration 3: backward``)."""
-        self.seq += 1
-        self.what, self.since = what, time.monotonic()
+        self.position = (self.position[0] + 1, time.time(), what)
+        self.since = time.monotonic()
+        if self.since - self.posted > self.alive_s:  # a rank that stalls early is on the board
+            self.post()
+
+    def post(self) -> None:
+        """Put this rank's position and the time (its heartbeat) on the job's store."""
+        self.posted = time.monotonic()
         if self.store is not None:
             try:
                 self.store.set(f"mfsdp/progress/{self.rank}",
-                               json.dumps([self.seq, time.time(), what]))
+                               json.dumps([*self.position, time.time()]))
             except Exception:  # noqa: BLE001 - the board is a diagnosis aid, never a failure
                 pass
 
@@ -255,10 +263,8 @@ class Watch:
         for r in range(self.world):
             try:
                 if self.store.check([f"mfsdp/progress/{r}"]):
-                    seq, t, what = json.loads(self.store.get(f"mfsdp/progress/{r}"))
-                    alive = (float(self.store.get(f"mfsdp/alive/{r}"))
-                             if self.store.check([f"mfsdp/alive/{r}"]) else 0.0)
-                    out[r] = (int(seq), float(t), str(what), alive)
+                    seq, t, what, alive = json.loads(self.store.get(f"mfsdp/progress/{r}"))
+                    out[r] = (int(seq), float(t), str(what), float(alive))
             except Exception:  # noqa: BLE001
                 continue
 
@@ -275,7 +281,7 @@ class Watch:
         if inside:  # what this rank itself is blocked in, when it is one of mfsdp's collectives
             head += f"; rank {self.rank} is inside mfsdp's {inside}"
         if not pos:
-            return f"{head}; rank {self.rank} waits at '{self.what}'"
+            return f"{head}; rank {self.rank} waits at '{self.position[2]}'"
         missing = [r for r in range(self.world) if r not in pos]
         silent = sorted(r for r, p in pos.items() if now - p[3] > 3 * self.alive_s)
         low = min(p[0] for p in pos.values())
@@ -288,39 +294,23 @@ class Watch:
             r0 = silent[0]
             parts.append(f"rank(s) {_ranks(silent)} unresponsive for {now - pos[r0][3]:.0f} s, "
                          f"last at '{pos[r0][2]}' (the process is stopped or its host is gone)")
-            waiting = {}
-            for r in sorted(set(pos) - set(silent)):
-                waiting.setdefault(pos[r][2], []).append(r)
-            parts.append("; ".join(f"rank(s) {_ranks(rs)} wait at '{w}'"
-                                   for w, rs in waiting.items()))
+            parts.append(_places(pos, set(pos) - set(silent), "wait at"))
         elif ahead:
             r0 = behind[0]
             parts.append(f"rank(s) {_ranks(behind)} behind, at '{pos[r0][2]}' for "
                          f"{now - pos[r0][1]:.0f} s (stalled, or stuck outside the collectives: "
                          "`py-spy dump --pid` on its host shows where)")
-            waiting = {}
-            for r in ahead:
-                waiting.setdefault(pos[r][2], []).append(r)
-            parts.append("; ".join(f"rank(s) {_ranks(rs)} wait at '{w}'"
-                                   for w, rs in waiting.items()))
+            parts.append(_places(pos, ahead, "wait at"))
         else:
-            places = {}
-            for r, (_, _, w, _) in pos.items():
-                places.setdefault(w, []).append(r)
-            parts.append("every rank is at the same step: " + "; ".join(
-                f"rank(s) {_ranks(rs)} at '{w}'" for w, rs in places.items())
-                + " (a collective that not every rank calls, or a stalled network)")
+            parts.append("every rank is at the same step: " + _places(pos, pos, "at")
+                         + " (a collective that not every rank calls, or a stalled network)")
         return head + ": " + "; ".join(parts)
 
     def _run(self) -> None:
-        last_touch = last_alive = 0.0
+        last_touch = 0.0
         while not self._stop.wait(1.0):
-            if self.store is not None and time.monotonic() - last_alive > self.alive_s:
-                last_alive = time.monotonic()
-                try:
-                    self.store.set(f"mfsdp/alive/{self.rank}", repr(time.time()))
-                except Exception:  # noqa: BLE001
-                    pass
+            if time.monotonic() - self.posted > self.alive_s:
+                self.post()
             if self.launcher is not None and os.getppid() != self.launcher:
                 sys.stderr.write(f"mfsdp train: rank {self.rank}: the launcher that started this "
                                  f"process (pid {self.launcher}) is gone; stopping now, without "
@@ -342,6 +332,14 @@ class Watch:
         """End the thread (at the end of the run)."""
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def _places(pos: dict, ranks, verb: str) -> str:
+    """``rank(s) 0-3 wait at 'x'; rank(s) 5 wait at 'y'``: the given ranks grouped by phrase."""
+    by_phrase: dict[str, list[int]] = {}
+    for r in sorted(ranks):
+        by_phrase.setdefault(pos[r][2], []).append(r)
+    return "; ".join(f"rank(s) {_ranks(rs)} {verb} '{w}'" for w, rs in by_phrase.items())
 
 
 def _ranks(rs: list[int]) -> str:
