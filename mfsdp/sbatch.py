@@ -118,6 +118,10 @@ _TRAIN = dict(_SLURM, strategy="optim_grads_params", outer=1, outer_strategy="no
               extra_args="", bf16=False, data_path="",
               split="969,30,1", tokenizer_model="")
 
+# Whole 8-GPU nodes, one rank per GPU: what every GPU preset asks of Slurm.
+_GPU_NODES = dict(gpus_per_node=8, ranks_per_node=8, cpus_per_task=64, output="%x-%j.log",
+                  exclusive=True)
+
 # The real architectures (RMSNorm, RoPE, grouped-query or multi-latent attention, SwiGLU) are
 # the trainer's presets; the planner reads the same definitions (``mfsdp plan``).
 _LLAMA3_8B = "--model-preset llama3-8b"
@@ -144,9 +148,8 @@ PRESETS: dict[str, Preset] = {
                             lr=0.003, rdzv_port=29511)),
     "llama3-8b": Preset("train", "Llama-3-8B-style dense model on 2 nodes x 8 GPUs with ZeRO-3 "
                         "(optim_grads_params), bf16 compute, fp32 main weights.", dict(
-                            _TRAIN, job_name="mfsdp-llama3-8b", nodes=2, gpus_per_node=8,
-                            ranks_per_node=8, cpus_per_task=64, time="04:00:00",
-                            output="%x-%j.log", exclusive=True, model_args=_LLAMA3_8B,
+                            _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2,
+                            time="04:00:00", model_args=_LLAMA3_8B,
                             micro_batch_size=1, global_batch_size=128, seq_length=8192,
                             train_iters=1000, lr=0.0003, bf16=True, meta_init=True,
                             save="checkpoints/llama3-8b", save_interval=500,
@@ -154,8 +157,7 @@ PRESETS: dict[str, Preset] = {
     "llama3-8b-container": Preset(
         "train", "The llama3-8b job in NGC's PyTorch container (pyxis/enroot): the image's torch, "
         "mfsdp mounted from its source checkout.", dict(
-            _TRAIN, job_name="mfsdp-llama3-8b", nodes=2, gpus_per_node=8, ranks_per_node=8,
-            cpus_per_task=64, time="04:00:00", output="%x-%j.log", exclusive=True,
+            _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2, time="04:00:00",
             model_args=_LLAMA3_8B, micro_batch_size=1, global_batch_size=128, seq_length=8192,
             train_iters=1000, lr=0.0003, bf16=True, meta_init=True, save="checkpoints/llama3-8b",
             save_interval=500, log_jsonl="llama3-8b.jsonl",
@@ -164,9 +166,8 @@ PRESETS: dict[str, Preset] = {
                           "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 8 inside a "
                           "node, HFSDP over 4 outer groups (optimizer state sharded across them too), flex "
                           "dispatcher with DeepEP.", dict(
-                              _TRAIN, job_name="mfsdp-deepseek-v3", nodes=32, gpus_per_node=8,
-                              ranks_per_node=8, cpus_per_task=64, time="24:00:00",
-                              output="%x-%j.log", exclusive=True, model_args=_DEEPSEEK_V3,
+                              _TRAIN, **_GPU_NODES, job_name="mfsdp-deepseek-v3", nodes=32,
+                              time="24:00:00", model_args=_DEEPSEEK_V3,
                               outer=4, outer_strategy="optim", ep=8, num_experts=256,
                               dispatcher="flex", flex_backend="deepep", micro_batch_size=1,
                               global_batch_size=512, seq_length=4096, train_iters=10000,
@@ -177,10 +178,8 @@ PRESETS: dict[str, Preset] = {
                          "parallelism 4 with sequence parallelism inside a node, ZeRO-3 over the "
                          "16 data-parallel ranks, selective recompute, bf16 compute, meta-device "
                          "initialisation.", dict(
-                             _TRAIN, job_name="mfsdp-llama3-70b", nodes=8, gpus_per_node=8,
-                             ranks_per_node=8, cpus_per_task=64, time="24:00:00",
-                             output="%x-%j.log", exclusive=True,
-                             model_args="--model-preset llama3-70b --recompute-granularity "
+                             _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-70b", nodes=8,
+                             time="24:00:00", model_args="--model-preset llama3-70b --recompute-granularity "
                                         "selective",
                              tp=4, micro_batch_size=1, global_batch_size=128, seq_length=8192,
                              train_iters=1000, lr=0.00015, bf16=True, meta_init=True,

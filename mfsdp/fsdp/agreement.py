@@ -22,11 +22,14 @@ its own rows, so differing states there give a consistent model.
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["check_same_model", "agree_on_values", "agree_on_rng", "fingerprint"]
+
+_log = logging.getLogger("mfsdp")
 
 
 def _global_shape(e: dict) -> tuple:
@@ -102,7 +105,7 @@ def agree_on_values(entries: list[tuple[str, torch.Tensor, tuple]], device) -> i
     ``entries``: (name, local value, groups) per parameter, where groups is a tuple of the
     process groups whose ranks must agree (its data-parallel group, the outer group, the TP group
     for a parameter TP replicates), applied in that order. Returns how many parameters this
-    rank received (0 when the ranks agreed, the usual case: two all-reduces per group)."""
+    rank received (0 when the ranks agreed, the usual case: one all-reduce per group)."""
     by_groups: dict[tuple, list] = {}
     for name, value, groups in entries:
         groups = tuple(g for g in groups if g is not None and dist.get_world_size(g) > 1)
@@ -110,9 +113,8 @@ def agree_on_values(entries: list[tuple[str, torch.Tensor, tuple]], device) -> i
             by_groups.setdefault(tuple(id(g) for g in groups), []).append((name, value, groups))
     fixed, first = 0, None
     for items in by_groups.values():
-        for level in range(len(items[0][2])):
-            group = items[0][2][level]
-            prints = torch.stack([fingerprint(v).to(device) for _, v, _ in items])
+        prints = torch.stack([fingerprint(v).to(device) for _, v, _ in items])
+        for group in items[0][2]:
             bad = _disagree(prints, group).nonzero().flatten().tolist()
             src = dist.get_process_group_ranks(group)[0]
             for i in bad:
@@ -122,33 +124,31 @@ def agree_on_values(entries: list[tuple[str, torch.Tensor, tuple]], device) -> i
                 if staged.data_ptr() != value.data_ptr():
                     with torch.no_grad():
                         value.copy_(staged)
+                prints[i] = fingerprint(value).to(device)  # for the next group's comparison
             if bad and dist.get_rank() != src:
                 fixed += len(bad)
                 first = first or items[bad[0]][0]
-    return _say_fixed(fixed, first, device)
-
-
-def _say_fixed(fixed: int, first: str | None, device) -> int:
-    """One line (rank 0) when any rank received values: how many and which parameter first."""
-    if dist.get_world_size() == 1:
-        return fixed
-    import logging
-
-    count = torch.tensor([fixed], dtype=torch.int64, device=device)
-    dist.all_reduce(count)
-    if not int(count):
-        return fixed
-    names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, first)
-    if dist.get_rank() == 0:
-        example = next(n for n in names if n)
-        logging.getLogger("mfsdp").warning(
-            "fully_shard: the ranks held different initial values of %d parameter cop%s (e.g. "
-            "%r); every data-parallel replica now starts from its group's first rank, as "
-            "Megatron-LM's DDP does. Seed every rank alike (torch.manual_seed) or load the "
-            "weights on every rank to start from your own", int(count),
-            "y" if int(count) == 1 else "ies", example)
+    count = _job_total(fixed, device)
+    if count:
+        names: list = [None] * dist.get_world_size()
+        dist.all_gather_object(names, first)
+        if dist.get_rank() == 0:
+            _log.warning(
+                "fully_shard: the ranks held different initial values of %d parameter cop%s "
+                "(e.g. %r); every data-parallel replica now starts from its group's first rank, "
+                "as Megatron-LM's DDP does. Seed every rank alike (torch.manual_seed) or load the "
+                "weights on every rank to start from your own", count,
+                "y" if count == 1 else "ies", next(n for n in names if n))
     return fixed
+
+
+def _job_total(n: int, device) -> int:
+    """The sum of ``n`` over every rank of the job (one all-reduce; ``n`` in a world of one)."""
+    if dist.get_world_size() == 1:
+        return n
+    total = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return int(total)
 
 
 def agree_on_rng(device, groups) -> None:
@@ -161,7 +161,10 @@ def agree_on_rng(device, groups) -> None:
         return torch.get_rng_state() if d is None else torch.cuda.get_rng_state(d)
 
     def put(d, state):
-        torch.set_rng_state(state) if d is None else torch.cuda.set_rng_state(state, d)
+        if d is None:
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, d)
 
     fixed = 0
     for group in groups:
@@ -176,19 +179,10 @@ def agree_on_rng(device, groups) -> None:
             dist.broadcast(state, src=src, group=group)
             put(d, state.cpu())
         fixed += dist.get_rank() != src
-    _say_rng(fixed, device)
-
-
-def _say_rng(fixed: int, device) -> None:
-    if dist.get_world_size() == 1:
-        return
-    import logging
-
-    count = torch.tensor([fixed], dtype=torch.int64, device=device)
-    dist.all_reduce(count)
-    if int(count) and dist.get_rank() == 0:
-        logging.getLogger("mfsdp").warning(
+    count = _job_total(fixed, device)
+    if count and dist.get_rank() == 0:
+        _log.warning(
             "fully_shard: init_model_with_meta_device=True and %d rank(s) had another "
             "random-number generator state than the first rank of their replica group; they now "
             "use its state, so every replica initialises the same weights (seed every rank "
-            "alike with torch.manual_seed to start from your own)", int(count))
+            "alike with torch.manual_seed to start from your own)", count)
