@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import enum
 import importlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["ShardingStrategy", "MixedPrecisionPolicy", "EngineOptions", "resolve_unit_classes",
-           "check_dtype"]
+__all__ = ["ShardingStrategy", "MixedPrecisionPolicy", "EngineOptions", "ShardingConfig",
+           "resolve_unit_classes", "check_dtype"]
 
 
 class ShardingStrategy(str, enum.Enum):
@@ -168,3 +169,105 @@ class EngineOptions:
     preproc_state_dict_for_dcp_ckpt: bool = True  # state_dict() hands out DTensors for DCP
     report_nan_in_param_grad: bool = False  # check reduced gradients for NaN and name them
     use_decoupled_grad: bool = False  # gradients in .decoupled_grad, as upstream's option
+
+    def __post_init__(self) -> None:
+        for name, low in (("prefetch_depth", 0), ("max_inflight_reduce", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+        if self.param_init_fn is not None and not self.init_model_with_meta_device:
+            raise ValueError("param_init_fn is used by meta-device initialisation; pass "
+                             "init_model_with_meta_device=True (or initialise the model yourself)")
+
+
+# Upstream arguments for CUDA-only features: accepted at their default, refused otherwise.
+_CUDA_ONLY = {
+    "nccl_ub": (False, "NCCL user-buffer registration"),
+    "disable_symmetric_registration": (False, "NCCL symmetric (window) registration"),
+    "keep_fp8_transpose_cache": (False, "the FP8 transpose cache of TransformerEngine"),
+    "enable_fine_grained_param_gather": (False, "per-module all-gathers of MXFP8 parameters"),
+    "cuda_graph_mode": (None, "CUDA graph capture of the FSDP hooks"),
+}
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """The sharding choices of :func:`mfsdp.fully_shard_model`, parsed and checked together:
+    the strategies, the mixed-precision policy and the engine options.
+
+    ``from_arguments`` takes ``fully_shard_model``'s keyword arguments (upstream's names,
+    including the older spellings ``grad_reduce_in_fp32`` / ``preserve_fp32_weights``) and
+    raises one error naming the argument and the fix::
+
+        >>> ShardingConfig.from_arguments(zero_dp_strategy="no_shard",
+        ...                               init_model_with_meta_device=True)
+        Traceback (most recent call last):
+          ...
+        ValueError: init_model_with_meta_device=True needs a sharded strategy, got zero_dp_strategy='no_shard': every rank would hold the full model anyway; build the model on the device instead
+    """
+
+    strategy: ShardingStrategy
+    outer_strategy: ShardingStrategy
+    mixed_precision_policy: MixedPrecisionPolicy
+    options: EngineOptions
+
+    def __post_init__(self) -> None:
+        strategy, outer, opts = self.strategy, self.outer_strategy, self.options
+        if opts.init_model_with_meta_device and strategy is ShardingStrategy.NO_SHARD:
+            raise ValueError("init_model_with_meta_device=True needs a sharded strategy, got "
+                             "zero_dp_strategy='no_shard': every rank would hold the full model "
+                             "anyway; build the model on the device instead")
+        if outer not in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM):
+            raise ValueError(f"outer_dp_sharding_strategy={outer.value!r} is not supported "
+                             "across the outer dimension; use 'no_shard' (HSDP) or 'optim'")
+        if outer is ShardingStrategy.OPTIM and strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
+            raise ValueError(f"outer_dp_sharding_strategy='optim' needs "
+                             f"zero_dp_strategy='optim_grads_params', got {strategy.value!r}")
+        if opts.fsdp_double_buffer and not strategy.shards_params:
+            raise ValueError("fsdp_double_buffer=True needs zero_dp_strategy='optim_grads_params' "
+                             f"(gathered weights only exist under ZeRO-3), got {strategy.value!r}")
+
+    @classmethod
+    def from_arguments(cls, zero_dp_strategy: Any = 3, outer_dp_sharding_strategy: Any = 0,
+                       mixed_precision_policy: MixedPrecisionPolicy | None = None,
+                       grad_reduce_in_fp32: bool | None = None,
+                       preserve_fp32_weights: bool | None = None,
+                       maxpool_double_buffer: bool = False, **given: Any) -> "ShardingConfig":
+        """Parse and check ``fully_shard_model``'s arguments (others in ``given`` are ignored
+        unless they are engine options or upstream's CUDA-only switches)."""
+        for name, (default, what) in _CUDA_ONLY.items():
+            value = given.get(name, default)
+            if value != default and not (default is None and value in (False, "none")):
+                raise ValueError(
+                    f"{name}={value!r}: {what} is not implemented by mfsdp (it needs CUDA "
+                    f"features that mfsdp does not use); leave {name} at {default!r}, or use "
+                    "upstream megatron_fsdp on GPUs for it")
+        if grad_reduce_in_fp32 is not None or preserve_fp32_weights is not None:
+            if mixed_precision_policy is not None:
+                raise ValueError("grad_reduce_in_fp32 / preserve_fp32_weights are the older "
+                                 "spelling of mixed_precision_policy; pass one or the other")
+            fp32 = torch.float32 if grad_reduce_in_fp32 else None
+            mixed_precision_policy = MixedPrecisionPolicy(
+                main_params_dtype=torch.float32 if preserve_fp32_weights in (None, True) else None,
+                main_grads_dtype=fp32, grad_comm_dtype=fp32)
+        if mixed_precision_policy is None:
+            mixed_precision_policy = MixedPrecisionPolicy()
+        elif not isinstance(mixed_precision_policy, MixedPrecisionPolicy):
+            raise TypeError(f"mixed_precision_policy={mixed_precision_policy!r} must be a "
+                            "mfsdp.MixedPrecisionPolicy")
+        strategy = ShardingStrategy.parse(zero_dp_strategy)
+        outer = ShardingStrategy.parse(outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
+        options = {f.name: given[f.name] for f in dataclasses.fields(EngineOptions)
+                   if f.name in given}
+        if maxpool_double_buffer and strategy.shards_params:
+            # upstream's max-pooled double buffer: two slots, each sized to the largest unit,
+            # which is how mfsdp's double buffer is laid out (DoubleBuffer in mfsdp/fsdp/bucket.py)
+            options["fsdp_double_buffer"] = True
+        return cls(strategy, outer, mixed_precision_policy, EngineOptions(**options))
+
+    def for_outer_size(self, outer_size: int) -> "ShardingConfig":
+        """The same choices once the outer dimension's size is known: sharding over an outer
+        dimension of one rank shards nothing, so ``optim`` there is plain FSDP (as upstream)."""
+        if self.outer_strategy is ShardingStrategy.OPTIM and outer_size == 1:
+            return dataclasses.replace(self, outer_strategy=ShardingStrategy.NO_SHARD)
+        return self

@@ -21,7 +21,7 @@ all-to-all is fastest). The outer groups are the same for dense and expert param
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -164,15 +164,35 @@ class ParallelLayout:
             base = kind.removesuffix("_ag")
             group, _ = dist.new_subgroups_by_enumeration(self.groups(base), backend=backend)
             made[kind] = group
-        return ProcessGroups(self, made)
+        return ProcessGroups(layout=self, **made)
 
 
 @dataclass
 class ProcessGroups:
-    """This rank's groups of a :class:`ParallelLayout`, by kind (``groups["ep"]``, ...)."""
+    """This rank's process groups, by kind: what :meth:`ParallelLayout.create_groups` makes, and
+    the one type the engine takes (``fully_shard(process_groups=...)``).
 
-    layout: ParallelLayout
-    by_kind: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    A field that is ``None`` means the default (world) group for ``dp_shard``, and no such
+    dimension otherwise. ``groups["ep"]`` reads a field by its kind name.
+    """
+
+    dp_shard: dist.ProcessGroup | None = None  # dense parameters are sharded over it
+    dp_outer: dist.ProcessGroup | None = None  # HSDP/HFSDP outer (replica) dimension
+    ep: dist.ProcessGroup | None = None  # ranks holding different experts
+    expt_dp_shard: dist.ProcessGroup | None = None  # expert parameters are sharded over it
+    expt_dp: dist.ProcessGroup | None = None  # expert data-parallel ranks (inner x outer)
+    tp: dist.ProcessGroup | None = None  # tensor-parallel ranks
+    cp: dist.ProcessGroup | None = None  # context-parallel ranks
+    dp: dist.ProcessGroup | None = None  # data-parallel ranks (one batch each)
+    dp_shard_ag: dist.ProcessGroup | None = None  # dp_shard's ranks, for all-gathers only
+    expt_dp_shard_ag: dist.ProcessGroup | None = None  # expt_dp_shard's, for all-gathers only
+    tp_mesh: object = None  # the 1-D DeviceMesh over `tp`, when the caller has one
+    layout: ParallelLayout | None = None  # the layout the groups were made from
 
     def __getitem__(self, kind: str) -> dist.ProcessGroup | None:
-        return self.by_kind.get(kind)
+        if kind not in _FIELD_KINDS:
+            raise KeyError(f"{kind!r} is not a group kind; use one of {_FIELD_KINDS}")
+        return getattr(self, kind)
+
+
+_FIELD_KINDS = GROUP_KINDS + ("dp_shard_ag", "expt_dp_shard_ag")

@@ -79,3 +79,59 @@ def test_models_never_import_checkpoints_and_nothing_imports_the_harnesses():
              if not m.startswith(("mfsdp.testing", "mfsdp.examples"))
              for t in ts if t.startswith("mfsdp.testing")]
     assert users == []
+
+
+def _ownership_and_phases() -> dict:
+    """On 2 real ranks: which engine objects hold the wrapper module, and the phases one unit
+    goes through in a step (recorded by its hooks' effects, read between the hooks)."""
+    import torch
+
+    from mfsdp import fully_shard
+    from mfsdp.fsdp.state import UnitPhase
+    from mfsdp.models.toy import Block, ToyModel
+
+    torch.manual_seed(0)
+    module = ToyModel(dim=32)
+    model, opt = fully_shard(module, torch.optim.SGD(module.parameters(), lr=0.1),
+                             fsdp_unit_modules=[Block])
+    state = model.state
+    holders = []
+    objects = {"state": state, "reducer": state.reducer, "comms": state.comms,
+               **{f"unit {u.name or '(root)'}": u for u in state.units}}
+    for name, obj in objects.items():
+        for attr, value in vars(obj).items():
+            if value is model and not (attr == "module" and name == "unit (root)"):
+                holders.append(f"{name}.{attr}")
+    unit = state.units[1]
+    seen = {"before": unit.phase}
+    block = unit.module
+
+    def in_forward(*args):  # runs before the unit's own post-forward hook
+        seen.setdefault("in forward", unit.phase)
+
+    block.register_forward_hook(in_forward, prepend=True)
+    x = torch.randn(4, 32)
+    out = model(x)
+    seen["after forward"] = unit.phase
+    out.float().pow(2).mean().backward()
+    seen["after backward"] = unit.phase
+    opt.step()
+    with torch.no_grad():
+        model(x)
+    seen["after a no-grad forward"] = unit.phase
+    return {"holders": holders, "phases": {k: v.value for k, v in seen.items()},
+            "UnitPhase": [p.value for p in UnitPhase]}
+
+
+def test_units_and_the_reducer_are_handed_state_not_the_model():
+    """#27: no engine object reads the wrapper's fields through a back-pointer; the units and the
+    reducer share one ShardingState, and a unit's lifecycle is one UnitPhase value."""
+    from mfsdp.launch import launch
+
+    got = launch(_ownership_and_phases, 2, timeout=120)[0]
+    assert got["holders"] == []
+    assert got["phases"] == {"before": "idle", "in forward": "forward",
+                             "after forward": "awaiting_backward", "after backward": "idle",
+                             "after a no-grad forward": "idle"}
+    for path in ("unit.py", "reducer.py", "construct.py"):
+        assert "self.model" not in (PKG / "fsdp" / path).read_text(), path

@@ -58,7 +58,7 @@ def _describe(state: dict) -> dict[str, dict]:
 def _layout(model) -> dict:
     outer = model.outer_comm.size if model.outer_comm is not None else 1
     return {"world_size": dist.get_world_size(), "strategy": model.strategy.value,
-            "dp_outer": outer, "outer_sharded": model.outer_sharded,
+            "dp_outer": outer, "outer_sharded": model.state.comms.outer_sharded,
             "ep": model.ep_comm.size if model.ep_comm is not None else 1}
 
 
@@ -254,7 +254,7 @@ def load_fsdp_dtensor(path: str | os.PathLike, model, optimizer=None, verify: bo
         for group, saved in zip(optimizer.param_groups, groups):
             group.update(saved)
     model.install_main_weights()
-    model.begin_forward()
+    model.wait_param_sync()
     extra = pickle.loads(state["extra"])
     # This rank's own RNG state; rank 0's for ranks the writing job did not have (or for
     # checkpoints that kept one state for all ranks).

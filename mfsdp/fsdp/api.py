@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mfsdp.config import EngineOptions, MixedPrecisionPolicy, ShardingStrategy, resolve_unit_classes
-from mfsdp.fsdp.module import FullyShardedModule, Groups
-from mfsdp.layout import ProcessGroups
+from mfsdp.config import MixedPrecisionPolicy, ShardingConfig, resolve_unit_classes
+from mfsdp.fsdp.module import FullyShardedModule
 from mfsdp.fsdp.optimizer import ShardedOptimizer
+from mfsdp.layout import ProcessGroups
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 
@@ -42,26 +42,6 @@ def _mesh_group(mesh, dim: str | None, arg: str) -> dist.ProcessGroup | None:
 
 def _mesh_size(mesh, dim: str) -> int:
     return mesh[dim].size()
-
-
-# Upstream arguments for CUDA-only features: accepted at their default, refused otherwise.
-_CUDA_ONLY = {
-    "nccl_ub": (False, "NCCL user-buffer registration"),
-    "disable_symmetric_registration": (False, "NCCL symmetric (window) registration"),
-    "keep_fp8_transpose_cache": (False, "the FP8 transpose cache of TransformerEngine"),
-    "enable_fine_grained_param_gather": (False, "per-module all-gathers of MXFP8 parameters"),
-    "cuda_graph_mode": (None, "CUDA graph capture of the FSDP hooks"),
-}
-
-
-def _refuse_unsupported(**given) -> None:
-    for name, value in given.items():
-        default, what = _CUDA_ONLY[name]
-        if value != default and not (default is None and value in (False, "none")):
-            raise ValueError(
-                f"{name}={value!r}: {what} is not implemented by mfsdp (it needs CUDA features "
-                f"that mfsdp does not use); leave {name} at {default!r}, or use upstream "
-                "megatron_fsdp on GPUs for it")
 
 
 def _default_device(module: nn.Module | None = None) -> torch.device:
@@ -191,61 +171,56 @@ def fully_shard_model(
             ``disable_symmetric_registration``, ``enable_fine_grained_param_gather``,
             ``cuda_graph_mode``): a non-default value is an error that says so.
     """
-    local = dict(locals())  # the arguments as given, before anything below rebinds them
+    given = dict(locals())  # the arguments as given
     if isinstance(module, FullyShardedModule) or any(_owner(p) is not None
                                                      for p in module.parameters()):
         raise ValueError("fully_shard_model: this module is already sharded by an earlier "
                          "fully_shard call (its parameters belong to a FullyShardedModule); "
                          "shard a model once and keep using the wrapped model it returned")
-    _refuse_unsupported(
-        nccl_ub=nccl_ub, disable_symmetric_registration=disable_symmetric_registration,
-        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
-        enable_fine_grained_param_gather=enable_fine_grained_param_gather,
-        cuda_graph_mode=cuda_graph_mode)
-    if grad_reduce_in_fp32 is not None or preserve_fp32_weights is not None:
-        if mixed_precision_policy is not None:
-            raise ValueError("grad_reduce_in_fp32 / preserve_fp32_weights are the older spelling "
-                             "of mixed_precision_policy; pass one or the other")
-        fp32 = torch.float32 if grad_reduce_in_fp32 else None
-        mixed_precision_policy = MixedPrecisionPolicy(
-            main_params_dtype=torch.float32 if preserve_fp32_weights in (None, True) else None,
-            main_grads_dtype=fp32, grad_comm_dtype=fp32)
-    strategy = ShardingStrategy.parse(zero_dp_strategy)
-    for name, value, low in (("prefetch_depth", prefetch_depth, 0),
-                             ("max_inflight_reduce", max_inflight_reduce, 1)):
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
-    outer = ShardingStrategy.parse(outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
+    # validate
+    config = ShardingConfig.from_arguments(**given)
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialised process group: call "
                            "torch.distributed.init_process_group() first (or use torchrun)")
-    if mixed_precision_policy is None:
-        mixed_precision_policy = MixedPrecisionPolicy()
-    elif not isinstance(mixed_precision_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mixed_precision_policy={mixed_precision_policy!r} must be a "
-                        "mfsdp.MixedPrecisionPolicy")
-    if param_init_fn is not None and not init_model_with_meta_device:
-        raise ValueError("param_init_fn is used by meta-device initialisation; pass "
-                         "init_model_with_meta_device=True (or initialise the model yourself)")
-    if init_model_with_meta_device and strategy is ShardingStrategy.NO_SHARD:
-        raise ValueError("init_model_with_meta_device=True needs a sharded strategy, got "
-                         "zero_dp_strategy='no_shard': every rank would hold the full model anyway; "
-                         "build the model on the device instead")
-    if outer not in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM):
-        raise ValueError(f"outer_dp_sharding_strategy={outer.value!r} is not supported across "
-                         "the outer dimension; use 'no_shard' (HSDP) or 'optim'")
-    if outer is ShardingStrategy.OPTIM and strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
-        raise ValueError(f"outer_dp_sharding_strategy='optim' needs "
-                         f"zero_dp_strategy='optim_grads_params', got {strategy.value!r}")
-    groups = Groups(outer_strategy=outer)
+    # resolve the process groups (and the device a mesh implies)
+    groups, mesh_device = _resolve_groups(
+        device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_device_mesh, process_groups,
+        fsdp_group_ag, expt_fsdp_group_ag)
+    outer_size = dist.get_world_size(groups.dp_outer) if groups.dp_outer is not None else 1
+    _check_hybrid_groups(groups, outer_size, hybrid_fsdp_group, hybrid_fsdp_expt_group)
+    config = config.for_outer_size(outer_size)
+    device = device if device is not None else mesh_device
+    device = torch.device(device) if device is not None else _default_device(module)
+    # build
+    model = FullyShardedModule(module, groups=groups, strategy=config.strategy,
+                               unit_classes=resolve_unit_classes(fsdp_unit_modules, module),
+                               device=device, mixed_precision_policy=config.mixed_precision_policy,
+                               options=config.options, outer_strategy=config.outer_strategy)
+    recursive = resolve_unit_classes(recursive_gather_modules, module)
+    for m in module.modules():
+        if recursive and isinstance(m, recursive):
+            model.gather_recursively(m)
+    ref = weakref.ref(model)
+    for sp in model._sparams:
+        sp.sharded._mfsdp_model = ref
+    for old in model._original_params:
+        _OLD_OWNERS[id(old)] = (weakref.ref(old), ref)
+    del model._original_params  # the model must not keep the originals alive
+    return model
+
+
+def _resolve_groups(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_device_mesh,
+                    process_groups, fsdp_group_ag, expt_fsdp_group_ag):
+    """The :class:`~mfsdp.layout.ProcessGroups` the engine uses, from whichever way the caller
+    named them (a layout's groups, upstream's device meshes and dimension names, separate
+    all-gather groups), and the device a mesh implies (``None``: no mesh)."""
+    device = None
     if process_groups is not None:
         if device_mesh is not None or expt_device_mesh is not None:
             raise ValueError("pass either process_groups or device_mesh/expt_device_mesh, not both")
-        groups = Groups(dp_shard=process_groups["dp_shard"], dp_outer=process_groups["dp_outer"],
-                        dp_shard_ag=process_groups["dp_shard_ag"], outer_strategy=outer,
-                        expt_dp_shard=process_groups["expt_dp_shard"],
-                        expt_dp_shard_ag=process_groups["expt_dp_shard_ag"],
-                        ep=process_groups["ep"], tp=process_groups["tp"])
+        groups = dataclasses.replace(process_groups)  # the caller's object stays as it was
+    else:
+        groups = ProcessGroups()
     if device_mesh is not None:
         if device_mesh.size() != dist.get_world_size():
             raise ValueError(f"device_mesh covers {device_mesh.size()} ranks but the world has "
@@ -259,9 +234,8 @@ def fully_shard_model(
             raise ValueError(f"dp_shard_dim is required for a {device_mesh.ndim}-D device_mesh "
                              f"(dims {tuple(device_mesh.mesh_dim_names or ())})")
         groups.dp_shard = _mesh_group(device_mesh, dp_shard_dim, "dp_shard_dim")
-        if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if device_mesh.device_type == "cuda" else torch.device(device_mesh.device_type))
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if device_mesh.device_type == "cuda" else torch.device(device_mesh.device_type))
     elif dp_shard_dim is not None or tp_dim is not None or dp_outer_dim is not None:
         raise ValueError("dp_shard_dim / dp_outer_dim / tp_dim name dimensions of device_mesh, "
                          "but no device_mesh was given")
@@ -272,45 +246,20 @@ def fully_shard_model(
         groups.dp_shard_ag = fsdp_group_ag
     if expt_fsdp_group_ag is not None:
         groups.expt_dp_shard_ag = expt_fsdp_group_ag
+    return groups, device
+
+
+def _check_hybrid_groups(groups, outer_size: int, hybrid_fsdp_group, hybrid_fsdp_expt_group):
+    """Upstream passes the flattened (outer x shard) groups; mfsdp derives the same from the
+    meshes and checks that the given ones agree."""
     shard_size = dist.get_world_size(groups.dp_shard)
-    outer_size = dist.get_world_size(groups.dp_outer) if groups.dp_outer is not None else 1
     expt_size = (dist.get_world_size(groups.expt_dp_shard) if groups.expt_dp_shard is not None
                  else shard_size)
-    # Upstream passes the flattened (outer x shard) groups; we derive the same from the meshes
-    # and check that they agree.
     for name, group, inner in (("hybrid_fsdp_group", hybrid_fsdp_group, shard_size),
                                ("hybrid_fsdp_expt_group", hybrid_fsdp_expt_group, expt_size)):
         if group is not None and dist.get_world_size(group) != inner * outer_size:
             raise ValueError(f"{name} has {dist.get_world_size(group)} ranks but the shard "
                              f"group x dp_outer is {inner} x {outer_size}; it must span both")
-    if outer is ShardingStrategy.OPTIM and outer_size == 1:
-        # Sharding over an outer dimension of one rank shards nothing: plain FSDP (as upstream).
-        outer = ShardingStrategy.NO_SHARD
-        groups.outer_strategy = outer
-    device = torch.device(device) if device is not None else _default_device(module)
-    units = resolve_unit_classes(fsdp_unit_modules, module)
-    if fsdp_double_buffer and not strategy.shards_params:
-        raise ValueError("fsdp_double_buffer=True needs zero_dp_strategy='optim_grads_params' "
-                         f"(gathered weights only exist under ZeRO-3), got {strategy.value!r}")
-    if maxpool_double_buffer and strategy.shards_params:
-        # upstream's max-pooled double buffer: two slots, each sized to the largest unit, which
-        # is how mfsdp's double buffer is laid out (see DoubleBuffer in mfsdp/fsdp/bucket.py)
-        local["fsdp_double_buffer"] = True
-    options = EngineOptions(**{f.name: local[f.name] for f in dataclasses.fields(EngineOptions)})
-    model = FullyShardedModule(module, groups=groups, strategy=strategy, unit_classes=units,
-                               device=device, mixed_precision_policy=mixed_precision_policy,
-                               options=options)
-    recursive = resolve_unit_classes(recursive_gather_modules, module)
-    for m in module.modules():
-        if recursive and isinstance(m, recursive):
-            model.gather_recursively(m)
-    ref = weakref.ref(model)
-    for sp in model._sparams:
-        sp.sharded._mfsdp_model = ref
-    for old in model._original_params:
-        _OLD_OWNERS[id(old)] = (weakref.ref(old), ref)
-    del model._original_params  # the model must not keep the originals alive
-    return model
 
 
 # id(original parameter) -> (the parameter, the model that took it over), both weak, so that an

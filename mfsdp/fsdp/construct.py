@@ -24,6 +24,7 @@ from mfsdp.fsdp.bucket import Bucket, DoubleBuffer, plan_bucket
 from mfsdp.config import ShardingStrategy
 from mfsdp.fsdp.dtensor import TPSpec
 from mfsdp.fsdp.param import ShardedParam
+from mfsdp.fsdp.state import Comms, ShardingState
 from mfsdp.fsdp.unit import FSDPUnit
 
 __all__ = ["Construction", "build_units"]
@@ -63,15 +64,15 @@ def _hybrid_group(inner: dist.ProcessGroup, outer: dist.ProcessGroup) -> dist.Pr
     return found
 
 
-def _tp_specs(model, params: dict[int, dict]) -> None:
+def _tp_specs(comms: Comms, params: dict[int, dict]) -> None:
     """Give every parameter entry its :class:`TPSpec` (``entry["tp"]``, ``None`` outside a TP
     mesh), checking that DTensor parameters live on the model's TP mesh."""
-    tp_group = model.tp_group
+    tp_group = comms.tp_group
     tp_ranks = dist.get_process_group_ranks(tp_group) if tp_group is not None else None
     for e in params.values():
         p = e["param"]
         if not isinstance(p, DTensor):
-            e["tp"] = TPSpec.of(p, model.tp_mesh) if tp_group is not None else None
+            e["tp"] = TPSpec.of(p, comms.tp_mesh) if tp_group is not None else None
             continue
         where = f"parameter {e['name']!r} is a DTensor over {p.device_mesh}"
         if tp_group is None:
@@ -129,15 +130,18 @@ def _parameters_by_unit(root: nn.Module, unit_paths: list[str]) -> dict[int, dic
     return params
 
 
-def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -> Construction:
-    """Units, buckets and :class:`~mfsdp.fsdp.param.ShardedParam` objects of ``model.module``, with the settings of
-    ``model`` (a :class:`mfsdp.FullyShardedModule` under construction: its strategy, device,
-    communicators and mixed-precision policy)."""
-    root = model.module
-    unit_paths = _unit_paths(root, unit_classes, disable_bucketing)
+def build_units(state: ShardingState, root: nn.Module, wrapper: nn.Module,
+                unit_classes) -> Construction:
+    """Units, buckets and :class:`~mfsdp.fsdp.param.ShardedParam` objects of ``root``, with the
+    settings of ``state`` (strategy, device, communicators, mixed-precision policy, options); the
+    root unit's hooks go on ``wrapper`` (the :class:`mfsdp.FullyShardedModule` under
+    construction)."""
+    opts, comms = state.options, state.comms
+    meta_init = opts.init_model_with_meta_device
+    unit_paths = _unit_paths(root, unit_classes, opts.disable_bucketing)
     mods = dict(root.named_modules())
     params = _parameters_by_unit(root, unit_paths)
-    _tp_specs(model, params)
+    _tp_specs(comms, params)
     check_same_model(params)  # before any collective whose count depends on the model
     if not meta_init:
         for e in params.values():
@@ -145,21 +149,21 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
             if p.device.type == "meta":
                 raise ValueError(f"parameter {e['name']!r} is on the meta device; pass "
                                  "init_model_with_meta_device=True to materialise it shard by shard")
-            if p.device != model.device:
+            if p.device != state.device:
                 raise ValueError(f"parameter {e['name']!r} is on {p.device} but the mesh "
-                                 f"device is {model.device}; move the model with "
-                                 f"model.to({str(model.device)!r}) first or pass device=")
-    replicated = model.strategy is ShardingStrategy.NO_SHARD
-    outer_size = model.outer_comm.size if model.outer_comm is not None else 1
-    factor = outer_size if model.outer_sharded else 1
+                                 f"device is {state.device}; move the model with "
+                                 f"model.to({str(state.device)!r}) first or pass device=")
+    replicated = state.strategy is ShardingStrategy.NO_SHARD
+    outer_size = comms.outer.size if comms.outer is not None else 1
+    factor = outer_size if comms.outer_sharded else 1
     # Gradients are averaged over every data-parallel rank. An expert's local gradient already
     # sums the contributions of its whole EP group's tokens, and the expert data-parallel
     # reduction sums over the rest, so the same factor averages both (see docs/hsdp-ep.md).
-    scale = 1.0 if model.calculate_per_token_loss else 1.0 / (model.comm.size * outer_size)
+    scale = 1.0 if opts.calculate_per_token_loss else 1.0 / (comms.dp.size * outer_size)
     units: list[FSDPUnit] = []
     slot: dict[int, tuple[Bucket, int]] = {}  # id(original param) -> (bucket, index)
     for upath in unit_paths:
-        unit = FSDPUnit(upath, model if upath == "" else mods[upath], model)
+        unit = FSDPUnit(upath, wrapper if upath == "" else mods[upath], state)
         groups: dict[tuple, list[dict]] = {}
         for e in params.values():
             if e["unit"] != upath:
@@ -169,19 +173,19 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
             groups.setdefault(key, []).append(e)
         for key, entries in groups.items():
             dtype, is_expert = key[0], key[1]
-            comm = model.expt_comm if is_expert else model.comm
-            main, grads, comm_dtype = model.mp_policy.resolve(dtype)
+            comm = comms.expt if is_expert else comms.dp
+            main, grads, comm_dtype = state.mp_policy.resolve(dtype)
             bucket = Bucket(
                 unit=upath, key=key, names=[e["name"] for e in entries],
                 plan=plan_bucket([_block_shape(e) for e in entries],
                                  1 if replicated else comm.size * factor),
-                rank=0 if replicated else comm.rank, device=model.device, dtype=dtype,
+                rank=0 if replicated else comm.rank, device=state.device, dtype=dtype,
                 main_dtype=main, grad_dtype=grads, comm_dtype=comm_dtype,
-                sharded_params=model.strategy.shards_params,
-                sharded_grads=model.strategy.shards_grads, replicated=replicated,
+                sharded_params=state.strategy.shards_params,
+                sharded_grads=state.strategy.shards_grads, replicated=replicated,
                 outer_factor=factor,
-                outer_rank=model.outer_comm.rank if factor > 1 else 0,
-                comm=comm, ag_comm=model.expt_ag_comm if is_expert else model.ag_comm,
+                outer_rank=comms.outer.rank if factor > 1 else 0,
+                comm=comm, ag_comm=comms.expt_ag if is_expert else comms.dp_ag,
                 grad_scale=scale,
             )
             for i, e in enumerate(entries):
@@ -189,11 +193,11 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
             unit.buckets.append(bucket)
         units.append(unit)
     pool = None
-    if model.double_buffer and len(units) > 1:
-        pool = DoubleBuffer(units[1:], model.device)
+    if state.double_buffer and len(units) > 1:
+        pool = DoubleBuffer(units[1:], state.device)
     buckets = [b for u in units for b in u.buckets]
-    _check_replicas(model, params, slot, meta_init)
-    _load_values(model, buckets, params, slot, meta_init)
+    _check_replicas(state, params, slot, meta_init)
+    _load_values(state, root, buckets, params, slot, meta_init)
     out = Construction(units, pool, originals=[e["param"] for e in params.values()])
     # Replace every parameter by a ShardedParam: a view of its bucket during forward, a DTensor
     # over its main-weight rows outside (see mfsdp/fsdp/param.py).
@@ -202,7 +206,7 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
     meshes: dict[tuple, tuple] = {}
     for e in params.values():
         bucket, i = slot[id(e["param"])]
-        mesh, group = _param_mesh(model, bucket, meshes, e["tp"] is not None)
+        mesh, group = _param_mesh(state, bucket, meshes, e["tp"] is not None)
         sp = ShardedParam(e["name"], bucket, i, e["uses"], mesh, group,
                           e["param"].requires_grad, e["tp"])
         new = sp.unsharded
@@ -220,12 +224,12 @@ def build_units(model, unit_classes, disable_bucketing: bool, meta_init: bool) -
             b.main_shard.copy_(b.model_sub_shard())
     for m in root.modules():  # buffers follow the device; parameters are done
         for name, buf in m._buffers.items():
-            if buf is not None and buf.device != model.device and buf.device.type != "meta":
-                m._buffers[name] = buf.to(model.device)
+            if buf is not None and buf.device != state.device and buf.device.type != "meta":
+                m._buffers[name] = buf.to(state.device)
     return out
 
 
-def _check_replicas(model, params: dict[int, dict], slot, meta_init: bool) -> None:
+def _check_replicas(state: ShardingState, params: dict[int, dict], slot, meta_init: bool) -> None:
     """The ranks that hold copies of a parameter start from the same values, broadcast where
     they differ (see :mod:`mfsdp.fsdp.agreement`): its data-parallel group, the outer group when the outer
     dimension replicates, and the TP group for a parameter TP replicates."""
@@ -235,18 +239,19 @@ def _check_replicas(model, params: dict[int, dict], slot, meta_init: bool) -> No
             return None
         return comm.group if comm.group is not None else dist.group.WORLD
 
-    outer = group(model.outer_comm) if not model.outer_sharded else None
+    comms = state.comms
+    outer = group(comms.outer) if not comms.outer_sharded else None
     if meta_init:  # no values yet: equal generator states draw equal weights
-        agree_on_rng(model.device, [outer])
+        agree_on_rng(state.device, [outer])
         return
     entries = []
     for e in params.values():
         bucket, _ = slot[id(e["param"])]
         p = e["param"].detach()
-        tp = model.tp_group if (model.tp_group is not None and not isinstance(p, DTensor)) else None
+        tp = comms.tp_group if (comms.tp_group is not None and not isinstance(p, DTensor)) else None
         entries.append((e["name"], p.to_local() if isinstance(p, DTensor) else p,
                         (group(bucket.comm), outer, tp)))
-    agree_on_values(entries, model.device)
+    agree_on_values(entries, state.device)
 
 
 def _block_shape(entry: dict) -> tuple:
@@ -254,7 +259,7 @@ def _block_shape(entry: dict) -> tuple:
     return tuple(entry["tp"].local_shape) if entry["tp"] is not None else tuple(entry["param"].shape)
 
 
-def _param_mesh(model, bucket: Bucket, cache: dict, tp: bool):
+def _param_mesh(state: ShardingState, bucket: Bucket, cache: dict, tp: bool):
     """(device mesh, process group) of the ranks holding distinct rows of ``bucket``'s
     parameters; the group is ``None`` when every rank holds them whole (``no_shard``). Under TP
     the mesh is 2-D, ``(dp, tp)``; the group is the data-parallel one."""
@@ -263,11 +268,11 @@ def _param_mesh(model, bucket: Bucket, cache: dict, tp: bool):
     if key not in cache:
         group = comm.group if comm.group is not None else dist.group.WORLD
         if bucket.outer_factor > 1:  # HFSDP: main rows differ over inner x outer
-            group = _hybrid_group(group, model.outer_comm.group)
+            group = _hybrid_group(group, state.comms.outer.group)
         if tp:
-            mesh = _dp_tp_mesh(group, model.tp_group, model.device.type)
+            mesh = _dp_tp_mesh(group, state.comms.tp_group, state.device.type)
         else:
-            mesh = DeviceMesh.from_group(group, model.device.type)
+            mesh = DeviceMesh.from_group(group, state.device.type)
         cache[key] = (mesh, group)
     mesh, group = cache[key]
     # no_shard: a DTensor replicated over the data-parallel mesh; no rows differ between ranks
@@ -297,7 +302,7 @@ def _dp_tp_mesh(dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup,
 
 
 @torch.no_grad()
-def _load_values(model, buckets: list[Bucket], params: dict[int, dict],
+def _load_values(state: ShardingState, root: nn.Module, buckets: list[Bucket], params: dict[int, dict],
                  slot: dict[int, tuple[Bucket, int]], meta_init: bool) -> None:
     """Copy initial values into the buckets (the local rows only, under ZeRO-3)."""
 
@@ -319,8 +324,8 @@ def _load_values(model, buckets: list[Bucket], params: dict[int, dict],
                 for b in buckets for t in (b.model_shard, b.main_shard, b.full)}
     held = sum(storages.values())  # what the buckets hold already (shards, under ZeRO-3)
     done: set[int] = set()
-    init_fn = model.param_init_fn
-    for path, m in model.module.named_modules():
+    init_fn = state.options.param_init_fn
+    for path, m in root.named_modules():
         own = [(a, p) for a, p in m._parameters.items() if p is not None and id(p) not in done]
         meta_bufs = [a for a, b in m._buffers.items() if b is not None and b.is_meta]
         if not own and not meta_bufs:
@@ -343,13 +348,13 @@ def _load_values(model, buckets: list[Bucket], params: dict[int, dict],
                              "fully_shard (for Hugging Face models: model._init_weights, "
                              "which recomputes rotary inv_freq)")
         originals = {a: p for a, p in own}
-        m.to_empty(device=model.device, recurse=False)
+        m.to_empty(device=state.device, recurse=False)
         for a in meta_bufs:  # persistent buffers start at zero (a checkpoint overwrites them)
             m._buffers[a].zero_()
         if reset is not None:
             reset()
         temp = sum(p.numel() * p.element_size() for p in m._parameters.values() if p is not None)
-        model.memory["init_peak_bytes"] = max(model.memory["init_peak_bytes"], held + temp)
+        state.memory["init_peak_bytes"] = max(state.memory["init_peak_bytes"], held + temp)
         for a, p in originals.items():
             store(*slot[id(p)], block(m._parameters[a].detach()))
             m._parameters[a] = p  # keep the original object until the views replace it

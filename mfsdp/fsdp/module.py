@@ -12,9 +12,10 @@ FSDP2's ``_fully_shard`` package:
 * :class:`mfsdp.fsdp.reducer.GradReducer` (one per model): the gradient reductions of a backward;
 * :func:`mfsdp.fsdp.construct.build_units` makes the units from the module.
 
-The model itself holds what units share (communicators, the forward order that drives prefetching,
-memory counters, the double buffer, whether a backward synchronises) and the API: ``no_sync``,
-``unshard``/``reshard``, state-dict hooks, ``zero_grad_buffer``... The mechanism, step by step, is
+What units share (communicators, the forward order that drives prefetching, memory counters, the
+double buffer, whether a backward synchronises) is one :class:`mfsdp.fsdp.state.ShardingState`,
+built here and handed to each unit and to the reducer; the module itself holds the API:
+``no_sync``, ``unshard``/``reshard``, state-dict hooks, ``zero_grad_buffer``... The mechanism, step by step, is
 described in ``docs/concepts.md``; the notes below and in ``mfsdp/fsdp/reducer.py`` say why.
 
 [Note: version counters] Parameters are views of ``Bucket.full`` and share its version counter,
@@ -30,18 +31,17 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from mfsdp.fsdp.bucket import Bucket
-from mfsdp.fsdp.collectives import CommLog, Communicator, Handle, backend_of
 from mfsdp.config import EngineOptions, MixedPrecisionPolicy, ShardingStrategy
+from mfsdp.fsdp.bucket import Bucket
 from mfsdp.fsdp.construct import build_units
 from mfsdp.fsdp.reducer import GradReducer
-from mfsdp.fsdp.unit import FSDPUnit, Groups, in_backward
+from mfsdp.fsdp.state import Comms, GradSync, ShardingState
+from mfsdp.fsdp.unit import FSDPUnit, in_backward
+from mfsdp.layout import ProcessGroups
 
-__all__ = ["FullyShardedModule", "FSDPUnit", "Groups"]
+__all__ = ["FullyShardedModule", "FSDPUnit"]
 
 
 class FullyShardedModule(nn.Module):
@@ -55,83 +55,31 @@ class FullyShardedModule(nn.Module):
         self,
         module: nn.Module,
         *,
-        groups: Groups,
+        groups: ProcessGroups,
         strategy: ShardingStrategy,
         unit_classes: tuple[type, ...],
         device: torch.device,
         mixed_precision_policy: MixedPrecisionPolicy,
         options: EngineOptions | None = None,
+        outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD,
     ):
         super().__init__()
         opts = options or EngineOptions()
         self.module = module
-        self.strategy = strategy
-        self.device = device
-        self.mp_policy = mixed_precision_policy
-        self.overlap_grad_reduce = opts.overlap_grad_reduce
-        self.overlap_param_gather = opts.overlap_param_gather
-        self.calculate_per_token_loss = opts.calculate_per_token_loss
-        self.average_in_collective = opts.average_in_collective
-        # The log every collective of this model is recorded in (tests and benchmarks read it).
-        self.comm_log = CommLog()
-        self.groups = groups
-        self.comm = Communicator(groups.dp_shard, "dp_shard", self.comm_log)
-        # A second communicator over the same ranks, so that gathers do not queue behind reductions.
-        self.ag_comm = (Communicator(groups.dp_shard_ag, "dp_shard_ag", self.comm_log)
-                        if groups.dp_shard_ag is not None else self.comm)
-        self.outer_comm = (Communicator(groups.dp_outer, "dp_outer", self.comm_log)
-                           if groups.dp_outer is not None and dist.get_world_size(groups.dp_outer) > 1
-                           else None)
-        self.outer_sharded = (self.outer_comm is not None
-                              and groups.outer_strategy is ShardingStrategy.OPTIM)
-        self.expt_comm = (Communicator(groups.expt_dp_shard, "expt_dp_shard", self.comm_log)
-                          if groups.expt_dp_shard is not None else self.comm)
-        self.expt_ag_comm = (Communicator(groups.expt_dp_shard_ag, "expt_dp_shard_ag", self.comm_log)
-                             if groups.expt_dp_shard_ag is not None else self.expt_comm)
-        self.ep_comm = (Communicator(groups.ep, "ep", self.comm_log)
-                        if groups.ep is not None and dist.get_world_size(groups.ep) > 1 else None)
-        # Tensor parallelism: parameters are sharded over the data-parallel group on their TP
-        # block; the TP mesh is the caller's, or one made over the TP group.
-        self.tp_group = (groups.tp if groups.tp is not None and dist.get_world_size(groups.tp) > 1
-                         else None)
-        self.tp_mesh = groups.tp_mesh
-        if self.tp_group is not None and self.tp_mesh is None:
-            self.tp_mesh = DeviceMesh.from_group(self.tp_group, device.type)
-        # How many units ahead all-gathers are launched (ZeRO-3, with overlap_param_gather).
-        self.prefetch_depth = opts.prefetch_depth
-        # Whether this backward reduces gradients that can wait (no_shard/optim, see no_sync()).
-        self._auto_sync = opts.sync_model_each_microbatch
-        self._sync_override: bool | None = None
-        self._unreduced = False  # a deferred backward left gradients unreduced
-        # Forward order of non-root units, recorded on the first forward; drives prefetching.
-        self._order: list[FSDPUnit] = []
-        self._order_recorded = False
-        # Weights all-gathered after an optimizer step (ZeRO-1/2), waited for before next use.
-        self._param_sync: list[Handle] = []
-        # Measured memory: bytes of gathered unit weights and of full gradient buffers.
-        self.memory = {"gathered_bytes": 0, "peak_gathered_bytes": 0,
-                       "grad_full_bytes": 0, "peak_grad_full_bytes": 0, "init_peak_bytes": 0}
-        # Gathered weights of non-root units in a fixed two-slot pool (ZeRO-3 only).
-        self.double_buffer = opts.fsdp_double_buffer and self.strategy.shards_params
-        # Whether unshard() holds every unit gathered, with the full views in the modules.
-        self.user_unsharded = False
-        for c in (self.comm, self.ag_comm, self.outer_comm, self.expt_comm, self.expt_ag_comm,
-                  self.ep_comm):
-            if c is not None:
-                c.backend = backend_of(c.group, device)
-        self.report_nan_in_param_grad = opts.report_nan_in_param_grad
-        self.use_decoupled_grad = opts.use_decoupled_grad
-        self.param_init_fn = opts.param_init_fn
-        built = build_units(self, unit_classes, opts.disable_bucketing,
-                            opts.init_model_with_meta_device)
-        self.units: list[FSDPUnit] = built.units
-        self.unit_by_name = {u.name: u for u in self.units}
-        self.pool = built.pool
-        self._sparams = built.sparams
-        self._sparam_by_id = built.by_id
+        # What the units and the reducer share, handed to each of them (mfsdp/fsdp/state.py).
+        state = ShardingState(strategy, device, mixed_precision_policy, opts,
+                              Comms.build(groups, outer_strategy, device),
+                              sync=GradSync(auto=opts.sync_model_each_microbatch))
+        self.state = state
+        built = build_units(state, module, self, unit_classes)
+        state.units = built.units
+        state.unit_by_name = {u.name: u for u in built.units}
+        state.pool = built.pool
+        state.sparams = built.sparams
+        self._sparam_by_id = built.by_id  # any face of a parameter -> its ShardedParam
         self._original_params = built.originals  # read once by the API, then dropped
-        self.reducer = GradReducer(self, opts.max_inflight_reduce)
-        for unit in self.units:
+        state.reducer = GradReducer(state, opts.max_inflight_reduce)
+        for unit in state.units:
             unit.register_hooks()
         # shard_experts() recorded the global names of the experts this rank kept
         if getattr(self.module, "_mfsdp_expert_names", None):
@@ -142,47 +90,48 @@ class FullyShardedModule(nn.Module):
         self.register_load_state_dict_post_hook(FullyShardedModule._load_post_hook)
 
     # ------------------------------------------------------------------------------------------
-    # what units share
+    # the shared state, read-only for callers (tests, benchmarks and upstream-style code read these)
     # ------------------------------------------------------------------------------------------
+    strategy = property(lambda self: self.state.strategy, doc="The sharding strategy.")
+    device = property(lambda self: self.state.device, doc="The device of the shards.")
+    mp_policy = property(lambda self: self.state.mp_policy, doc="The mixed-precision policy.")
+    units = property(lambda self: self.state.units, doc="The FSDP units, root first.")
+    unit_by_name = property(lambda self: self.state.unit_by_name, doc="Units by module path.")
+    pool = property(lambda self: self.state.pool, doc="The double-buffer pool, or None.")
+    reducer = property(lambda self: self.state.reducer, doc="The gradient reducer.")
+    memory = property(lambda self: self.state.memory,
+                      doc="Measured bytes: gathered weights and full gradient buffers (and peaks).")
+    comm_log = property(lambda self: self.state.comms.log,
+                        doc="The log every collective of this model is recorded in.")
+    comm = property(lambda self: self.state.comms.dp, doc="The dense shard group's communicator.")
+    ag_comm = property(lambda self: self.state.comms.dp_ag, doc="Its all-gather communicator.")
+    outer_comm = property(lambda self: self.state.comms.outer,
+                          doc="The outer (replica) communicator, or None.")
+    expt_comm = property(lambda self: self.state.comms.expt, doc="The expert shard communicator.")
+    ep_comm = property(lambda self: self.state.comms.ep, doc="The EP communicator, or None.")
+    tp_group = property(lambda self: self.state.comms.tp_group, doc="The TP group, or None.")
+    tp_mesh = property(lambda self: self.state.comms.tp_mesh, doc="The 1-D TP mesh, or None.")
+    _sparams = property(lambda self: self.state.sparams)
+
+    @property
+    def use_decoupled_grad(self) -> bool:
+        """Whether reduced gradients go to ``.decoupled_grad`` (upstream's option)."""
+        return self.state.options.use_decoupled_grad
+
+    @property
+    def user_unsharded(self) -> bool:
+        """Whether :meth:`unshard` holds every unit gathered, the full views in the modules."""
+        return self.state.user_unsharded
+
     @property
     def buckets(self) -> list[Bucket]:
         """Every bucket of every unit, in unit order."""
-        return [b for u in self.units for b in u.buckets]
+        return self.state.buckets
 
     @property
     def synchronising(self) -> bool:
         """Whether the backward under way reduces gradients that could wait (see :meth:`no_sync`)."""
-        return self._auto_sync if self._sync_override is None else self._sync_override
-
-    def record_forward(self, unit: FSDPUnit) -> None:
-        """Note ``unit``'s place in the forward order (the first forward only)."""
-        if not self._order_recorded and unit not in self._order:
-            self._order.append(unit)
-
-    def end_forward(self) -> None:
-        """The root's forward is over: the forward order is known."""
-        self._order_recorded = True
-
-    def next_unit(self, unit: FSDPUnit, step: int) -> FSDPUnit | None:
-        """The unit ``step`` places after ``unit`` in forward order (negative: before it). The
-        root comes before the first unit in forward and before the last one in backward (its
-        forward starts first and its backward, the loss and output layer, runs first)."""
-        if not self._order_recorded:
-            return None
-        if unit.is_root:
-            i = step - 1 if step > 0 else len(self._order) + step
-        elif unit in self._order:
-            i = self._order.index(unit) + step
-        else:
-            return None
-        return self._order[i] if 0 <= i < len(self._order) else None
-
-    def end_backward(self, reduced: bool) -> None:
-        """Called by the reducer at the end of backward: install the reduced gradients, or note
-        that they were left unreduced (a ``no_sync`` micro-batch)."""
-        self._unreduced = not reduced
-        if reduced:
-            self._install_grads()
+        return self.state.sync.synchronising
 
     def gather_recursively(self, module: nn.Module) -> None:
         """Gather every unit inside ``module`` before its forward and release them after it.
@@ -221,21 +170,11 @@ class FullyShardedModule(nn.Module):
     # ------------------------------------------------------------------------------------------
     # steps
     # ------------------------------------------------------------------------------------------
-    def begin_forward(self) -> None:
-        """Before the root's forward: wait for the weights of the last optimizer step (ZeRO-1/2)
-        and check that no parameter was frozen or unfrozen since wrapping."""
-        self.wait_param_sync()
-        if torch.is_grad_enabled():
-            for sp in self._sparams:
-                sp.check_requires_grad()
-
     def wait_param_sync(self) -> None:
         """Wait for the weight all-gathers launched after the last optimizer step (ZeRO-1/2,
         HFSDP). The next forward waits for them anyway; benchmarks call this to time a whole
         step."""
-        for h in self._param_sync:
-            h.wait()
-        self._param_sync.clear()
+        self.state.wait_param_sync()
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -244,7 +183,7 @@ class FullyShardedModule(nn.Module):
         """Make sure every gradient reduction has finished (the optimizer calls this)."""
         if self.reducer.backward_started:
             raise RuntimeError("finish_grad_sync() during backward")
-        if self._unreduced:
+        if self.state.sync.unreduced:
             raise RuntimeError(
                 "the last backward ran under no_sync() (or with sync_model_each_microbatch=False "
                 "outside sync()), so its gradients were never reduced across ranks; run the last "
@@ -259,9 +198,11 @@ class FullyShardedModule(nn.Module):
             if not b.main_aliases_model():
                 mine.copy_(b.main_shard)
             if b.outer_factor > 1:  # HFSDP: collect the inner shard from the outer ranks
-                self._param_sync.append(self.outer_comm.all_gather(b.model_shard, mine.clone()))
+                self.state.param_sync.append(
+                    self.outer_comm.all_gather(b.model_shard, mine.clone()))
             if not b.sharded_params and not b.replicated:  # (HFSDP is ZeRO-3 only)
-                self._param_sync.append(b.ag_comm.all_gather(b.full_comm, b.model_shard.clone()))
+                self.state.param_sync.append(
+                    b.ag_comm.all_gather(b.full_comm, b.model_shard.clone()))
 
     @torch.no_grad()
     def zero_grad_buffers(self) -> None:
@@ -280,7 +221,7 @@ class FullyShardedModule(nn.Module):
                     self.memory["grad_full_bytes"] = 0
         for sp in self._sparams:
             sp.set_grad(None, self.use_decoupled_grad)
-        self._unreduced = False
+        self.state.sync.unreduced = False
 
     zero_grad_buffer = zero_grad_buffers  # upstream Megatron-FSDP's name
 
@@ -289,43 +230,11 @@ class FullyShardedModule(nn.Module):
         :meth:`zero_grad_buffers`); ``nn.Module.zero_grad`` alone would leave the buffers."""
         self.zero_grad_buffers()
 
-    @torch.no_grad()
-    def _install_grads(self) -> None:
-        """After a synchronising backward: hand every parameter its reduced gradient rows."""
-        nan = []
-        # Which parameters got a gradient (host-side flags, agreed over ranks in
-        # _sync_used_flags).
-        grad_buckets = [b for b in self.buckets if b.requires_grad]
-        flags = [f for b in grad_buckets for f in b.used]
-        used, at = {}, 0
-        for b in grad_buckets:
-            used[id(b)] = flags[at:at + len(b.names)]
-            at += len(b.names)
-        for sp in self._sparams:
-            b = sp.bucket
-            if not b.requires_grad or not used[id(b)][sp.index]:
-                sp.set_grad(None, self.use_decoupled_grad)
-                continue
-            g = b.local_view(b.grad_shard, sp.index).view(sp.local.shape)
-            g = g if g.dtype == sp.local.dtype else g.to(sp.local.dtype)
-            sp.set_grad(g, self.use_decoupled_grad)
-            if self.report_nan_in_param_grad and torch.isnan(g).any():
-                nan.append(sp.name)
-        if self.report_nan_in_param_grad:
-            flag = torch.tensor([float(bool(nan))], device=self.device)
-            if dist.get_world_size() > 1:  # every rank raises, none hangs in the next collective
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item():
-                where = ", ".join(nan[:8]) + (" ..." if len(nan) > 8 else "") if nan else (
-                    "on another rank's shards")
-                raise RuntimeError(f"report_nan_in_param_grad: NaN in the reduced gradients of "
-                                   f"{len(nan)} parameter(s) on rank {dist.get_rank()}: {where}")
-
     # -- upstream Megatron-FSDP's names for the same steps ----------------------------------------
     @property
     def model_auto_sync(self) -> bool:
         """Whether every backward synchronises (``sync_model_each_microbatch``)."""
-        return self._auto_sync
+        return self.state.sync.auto
 
     def start_grad_sync(self) -> None:
         """Launch the gradient reductions that have not started (after a backward run with
@@ -356,15 +265,16 @@ class FullyShardedModule(nn.Module):
 
     @contextlib.contextmanager
     def _sync_as(self, value: bool):
-        old, self._sync_override = self._sync_override, value
+        sync = self.state.sync
+        old, sync.override = sync.override, value
         try:
             yield
         finally:
-            self._sync_override = old
+            sync.override = old
 
     def set_model_auto_sync(self, sync: bool) -> None:
         """Set whether every backward reduces gradients (``sync_model_each_microbatch``)."""
-        self._auto_sync = bool(sync)
+        self.state.sync.auto = bool(sync)
 
     # ------------------------------------------------------------------------------------------
     # full weights on demand, state dicts
@@ -385,14 +295,14 @@ class FullyShardedModule(nn.Module):
         for unit in self.units:
             unit.gather()
             unit.unshard_views()
-        self.user_unsharded = True
+        self.state.user_unsharded = True
 
     def reshard(self) -> None:
         """Undo :meth:`unshard`: modules hold the sharded parameters again, gathered weights are
         released (ZeRO-3)."""
         if not self.user_unsharded:
             return
-        self.user_unsharded = False
+        self.state.user_unsharded = False
         for unit in self.units:
             unit.shard_views()
             unit.reshard()
@@ -518,9 +428,7 @@ class FullyShardedModule(nn.Module):
         """Bytes of the communication scratch buffers this rank keeps for reuse (gloo only: the
         all-to-all inputs of all-gathers and receive buffers of reduce-scatters, see [Note: gloo
         all-gather as all-to-all] in ``mfsdp/fsdp/collectives.py``); not part of :meth:`memory_by_kind`."""
-        comms = {id(c): c for c in (self.comm, self.ag_comm, self.outer_comm, self.expt_comm,
-                                    self.expt_ag_comm, self.ep_comm) if c is not None}
-        return sum(c.scratch_bytes for c in comms.values())
+        return sum(c.scratch_bytes for c in self.state.comms.distinct())
 
     def memory_by_kind(self) -> dict[str, int]:
         """Bytes held by this rank's buckets right now, by kind (shared storage counted once)."""

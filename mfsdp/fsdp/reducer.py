@@ -1,10 +1,11 @@
 """Gradient reduction of a sharded model: per-bucket launches, outer reductions, end of backward.
 
-:class:`GradReducer` belongs to one :class:`mfsdp.FullyShardedModule` (``model.reducer``) and owns
-the state of the reductions in a backward: the fixed launch order, the launch cursor, the
-reductions in flight (inner and outer) and whether a backward is under way. It reads the model's
-settings (strategy, whether this backward synchronises, the outer communicator) and hands reduced
-gradients to the parameters at the end of backward through the model.
+:class:`GradReducer` belongs to one sharded model (``state.reducer`` of its
+:class:`~mfsdp.fsdp.state.ShardingState`) and owns the state of the reductions in a backward: the
+fixed launch order, the launch cursor, the reductions in flight (inner and outer) and whether a
+backward is under way. It reads the shared state it is handed (strategy, whether this backward
+synchronises, the outer communicator) and, at the end of a synchronising backward, hands every
+parameter its reduced gradient rows.
 
 [Note: reduction order] Every rank must launch the same collectives in the same order, or gloo and
 NCCL pair the wrong tensors (or hang). Buckets become ready in autograd order, which can differ
@@ -42,6 +43,7 @@ import torch.distributed as dist
 
 from mfsdp.fsdp.bucket import Bucket
 from mfsdp.fsdp.collectives import Handle
+from mfsdp.fsdp.state import ShardingState
 
 __all__ = ["GradReducer"]
 
@@ -49,10 +51,10 @@ __all__ = ["GradReducer"]
 class GradReducer:
     """Launching, finishing and ordering the gradient reductions of one sharded model."""
 
-    def __init__(self, model, max_inflight: int):
-        self.model = model
+    def __init__(self, state: ShardingState, max_inflight: int):
+        self.state = state
         # Fixed launch order of gradient buckets: see [Note: reduction order].
-        self.order = [b for b in reversed(model.buckets) if b.requires_grad]
+        self.order = [b for b in reversed(state.buckets) if b.requires_grad]
         self.max_inflight = max(1, max_inflight)
         self.cursor = 0  # the next bucket of `order` to launch
         self.inflight: deque[tuple[Bucket, Handle, Callable]] = deque()
@@ -69,11 +71,11 @@ class GradReducer:
 
     def reducing(self) -> bool:
         """Whether this backward reduces gradients (ZeRO-2/3 always: their grads are sharded)."""
-        return self.model.synchronising or self.model.strategy.shards_grads
+        return self.state.sync.synchronising or self.state.strategy.shards_grads
 
     def reducing_outer(self) -> bool:
         """Outer reductions happen only in synchronising backwards (the last micro-batch)."""
-        return self.model.synchronising
+        return self.state.sync.synchronising
 
     def grad_full(self, bucket: Bucket) -> torch.Tensor:
         """``bucket``'s full gradient buffer (allocated at its first gradient, and counted)."""
@@ -83,21 +85,18 @@ class GradReducer:
         if bucket.grad_full is None:
             bucket.ensure_grad_full()
             if bucket.sharded_grads:
-                memory = self.model.memory
-                memory["grad_full_bytes"] += bucket.grad_full.untyped_storage().nbytes()
-                memory["peak_grad_full_bytes"] = max(memory["peak_grad_full_bytes"],
-                                                     memory["grad_full_bytes"])
+                self.state.count_grad_full(bucket.grad_full.untyped_storage().nbytes())
         return bucket.grad_full
 
     # -- launching -------------------------------------------------------------------------------
     def bucket_ready(self, bucket: Bucket) -> None:
         """Every gradient of ``bucket`` has arrived (or its unit's backward is over)."""
         bucket.is_ready = True
-        unit = self.model.unit_by_name[bucket.unit]
+        unit = self.state.unit_by_name[bucket.unit]
         # Release the unit's weights once its backward cannot read them any more.
         if unit.can_release_in_backward():
             unit.reshard()
-        if self.model.overlap_grad_reduce:
+        if self.state.options.overlap_grad_reduce:
             self.launch_ready()
 
     def launch_ready(self, flush: bool = False) -> None:
@@ -113,7 +112,7 @@ class GradReducer:
 
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:
-        model = self.model
+        outer = self.state.comms.outer
         g = self.grad_full(b)
         b.zero_unwritten()
         src = g if b.comm_dtype == g.dtype else g.to(b.comm_dtype)
@@ -124,7 +123,7 @@ class GradReducer:
             handle = b.comm.all_reduce(src, op=op)
 
             def finish(value, src=src, g=g, b=b):
-                if model.outer_comm is not None:  # HSDP over no_shard: the same buffer again
+                if outer is not None:  # HSDP over no_shard: the same buffer again
                     self._outer_reduce(b, src, then=lambda: self._keep_replicated(b, src, g))
                 else:
                     self._keep_replicated(b, src, g)
@@ -132,7 +131,7 @@ class GradReducer:
             handle = b.comm.reduce_scatter(src, op=op)
 
             def finish(value, b=b):
-                if model.outer_comm is None:
+                if outer is None:
                     b.grad_shard.add_(value)
                 else:
                     if b.outer_pending is None:
@@ -140,8 +139,8 @@ class GradReducer:
                     b.outer_pending.add_(value)
                 nbytes = b.grad_full.untyped_storage().nbytes() if b.sharded_grads else 0
                 b.release_grad_full()
-                model.memory["grad_full_bytes"] -= nbytes
-                if model.outer_comm is not None and self.reducing_outer():
+                self.state.count_grad_full(-nbytes)
+                if outer is not None and self.reducing_outer():
                     self._outer_reduce(b, b.outer_pending)
 
         self.inflight.append((b, handle, finish))
@@ -166,9 +165,9 @@ class GradReducer:
         groups; what is left of the bucket's factor (1/EP for experts) is applied first. gloo has
         no AVG: there, and by default, the whole factor is applied before a SUM.
         """
-        model = self.model
-        outer = model.outer_comm.size if model.outer_comm is not None else 1
-        if (model.average_in_collective and not model.calculate_per_token_loss
+        opts, outer_comm = self.state.options, self.state.comms.outer
+        outer = outer_comm.size if outer_comm is not None else 1
+        if (opts.average_in_collective and not opts.calculate_per_token_loss
                 and b.comm.backend == "nccl"):
             return dist.ReduceOp.AVG, b.grad_scale * b.comm.size * outer
         return dist.ReduceOp.SUM, b.grad_scale
@@ -178,16 +177,16 @@ class GradReducer:
 
         Never waits: [Note: no blocking in hooks]. ``then`` (no_shard buckets) runs when it is
         done, at the end of backward."""
-        model = self.model
+        comms = self.state.comms
         op = self.reduce_op(b)[0]
         if b.replicated:
-            self.outer_inflight.append((model.outer_comm.all_reduce(pending, op=op),
+            self.outer_inflight.append((comms.outer.all_reduce(pending, op=op),
                                         lambda value: then()))
             return
-        if model.outer_sharded:
-            handle = model.outer_comm.reduce_scatter(pending, op=op)
+        if comms.outer_sharded:
+            handle = comms.outer.reduce_scatter(pending, op=op)
         else:
-            handle = model.outer_comm.all_reduce(pending, op=op)
+            handle = comms.outer.all_reduce(pending, op=op)
 
         def finish(value, b=b):
             b.grad_shard.add_(value)
@@ -207,15 +206,16 @@ class GradReducer:
 
     def _sync_used_flags(self) -> None:
         """Agree across ranks on which parameters got a gradient (small all-reduces, MAX)."""
-        model = self.model
+        state = self.state
         for expert in (False, True):
-            buckets = [b for b in model.buckets if b.requires_grad and b.is_expert == expert]
+            buckets = [b for b in state.buckets if b.requires_grad and b.is_expert == expert]
             if not buckets:
                 continue
-            comms = [c for c in (buckets[0].comm, model.outer_comm) if c is not None and c.size > 1]
+            comms = [c for c in (buckets[0].comm, state.comms.outer)
+                     if c is not None and c.size > 1]
             if not comms:
                 continue  # one rank: the local flags are the answer, nothing to read back
-            flags = torch.tensor([f for b in buckets for f in b.used], device=model.device)
+            flags = torch.tensor([f for b in buckets for f in b.used], device=state.device)
             for comm in comms:
                 comm.all_reduce(flags, async_op=False, op=dist.ReduceOp.MAX, kind="flags")
             values, at = flags.tolist(), 0  # one host read per step
@@ -226,7 +226,7 @@ class GradReducer:
     def finish_backward(self) -> None:
         """Root callback at the end of backward: launch what is left, wait for everything,
         release every unit and hand the parameters their reduced gradients."""
-        model = self.model
+        state = self.state
         self.launch_ready(flush=True)
         while self.inflight:  # finishing inner reductions launches the outer ones, in order
             self._finish_one()
@@ -236,14 +236,49 @@ class GradReducer:
         while self.outer_inflight:
             handle, finish = self.outer_inflight.popleft()
             finish(handle.wait())
-        if not model.user_unsharded:
-            for unit in model.units:
+        if not state.user_unsharded:
+            for unit in state.units:
                 unit.reshard()
-        for unit in model.units:
+        for unit in state.units:
             unit.end_backward()
-        for b in model.buckets:
+        for b in state.buckets:
             b.ready = 0
             b.is_ready = False
         self.cursor = 0
         self.backward_started = False
-        model.end_backward(reduced=synced)
+        state.sync.unreduced = not synced  # a no_sync micro-batch: see finish_grad_sync
+        if synced:
+            self.install_grads()
+
+    @torch.no_grad()
+    def install_grads(self) -> None:
+        """After a synchronising backward: hand every parameter its reduced gradient rows."""
+        state, opts = self.state, self.state.options
+        nan = []
+        # Which parameters got a gradient (host-side flags, agreed over ranks in
+        # _sync_used_flags).
+        grad_buckets = [b for b in state.buckets if b.requires_grad]
+        flags = [f for b in grad_buckets for f in b.used]
+        used, at = {}, 0
+        for b in grad_buckets:
+            used[id(b)] = flags[at:at + len(b.names)]
+            at += len(b.names)
+        for sp in state.sparams:
+            b = sp.bucket
+            if not b.requires_grad or not used[id(b)][sp.index]:
+                sp.set_grad(None, opts.use_decoupled_grad)
+                continue
+            g = b.local_view(b.grad_shard, sp.index).view(sp.local.shape)
+            g = g if g.dtype == sp.local.dtype else g.to(sp.local.dtype)
+            sp.set_grad(g, opts.use_decoupled_grad)
+            if opts.report_nan_in_param_grad and torch.isnan(g).any():
+                nan.append(sp.name)
+        if opts.report_nan_in_param_grad:
+            flag = torch.tensor([float(bool(nan))], device=state.device)
+            if dist.get_world_size() > 1:  # every rank raises, none hangs in the next collective
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                where = ", ".join(nan[:8]) + (" ..." if len(nan) > 8 else "") if nan else (
+                    "on another rank's shards")
+                raise RuntimeError(f"report_nan_in_param_grad: NaN in the reduced gradients of "
+                                   f"{len(nan)} parameter(s) on rank {dist.get_rank()}: {where}")

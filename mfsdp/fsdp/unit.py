@@ -2,11 +2,11 @@
 
 :class:`FSDPUnit` plays the part of FSDP2's ``FSDPParamGroup``: it owns its buckets (the flat
 buffers, :mod:`mfsdp.fsdp.bucket`), its parameters (:class:`mfsdp.fsdp.param.ShardedParam`), the all-gathers
-in flight into its buckets, its progress through a backward, and the forward/backward hooks that
-move all of these. What units share (communicators, the forward order that drives prefetching,
-memory counters, the double buffer, whether a backward synchronises) lives in the model that owns
-them, :class:`mfsdp.FullyShardedModule`, which each unit reaches as ``unit.model``; gradient
-reduction is the model's :class:`mfsdp.fsdp.reducer.GradReducer`. Building units from a module is
+in flight into its buckets, its phase in the step (:class:`~mfsdp.fsdp.state.UnitPhase`), and the
+forward/backward hooks that move all of these. What units share (communicators, the forward order
+that drives prefetching, memory counters, the double buffer, whether a backward synchronises) is
+the :class:`~mfsdp.fsdp.state.ShardingState` each unit is handed at construction; gradient
+reduction is that state's :class:`mfsdp.fsdp.reducer.GradReducer`. Building units from a module is
 :mod:`mfsdp.fsdp.construct`.
 
 The sequence of hooks is described in ``docs/concepts.md``; the version-counter and ordering notes
@@ -16,33 +16,16 @@ are in ``mfsdp/fsdp/module.py`` and ``mfsdp/fsdp/reducer.py``.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mfsdp.fsdp.bucket import Bucket
 from mfsdp.fsdp.collectives import Handle
-from mfsdp.config import ShardingStrategy
+from mfsdp.fsdp.state import ShardingState, UnitPhase
 
-__all__ = ["FSDPUnit", "Groups", "in_backward", "tensors_requiring_grad"]
-
-
-@dataclass
-class Groups:
-    """The process groups a sharded model communicates over (``None``: the default group)."""
-
-    dp_shard: dist.ProcessGroup | None = None  # dense parameters are sharded over it
-    dp_shard_ag: dist.ProcessGroup | None = None  # same ranks, for all-gathers only
-    dp_outer: dist.ProcessGroup | None = None  # HSDP/HFSDP outer (replica) dimension
-    outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD
-    expt_dp_shard: dist.ProcessGroup | None = None  # expert parameters are sharded over it
-    expt_dp_shard_ag: dist.ProcessGroup | None = None
-    ep: dist.ProcessGroup | None = None  # ranks holding different experts
-    tp: dist.ProcessGroup | None = None  # tensor-parallel ranks (None: no TP, or a size of 1)
-    tp_mesh: object = None  # the 1-D DeviceMesh over `tp`, when the caller has it
+__all__ = ["FSDPUnit", "in_backward", "tensors_requiring_grad"]
 
 
 def tensors_requiring_grad(obj) -> list[torch.Tensor]:
@@ -81,16 +64,17 @@ class FSDPUnit:
     """A module whose parameters are gathered together and released together (see the module
     notes): its buckets, parameters, in-flight all-gathers, backward progress and hooks."""
 
-    def __init__(self, name: str, module: nn.Module, model):
+    def __init__(self, name: str, module: nn.Module, state: ShardingState):
         self.name = name  # module path ("" for the root)
-        self.module = module
-        self.model = model  # the FullyShardedModule: what units share
+        self.module = module  # whose hooks drive it (the wrapper module for the root)
+        self.state = state  # what the units of this model share
         self.buckets: list[Bucket] = []
         self.params: list = []  # its ShardedParams
         self.pending: list[Handle] = []  # in-flight all-gathers into its buckets
-        # Forwards of this backward whose inputs carry a post-backward hook that has not fired yet.
+        self.phase = UnitPhase.IDLE
+        # Forwards of this backward whose inputs carry a post-backward hook that has not fired
+        # yet (a unit may run several forwards per backward); BACKWARD_DONE when it reaches 0.
         self.fwd_pending = 0
-        self.post_backward_done = False
 
     def __repr__(self) -> str:
         return f"FSDPUnit({self.name or '(root)'!r}, {len(self.buckets)} buckets)"
@@ -112,14 +96,14 @@ class FSDPUnit:
     # ------------------------------------------------------------------------------------------
     def gather(self, wait: bool = True) -> None:
         """All-gather this unit's sharded weights (ZeRO-3), or just wait for a prefetch."""
-        model = self.model
-        if model.strategy.shards_params and not self.pending:
+        state = self.state
+        if state.strategy.shards_params and not self.pending:
             todo = [b for b in self.buckets if not b.gathered]
             if todo and todo[0].in_pool:
-                if not wait and not model.pool.available(self):
-                    model.pool.skipped_prefetches += 1  # its slot is busy: gather on demand
+                if not wait and not state.pool.available(self):
+                    state.pool.skipped_prefetches += 1  # its slot is busy: gather on demand
                     return
-                model.pool.acquire(self, self.name)
+                state.pool.acquire(self, self.name)
             for b in todo:
                 self._alloc(b)
                 with torch.no_grad():
@@ -133,16 +117,13 @@ class FSDPUnit:
         if not b.in_pool:
             b.alloc_full()
         if b.unit:
-            memory = self.model.memory
-            memory["gathered_bytes"] += b.plan.padded_numel * b.full.element_size()
-            memory["peak_gathered_bytes"] = max(memory["peak_gathered_bytes"],
-                                                memory["gathered_bytes"])
+            self.state.count_gathered(b.plan.padded_numel * b.full.element_size())
 
     def _release(self, b: Bucket) -> None:
         if not b.gathered:
             return
         if b.unit and b.sharded_params:
-            self.model.memory["gathered_bytes"] -= b.plan.padded_numel * b.full.element_size()
+            self.state.count_gathered(-b.plan.padded_numel * b.full.element_size())
         if not b.in_pool:
             b.release_full()
         else:
@@ -150,22 +131,22 @@ class FSDPUnit:
 
     def reshard(self) -> None:
         """Put the sharded parameters back in the modules and release the gathered weights."""
-        model = self.model
-        if not model.user_unsharded:
+        state = self.state
+        if not state.user_unsharded:
             self.shard_views()
-        if model.strategy.shards_params:
+        if state.strategy.shards_params:
             for h in self.pending:  # never free a buffer a collective is still writing
                 h.wait()
             self.pending.clear()
             for b in self.buckets:
                 self._release(b)
-            if model.pool is not None and not self.is_root:
-                model.pool.release(self)
+            if state.pool is not None and not self.is_root:
+                state.pool.release(self)
 
     def prefetch(self, direction: int) -> None:
         """Launch the all-gathers of the next units in forward (+1) or backward (-1) order."""
-        for d in range(1, self.model.prefetch_depth + 1):
-            nxt = self.model.next_unit(self, direction * d)
+        for d in range(1, self.state.options.prefetch_depth + 1):
+            nxt = self.state.order.next(self, direction * d)
             if nxt is None:
                 return
             nxt.gather(wait=False)
@@ -192,7 +173,7 @@ class FSDPUnit:
                 sp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(sp))
 
     def _pre_forward(self, module, args, kwargs):
-        model = self.model
+        state = self.state
         if in_backward():
             # Recompute under activation checkpointing: the weights are (or are being) gathered
             # for this unit's backward; no prefetch, no post-backward hook.
@@ -200,27 +181,32 @@ class FSDPUnit:
             self.unshard_views()
             return None
         if self.is_root:
-            model.begin_forward()
+            state.begin_forward()
             # Weights the root kept after a forward that no backward followed may be older than
             # the last optimizer step: gather them afresh.
-            if not model.user_unsharded:
+            if not state.user_unsharded:
                 self.reshard()
         else:
-            model.record_forward(self)
+            state.order.record(self)
+        if self.phase in (UnitPhase.IDLE, UnitPhase.AWAITING_BACKWARD):
+            self.phase = UnitPhase.FORWARD
         self.gather()
         self.unshard_views()
         if torch.is_grad_enabled():
-            if model.overlap_param_gather:
+            if state.options.overlap_param_gather:
                 self.prefetch(+1)
             args, kwargs = self._register_post_backward(args, kwargs)
-        model.reducer.poll()
+        state.reducer.poll()
         return args, kwargs
 
     def _post_forward(self, module, args, output):
         backward = in_backward()
         if self.is_root and not backward:
-            self.model.end_forward()
-        if not self.model.user_unsharded:
+            self.state.order.end()
+        if self.phase is UnitPhase.FORWARD:
+            # (fwd_pending counts this backward's forwards whose post-backward hook is pending)
+            self.phase = UnitPhase.AWAITING_BACKWARD if self.fwd_pending else UnitPhase.IDLE
+        if not self.state.user_unsharded:
             self.shard_views()
             # A recompute keeps the weights for the backward under way; so does the root when a
             # backward follows, as FSDP2 does: its backward (loss and output layer) runs first.
@@ -239,15 +225,17 @@ class FSDPUnit:
 
     def pre_backward(self) -> None:
         """Before the unit's backward: gather its weights (and prefetch the next unit's)."""
-        model = self.model
-        model.reducer.start_backward()
+        state = self.state
+        state.reducer.start_backward()
+        if self.phase is not UnitPhase.BACKWARD_DONE:
+            self.phase = UnitPhase.BACKWARD
         self.gather()
         # A recompute that bypasses module hooks (checkpoint of a function that reads the
         # module's weights) finds the full weights in place, as in forward.
         self.unshard_views()
-        if model.overlap_param_gather:
+        if state.options.overlap_param_gather:
             self.prefetch(-1)
-        model.reducer.poll()
+        state.reducer.poll()
 
     def _register_post_backward(self, args, kwargs):
         """Route the unit's floating-point inputs through :class:`_PostBackward`, whose backward
@@ -267,22 +255,22 @@ class FSDPUnit:
         self.fwd_pending -= 1
         if self.fwd_pending > 0:
             return
-        self.post_backward_done = True
-        reducer = self.model.reducer
+        self.phase = UnitPhase.BACKWARD_DONE
+        reducer = self.state.reducer
         for b in self.buckets:
             if b.requires_grad and not b.is_ready:
                 reducer.bucket_ready(b)
-        if not self.is_root and not self.model.user_unsharded:
+        if not self.is_root and not self.state.user_unsharded:
             self.reshard()
         reducer.poll()
 
     def _grad_hook(self, sp):
         # [Note: weak hook references] The hook lives on the parameter tensor, which C++ owns:
         # a strong reference from it to the bucket or the reducer would close a cycle (tensor ->
-        # hook -> bucket -> model -> tensor) that Python's garbage collector cannot see, and the
+        # hook -> bucket -> state -> tensor) that Python's garbage collector cannot see, and the
         # model, its communicators and so its process groups would never be freed (gloo's threads
         # then outlive destroy_process_group() and abort the process at exit).
-        sp_ref, reducer_ref, i = weakref.ref(sp), weakref.ref(self.model.reducer), sp.index
+        sp_ref, reducer_ref, i = weakref.ref(sp), weakref.ref(self.state.reducer), sp.index
 
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
@@ -312,12 +300,12 @@ class FSDPUnit:
         """Whether the unit's weights can go now: every bucket's gradients are complete (a node
         computing a weight's gradient is done with the weight) and, with frozen weights, the
         post-backward hook has vouched that the unit's backward is over."""
-        return (self.model.strategy.shards_params and not self.is_root
-                and not self.model.user_unsharded
-                and all(b.is_ready if b.requires_grad else self.post_backward_done
+        return (self.state.strategy.shards_params and not self.is_root
+                and not self.state.user_unsharded
+                and all(b.is_ready if b.requires_grad else self.phase is UnitPhase.BACKWARD_DONE
                         for b in self.buckets))
 
     def end_backward(self) -> None:
         """Forget this backward's progress (the root callback, at the end of backward)."""
         self.fwd_pending = 0
-        self.post_backward_done = False
+        self.phase = UnitPhase.IDLE

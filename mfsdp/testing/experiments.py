@@ -58,7 +58,7 @@ def all_gather_group_timeline(cfg: dict | None = None) -> dict:
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-            model.begin_forward()  # wait for the post-step gathers: they belong to this step
+            model.wait_param_sync()  # wait for the post-step gathers: they belong to this step
             t1 = time.perf_counter()
             if step >= c["warmup"]:
                 v["steps"].append(t1 - t0)

@@ -123,7 +123,7 @@ def describe_units() -> dict:
     model(torch.randn(4, 8)).sum().backward()  # records the forward order
     root = model.units[0]
     return {"units": [repr(u) for u in model.units],
-            "root prefetches": {"forward": model.next_unit(root, +1).name,
-                                "backward": model.next_unit(root, -1).name},
+            "root prefetches": {"forward": model.state.order.next(root, +1).name,
+                                "backward": model.state.order.next(root, -1).name},
             "blocks.0 parameters": [sp.name for sp in block.params],
             "reduction order": [b.unit or "(root)" for b in model.reducer.order]}

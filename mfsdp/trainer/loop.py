@@ -130,7 +130,6 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
     start = load_for_training(args, model, opt, routers, cfg) if args.load else 0
     if start:
         log(f"resumed from iteration {start} of {args.load}", flush=True)
-    numel = sum(p.numel() for p in inner.parameters())
     layout_name = (f"{args.data_parallel_sharding_strategy}" if args.use_megatron_fsdp else "ddp")
     tp_note = ((f", TP {par.tp}{' + SP' if par.sequence_parallel else ''}" if par.tp > 1 else "")
                + (f", CP {par.cp}" if par.cp > 1 else ""))

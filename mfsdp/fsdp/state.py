@@ -1,0 +1,216 @@
+"""What the units and the gradient reducer of one sharded model share: :class:`ShardingState`.
+
+:class:`mfsdp.FullyShardedModule` builds one :class:`ShardingState` and hands it explicitly to each
+:class:`~mfsdp.fsdp.unit.FSDPUnit` and to the :class:`~mfsdp.fsdp.reducer.GradReducer` (as FSDP2
+hands its ``FSDPParamGroup`` objects their mesh info, policies and communication context). No
+object reaches into the wrapper module for its fields; the wrapper reads the same state for its
+API (``no_sync``, ``unshard``, memory figures).
+
+The state is small on purpose, each field with the reason it is shared:
+
+* settings: the sharding strategy, the device, the mixed-precision policy and the engine options;
+* :class:`Comms`: one communicator per process group the model uses, built once from the layout's
+  :class:`~mfsdp.layout.ProcessGroups`;
+* :class:`ForwardOrder`: the forward order of the units (recorded once), which drives prefetching;
+* :class:`GradSync`: whether the backward under way reduces gradients that could wait
+  (``no_sync``), and whether the last backward left them unreduced;
+* memory counters (measured bytes of gathered weights and full gradient buffers);
+* what construction made and everyone reads: the units, the double-buffer pool, the parameters;
+* the weight all-gathers launched after an optimizer step (ZeRO-1/2), waited for before next use.
+
+Each unit's own progress through a step is a :class:`UnitPhase`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from mfsdp.config import EngineOptions, MixedPrecisionPolicy, ShardingStrategy
+from mfsdp.fsdp.collectives import CommLog, Communicator, Handle, backend_of
+
+__all__ = ["Comms", "ForwardOrder", "GradSync", "ShardingState", "UnitPhase"]
+
+
+class UnitPhase(enum.Enum):
+    """Where one FSDP unit is in a training step (its hooks move it along)::
+
+        IDLE -> FORWARD -> AWAITING_BACKWARD -> BACKWARD -> BACKWARD_DONE -> IDLE
+                      \\-> IDLE (a forward without gradients)
+
+    ``BACKWARD_DONE`` is what lets a unit with frozen weights release them during backward (no
+    gradient will say so); the end of backward returns every unit to ``IDLE``.
+    """
+
+    IDLE = "idle"  # between steps: the modules hold the sharded parameters
+    FORWARD = "forward"  # between its pre- and post-forward hooks: full views in the modules
+    AWAITING_BACKWARD = "awaiting_backward"  # forward done under grad; backward not begun
+    BACKWARD = "backward"  # its pre-backward ran: gradients are arriving
+    BACKWARD_DONE = "backward_done"  # its post-backward fired: every gradient of it is in
+
+
+@dataclass(eq=False)
+class Comms:
+    """The communicators of one sharded model: one per process group it uses, all recording into
+    one :class:`~mfsdp.fsdp.collectives.CommLog`."""
+
+    log: CommLog
+    dp: Communicator  # the dense shard group: reduce-scatters (and all-gathers without dp_ag)
+    dp_ag: Communicator  # all-gathers over the same ranks (a second group, or `dp` itself)
+    outer: Communicator | None  # HSDP/HFSDP outer dimension (None: no outer replicas)
+    outer_sharded: bool  # HFSDP: main weights are sharded over inner x outer
+    expt: Communicator  # the expert shard group (or `dp` without expert parallelism)
+    expt_ag: Communicator  # expert all-gathers
+    ep: Communicator | None  # ranks holding different experts (None: no EP)
+    tp_group: dist.ProcessGroup | None  # tensor-parallel ranks (None: no TP)
+    tp_mesh: DeviceMesh | None  # the 1-D mesh over `tp_group` that DTensors use
+
+    @classmethod
+    def build(cls, groups, outer_strategy: ShardingStrategy, device: torch.device) -> "Comms":
+        """Communicators over ``groups`` (a :class:`~mfsdp.layout.ProcessGroups`; ``None``
+        entries: the default group, or no such dimension)."""
+        log = CommLog()
+        dp = Communicator(groups.dp_shard, "dp_shard", log)
+        dp_ag = (Communicator(groups.dp_shard_ag, "dp_shard_ag", log)
+                 if groups.dp_shard_ag is not None else dp)
+        outer = (Communicator(groups.dp_outer, "dp_outer", log)
+                 if groups.dp_outer is not None and dist.get_world_size(groups.dp_outer) > 1
+                 else None)
+        expt = (Communicator(groups.expt_dp_shard, "expt_dp_shard", log)
+                if groups.expt_dp_shard is not None else dp)
+        expt_ag = (Communicator(groups.expt_dp_shard_ag, "expt_dp_shard_ag", log)
+                   if groups.expt_dp_shard_ag is not None else expt)
+        ep = (Communicator(groups.ep, "ep", log)
+              if groups.ep is not None and dist.get_world_size(groups.ep) > 1 else None)
+        # Parameters are sharded over the data-parallel group on their TP block; the TP mesh is
+        # the caller's, or one made over the TP group.
+        tp = groups.tp if groups.tp is not None and dist.get_world_size(groups.tp) > 1 else None
+        tp_mesh = groups.tp_mesh
+        if tp is not None and tp_mesh is None:
+            tp_mesh = DeviceMesh.from_group(tp, device.type)
+        comms = cls(log, dp, dp_ag, outer, outer is not None and outer_strategy is
+                    ShardingStrategy.OPTIM, expt, expt_ag, ep, tp, tp_mesh)
+        for c in comms.distinct():
+            c.backend = backend_of(c.group, device)
+        return comms
+
+    def distinct(self) -> list[Communicator]:
+        """Every communicator once (several fields may share one)."""
+        found = {id(c): c for c in (self.dp, self.dp_ag, self.outer, self.expt, self.expt_ag,
+                                    self.ep) if c is not None}
+        return list(found.values())
+
+
+class ForwardOrder:
+    """The order in which non-root units ran their first forward; it drives prefetching."""
+
+    def __init__(self):
+        self.units: list = []
+        self.recorded = False  # the root's first forward is over: the order is known
+
+    def record(self, unit) -> None:
+        """Note ``unit``'s place (the first forward only)."""
+        if not self.recorded and unit not in self.units:
+            self.units.append(unit)
+
+    def end(self) -> None:
+        """The root's forward is over."""
+        self.recorded = True
+
+    def next(self, unit, step: int):
+        """The unit ``step`` places after ``unit`` in forward order (negative: before it). The
+        root comes before the first unit in forward and before the last one in backward (its
+        forward starts first and its backward, the loss and output layer, runs first)."""
+        if not self.recorded:
+            return None
+        if unit.is_root:
+            i = step - 1 if step > 0 else len(self.units) + step
+        elif unit in self.units:
+            i = self.units.index(unit) + step
+        else:
+            return None
+        return self.units[i] if 0 <= i < len(self.units) else None
+
+
+@dataclass
+class GradSync:
+    """Whether backwards reduce the gradients that could wait (see ``FullyShardedModule.no_sync``)."""
+
+    auto: bool = True  # sync_model_each_microbatch: every backward synchronises
+    override: bool | None = None  # inside no_sync() (False) or sync() (True)
+    unreduced: bool = False  # the last backward was deferred: its gradients are not reduced
+
+    @property
+    def synchronising(self) -> bool:
+        """Whether the backward under way reduces every gradient."""
+        return self.auto if self.override is None else self.override
+
+
+@dataclass(eq=False)
+class ShardingState:
+    """What the units and the reducer of one sharded model share (see the module notes)."""
+
+    strategy: ShardingStrategy
+    device: torch.device
+    mp_policy: MixedPrecisionPolicy
+    options: EngineOptions
+    comms: Comms
+    order: ForwardOrder = field(default_factory=ForwardOrder)
+    sync: GradSync = field(default_factory=GradSync)
+    # Measured memory: bytes of gathered unit weights and of full gradient buffers, and the peak
+    # of a meta-device initialisation.
+    memory: dict = field(default_factory=lambda: {
+        "gathered_bytes": 0, "peak_gathered_bytes": 0, "grad_full_bytes": 0,
+        "peak_grad_full_bytes": 0, "init_peak_bytes": 0})
+    # unshard() holds every unit gathered with the full views in the modules: hooks then neither
+    # release nor swap weights.
+    user_unsharded: bool = False
+    # Filled by construction: the units (root first), their pool, every parameter in model order.
+    units: list = field(default_factory=list)
+    unit_by_name: dict = field(default_factory=dict)
+    pool: Any = None  # mfsdp.fsdp.bucket.DoubleBuffer under fsdp_double_buffer, else None
+    sparams: list = field(default_factory=list)
+    reducer: Any = None  # the GradReducer
+    # Weights all-gathered after an optimizer step (ZeRO-1/2, HFSDP), waited for before next use.
+    param_sync: list[Handle] = field(default_factory=list)
+
+    @property
+    def buckets(self) -> list:
+        """Every bucket of every unit, in unit order."""
+        return [b for u in self.units for b in u.buckets]
+
+    @property
+    def double_buffer(self) -> bool:
+        """Whether gathered weights of non-root units live in the two-slot pool (ZeRO-3 only)."""
+        return self.options.fsdp_double_buffer and self.strategy.shards_params
+
+    def count_gathered(self, nbytes: int) -> None:
+        """``nbytes`` of unit weights were gathered (negative: released)."""
+        m = self.memory
+        m["gathered_bytes"] += nbytes
+        m["peak_gathered_bytes"] = max(m["peak_gathered_bytes"], m["gathered_bytes"])
+
+    def count_grad_full(self, nbytes: int) -> None:
+        """``nbytes`` of full gradient buffers were allocated (negative: released)."""
+        m = self.memory
+        m["grad_full_bytes"] += nbytes
+        m["peak_grad_full_bytes"] = max(m["peak_grad_full_bytes"], m["grad_full_bytes"])
+
+    def wait_param_sync(self) -> None:
+        """Wait for the weight all-gathers launched after the last optimizer step."""
+        for h in self.param_sync:
+            h.wait()
+        self.param_sync.clear()
+
+    def begin_forward(self) -> None:
+        """Before the root's forward: wait for the weights of the last optimizer step and check
+        that no parameter was frozen or unfrozen since wrapping."""
+        self.wait_param_sync()
+        if torch.is_grad_enabled():
+            for sp in self.sparams:
+                sp.check_requires_grad()
