@@ -90,7 +90,7 @@ else:
 
 # Names our own annotations use unqualified (``from __future__ import annotations``); the objects
 # are documented under their public names in the API reference.
-nitpick_ignore = [("py:class", "ParallelLayout"), ("py:class", "Groups"), ("py:class", "EngineOptions")]
+nitpick_ignore = [("py:class", "ParallelLayout"), ("py:class", "EngineOptions"), ("py:class", "ShardingStrategy"), ("py:class", "MixedPrecisionPolicy"), ("py:class", "ShardingState"), ("py:class", "ProcessGroups"), ("py:class", "CommLog"), ("py:class", "Communicator"), ("py:class", "DeviceMesh"), ("py:class", "Handle")]
 
 sphinx_gallery_conf = {
     "examples_dirs": ["recipes"],

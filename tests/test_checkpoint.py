@@ -320,3 +320,16 @@ def test_convert_refuses_a_from_that_is_not_what_is_on_disk(saved, tmp_path):
         with pytest.raises(SystemExit, match=f"is a {found} checkpoint .* pass --from {found}"):
             main(["--from", wrong, "--to", to, str(src), str(out), "--no-progress"])
         assert not out.exists()
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+    """The safetensors package reads the files; a damaged one is reported with its path."""
+    from mfsdp.checkpoint.safetensors import SafetensorsReader, load_file, save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.arange(12.0).view(3, 4), "b": torch.ones(3)}, path)
+    assert SafetensorsReader(tmp_path).get("w").tolist() == torch.arange(12.0).view(3, 4).tolist()
+    path.write_bytes(path.read_bytes()[:-8])
+    for read in (lambda: SafetensorsReader(tmp_path), lambda: load_file(path)):
+        with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors"):
+            read()

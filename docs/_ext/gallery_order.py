@@ -10,6 +10,7 @@ import os
 
 LEARNING_PATH = [
     "plot_hello_ranks.py",             # processes and a process group
+    "plot_training_script.py",         # a complete script: accumulate, clip, save, resume
     "plot_memory_per_strategy.py",     # what each sharding strategy keeps
     "plot_comm_timeline.py",           # what it sends, and when
     "plot_profile_trace.py",           # the same, in a profiler trace of mfsdp train

@@ -1,12 +1,14 @@
-"""Read and write the safetensors file format with torch alone (no extra dependency).
+"""The safetensors file format, read with the ``safetensors`` package and written as a stream.
 
 :class:`SafetensorsReader` opens a file or a Hugging Face directory (one ``model.safetensors`` or
-shards listed by ``model.safetensors.index.json``) and reads one tensor at a time;
-:func:`write_sharded` writes shards and their index from a stream of tensors, so neither side
-holds more than one tensor.
-
-A file is an 8-byte little-endian header length, a JSON header mapping each tensor name to its
-dtype, shape and byte range, then the raw little-endian bytes.
+shards listed by ``model.safetensors.index.json``) with ``safetensors.safe_open`` and reads one
+tensor at a time. :func:`load_file` / :func:`save_file` are the package's whole-file calls with
+errors that name the file. :func:`write_sharded` writes shards and their index from a stream of
+tensors: the package's writers take every tensor of a file at once, so exporting a model would
+hold a whole shard (5 GiB by default) in memory; here each shard's header is written first and
+then one tensor at a time (a file is an 8-byte little-endian header length, a JSON header of
+each tensor's dtype, shape and byte range, then the raw little-endian bytes). The package reads
+what it writes (``tests/test_model_families.py``).
 
 >>> import tempfile, torch
 >>> path = tempfile.mkdtemp() + "/w.safetensors"
@@ -25,19 +27,27 @@ import math
 import struct
 from pathlib import Path
 
+import safetensors
+import safetensors.torch
 import torch
 
 __all__ = ["SafetensorsReader", "load_file", "save_file", "write_sharded"]
 
+# The dtype codes of the format (what a header says), for the streaming writer.
 _CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-          torch.uint8: "U8", torch.bool: "BOOL"}
+          torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+          torch.float8_e5m2: "F8_E5M2"}
 _DTYPES = {v: k for k, v in _CODES.items()}
 
 
-def _bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().to("cpu").contiguous()
-    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
+def _open(path: Path):
+    """``safe_open`` with an error that names the file and says what is wrong with it."""
+    try:
+        return safetensors.safe_open(str(path), framework="pt")
+    except safetensors.SafetensorError as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e}: truncated, or not "
+                         "safetensors)") from None
 
 
 def _write_tensor(f, t: torch.Tensor) -> None:
@@ -50,74 +60,34 @@ def _write_tensor(f, t: torch.Tensor) -> None:
 
 def save_file(tensors: dict[str, torch.Tensor], path: str | Path,
               metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` to ``path`` in safetensors format (sorted by name)."""
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    chunks, offset = [], 0
-    for name in sorted(tensors):
-        t = tensors[name]
+    """Write ``tensors`` to ``path`` in safetensors format (``safetensors.torch.save_file``;
+    tensors that share memory, such as the halves of a split SwiGLU weight, are copied first)."""
+    seen: set = set()
+    own = {}
+    for name, t in tensors.items():
+        t = t.detach().to("cpu")
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        own[name] = t.contiguous() if key not in seen and t.is_contiguous() else t.clone()
+        seen.add(key)
+    for name, t in own.items():
         if t.dtype not in _CODES:
             raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
-        data = _bytes(t)
-        header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        chunks.append(data)
-        offset += len(data)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # align the data to 8 bytes
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for data in chunks:
-            f.write(data)
+    safetensors.torch.save_file(own, str(path), metadata=metadata)
 
 
 def load_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read a safetensors file: (name -> tensor, metadata)."""
-    raw = Path(path).read_bytes()
-    if len(raw) < 8:
-        raise ValueError(f"{path} is not a safetensors file (shorter than its header length)")
-    (n,) = struct.unpack("<Q", raw[:8])
-    if 8 + n > len(raw):
-        raise ValueError(f"{path}: header of {n} bytes runs past the end of the file (truncated)")
-    header = json.loads(raw[8:8 + n])
-    metadata = header.pop("__metadata__", {})
-    data = memoryview(raw)[8 + n:]
-    out = {}
-    for name, info in header.items():
-        begin, end = info["data_offsets"]
-        if end > len(data):
-            raise ValueError(f"{path}: tensor {name!r} ends at byte {end} of {len(data)} "
-                             "(the file is truncated)")
-        dtype = _DTYPES[info["dtype"]]
-        buf = bytearray(data[begin:end])
-        t = (torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype))
-        out[name] = t.reshape(info["shape"]).clone()
-    return out, metadata
-
-
-def _header(path: Path) -> tuple[int, dict]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than its header length)")
-        (n,) = struct.unpack("<Q", raw)
-        size = path.stat().st_size
-        if 8 + n > size:
-            raise ValueError(f"{path}: header of {n} bytes runs past the end of the file "
-                             "(truncated, or not a safetensors file)")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    for name, info in header.items():
-        if 8 + n + info["data_offsets"][1] > size:
-            raise ValueError(f"{path}: tensor {name!r} runs past the end of the file (truncated)")
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which mfsdp "
-                             "does not read")
-    return 8 + n, header
+    with _open(Path(path)) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}, dict(f.metadata() or {})
 
 
 class SafetensorsReader:
     """Tensors of a safetensors file or Hugging Face directory, read one at a time on demand.
+
+    The headers are read at once; each :meth:`get` opens its file with ``safetensors.safe_open``,
+    reads the one tensor and closes the file again. (A file kept open stays memory-mapped, and
+    every tensor read from it would stay resident: reading a 1 GiB checkpoint through one open
+    handle peaks at the whole file, through one handle per tensor at its largest tensor.)
 
     >>> import tempfile, torch
     >>> d = Path(tempfile.mkdtemp())
@@ -146,13 +116,18 @@ class SafetensorsReader:
             files = [path / f for f in files]
         else:
             files = [path]
-        self._where: dict[str, tuple[Path, int, dict]] = {}
+        self._where: dict[str, tuple[Path, tuple[int, ...], torch.dtype]] = {}
         for f in files:
             if not f.exists():
                 raise FileNotFoundError(f"{f} is missing (the index lists it)")
-            start, header = _header(f)
-            for name, info in header.items():
-                self._where[name] = (f, start, info)
+            with _open(f) as handle:
+                for name in handle.keys():
+                    info = handle.get_slice(name)
+                    code = info.get_dtype()
+                    if code not in _DTYPES:
+                        raise ValueError(f"{f}: tensor {name!r} has dtype {code}, which mfsdp "
+                                         "does not read")
+                    self._where[name] = (f, tuple(info.get_shape()), _DTYPES[code])
 
     def keys(self) -> list[str]:
         """Every tensor name."""
@@ -163,28 +138,22 @@ class SafetensorsReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of ``name`` (no data read)."""
-        return tuple(self._where[name][2]["shape"])
+        return self._where[name][1]
 
     def dtype(self, name: str) -> torch.dtype:
         """Dtype of ``name`` (no data read)."""
-        return _DTYPES[self._where[name][2]["dtype"]]
+        return self._where[name][2]
 
     def get(self, name: str) -> torch.Tensor:
         """Read tensor ``name`` (a new tensor that owns its memory)."""
         if name not in self._where:
             raise KeyError(f"no tensor {name!r} in the safetensors files")
-        f, start, info = self._where[name]
-        begin, end = info["data_offsets"]
-        dtype = _DTYPES[info["dtype"]]
-        out = torch.empty(info["shape"], dtype=dtype)
-        if end > begin:
-            with open(f, "rb") as fh:
-                fh.seek(start + begin)
-                view = memoryview(ctypes.cast(out.data_ptr(), ctypes.POINTER(
-                    ctypes.c_char * (end - begin))).contents).cast("B")
-                if fh.readinto(view) != end - begin:
-                    raise ValueError(f"{f}: tensor {name!r} is truncated")
-        return out
+        f = self._where[name][0]
+        with _open(f) as handle:
+            try:
+                return handle.get_tensor(name)
+            except safetensors.SafetensorError as e:
+                raise ValueError(f"{f}: tensor {name!r} could not be read ({e})") from None
 
 
 def write_sharded(tensors, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],

@@ -1,6 +1,6 @@
 """A complete training script with mfsdp: the quickstart of the user guide.
 
-Run it on two CPU processes::
+Run it on two processes (CPUs with gloo; one GPU per rank with NCCL where the machine has GPUs)::
 
     torchrun --nproc-per-node 2 -m mfsdp.examples
 
@@ -11,6 +11,8 @@ or from Python with the in-process launcher (this is what the guide's doctest do
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -24,8 +26,10 @@ def quickstart_train(steps: int = 5, strategy: str = "optim_grads_params") -> li
     from mfsdp.models import Block, ToyModel
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))  # this rank's GPU under NCCL, else the CPU
     torch.manual_seed(0)  # every rank builds the same model
-    model = ToyModel(dim=32, hidden=64, num_blocks=4)
+    model = ToyModel(dim=32, hidden=64, num_blocks=4).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     # One call shards both: each Block is gathered for its forward and backward, then released.
@@ -39,6 +43,7 @@ def quickstart_train(steps: int = 5, strategy: str = "optim_grads_params") -> li
     x = torch.randn(8 * world, 32, generator=data)
     y = torch.sin(x)  # a target the model can learn
     x, y = x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]  # this rank's slice
+    x, y = x.to(device), y.to(device)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
@@ -54,7 +59,11 @@ def main() -> None:
     """``torchrun -m mfsdp.examples``: train on every rank, print rank 0's losses, exit cleanly."""
     from mfsdp.launch import shutdown
 
-    dist.init_process_group("gloo")
+    if torch.cuda.is_available():  # one GPU per rank: torchrun says which in LOCAL_RANK
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+    else:  # CPUs
+        dist.init_process_group("gloo")
     losses = quickstart_train()
     if dist.get_rank() == 0:
         print(f"world size {dist.get_world_size()}, losses: {losses}")

@@ -207,11 +207,11 @@ def build_units(state: ShardingState, root: nn.Module, wrapper: nn.Module,
     for e in params.values():
         bucket, i = slot[id(e["param"])]
         mesh, group = _param_mesh(state, bucket, meshes, e["tp"] is not None)
+        names = [f"{paths[id(m)]}.{a}" if paths[id(m)] else a for m, a in e["uses"]]
         sp = ShardedParam(e["name"], bucket, i, e["uses"], mesh, group,
-                          e["param"].requires_grad, e["tp"])
+                          e["param"].requires_grad, e["tp"], names=names)
         new = sp.unsharded
         bucket.sparams.append(sp)
-        sp.names = [f"{paths[id(m)]}.{a}" if paths[id(m)] else a for m, a in e["uses"]]
         sp.to_sharded()
         unit_by_name[bucket.unit].params.append(sp)
         out.sparams.append(sp)

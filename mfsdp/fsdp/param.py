@@ -45,11 +45,15 @@ class ShardedParam:
     """A parameter of a sharded model (see the module notes): its views, its rows, its grad."""
 
     def __init__(self, name: str, bucket, index: int, uses: list[tuple[nn.Module, str]],
-                 mesh, group, requires_grad: bool, tp: TPSpec | None = None):
+                 mesh, group, requires_grad: bool, tp: TPSpec | None = None,
+                 names: list[str] | None = None):
         self.name = name
+        # Every name it has in the model (a tied weight has one per module that registers it):
+        # the state-dict keys it answers to.
+        self.names = list(names) if names is not None else [name]
         self.bucket = bucket
         self.index = index
-        self.uses = uses
+        self.uses = uses  # (module, attribute) of each registration, swapped between faces
         self.requires_grad = requires_grad
         self.tp = tp
         view = bucket.param_view(index)
