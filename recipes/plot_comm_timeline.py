@@ -10,18 +10,27 @@ same model trained with one process group and with a separate all-gather group, 
 * how prefetching all-gathers and per-bucket reduce-scatters overlap with compute in one step;
 * how much communication stays exposed (the training thread waiting) in each configuration,
   measured on this machine.
+
+The code
+--------
+``mfsdp/examples/comm_timeline.py``: a layout's groups with a second group for all-gathers
+(``create_groups(all_gather_groups=True)``), passed as ``fsdp_group_ag``; every collective's
+launch and completion is in ``model.comm_log``.
+
+.. literalinclude:: ../../mfsdp/examples/comm_timeline.py
+   :language: python
+   :pyobject: timeline
 """
 
 # %%
 # Measure
 # -------
-# :func:`mfsdp.testing.experiments.all_gather_group_timeline` trains both variants side by side, alternating
-# steps, and reports median step time and median exposed wait over the measured steps.
-from mfsdp.testing.experiments import all_gather_group_timeline
+# ``timeline`` on 2 gloo ranks: both variants side by side, alternating steps; median step time
+# and median exposed wait over the measured steps.
 from mfsdp.launch import launch
 
-result = launch(all_gather_group_timeline, 2,
-                args=({"steps": 6, "dim": 512, "hidden": 2048, "local_batch": 64},))[0]
+result = launch("mfsdp.examples.comm_timeline:timeline", 2,
+                kwargs=dict(steps=6, dim=512, hidden=2048, local_batch=64))[0]
 print(f"{'variant':<28} | {'step (ms)':>9} | {'exposed comm (ms)':>17} | spread (ms)")
 for name, r in result.items():
     print(f"{name:<28} | {1e3 * r['step_s']:9.1f} | {1e3 * r['exposed_s']:17.1f} | "
@@ -40,9 +49,8 @@ for ax, (name, r) in zip(axes, result.items()):
     for y, lane in enumerate(lanes):
         bars = [(1e3 * s, 1e3 * (e - s)) for op, g, s, e in r["timeline"] if (op, g) == lane]
         ax.broken_barh(bars, (y - 0.35, 0.7), color=colors.get(lane[0], "gray"), alpha=0.7)
-    ax.set_yticks(range(len(lanes)), [f"{op} ({g})" for op, g in lanes], fontsize=8)
-    ax.set_title(f"{name}: step {1e3 * r['step_s']:.0f} ms, exposed {1e3 * r['exposed_s']:.0f} ms",
-                 fontsize=9)
+    ax.set_yticks(range(len(lanes)), [f"{op} ({g})" for op, g in lanes])
+    ax.set_title(f"{name}: step {1e3 * r['step_s']:.0f} ms, exposed {1e3 * r['exposed_s']:.0f} ms")
 axes[-1].set_xlabel("ms since the start of the step")
 fig.tight_layout()
 
