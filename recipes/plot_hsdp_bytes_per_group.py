@@ -12,35 +12,33 @@ process group carries in one step.
   shard-sized gradients across the outer group (between nodes);
 * what HFSDP adds on the outer group (a reduce-scatter and an all-gather of the shard) and what it
   saves (main weights and optimizer state split over 4 ranks instead of 2).
+
+The code
+--------
+``mfsdp/examples/hsdp_bytes.py``: a ``ParallelLayout`` with ``dp_outer`` replicas, its groups
+passed to ``fully_shard``, and the bytes of each collective read from ``model.comm_log``.
+
+.. literalinclude:: ../../mfsdp/examples/hsdp_bytes.py
+   :language: python
+   :pyobject: bytes_per_group
 """
 
 # %%
 # Measure
 # -------
-# Every collective records its group and the bytes it sends; one launch runs the three layouts.
+# ``bytes_per_group`` on 4 gloo ranks, once per layout.
 from mfsdp.launch import launch
-from mfsdp.testing import train_sharded_many
 
 layouts = {
-    "FSDP (shard 4)": dict(strategy="optim_grads_params"),
-    "HSDP (shard 2 x outer 2)": dict(strategy="optim_grads_params", dp_outer=2),
-    "HFSDP (shard 2 x outer 2, outer optim)": dict(strategy="optim_grads_params", dp_outer=2,
-                                                   outer_strategy="optim"),
+    "FSDP (shard 4)": dict(),
+    "HSDP (shard 2 x outer 2)": dict(dp_outer=2),
+    "HFSDP (shard 2 x outer 2, outer optim)": dict(dp_outer=2, outer_strategy="optim"),
 }
-common = dict(dim=128, hidden=512, blocks=4, optimizer="adamw", steps=2, track_memory=True,
-              return_params=False)
-runs = launch(train_sharded_many, 4, args=([dict(common, **c) for c in layouts.values()],))[0]
-
 rows = []
-for (name, _), run in zip(layouts.items(), runs):
-    sent: dict[str, float] = {}
-    for r in run["comm"][-1]:
-        if r["op"] != "flags":
-            sent[r["group"]] = sent.get(r["group"], 0) + r["sent_bytes"]
-    model_mib = 4 * run["numel"] / 2**20
-    state = run["memory"][-1]
-    rows.append((name, {g: b / 2**20 for g, b in sent.items()}, model_mib,
-                 (state["main_grads"] + state["optimizer_state"]) / 2**20))
+for name, kw in layouts.items():
+    run = launch("mfsdp.examples.hsdp_bytes:bytes_per_group", 4, kwargs=kw)[0]
+    rows.append((name, {g: b / 2**20 for g, b in run["sent_bytes"].items()},
+                 4 * run["numel"] / 2**20, run["grad_and_optimizer_bytes"] / 2**20))
 
 print(f"{'layout':<40} | {'dp_shard MiB':>12} | {'dp_outer MiB':>12} | grads+optim MiB/rank")
 for name, sent, model_mib, state_mib in rows:
@@ -61,5 +59,5 @@ ax.barh(names, inner, label="shard group (inside a node)")
 ax.barh(names, outer, left=inner, label="outer group (between nodes)")
 ax.set_xlabel("MiB sent per rank per step")
 ax.invert_yaxis()
-ax.legend(loc="lower right", fontsize=8)
+ax.legend(loc="lower right")
 fig.tight_layout()
