@@ -11,6 +11,15 @@ on each of two ranks (17 and 70), and run an MoE layer with the ``flex`` dispatc
 * what ``cu_seqlens`` and the block-diagonal causal mask of a packed batch look like;
 * how the static-shape contract pads (MAX over the EP group, rounded up to 64) and that the padded
   rows route nowhere and disappear from the output.
+
+The code
+--------
+The MoE layer of :ref:`sphx_glr_recipes_plot_moe_dispatchers.py` (``mfsdp/examples/moe_dispatch.py``)
+with ``dispatcher="flex"``:
+
+.. literalinclude:: ../../mfsdp/examples/moe_dispatch.py
+   :language: python
+   :pyobject: run_layer
 """
 
 # %%
@@ -31,12 +40,15 @@ print("cu_seqlens:", cu_seqlens.tolist())
 from mfsdp.launch import launch
 
 counts = [17, 70]
-results = launch("mfsdp.testing.moe_checks:dispatcher_check", 2, args=("flex", counts),
-                 kwargs=dict(backend="torch"))
-for rank, r in enumerate(results):
-    print(f"rank {rank}: {counts[rank]} tokens, padded to {r['padded_tokens']}, padding routes "
-          f"nowhere: {r['padding_routes_nowhere']}, output rows {r['output'].shape[0]}, "
-          f"max |out - dense reference| = {r['out']:.1e}")
+run = "mfsdp.examples.moe_dispatch:run_layer"
+results = launch(run, 2, args=("flex", counts), kwargs=dict(flex_backend="torch", steps=1))
+exact = launch(run, 2, args=("alltoall", counts), kwargs=dict(steps=1))  # no padding at all
+for rank, (r, a) in enumerate(zip(results, exact)):
+    diff = (r["output"] - a["output"]).abs().max().item()
+    print(f"rank {rank}: {counts[rank]} tokens, padded to {r['padded_tokens']}, a padding row "
+          f"routed to an expert: {r['padding_routed']}, output rows {r['output'].shape[0]}, "
+          f"max |out - alltoall's| = {diff:.1e}")
+    assert r["output"].shape[0] == counts[rank] and not r["padding_routed"] and diff < 1e-5
 
 # %%
 # Plot
@@ -54,6 +66,6 @@ ax2.barh([f"rank {r}" for r in range(2)], [padded - c for c in counts], left=cou
          label="padding (routes nowhere, trimmed)", color="tab:gray", alpha=0.5)
 ax2.axvline(max(counts), color="k", ls=":", label=f"MAX over EP = {max(counts)}")
 ax2.set_xlabel(f"rows exchanged per slot (padded to {padded}, a multiple of 64)")
-ax2.legend(loc="lower right", fontsize=8)
+ax2.legend(loc="lower right")
 fig.tight_layout()
 plt.show()

@@ -19,7 +19,9 @@ def run_layer(dispatcher: str, counts: list[int], flex_backend: str = "torch", d
     """Build an MoE layer (``num_experts`` experts, top-``topk`` routing) on every rank from one
     seed, keep this rank's experts (EP over all ranks), and run forward and backward on this
     rank's ``counts[rank]`` tokens ``steps`` times. Returns the output, the bytes this rank sent
-    per collective, the rows each local expert computed, and the median seconds per call."""
+    per collective, the rows each local expert computed, the median seconds per call and, for
+    the static-shape ``flex`` dispatcher, the token count it padded to and whether any padding
+    row was routed to an expert."""
     from mfsdp.moe import MoELayer, shard_experts
 
     rank = dist.get_rank()
@@ -37,9 +39,13 @@ def run_layer(dispatcher: str, counts: list[int], flex_backend: str = "torch", d
         out = layer(x.clone().requires_grad_(True))
         out.pow(2).sum().backward()
         times.append(time.perf_counter() - t0)
-    return {"output": out.detach(), "bytes_sent": dict(layer.dispatcher.bytes_sent),
-            "tokens_per_expert": list(layer.dispatcher.tokens_per_expert),
-            "seconds": sorted(times)[len(times) // 2]}
+    d = layer.dispatcher
+    padded = getattr(d, "padded_routing_map", None)  # flex: rows past counts[rank] are padding
+    return {"output": out.detach(), "bytes_sent": dict(d.bytes_sent),
+            "tokens_per_expert": list(d.tokens_per_expert),
+            "seconds": sorted(times)[len(times) // 2],
+            "padded_tokens": getattr(d, "padded_tokens", None),
+            "padding_routed": bool(padded[counts[rank]:].any()) if padded is not None else None}
 
 
 def main() -> None:
