@@ -16,6 +16,28 @@ with the exact mean. Nothing is extrapolated.
 * that a bf16 ring's error grows with the ranks in the reduce-scatter group: small partial sums
   are swamped by the growing accumulator, until at 1,024 ranks a third of the gradient is lost;
 * which path each backend and flag gives, and what to choose at which scale.
+
+The code
+--------
+The two reductions, as they round (``mfsdp/testing/numerics.py``; ``tests/test_numerics.py``
+checks the ring against a per-element loop and the fp32-accumulated sum against the engine's
+own reduce-scatter on real ranks, every bit):
+
+.. literalinclude:: ../../mfsdp/testing/numerics.py
+   :language: python
+   :pyobject: ring_reduce
+
+.. literalinclude:: ../../mfsdp/testing/numerics.py
+   :language: python
+   :pyobject: fp32_accum_reduce
+
+The training comparison runs the complete training script of
+:ref:`sphx_glr_recipes_plot_training_script.py` with
+``MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)``, the engine's real gloo path:
+
+.. code-block:: bash
+
+    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --grad-comm-dtype bf16
 """
 
 # %%
@@ -63,15 +85,17 @@ print("engine == simulation:", torch.equal(torch.cat(chunks), fp32_accum_reduce(
 # Effect on training
 # ------------------
 # 4 ranks train the same model for 12 steps with the gradient reduce-scatter in fp32 and in bf16
-# (``MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)``, the engine's real gloo path).
-from mfsdp.testing import train_sharded_many
+# (``MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)``, the engine's real gloo path), with
+# the training script above.
+import torch
 
-common = dict(strategy="optim_grads", optimizer="adamw", lr=3e-3, steps=12, dim=64, hidden=256,
-              blocks=3, local_batch=16, return_params=False)
-fp32_run, bf16_run = launch(train_sharded_many, 4, args=(
-    [dict(common), dict(common, grad_comm_dtype="bf16")],))[0]
-gap = max(abs(a - b) / a for a, b in zip(fp32_run["losses"], bf16_run["losses"]))
-print(f"final loss fp32 {fp32_run['losses'][-1]:.5f}, bf16 {bf16_run['losses'][-1]:.5f}; "
+run = "mfsdp.examples.train_script:train"
+fp32_run = launch(run, 4, kwargs=dict(steps=12), timeout=600)[0]
+bf16_run = launch(run, 4, kwargs=dict(steps=12, grad_comm_dtype=torch.bfloat16), timeout=600)[0]
+fp32_losses = [r["loss"] for r in fp32_run]
+bf16_losses = [r["loss"] for r in bf16_run]
+gap = max(abs(a - b) / a for a, b in zip(fp32_losses, bf16_losses))
+print(f"final loss fp32 {fp32_losses[-1]:.5f}, bf16 {bf16_losses[-1]:.5f}; "
       f"largest relative gap over 12 steps {gap:.1e}")
 
 # %%
@@ -86,14 +110,14 @@ labels = {"fp32_ring": "fp32 ring (NCCL or gloo, fp32)",
 for m, color in zip(SCALE_METHODS, ["tab:green", "tab:blue", "tab:red"]):
     ax1.plot(worlds, [errors[n][m] for n in worlds], "o-", color=color, label=labels[m])
 ax1.axhline(0.01, color="0.6", lw=0.8, ls=":")
-ax1.text(2, 0.012, "1%", color="0.4", fontsize=9)
+ax1.text(2, 0.012, "1%", color="0.4")
 ax1.set_xscale("log", base=2)
 ax1.set_yscale("log")
 ax1.set_xlabel("ranks in the reduce-scatter group (simulated bit for bit)")
 ax1.set_ylabel("relative L2 error of the mean gradient")
-ax1.legend(fontsize=8)
-ax2.plot(fp32_run["losses"], label="fp32 reduction")
-ax2.plot(bf16_run["losses"], "--", label="bf16 reduction (gloo)")
+ax1.legend()
+ax2.plot(range(1, 13), fp32_losses, label="fp32 reduction")
+ax2.plot(range(1, 13), bf16_losses, "--", label="bf16 reduction (gloo)")
 ax2.set_xlabel("step")
 ax2.set_ylabel("loss")
 ax2.set_title("4 ranks, AdamW")

@@ -39,8 +39,10 @@ def setup() -> torch.device:
 
 
 def build(device: torch.device, dp_outer: int = 1, ep: int = 1, moe: bool = False,
-          lr: float = 3e-3, warmup: int = 3, steps: int = 12, optimizer: str = "adamw"):
-    """The sharded model, its optimizer and LR schedule on this rank's device."""
+          lr: float = 3e-3, warmup: int = 3, steps: int = 12, optimizer: str = "adamw",
+          grad_comm_dtype: torch.dtype = torch.float32):
+    """The sharded model, its optimizer and LR schedule on this rank's device
+    (``grad_comm_dtype=torch.bfloat16``: gradients are reduced in bf16, half the bytes)."""
     from torch.optim.lr_scheduler import LambdaLR
 
     import mfsdp
@@ -72,7 +74,7 @@ def build(device: torch.device, dp_outer: int = 1, ep: int = 1, moe: bool = Fals
         mixed_precision_policy=mfsdp.MixedPrecisionPolicy(
             main_params_dtype=torch.float32,  # ... step on fp32 main weights
             main_grads_dtype=torch.float32,  # accumulate gradients in fp32
-            grad_comm_dtype=torch.float32),  # and reduce them in fp32
+            grad_comm_dtype=grad_comm_dtype),  # and reduce them in fp32 (or bf16)
     )
     model.set_global_names(global_names)  # checkpoints name experts by their global index
     opt_class = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
@@ -153,10 +155,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dp-outer", type=int, default=1, help="replicas (HSDP); 1: plain FSDP")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
     p.add_argument("--moe", action="store_true", help="a mixture-of-experts model")
+    p.add_argument("--grad-comm-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the dtype gradients are reduced in")
     args = p.parse_args(argv)
     device = setup()
+    comm = torch.bfloat16 if args.grad_comm_dtype == "bf16" else torch.float32
     records = train(args.steps, args.micro_batches, args.clip, args.save, args.save_at,
-                    args.load, dp_outer=args.dp_outer, ep=args.ep, moe=args.moe)
+                    args.load, dp_outer=args.dp_outer, ep=args.ep, moe=args.moe,
+                    grad_comm_dtype=comm)
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks on {device.type}")
         for r in records:
