@@ -31,6 +31,22 @@ own reduce-scatter on real ranks, every bit):
    :language: python
    :pyobject: fp32_accum_reduce
 
+The gradients, one backward per simulated rank, and the comparison with the exact mean:
+
+.. literalinclude:: ../../mfsdp/testing/numerics.py
+   :language: python
+   :pyobject: rank_gradients
+
+.. literalinclude:: ../../mfsdp/testing/numerics.py
+   :language: python
+   :pyobject: simulate_reduction
+
+The engine's own reduce-scatter on real ranks, for the bit-for-bit check below:
+
+.. literalinclude:: ../../mfsdp/testing/numerics.py
+   :language: python
+   :pyobject: engine_reduce_scatter
+
 The training comparison runs the complete training script of
 :ref:`sphx_glr_recipes_plot_training_script.py` with
 ``MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)``, the engine's real gloo path:

@@ -81,3 +81,4 @@ def test_recipe_times_are_recorded(built_site, capsys):
     assert set(times) == recipes
     with capsys.disabled():
         print("\nrecipe times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+

@@ -6,8 +6,11 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torchrun(args: list[str], cwd, ranks: int) -> str:
@@ -43,3 +46,30 @@ def test_quickstart_runs_under_torchrun(tmp_path):
     out = _torchrun(["-m", "mfsdp.examples"], tmp_path, 2)
     losses = [float(v) for v in re.search(r"losses: \[(.*)\]", out).group(1).split(", ")]
     assert len(losses) == 5 and losses[-1] < losses[0] / 2
+
+
+def test_recipes_show_the_code_they_run():
+    """#30: a recipe calls the public API or an example whose code is on its page, never a hidden
+    harness: every function a recipe imports from ``mfsdp.testing`` or launches from
+    ``mfsdp.examples`` is shown by a ``literalinclude`` of that function, on its page or on the
+    recipe page it links to (the training script's), and the bench CLI is run as the command the
+    page shows."""
+    import ast
+    import re
+
+    pages = {p.stem: p.read_text() for p in sorted((ROOT / "recipes").glob("plot_*.py"))}
+    shown = {stem: set(re.findall(r":pyobject: (\w+)", text)) for stem, text in pages.items()}
+    hidden = []
+    for stem, text in pages.items():
+        linked = set(re.findall(r":ref:`sphx_glr_recipes_(plot_\w+)\.py`", text))
+        visible = shown[stem].union(*(shown[s] for s in linked if s in shown))
+        used = []
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+                    ("mfsdp.testing", "mfsdp.examples", "mfsdp.benchmark", "mfsdp.bench")):
+                used += [a.name for a in node.names if not a.name.isupper()]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
+                    r"mfsdp\.(examples|testing)\.[\w.]+:\w+", node.value):
+                used.append(node.value.rpartition(":")[2])
+        hidden += [f"{stem}: {name}" for name in used if name not in visible]
+    assert hidden == []
