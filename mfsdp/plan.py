@@ -178,6 +178,9 @@ class Layout:
     grad_bytes: int = 4  # fp32 gradient accumulation
     optimizer_bytes: int = 8  # Adam: two fp32 moments
     micro_batch: int = 1
+    # Micro-batches per optimizer step on each data-parallel rank (gradient accumulation):
+    # global batch = micro_batch x micro_batches x data-parallel ranks.
+    micro_batches: int = 1
     seq_length: int = 4096
     prefetch_depth: int = 1
     recompute: bool = False  # shorthand for recompute_granularity="full", uniform, 1 layer
@@ -196,6 +199,8 @@ class Layout:
         ShardingStrategy.parse(self.strategy)
         ShardingStrategy.parse(self.outer_strategy, "outer_strategy")
         ParallelLayout(self.world_size, self.dp_outer, self.ep, tp=self.tp, cp=self.cp)
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches={self.micro_batches} must be at least 1")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True needs tp > 1 (it splits the TP region's "
                              "norms and dropout over the TP ranks)")
@@ -257,12 +262,14 @@ class Plan:
         return self.total <= (device_gib - reserve_gib) * GiB
 
     def table(self) -> str:
+        """Memory terms in GiB per rank, then the GiB each rank sends per optimizer step and
+        group (a step: every micro-batch of the global batch, see :class:`Layout`)."""
         rows = [f"{'term':<14} {'GiB per rank':>12}"]
         for k, v in self.memory.items():
             rows.append(f"{k:<14} {v / GiB:12.2f}")
         rows.append(f"{'total':<14} {self.total / GiB:12.2f}")
         for k, v in self.comm.items():
-            rows.append(f"{'sent ' + k:<14} {v / GiB:12.2f}  (GiB per step per rank)")
+            rows.append(f"{'sent ' + k:<14} {v / GiB:12.2f}  (GiB per optimizer step per rank)")
         return "\n".join(rows)
 
 
@@ -355,10 +362,15 @@ def plan(model: ModelConfig, layout: Layout) -> Plan:
     shard = layout.shard
     ring = (shard - 1) / shard
     model_bytes = (local_dense + expert / layout.ep) * layout.compute_bytes
-    comm = {"dp_shard": (3 if s == 3 else 2) * ring * model_bytes}
+    m = layout.micro_batches
+    # Per optimizer step of m micro-batches: ZeRO-3 gathers the weights for each micro-batch's
+    # forward and backward and reduce-scatters its gradients (3 m); ZeRO-2 reduce-scatters each
+    # micro-batch into the sharded gradients and gathers the weights once after the step
+    # (m + 1); ZeRO-1 and no_shard accumulate locally (no_sync) and reduce once (2).
+    comm = {"dp_shard": {3: 3 * m, 2: m + 1}.get(s, 2) * ring * model_bytes}
     if layout.dp_outer > 1:
         o = layout.dp_outer
-        comm["dp_outer"] = 2 * (o - 1) / o * model_bytes / shard
+        comm["dp_outer"] = 2 * (o - 1) / o * model_bytes / shard  # once per step
     granularity = layout.recompute_granularity or ("full" if layout.recompute else None)
     tokens_here = layout.micro_batch * layout.seq_length // layout.cp  # one rank's tokens
     act = tokens_here * model.hidden * layout.compute_bytes  # one [s, b, h] activation
@@ -367,7 +379,7 @@ def plan(model: ModelConfig, layout: Layout) -> Plan:
         # input gradients in backward (with SP: all-gather + reduce-scatter, the same bytes);
         # full recomputation repeats the forward's two.
         n = 4 + (2 if granularity == "full" else 0)
-        comm["tp"] = model.num_layers * n * 2 * (layout.tp - 1) / layout.tp * act
+        comm["tp"] = m * model.num_layers * n * 2 * (layout.tp - 1) / layout.tp * act
     if layout.cp > 1:
         # Per layer: keys and values of the other CP ranks' chunks in forward (all-gathered, as
         # Llama 3 does), their gradients reduce-scattered back in backward, again in recompute.
@@ -375,13 +387,13 @@ def plan(model: ModelConfig, layout: Layout) -> Plan:
         kv = 2 * (model.num_kv_heads or model.num_heads) * head if not model.mla else \
             2 * model.num_heads * model.mla[2]
         n = 2 + (1 if granularity == "full" else 0)
-        comm["cp"] = (model.num_layers * n * (layout.cp - 1) * tokens_here * kv
+        comm["cp"] = (m * model.num_layers * n * (layout.cp - 1) * tokens_here * kv
                       * layout.compute_bytes / layout.tp)
     if layout.ep > 1 and model.num_experts:
         tokens = tokens_here
         moe_layers = model.num_layers - model.first_dense_layers
         # dispatch + combine, forward + backward, topk copies of each token
-        comm["ep"] = 4 * moe_layers * tokens * model.topk * model.hidden * layout.compute_bytes \
+        comm["ep"] = 4 * m * moe_layers * tokens * model.topk * model.hidden * layout.compute_bytes \
             * (layout.ep - 1) / layout.ep
     return Plan(dense + expert, dense, expert, memory, comm,
                 padding=(pad_dense * dense + pad_expert * expert) / (dense + expert))
@@ -448,6 +460,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="sequence parallelism in the TP regions (needs TP > 1)")
     parser.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int,
                         default=1, help="sequences per micro-batch (the trainer's name)")
+    parser.add_argument("--global-batch-size", type=int,
+                        help="sequences per optimizer step over all data-parallel ranks (default: "
+                             "one micro-batch per rank, no accumulation)")
     parser.add_argument("--seq-length", type=int, default=4096)
     parser.add_argument("--recompute-granularity", choices=("full", "selective"),
                         help="activation recomputation, as mfsdp train and Megatron-LM name it")
@@ -465,8 +480,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp plan`` command."""
     model = PRESETS[args.preset]
+    dp = args.world_size // (args.tp * args.cp)  # data-parallel ranks: one batch slice each
+    gbs = args.global_batch_size or args.micro_batch * dp
+    if gbs % (args.micro_batch * dp):
+        raise SystemExit(f"mfsdp plan: --global-batch-size {gbs} is not a multiple of "
+                         f"--micro-batch-size x data-parallel ranks = {args.micro_batch} x {dp}")
     layout = Layout(args.world_size, args.strategy, args.dp_outer, args.outer_strategy, args.ep,
                     micro_batch=args.micro_batch, seq_length=args.seq_length,
+                    micro_batches=gbs // (args.micro_batch * dp),
                     recompute=args.recompute, recompute_granularity=args.recompute_granularity,
                     recompute_method=args.recompute_method,
                     recompute_num_layers=args.recompute_num_layers, tp=args.tp, cp=args.cp,
@@ -474,9 +495,11 @@ def run(args: argparse.Namespace) -> int:
     p = plan(model, layout)
     print(f"{args.preset}: {p.params / 1e9:.1f}B parameters ({p.expert_params / 1e9:.1f}B in "
           f"experts), {args.world_size} ranks, {args.strategy}")
+    print(describe(layout, dp))
     print(p.table())
     print(f"dominant term: {p.dominant}; fits on {args.device_gib:g} GiB: "
-          f"{'yes' if p.fits(args.device_gib) else 'no'}")
+          f"{'yes' if p.fits(args.device_gib) else 'no'} (total <= {args.device_gib:g} - 4 GiB "
+          "kept for the CUDA context and the allocator)")
     if args.smallest:
         world = smallest_world(model, layout, args.device_gib)
         print(f"smallest world that fits: {world if world else 'none up to 4096 nodes'}")
@@ -485,6 +508,26 @@ def run(args: argparse.Namespace) -> int:
             print(f"smallest with TP/CP searched: {best.world_size} (TP {best.tp}"
                   f"{' + SP' if best.sequence_parallel else ''}, CP {best.cp})")
     return 0
+
+
+def describe(layout: Layout, dp: int) -> str:
+    """What a step is and what the estimate assumes, in two lines (``mfsdp plan`` prints them).
+
+    >>> print(describe(Layout(world_size=16, micro_batches=4, seq_length=8192), dp=16))
+    step: one optimizer step = 4 micro-batches x 1 sequence x 8192 tokens on each of 16 data-parallel ranks (global batch 64)
+    assumed: bytes per parameter: weights 2 (bf16), main weights 4 (fp32), gradients 4 (fp32), Adam moments 8; flash attention; prefetch depth 1; no recomputation
+    """
+    m, b = layout.micro_batches, layout.micro_batch
+    recompute = layout.recompute_granularity or ("full" if layout.recompute else None)
+    return (f"step: one optimizer step = {m} micro-batch{'es' if m > 1 else ''} x {b} "
+            f"sequence{'s' if b > 1 else ''} x {layout.seq_length} tokens on each of {dp} "
+            f"data-parallel ranks (global batch {m * b * dp})\n"
+            f"assumed: bytes per parameter: weights {layout.compute_bytes} (bf16), main weights "
+            f"{layout.main_bytes} (fp32), gradients {layout.grad_bytes} (fp32), Adam moments "
+            f"{layout.optimizer_bytes}; "
+            f"{'flash attention' if layout.flash_attention else 'attention scores kept'}; "
+            f"prefetch depth {layout.prefetch_depth}; "
+            f"{recompute + ' recomputation' if recompute else 'no recomputation'}")
 
 
 def main(argv: list[str] | None = None) -> int:

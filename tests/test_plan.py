@@ -199,3 +199,28 @@ def test_smallest_search_covers_tp_and_cp():
             except ValueError:
                 continue
             assert not plan(model, smaller).fits()
+
+
+def test_a_step_counts_every_micro_batch_of_the_global_batch(capsys):
+    """#30: traffic is per optimizer step: ZeRO-3 gathers twice and reduce-scatters once per
+    micro-batch, ZeRO-2 reduce-scatters each and gathers once, ZeRO-1 reduces once; TP traffic is
+    per micro-batch. The CLI derives the micro-batches from --global-batch-size."""
+    from mfsdp.plan import PRESETS, Layout, main, plan
+
+    model = PRESETS["llama3-8b"]
+
+    def sent(strategy, m, **kw):
+        return plan(model, Layout(world_size=16, strategy=strategy, micro_batches=m, **kw)).comm
+
+    one, four = sent("optim_grads_params", 1), sent("optim_grads_params", 4)
+    assert four["dp_shard"] == pytest.approx(4 * one["dp_shard"])
+    assert sent("optim_grads", 4)["dp_shard"] == pytest.approx(5 / 2 * sent("optim_grads", 1)["dp_shard"])
+    assert sent("optim", 4)["dp_shard"] == pytest.approx(sent("optim", 1)["dp_shard"])
+    assert sent("optim_grads_params", 4, tp=2)["tp"] == pytest.approx(
+        4 * sent("optim_grads_params", 1, tp=2)["tp"])
+    main(["llama3-8b", "--world-size", "16", "--tensor-model-parallel-size", "2",
+          "--global-batch-size", "32"])
+    assert "= 4 micro-batches x 1 sequence x 4096 tokens on each of 8 data-parallel" in (
+        capsys.readouterr().out)
+    with pytest.raises(SystemExit, match="--global-batch-size 30 is not a multiple of"):
+        main(["llama3-8b", "--world-size", "16", "--global-batch-size", "30"])
