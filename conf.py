@@ -49,6 +49,7 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 _VENDOR = ROOT / "build" / "vendor"
 html_static_path = ["docs/_static"]
 html_css_files = ["mfsdp.css"]
+html_js_files = ["mfsdp-wrap.js"]
 if (_VENDOR / "mermaid" / "mermaid.esm.min.mjs").exists():
     html_static_path.append(str(_VENDOR))
     mermaid_use_local = "mermaid/mermaid.esm.min.mjs"

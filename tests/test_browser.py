@@ -108,8 +108,10 @@ def test_search_finds_fully_shard(site):
 
 def test_no_page_overflows_and_diagram_text_is_readable(site):
     """Every page of the guide at 1280 and 1920 px (API reference pages at 1280 px): no code block or table wider than its column
-    (nothing hidden behind a scroll bar), diagram text rendered at least 3/4 of the body text
-    size, no overlapping diagram labels. Measured in the browser by tests/browser/measure.html."""
+    (nothing hidden behind a scroll bar), no literal wrapped inside a word (only at spaces, dots,
+    slashes, commas), plot text at least 10 px as rendered, diagram text at least 3/4 of the body
+    text size, no overlapping diagram labels. Measured in the browser by
+    tests/browser/measure.html."""
     import html
     import json
     import re
@@ -143,5 +145,9 @@ def test_no_page_overflows_and_diagram_text_is_readable(site):
         problems += [f"{key}: diagram text {s['px']} px (body {r['body_px']} px): {s['text']!r}"
                      for s in r["small_text"][:3]]
         problems += [f"{key}: diagram labels overlap: {pair}" for pair in r["overlaps"][:3]]
+        problems += [f"{key}: a literal breaks inside a word: {w!r}" for w in r["broken_words"][:3]]
+        problems += [f"{key}: plot text renders at {i['px']} px (< 10): {i['src']}"
+                     for i in r["plot_text_px"] if i["px"] < 10][:3]
     assert not problems, "\n".join(problems[:40])
     assert sum(r["diagrams"] for r in results.values()) >= 2 * 4  # the diagrams did render
+    assert sum(len(r["plot_text_px"]) for r in results.values()) >= 2 * 14  # the plots did

@@ -73,3 +73,23 @@ def test_recipes_show_the_code_they_run():
                 used.append(node.value.rpartition(":")[2])
         hidden += [f"{stem}: {name}" for name in used if name not in visible]
     assert hidden == []
+
+
+def test_recipes_draw_no_text_below_10_points():
+    """The browser test scales 10 pt at 100 dpi by each plot's rendered width; that holds only if
+    no recipe draws smaller text (``fontsize`` under 10 or a relative size below "medium") or
+    changes the resolution."""
+    import re
+
+    small = []
+    for path in sorted((ROOT / "recipes").glob("plot_*.py")):
+        text = path.read_text()
+        for m in re.finditer(r"fontsize\s*=\s*([\d.]+|\"[\w-]+\"|'[\w-]+')", text):
+            value = m.group(1).strip("\"'")
+            if (value.replace(".", "").isdigit() and float(value) < 10) or value in (
+                    "small", "x-small", "xx-small", "smaller"):
+                small.append(f"{path.name}: {m.group(0)}")
+        small += [f"{path.name}: {m.group(0)}" for m in re.finditer(
+            r"rcParams\[[\"'](font\.size|\w+\.labelsize|savefig\.dpi|figure\.dpi)[\"']\]", text)]
+        small += [f"{path.name}: dpi" for m in re.finditer(r"\bdpi\s*=", text)]
+    assert small == []
