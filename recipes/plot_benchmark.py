@@ -29,7 +29,7 @@ and systems.
 # %%
 # Run
 # ---
-# The command above, from Python (it starts its own ranks). It prints its table as it goes.
+# The command above, from Python (it starts its own ranks). Its first line says what it ran.
 import json
 import subprocess
 import sys
@@ -40,7 +40,8 @@ report = Path(tempfile.mkdtemp()) / "bench.json"
 cmd = [sys.executable, "-m", "mfsdp.cli", "bench", "--world-sizes", "2", "--hidden-size", "256",
        "--ffn-hidden-size", "704", "--num-layers", "6", "--rounds", "6", "--no-memory",
        "--json", str(report)]
-print(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+print(next(line for line in out.splitlines() if "ranks," in line))
 
 # %%
 # The report
@@ -50,8 +51,11 @@ print(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 # its loss after the last step. All systems train the same model on the same batches, so their
 # final losses agree.
 results = json.loads(report.read_text())["2"]["time"]
+model_bytes = 4 * results["numel"]
+print(f"{'system':<25} {'median ms':>9} {'wire/model':>10} {'final loss':>10}")
 for name, v in results["systems"].items():
-    print(f"{name:<26} median {1e3 * v['median_s']:6.1f} ms   final loss {v['final_loss']:.6f}")
+    print(f"{name:<25} {1e3 * v['median_s']:9.1f} {v['wire_bytes_per_rank'] / model_bytes:10.2f} "
+          f"{v['final_loss']:10.6f}")
 
 # %%
 # Plot
@@ -62,7 +66,6 @@ import matplotlib.pyplot as plt
 
 systems = results["systems"]
 names = list(systems)
-model_bytes = 4 * results["numel"]
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
 med = [1e3 * systems[n]["median_s"] for n in names]
 low = [m - 1e3 * systems[n]["min_s"] for m, n in zip(med, names)]
