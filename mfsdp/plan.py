@@ -471,6 +471,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--recompute", action="store_true",
                         help="shorthand for --recompute-granularity full (uniform, 1 layer)")
     parser.add_argument("--device-gib", type=float, default=80.0)
+    gpu = parser.add_argument_group("time estimate (mfsdp/plan_time.py)")
+    gpu.add_argument("--gpu", choices=("h100", "gb200"), default="h100",
+                     help="peak, NVLink and network figures of this GPU (defaults below)")
+    gpu.add_argument("--peak-tflops", type=float,
+                     help="dense peak at the training precision (h100: 989 bf16, 1979 FP8; "
+                          "gb200: 2500 bf16, 5000 FP8)")
+    gpu.add_argument("--compute-efficiency", type=float,
+                     help="fraction of the peak a step's kernels reach (default 0.4)")
+    gpu.add_argument("--nvlink-gbps", type=float, help="GB/s per GPU inside an NVLink domain")
+    gpu.add_argument("--network-gbps", type=float, help="GB/s per GPU between domains")
     parser.add_argument("--smallest", action="store_true",
                         help="also find the smallest number of devices (whole 8-GPU nodes) that "
                              "fits: with this layout's TP/CP, and searching TP (with SP) and CP")
@@ -500,6 +510,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"dominant term: {p.dominant}; fits on {args.device_gib:g} GiB: "
           f"{'yes' if p.fits(args.device_gib) else 'no'} (total <= {args.device_gib:g} - 4 GiB "
           "kept for the CUDA context and the allocator)")
+    from mfsdp.plan_time import step_time
+
+    given = {"peak_tflops": args.peak_tflops, "efficiency": args.compute_efficiency,
+             "nvlink_gbps": args.nvlink_gbps, "network_gbps": args.network_gbps}
+    print(step_time(model, layout, args.gpu, **{k: v for k, v in given.items() if v})
+          .summary())
     if args.smallest:
         world = smallest_world(model, layout, args.device_gib)
         print(f"smallest world that fits: {world if world else 'none up to 4096 nodes'}")

@@ -185,6 +185,33 @@ PRESETS: dict[str, Preset] = {
                              train_iters=1000, lr=0.00015, bf16=True, meta_init=True,
                              save="checkpoints/llama3-70b", save_interval=250,
                              log_jsonl="llama3-70b.jsonl")),
+    "llama3.1-405b": Preset("train", "Llama-3.1-405B-shaped dense model on 32 nodes x 8 GPUs: "
+                            "FSDP x tensor parallelism 2 with sequence parallelism, the layout of "
+                            "Megatron-Bridge's published Megatron-FSDP run (128 GB200s, which "
+                            "hold 186 GiB; on 80 GiB GPUs the planner needs 256), ZeRO-3 over "
+                            "128 data-parallel ranks, full recompute, bf16 compute, meta-device "
+                            "initialisation.", dict(
+                                _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3.1-405b", nodes=32,
+                                time="48:00:00", model_args="--model-preset llama3.1-405b "
+                                "--recompute-granularity full --recompute-method uniform "
+                                "--recompute-num-layers 1",
+                                tp=2, sequence_parallel=True, micro_batch_size=1,
+                                global_batch_size=256, seq_length=8192, train_iters=1000,
+                                lr=0.0001, bf16=True, meta_init=True, all_gather_group=True,
+                                save="checkpoints/llama3.1-405b", save_interval=100,
+                                log_jsonl="llama3.1-405b.jsonl")),
+    "llama3-8b-long": Preset("train", "Llama-3-8B-style model on 64K-token sequences, 2 nodes x 8 "
+                             "GPUs: context parallelism 2 (each rank holds 32K tokens of a "
+                             "sequence, attention exact over all of it), ZeRO-3 over the 16 ranks, "
+                             "full recompute, bf16 compute.", dict(
+                                 _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b-long", nodes=2,
+                                 time="12:00:00", model_args="--model-preset llama3-8b "
+                                 "--recompute-granularity full --recompute-method uniform "
+                                 "--recompute-num-layers 1",
+                                 cp=2, micro_batch_size=1, global_batch_size=16,
+                                 seq_length=65536, train_iters=1000, lr=0.0003, bf16=True,
+                                 meta_init=True, save="checkpoints/llama3-8b-long",
+                                 save_interval=250, log_jsonl="llama3-8b-long.jsonl")),
     "convert": Preset("convert", "Checkpoint conversion: a Megatron-LM torch_dist checkpoint to "
                       "mfsdp's fsdp_dtensor, on one CPU node.", dict(
                           _SLURM, job_name="mfsdp-convert", cpus_per_task=16, time="02:00:00",

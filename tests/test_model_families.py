@@ -179,7 +179,8 @@ def test_presets_are_the_published_sizes():
     parameter for parameter (building DeepSeek-V3's 15,616 experts once is enough)."""
     from mfsdp.plan import PRESETS
 
-    published = {"llama3-8b": 8.03e9, "llama3-70b": 70.55e9, "deepseek-v3": 671.0e9}
+    published = {"llama3-8b": 8.03e9, "llama3-70b": 70.55e9, "llama3.1-405b": 405.85e9,
+                 "deepseek-v3": 671.0e9}
     for name, count in published.items():
         n = sum(PRESETS[name].param_counts())
         assert abs(n - count) / count < 0.005, (name, n)

@@ -224,3 +224,39 @@ def test_a_step_counts_every_micro_batch_of_the_global_batch(capsys):
         capsys.readouterr().out)
     with pytest.raises(SystemExit, match="--global-batch-size 30 is not a multiple of"):
         main(["llama3-8b", "--world-size", "16", "--global-batch-size", "30"])
+
+
+def test_time_estimate_flops_links_and_overlap():
+    """#29's time estimate. FLOPs per token equal the bench's count, which sums the parameters of
+    a model really built (a small Llama); a group's link follows Megatron-LM's rank order (TP
+    inside a node, a 16-rank shard group over two nodes); the FSDP traffic hides under the
+    compute and TP traffic adds to it; MFU is model FLOPs over the peak."""
+    from mfsdp.benchmark_systems import DEFAULTS, model_flops_per_token as bench_flops
+    from mfsdp.models.gpt import GPT_PRESETS
+    from mfsdp.plan import PRESETS, Layout, ModelConfig
+    from mfsdp.plan_time import GPUS, model_flops_per_token, step_time
+
+    cfg = dict(DEFAULTS, model="llama", dim=256, hidden=704, blocks=3, heads=4, kv_heads=2,
+               vocab_size=1000, seq_length=128)
+    from mfsdp.benchmark_systems import _gpt_config
+
+    small = ModelConfig.from_gpt(_gpt_config(cfg))
+    assert model_flops_per_token(small, 128)[0] == pytest.approx(bench_flops(cfg), rel=1e-9)
+    assert PRESETS["llama3-8b"] == ModelConfig.from_gpt(GPT_PRESETS["llama3-8b"])
+
+    model = PRESETS["llama3-70b"]
+    t = step_time(model, Layout(world_size=16, tp=4, sequence_parallel=True, seq_length=8192))
+    assert t.links == {"dp_shard": "NVLink + network", "tp": "NVLink"}
+    assert t.step_s == pytest.approx(max(t.compute_s, t.comm_s["dp_shard"]) + t.comm_s["tp"])
+    one_node = step_time(model, Layout(world_size=8, tp=4, sequence_parallel=True, seq_length=8192))
+    assert one_node.links["dp_shard"] == "NVLink"
+    # network-bound when the network is slow enough: the FSDP traffic is then the step
+    slow = step_time(model, Layout(world_size=16, seq_length=8192), network_gbps=0.5)
+    assert slow.step_s == pytest.approx(slow.comm_s["dp_shard"]) and slow.step_s > slow.compute_s
+    # compute-bound: MFU = efficiency (no recompute), and tokens/s follow from the step
+    fast = step_time(model, Layout(world_size=8, seq_length=8192))
+    assert fast.mfu == pytest.approx(GPUS["h100"].efficiency)
+    assert fast.tokens_per_gpu_s == pytest.approx(8192 / fast.step_s)
+    # full recomputation costs time, not model FLOPs
+    rc = step_time(model, Layout(world_size=8, seq_length=8192, recompute=True))
+    assert rc.compute_s > fast.compute_s and rc.mfu < fast.mfu

@@ -81,10 +81,12 @@ def test_deepseek_script_builds_the_intended_model():
     assert args.expert_model_parallel_size == 8 and args.num_distributed_optimizer_instances == 4
 
 
-@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "deepseek-v3", "llama3.1-405b",
+                                  "llama3-8b-long"])
 def test_gpu_presets_build_the_real_architecture_and_fit(name):
     """The script's flags build the published architecture, and the planner, on the script's
-    own layout, says it fits on 80 GB GPUs."""
+    own layout, says it fits on 80 GiB GPUs (the 405B preset on 256 of them, with FSDP x TP 2;
+    the long-context 8B with 64K-token sequences split over CP 2)."""
     from mfsdp.models.gpt import GPT_PRESETS
     from mfsdp.plan import Layout, ModelConfig, plan
 
@@ -95,7 +97,8 @@ def test_gpu_presets_build_the_real_architecture_and_fit(name):
     assert cfg.swiglu and not cfg.add_bias_linear
     assert cfg.multi_latent_attention == (name == "deepseek-v3")
     for field in ("hidden_size", "num_layers", "num_query_groups", "num_experts", "vocab_size"):
-        assert getattr(cfg, field) == getattr(GPT_PRESETS[name], field), field
+        assert getattr(cfg, field) == getattr(GPT_PRESETS[args.model_preset], field), field
+    assert args.model_preset == name.removesuffix("-long")
     world = int(sbatch.PRESETS[name].values["nodes"]) * int(sbatch.PRESETS[name].values["gpus_per_node"])
     layout = Layout(world, args.data_parallel_sharding_strategy,
                     args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy,

@@ -165,6 +165,10 @@ GPT_PRESETS = {
                             hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
                             num_query_groups=8, rotary_base=500000.0, rope_scaling_factor=8.0,
                             **_LLAMA),
+    "llama3.1-405b": GPTConfig(vocab_size=128256, max_position_embeddings=8192, num_layers=126,
+                               hidden_size=16384, ffn_hidden_size=53248, num_attention_heads=128,
+                               num_query_groups=8, rotary_base=500000.0, rope_scaling_factor=8.0,
+                               **_LLAMA),
     # DeepSeek-V3 in miniature: multi-head latent attention, a dense first layer, then MoE layers
     # with a shared expert and routed experts behind a sigmoid router with group-limited top-k, the
     # score-correction bias and the routed scaling factor.
