@@ -11,7 +11,10 @@ The split is Megatron-LM's:
   slice of the gate *and* of the up projection (``[gate_r; up_r]``, a ``_StridedShard(0,
   split_factor=2)`` DTensor, so that checkpoints still hold the global ``[gate; up]``);
 * the embedding vocabulary-parallel (each rank looks up its rows of the vocabulary, the partial
-  results are summed), the output layer column-parallel over the vocabulary (logits gathered);
+  results are summed), the output layer column-parallel over the vocabulary: its logits are
+  gathered, or with ``vocab_parallel_loss=True`` stay split over the vocabulary (a DTensor) for a
+  vocabulary-parallel cross-entropy (:func:`vocab_parallel_cross_entropy`, PyTorch's
+  ``loss_parallel``), so no rank ever holds a token's logits over the whole vocabulary;
 * MLA's rotary key, computed whole and used by every head, gets its gradient summed over TP;
 * MoE layers: the experts over EP as without TP (expert TP size 1, each TP rank runs the layer on
   the same tokens), the router whole;
@@ -43,7 +46,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tp_plan", "StridedColwiseParallel"]
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tp_plan", "StridedColwiseParallel",
+           "vocab_parallel_cross_entropy", "loss_parallel_context"]
 
 
 class StridedColwiseParallel(ColwiseParallel):
@@ -94,7 +98,7 @@ def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False) -> None
         raise ValueError("tensor parallelism: " + "; ".join(problems))
 
 
-def tp_plan(model, sequence_parallel: bool = False) -> dict:
+def tp_plan(model, sequence_parallel: bool = False, vocab_parallel_loss: bool = False) -> dict:
     """The ``parallelize_module`` plan of ``model`` (a :class:`~mfsdp.models.gpt.GPT`): module
     name -> parallel style (see the module notes)."""
     from mfsdp.moe.layer import MoELayer
@@ -105,8 +109,11 @@ def tp_plan(model, sequence_parallel: bool = False) -> dict:
     plan: dict = {
         # whole embeddings (position embeddings are added to them) ...
         "embedding": RowwiseParallel(input_layouts=Replicate()),
-        "output_layer": ColwiseParallel(input_layouts=Shard(0) if sp else Replicate(),
-                                        output_layouts=Replicate()),
+        "output_layer": ColwiseParallel(
+            input_layouts=Shard(0) if sp else Replicate(),
+            # vocabulary-parallel loss: logits stay a DTensor split over the vocabulary
+            output_layouts=Shard(-1) if vocab_parallel_loss else Replicate(),
+            use_local_output=not vocab_parallel_loss),
     }
     if sp:
         plan["final_layernorm"] = SequenceParallel(sequence_dim=0)
@@ -176,19 +183,51 @@ def _shared_rope_key_hook(kv_lora_rank: int, group):
     return hook
 
 
-def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False):
+def apply_tensor_parallel(model, tp_mesh, sequence_parallel: bool = False,
+                          vocab_parallel_loss: bool = False):
     """Split ``model`` (a :class:`~mfsdp.models.gpt.GPT`) over ``tp_mesh`` in place; return it.
 
     With ``sequence_parallel`` the tokens of a micro-batch (``micro_batch x seq_length``) must
-    divide by the TP size.
+    divide by the TP size. With ``vocab_parallel_loss`` the model returns its logits as a DTensor
+    split over the vocabulary; compute the loss with :func:`vocab_parallel_cross_entropy`.
     """
     check_tensor_parallel(model.config, tp_mesh.size(), sequence_parallel)
-    parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel))
+    parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel, vocab_parallel_loss))
     if model.config.multi_latent_attention and tp_mesh.size() > 1:
         for layer in model.layers:
             layer.self_attention.linear_kv_down_proj.register_forward_hook(
                 _shared_rope_key_hook(model.config.kv_lora_rank, tp_mesh.get_group()))
     return model
+
+
+def vocab_parallel_cross_entropy(logits, targets: torch.Tensor,
+                                 valid: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of ``logits`` (``[tokens, vocab]``: a tensor, or a DTensor split over
+    the vocabulary by ``apply_tensor_parallel(..., vocab_parallel_loss=True)``) against
+    ``targets`` where ``valid``. On a DTensor each rank computes the log-softmax from its slice of
+    the vocabulary with two small all-reduces per token (the maximum and the sum of
+    exponentials), as Megatron-LM's vocabulary-parallel cross-entropy does, instead of gathering
+    the ``[tokens, vocab]`` logits. Its backward must run inside :func:`loss_parallel_context`."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    if not isinstance(logits, DTensor):
+        return F.cross_entropy(logits[valid].float(), targets[valid], reduction="sum")
+    masked = targets.masked_fill(~valid, -100)  # a DTensor cannot be indexed by a mask
+    with loss_parallel():
+        loss = F.cross_entropy(logits.float(), masked, reduction="sum", ignore_index=-100)
+    return loss.to_local()  # replicated: every TP rank holds the same sum
+
+
+def loss_parallel_context(tp: int):
+    """``torch.distributed.tensor.parallel.loss_parallel()`` when ``tp > 1`` (the backward of a
+    vocabulary-parallel loss runs in it), else a context that does nothing."""
+    import contextlib
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
 
 
 def _tiny():

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from mfsdp.data.batches import MegatronData, global_batch, read_data
+from mfsdp.models.tensor_parallel import loss_parallel_context
 from mfsdp.trainer.arguments import GPU_ONLY, build_parser, check_args
 from mfsdp.trainer.build import (build_param_groups, flops_per_token, learning_rate, make_optimizer,
                                  model_config, model_family, precision_policy, routers_of, rss_mib)
@@ -96,7 +97,7 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
     par = build_parallel(args, world, cfg, device, log)
     groups = par.groups
     if par.tp_mesh is not None:  # Megatron-LM's split, before the data-parallel sharding
-        apply_tensor_parallel(model, par.tp_mesh, par.sequence_parallel)
+        apply_tensor_parallel(model, par.tp_mesh, par.sequence_parallel, vocab_parallel_loss=True)
     if args.use_megatron_fsdp:
         global_names = shard_experts(model, groups["ep"] if groups else None)
         opt = make_optimizer(build_param_groups(model, args), args)
@@ -177,8 +178,8 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
                         loss, _ = batch.loss(model, routers)
                         total = (loss * scale
                                  + collect_aux_losses(inner).to(loss.device) * aux_scale)
-                    with record_function("mfsdp::backward"):
-                        total.backward()
+                    with record_function("mfsdp::backward"), loss_parallel_context(par.tp):
+                        total.backward()  # (the vocabulary-parallel loss's backward needs it)
                 loss_sum += loss.detach().double()
             watch.mark(f"iteration {iteration}: gradient norm and optimizer step")
             if args.use_megatron_fsdp:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from mfsdp.models.context_parallel import (ContextParallelSplit, next_token_targets,
                                            pad_sequences)
@@ -126,9 +125,11 @@ class MicroBatch:
             logits = model(self.tokens, context=self.context)
         else:
             logits = model(self.tokens, self.cu_seqlens)
-        v = self.valid
-        return (F.cross_entropy(logits[v].float(), self.targets[v], reduction="sum"),
-                int(v.sum()))
+        # Under TP the logits are split over the vocabulary: a vocabulary-parallel loss.
+        from mfsdp.models.tensor_parallel import vocab_parallel_cross_entropy
+
+        return (vocab_parallel_cross_entropy(logits, self.targets, self.valid),
+                int(self.valid.sum()))
 
 
 def micro_batch(samples: list, par: TrainParallel, device: torch.device) -> MicroBatch:
