@@ -169,7 +169,7 @@ class ParallelLayout:
 
 @dataclass
 class ProcessGroups:
-    """This rank's process groups, by kind: what :meth:`ParallelLayout.create_groups` makes, and
+    """This rank's process groups, by kind: what :meth:`mfsdp.ParallelLayout.create_groups` makes, and
     the one type the engine takes (``fully_shard(process_groups=...)``).
 
     A field that is ``None`` means the default (world) group for ``dp_shard``, and no such

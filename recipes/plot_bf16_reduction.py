@@ -48,7 +48,7 @@ The engine's own reduce-scatter on real ranks, for the bit-for-bit check below:
    :pyobject: engine_reduce_scatter
 
 The training comparison runs the complete training script of
-:ref:`sphx_glr_recipes_plot_training_script.py` with
+:ref:`sphx_glr_docs_recipes_plot_training_script.py` with
 ``MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)``, the engine's real gloo path:
 
 .. code-block:: bash

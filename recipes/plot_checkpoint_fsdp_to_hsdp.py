@@ -13,7 +13,7 @@ and gradient-norm curves with a run that was never interrupted.
 
 The code
 --------
-The training script of :ref:`sphx_glr_recipes_plot_training_script.py`
+The training script of :ref:`sphx_glr_docs_recipes_plot_training_script.py`
 (``mfsdp/examples/train_script.py``) with ``moe=True``: every second block is a mixture of 4
 experts, and ``ep=2`` keeps 2 of them on each rank. The layout and the sharding:
 

@@ -14,7 +14,7 @@ on each of two ranks (17 and 70), and run an MoE layer with the ``flex`` dispatc
 
 The code
 --------
-The MoE layer of :ref:`sphx_glr_recipes_plot_moe_dispatchers.py` (``mfsdp/examples/moe_dispatch.py``)
+The MoE layer of :ref:`sphx_glr_docs_recipes_plot_moe_dispatchers.py` (``mfsdp/examples/moe_dispatch.py``)
 with ``dispatcher="flex"``:
 
 .. literalinclude:: ../../mfsdp/examples/moe_dispatch.py

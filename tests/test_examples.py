@@ -61,7 +61,7 @@ def test_recipes_show_the_code_they_run():
     shown = {stem: set(re.findall(r":pyobject: (\w+)", text)) for stem, text in pages.items()}
     hidden = []
     for stem, text in pages.items():
-        linked = set(re.findall(r":ref:`sphx_glr_recipes_(plot_\w+)\.py`", text))
+        linked = set(re.findall(r":ref:`sphx_glr_docs_recipes_(plot_\w+)\.py`", text))
         visible = shown[stem].union(*(shown[s] for s in linked if s in shown))
         used = []
         for node in ast.walk(ast.parse(text)):

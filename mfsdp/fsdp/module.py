@@ -100,7 +100,8 @@ class FullyShardedModule(nn.Module):
     pool = property(lambda self: self.state.pool, doc="The double-buffer pool, or None.")
     reducer = property(lambda self: self.state.reducer, doc="The gradient reducer.")
     memory = property(lambda self: self.state.memory,
-                      doc="Measured bytes: gathered weights and full gradient buffers (and peaks).")
+                      doc="The measured bytes of gathered weights and full gradient buffers, "
+                          "with their peaks.")
     comm_log = property(lambda self: self.state.comms.log,
                         doc="The log every collective of this model is recorded in.")
     comm = property(lambda self: self.state.comms.dp, doc="The dense shard group's communicator.")
