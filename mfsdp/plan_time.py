@@ -108,8 +108,9 @@ def _seconds(sent: float, n: int, span: int, gpu: Gpu) -> tuple[float, str]:
 
 def step_time(model, layout, gpu: Gpu | str = "h100", **overrides) -> StepTime:
     """Predict one optimizer step of ``model`` (a :class:`mfsdp.plan.ModelConfig`) under
-    ``layout`` (a :class:`mfsdp.plan.Layout`) on ``gpu`` (a :data:`GPUS` name or a :class:`Gpu`;
-    ``overrides`` replace its fields, e.g. ``peak_tflops=1979`` for FP8).
+    ``layout`` (a :class:`mfsdp.plan.Layout`) on ``gpu`` (a key of ``GPUS`` or a
+    :class:`mfsdp.plan_time.Gpu`; ``overrides`` replace its fields, e.g. ``peak_tflops=1979``
+    for FP8).
 
     >>> from mfsdp.plan import PRESETS, Layout
     >>> t = step_time(PRESETS["llama3-8b"], Layout(world_size=8, seq_length=8192, micro_batch=2))
