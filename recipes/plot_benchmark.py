@@ -66,7 +66,7 @@ import matplotlib.pyplot as plt
 
 systems = results["systems"]
 names = list(systems)
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
 med = [1e3 * systems[n]["median_s"] for n in names]
 low = [m - 1e3 * systems[n]["min_s"] for m, n in zip(med, names)]
 high = [1e3 * systems[n]["max_s"] - m for m, n in zip(med, names)]

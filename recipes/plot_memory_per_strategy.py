@@ -57,7 +57,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 kinds = ["model_weights", "model_shard", "grad_full", "main_grads", "optimizer_state"]
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
 bottom = np.zeros(len(strategies))
 for kind in kinds:
     vals = np.array([measured[4][i]["bytes"][kind] / measured[4][i]["numel"]
