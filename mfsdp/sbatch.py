@@ -125,8 +125,9 @@ _GPU_NODES = dict(gpus_per_node=8, ranks_per_node=8, cpus_per_task=64, output="%
 # The real architectures (RMSNorm, RoPE, grouped-query or multi-latent attention, SwiGLU) are
 # the trainer's presets; the planner reads the same definitions (``mfsdp plan``).
 _LLAMA3_8B = "--model-preset llama3-8b"
+_FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 _DEEPSEEK_V3 = ("--model-preset deepseek-v3 --moe-aux-loss-coeff 0.0001 --moe-grouped-gemm "
-                "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+                + _FULL_RECOMPUTE)
 
 
 @dataclass(frozen=True)
@@ -192,9 +193,8 @@ PRESETS: dict[str, Preset] = {
                             "128 data-parallel ranks, full recompute, bf16 compute, meta-device "
                             "initialisation.", dict(
                                 _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3.1-405b", nodes=32,
-                                time="48:00:00", model_args="--model-preset llama3.1-405b "
-                                "--recompute-granularity full --recompute-method uniform "
-                                "--recompute-num-layers 1",
+                                time="48:00:00",
+                                model_args="--model-preset llama3.1-405b " + _FULL_RECOMPUTE,
                                 tp=2, sequence_parallel=True, micro_batch_size=1,
                                 global_batch_size=256, seq_length=8192, train_iters=1000,
                                 lr=0.0001, bf16=True, meta_init=True, all_gather_group=True,
@@ -205,9 +205,8 @@ PRESETS: dict[str, Preset] = {
                              "sequence, attention exact over all of it), ZeRO-3 over the 16 ranks, "
                              "full recompute, bf16 compute.", dict(
                                  _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b-long", nodes=2,
-                                 time="12:00:00", model_args="--model-preset llama3-8b "
-                                 "--recompute-granularity full --recompute-method uniform "
-                                 "--recompute-num-layers 1",
+                                 time="12:00:00",
+                                 model_args="--model-preset llama3-8b " + _FULL_RECOMPUTE,
                                  cp=2, micro_batch_size=1, global_batch_size=16,
                                  seq_length=65536, train_iters=1000, lr=0.0003, bf16=True,
                                  meta_init=True, save="checkpoints/llama3-8b-long",
