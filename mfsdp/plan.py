@@ -17,8 +17,10 @@ import argparse
 import math
 from dataclasses import dataclass, field, replace
 
+from mfsdp.plan_time import step_time
+
 __all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes",
-           "smallest_world", "smallest_layout", "tp_dense", "main", "build_parser"]
+           "smallest_world", "smallest_layout", "tp_dense", "estimate", "main", "build_parser"]
 
 GiB = 2**30
 
@@ -399,6 +401,12 @@ def plan(model: ModelConfig, layout: Layout) -> Plan:
                 padding=(pad_dense * dense + pad_expert * expert) / (dense + expert))
 
 
+def estimate(model: ModelConfig, layout: Layout, gpu="h100", **overrides):
+    """The time estimate of one optimizer step (:func:`mfsdp.plan_time.step_time`) from this
+    plan's traffic: ``estimate(PRESETS["llama3-8b"], Layout(8), "h100").tokens_per_gpu_s``."""
+    return step_time(model, layout, plan(model, layout).comm, gpu, **overrides)
+
+
 def smallest_world(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
                    gpus_per_node: int = 8, max_nodes: int = 4096) -> int | None:
     """The smallest world size (whole nodes) on which every rank fits, or None."""
@@ -510,12 +518,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"dominant term: {p.dominant}; fits on {args.device_gib:g} GiB: "
           f"{'yes' if p.fits(args.device_gib) else 'no'} (total <= {args.device_gib:g} - 4 GiB "
           "kept for the CUDA context and the allocator)")
-    from mfsdp.plan_time import step_time
-
     given = {"peak_tflops": args.peak_tflops, "efficiency": args.compute_efficiency,
              "nvlink_gbps": args.nvlink_gbps, "network_gbps": args.network_gbps}
-    print(step_time(model, layout, args.gpu, **{k: v for k, v in given.items() if v})
-          .summary())
+    print(step_time(model, layout, p.comm, args.gpu,
+                    **{k: v for k, v in given.items() if v}).summary())
     if args.smallest:
         world = smallest_world(model, layout, args.device_gib)
         print(f"smallest world that fits: {world if world else 'none up to 4096 nodes'}")

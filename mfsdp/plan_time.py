@@ -8,7 +8,8 @@ A first-order model, stated in full so that a reader can check each term:
   efficiency is the one empirical constant, the fraction of the peak a whole step's kernels
   reach (0.4 by default: the published Llama runs ``docs/planner.md`` compares with reach 0.30
   to 0.37 of their precision's peak, and large dense models up to about 0.5).
-* **communication**: the bytes :func:`mfsdp.plan.plan` counts per group, over the links the
+* **communication**: the bytes :func:`mfsdp.plan.plan` counts per group (passed in: this module
+  does not import the planner, which imports it), over the links the
   group spans. Inside one NVLink domain (a node of 8 H100s, a rack of 72 GB200s) a collective
   runs at NVLink speed. A group spread over ``D`` domains with ``g`` of its ranks in each is
   priced as a two-level collective: the ``D`` ranks at the same place in their domains exchange
@@ -106,19 +107,19 @@ def _seconds(sent: float, n: int, span: int, gpu: Gpu) -> tuple[float, str]:
     return t, links
 
 
-def step_time(model, layout, gpu: Gpu | str = "h100", **overrides) -> StepTime:
+def step_time(model, layout, sent: dict, gpu: Gpu | str = "h100", **overrides) -> StepTime:
     """Predict one optimizer step of ``model`` (a :class:`mfsdp.plan.ModelConfig`) under
-    ``layout`` (a :class:`mfsdp.plan.Layout`) on ``gpu`` (a key of ``GPUS`` or a
+    ``layout`` (a :class:`mfsdp.plan.Layout`) whose groups send ``sent`` (bytes per rank and
+    step by group: ``plan(model, layout).comm``) on ``gpu`` (a key of ``GPUS`` or a
     :class:`mfsdp.plan_time.Gpu`; ``overrides`` replace its fields, e.g. ``peak_tflops=1979``
-    for FP8).
+    for FP8). :func:`mfsdp.plan.estimate` does both steps.
 
-    >>> from mfsdp.plan import PRESETS, Layout
-    >>> t = step_time(PRESETS["llama3-8b"], Layout(world_size=8, seq_length=8192, micro_batch=2))
+    >>> from mfsdp.plan import PRESETS, Layout, plan
+    >>> model, layout = PRESETS["llama3-8b"], Layout(world_size=8, seq_length=8192, micro_batch=2)
+    >>> t = step_time(model, layout, plan(model, layout).comm)
     >>> round(t.compute_s, 2), t.links["dp_shard"], round(100 * t.mfu)
     (2.13, 'NVLink', 40)
     """
-    from mfsdp.plan import plan
-
     gpu = replace(GPUS[gpu] if isinstance(gpu, str) else gpu, **overrides)
     granularity = layout.recompute_granularity or ("full" if layout.recompute else None)
     model_flops, hw_flops = model_flops_per_token(model, layout.seq_length, granularity == "full")
@@ -132,7 +133,7 @@ def step_time(model, layout, gpu: Gpu | str = "h100", **overrides) -> StepTime:
               "ep": (layout.ep, layout.ep * layout.tp),
               "dp_shard": (layout.shard, layout.world_size // layout.dp_outer),
               "dp_outer": (layout.dp_outer, layout.world_size)}
-    timed = {g: _seconds(b, *groups[g], gpu) for g, b in plan(model, layout).comm.items()}
+    timed = {g: _seconds(b, *groups[g], gpu) for g, b in sent.items()}
     comm = {g: t for g, (t, _) in timed.items()}
     links = {g: link for g, (_, link) in timed.items()}
     overlapped = comm.get("dp_shard", 0.0) + comm.get("dp_outer", 0.0)

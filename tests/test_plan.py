@@ -234,7 +234,8 @@ def test_time_estimate_flops_links_and_overlap():
     from mfsdp.benchmark_systems import DEFAULTS, model_flops_per_token as bench_flops
     from mfsdp.models.gpt import GPT_PRESETS
     from mfsdp.plan import PRESETS, Layout, ModelConfig
-    from mfsdp.plan_time import GPUS, model_flops_per_token, step_time
+    from mfsdp.plan import estimate as step_time
+    from mfsdp.plan_time import GPUS, model_flops_per_token
 
     cfg = dict(DEFAULTS, model="llama", dim=256, hidden=704, blocks=3, heads=4, kv_heads=2,
                vocab_size=1000, seq_length=128)
