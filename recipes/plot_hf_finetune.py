@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import transformers
 
+transformers.utils.logging.disable_progress_bar()  # a page shows results, not progress bars
 work = Path(tempfile.mkdtemp())
 torch.manual_seed(0)
 config = transformers.Qwen2MoeConfig(

@@ -82,3 +82,13 @@ def test_recipe_times_are_recorded(built_site, capsys):
     with capsys.disabled():
         print("\nrecipe times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
 
+
+
+@pytest.mark.docs
+def test_no_page_shows_a_progress_bar(built_site):
+    """#30: recipes and pages show results; a tqdm bar captured into a page (``it/s]``) is noise."""
+    import re
+
+    bars = [p.name for p in (built_site / "docs").rglob("*.html")
+            if re.search(r"\d+(\.\d+)?(it|B)/s\]", p.read_text(errors="replace"))]
+    assert bars == []
