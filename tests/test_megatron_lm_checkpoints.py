@@ -757,3 +757,42 @@ def test_conversion_spreads_over_ranks(tmp_path):
     for key, value in _dcp_entries(one).items():
         if torch.is_tensor(value):
             assert torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "mla"])
+def test_an_export_converts_back_without_a_model_config(kind, tmp_path):
+    """#29: mfsdp's Megatron-LM export carries the architecture in Megatron-LM's argument names,
+    so ``--from megatron_lm`` needs no --model-config (as Megatron-LM's --use-checkpoint-args):
+    converted back from those arguments alone, every tensor equals the import's (the dense, MoE
+    and MLA models that megatron-core saved)."""
+    from mfsdp.checkpoint.dcp import read_full
+    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
+
+    src, config = {"dense": (FIXTURE / "ckpt", _config), "moe": (FIXTURE / "moe" / "ckpt",
+                                                                _moe_config),
+                   "mla": (FIXTURE / "mla" / "ckpt", _mla_config)}[kind]
+    mid = megatron_lm_to_fsdp(src, tmp_path / "mfsdp", config().to_dict(), progress=False)
+    exported = fsdp_to_megatron_lm(mid, tmp_path / "megatron", progress=False)
+    back = megatron_lm_to_fsdp(exported, tmp_path / "back", progress=False)
+    want, _, want_manifest = read_full(mid)
+    got, _, got_manifest = read_full(back)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    read = json.loads((back / "model_config.json").read_text())
+    assert read == config().to_dict() | {k: read[k] for k in (
+        "recompute_granularity", "recompute_method", "recompute_num_layers",
+        "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "init_method_std",
+        "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
+        "moe_token_drop_policy", "moe_pad_expert_input_to_capacity")}
+
+
+def test_a_checkpoint_without_its_arguments_asks_for_a_model_config(tmp_path):
+    """megatron-core's fixture carries a partial ``args`` (no vocabulary): the error names what is
+    missing and the two flags that supply the model."""
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+
+    with pytest.raises(CheckpointError, match="lack padded_vocab_size.*--model-preset or "
+                                              "--model-config"):
+        megatron_lm_to_fsdp(OPTIM / "adam", tmp_path / "x", progress=False)
+    with pytest.raises(CheckpointError, match="carries no Megatron-LM arguments"):
+        megatron_lm_to_fsdp(FIXTURE / "ckpt", tmp_path / "y", progress=False)

@@ -3,7 +3,7 @@ and Hugging Face's formats.
 
 Run as ``mfsdp convert`` or ``python -m mfsdp.checkpoint.convert``::
 
-    mfsdp convert --from megatron_lm --to fsdp_dtensor MLM_DIR OUT --model-config CFG [--weights-only]
+    mfsdp convert --from megatron_lm --to fsdp_dtensor MLM_DIR OUT [--model-config CFG] [--weights-only]
     mfsdp convert --from fsdp_dtensor --to torch_dist IN MLM_DIR [--weights-only]
     mfsdp convert --from fsdp_dtensor --to megatron_lm IN MLM_DIR --ckpt-format fsdp_dtensor [--bf16]
     mfsdp convert --from hf --to fsdp_dtensor HF_DIR OUT
@@ -110,7 +110,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "(default: %(default)s)")
     parser.add_argument("--model-preset", metavar="NAME",
                         help="(--to hf, --from megatron_fsdp or megatron_lm) the model's "
-                             "preset, for checkpoints without model_config.json")
+                             "preset, for checkpoints without model_config.json (a Megatron-LM "
+                             "torch_dist checkpoint's own arguments are read without it)")
     parser.add_argument("--model-config", metavar="FILE",
                         help="(--to hf, --from megatron_fsdp or megatron_lm) the model's "
                              "GPTConfig as JSON, for checkpoints without model_config.json")
@@ -221,10 +222,7 @@ def run(args: argparse.Namespace) -> int:
         model_config = GPT_PRESETS[args.model_preset].to_dict()
     if megatron_lm:  # Megatron-LM's own torch_dist, recognised by its tracker and metadata.json
 
-        if model_config is None:
-            raise SystemExit(f"mfsdp convert: {args.input} is a Megatron-LM checkpoint; "
-                             "name its model with --model-preset or --model-config (Megatron-LM "
-                             "keeps its arguments pickled, not as a config mfsdp can read)")
+        # (no --model-preset/--model-config: the model is read from the checkpoint's arguments)
         out = megatron_lm_to_fsdp(args.input, args.output, model_config,
                                   weights_only=args.weights_only, progress=not args.no_progress)
         print(f"wrote fsdp_dtensor checkpoint {out} from the Megatron-LM checkpoint "

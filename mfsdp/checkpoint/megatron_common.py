@@ -22,7 +22,8 @@ from mfsdp.checkpoint.manifest import CheckpointError
 
 __all__ = ["COMMON", "SAFE_TYPES", "HYPER", "MAIN_FIELDS", "FUSED_NORMS", "WRITTEN_FUSED",
            "source_key", "target_key", "read_common_state", "optimizer_common", "mfsdp_groups",
-           "mfsdp_name", "is_decayed", "megatron_args", "write_iteration"]
+           "mfsdp_name", "is_decayed", "megatron_args", "write_iteration",
+           "config_from_megatron_args"]
 
 FUSED_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm",
                 "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm",
@@ -236,7 +237,26 @@ def megatron_args(cfg, optimizer: str | None, distributed: bool, iteration: int)
         pipeline_model_parallel_size=1, ckpt_format="torch_dist", no_save_rng=True,
         no_save_optim=optimizer is None, optimizer=optimizer or "adam",
         use_distributed_optimizer=distributed, iteration=iteration, consumed_train_samples=0,
-        skipped_train_samples=0)
+        skipped_train_samples=0, **_architecture_args(cfg))
+
+
+def _architecture_args(cfg) -> dict:
+    """The rest of the architecture under Megatron-LM's argument names (which GPTConfig shares),
+    so that the checkpoint describes its model (:func:`config_from_megatron_args`)."""
+    names = ("rotary_interleaved", "qk_layernorm", "multi_latent_attention", "q_lora_rank",
+             "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_experts",
+             "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+             "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+             "moe_router_group_topk", "moe_router_enable_expert_bias",
+             "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_grouped_gemm",
+             "rope_scaling_factor")
+    out = {n: getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None}
+    if cfg.rope_scaling_factor:
+        out["use_rope_scaling"] = True
+    if cfg.num_experts:
+        out["moe_layer_freq"] = ([0] * cfg.moe_first_dense_layers
+                                 + [1] * (cfg.num_layers - cfg.moe_first_dense_layers))
+    return out
 
 
 
@@ -277,3 +297,62 @@ def write_iteration(dst: Path, iteration: int, state: dict, produce, split=froze
         (tmp / TRACKER).write_text(str(iteration))
 
     commit_dir(tmp, dst, finish)
+
+
+# GPTConfig fields Megatron-LM's arguments carry under another name or that are not architecture.
+_NOT_ARCHITECTURE = ("vocab_size", "share_embeddings_and_output_weights", "recompute_granularity",
+                     "recompute_method", "recompute_num_layers", "moe_token_dispatcher_type",
+                     "moe_flex_dispatcher_backend", "moe_first_dense_layers")
+
+
+def config_from_megatron_args(args, where: str = "the checkpoint") -> dict:
+    """The model configuration (a :class:`~mfsdp.models.gpt.GPTConfig` as a dict) that
+    Megatron-LM's saved ``args`` describe, as its ``--use-checkpoint-args`` reads them: most
+    fields share Megatron-LM's names; the vocabulary is ``padded_vocab_size``, tied embeddings
+    ``not untie_embeddings_and_output_weights``, query groups ``num_query_groups`` only with
+    ``group_query_attention``, the leading dense layers of an MoE from ``moe_layer_freq``.
+
+    >>> import argparse
+    >>> cfg = config_from_megatron_args(argparse.Namespace(num_layers=2, hidden_size=64,
+    ...     num_attention_heads=4, padded_vocab_size=128, ffn_hidden_size=176, swiglu=True,
+    ...     group_query_attention=True, num_query_groups=2, normalization="RMSNorm",
+    ...     untie_embeddings_and_output_weights=True, position_embedding_type="rope"))
+    >>> cfg["vocab_size"], cfg["num_query_groups"], cfg["share_embeddings_and_output_weights"]
+    (128, 2, False)
+    """
+    import dataclasses
+
+    from mfsdp.models.gpt import GPTConfig
+
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size")
+               if k not in given]
+    if missing:
+        raise CheckpointError(f"{where}: its Megatron-LM arguments lack {', '.join(missing)}, so "
+                              "the model cannot be read from them; name it with --model-preset "
+                              "or --model-config")
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    cfg = {k: v for k, v in given.items() if k in fields and k not in _NOT_ARCHITECTURE}
+    if not given.get("use_rope_scaling", False):
+        cfg["rope_scaling_factor"] = None  # Megatron-LM applies no scaling without the flag
+    cfg["vocab_size"] = given["padded_vocab_size"]
+    cfg["share_embeddings_and_output_weights"] = not given.get(
+        "untie_embeddings_and_output_weights", False)
+    if not given.get("group_query_attention", False):
+        cfg["num_query_groups"] = None  # one per head: GPTConfig's default
+    cfg.setdefault("ffn_hidden_size", 4 * given["hidden_size"])  # Megatron-LM's default
+    if cfg.get("kv_channels") == given["hidden_size"] // given["num_attention_heads"]:
+        cfg["kv_channels"] = None  # the default, as GPTConfig spells it
+    if cfg.get("position_embedding_type") not in (None, "rope", "learned_absolute"):
+        raise CheckpointError(f"{where}: position_embedding_type="
+                              f"{cfg['position_embedding_type']!r} has no mfsdp model")
+    freq = given.get("moe_layer_freq", 1)
+    if given.get("num_experts") and isinstance(freq, (list, tuple)):
+        dense = next((i for i, f in enumerate(freq) if f), len(freq))
+        if any(not f for f in freq[dense:]):
+            raise CheckpointError(f"{where}: moe_layer_freq={list(freq)} interleaves dense and MoE "
+                                  "layers; mfsdp's models have leading dense layers only")
+        cfg["moe_first_dense_layers"] = dense
+    elif given.get("num_experts") and freq != 1:
+        raise CheckpointError(f"{where}: moe_layer_freq={freq!r}: mfsdp reads 1 or a list")
+    return GPTConfig.from_dict(cfg).to_dict()

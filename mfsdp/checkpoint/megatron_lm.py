@@ -47,7 +47,8 @@ from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.io import load_converted
 from mfsdp.checkpoint.detect import TRACKER, is_megatron_lm, megatron_lm_backend, resolve_megatron_lm
 from mfsdp.checkpoint.manifest import CheckpointError
-from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, is_decayed, megatron_args, mfsdp_groups, mfsdp_name,
+from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, config_from_megatron_args,
+                                              is_decayed, megatron_args, mfsdp_groups, mfsdp_name,
                                               optimizer_common, read_common_state, source_key,
                                               target_key, write_iteration)
 
@@ -58,16 +59,17 @@ __all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "load_megatron_lm"
 FORMAT = "megatron_lm_torch_dist"
 
 
-def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
+def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | None = None,
                         weights_only: bool = False, progress: bool = True) -> Path:
     """A Megatron-LM ``torch_dist`` checkpoint -> mfsdp ``fsdp_dtensor``, streamed: one weight
     (one layer's slice of a stacked tensor, read from its own chunks) is in memory at a time;
     ``progress`` reports on stderr.
 
-    ``model_config`` is the :class:`~mfsdp.models.gpt.GPTConfig` the checkpoint was trained with
-    (Megatron-LM keeps its arguments in a pickled ``argparse.Namespace``; name the model with
-    ``--model-preset`` or ``--model-config`` instead). Every weight of that model must be in the
-    checkpoint with its shape, and every model tensor of the checkpoint must be used.
+    ``model_config`` is the :class:`~mfsdp.models.gpt.GPTConfig` the checkpoint was trained with;
+    ``None`` reads it from the Megatron-LM arguments the checkpoint carries
+    (:func:`~mfsdp.checkpoint.megatron_common.config_from_megatron_args`, as Megatron-LM's
+    ``--use-checkpoint-args``). Every weight of that model must be in the checkpoint with its
+    shape, and every model tensor of the checkpoint must be used.
 
     The optimizer state, when the checkpoint has it in model space, comes along: Adam moments or
     SGD momentum by parameter name, ``step`` from the param groups, the two groups' hyperparameters
@@ -84,6 +86,16 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict,
                               "metadata.json beside a .metadata)")
     directory, iteration = found
     backend = megatron_lm_backend(directory)
+    if model_config is None and backend == "torch_dist":
+        args = read_common_state(directory).get("args")
+        if args is None:
+            raise CheckpointError(f"{directory} carries no Megatron-LM arguments; name its model "
+                                  "with --model-preset or --model-config")
+        model_config = config_from_megatron_args(args, str(directory))
+    if model_config is None:
+        raise CheckpointError(f"{directory} is a Megatron-LM {backend} checkpoint, which keeps no "
+                              "arguments mfsdp can read; name its model with --model-preset or "
+                              "--model-config")
     if backend == "fsdp_dtensor":
         from mfsdp.checkpoint.megatron_lm_dtensor import megatron_lm_dtensor_to_fsdp
 
