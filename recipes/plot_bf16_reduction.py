@@ -19,31 +19,31 @@ with the exact mean. Nothing is extrapolated.
 
 The code
 --------
-The two reductions, as they round (``mfsdp/testing/numerics.py``; ``tests/test_numerics.py``
+The two reductions, as they round (``mfsdp/examples/numerics.py``; ``tests/test_numerics.py``
 checks the ring against a per-element loop and the fp32-accumulated sum against the engine's
 own reduce-scatter on real ranks, every bit):
 
-.. literalinclude:: ../../mfsdp/testing/numerics.py
+.. literalinclude:: ../../mfsdp/examples/numerics.py
    :language: python
    :pyobject: ring_reduce
 
-.. literalinclude:: ../../mfsdp/testing/numerics.py
+.. literalinclude:: ../../mfsdp/examples/numerics.py
    :language: python
    :pyobject: fp32_accum_reduce
 
 The gradients, one backward per simulated rank, and the comparison with the exact mean:
 
-.. literalinclude:: ../../mfsdp/testing/numerics.py
+.. literalinclude:: ../../mfsdp/examples/numerics.py
    :language: python
    :pyobject: rank_gradients
 
-.. literalinclude:: ../../mfsdp/testing/numerics.py
+.. literalinclude:: ../../mfsdp/examples/numerics.py
    :language: python
    :pyobject: simulate_reduction
 
 The engine's own reduce-scatter on real ranks, for the bit-for-bit check below:
 
-.. literalinclude:: ../../mfsdp/testing/numerics.py
+.. literalinclude:: ../../mfsdp/examples/numerics.py
    :language: python
    :pyobject: engine_reduce_scatter
 
@@ -63,7 +63,7 @@ The training comparison runs the complete training script of
 # backward per simulated rank, each on its own 64-token window of the bundled text.
 import time
 
-from mfsdp.testing.numerics import SCALE_METHODS, rank_gradients, simulate_reduction
+from mfsdp.examples.numerics import SCALE_METHODS, rank_gradients, simulate_reduction
 
 t0 = time.perf_counter()
 grads = rank_gradients(1024)
@@ -72,8 +72,8 @@ print(f"gradients: {tuple(grads.shape)} in {time.perf_counter() - t0:.1f} s")
 # %%
 # Reduce them as each path does
 # -----------------------------
-# :func:`mfsdp.testing.numerics.ring_reduce` follows NCCL's ring reduce-scatter (chunk ``c`` starts at
-# rank ``c + 1`` and rounds after every hop), :func:`mfsdp.testing.numerics.fp32_accum_reduce` mfsdp's gloo
+# :func:`mfsdp.examples.numerics.ring_reduce` follows NCCL's ring reduce-scatter (chunk ``c`` starts at
+# rank ``c + 1`` and rounds after every hop), :func:`mfsdp.examples.numerics.fp32_accum_reduce` mfsdp's gloo
 # path. Powers of two keep NCCL's average (a pre-multiplication by ``1 / N``) exact.
 worlds = [2 ** k for k in range(1, 11)]
 t0 = time.perf_counter()
@@ -91,7 +91,7 @@ for n in worlds:
 import torch
 
 from mfsdp.launch import launch
-from mfsdp.testing.numerics import engine_reduce_scatter, fp32_accum_reduce
+from mfsdp.examples.numerics import engine_reduce_scatter, fp32_accum_reduce
 
 chunks = launch(engine_reduce_scatter, 4, args=(grads[:4],))
 print("engine == simulation:", torch.equal(torch.cat(chunks), fp32_accum_reduce(grads[:4],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mfsdp.launch import launch
-from mfsdp.testing.numerics import (engine_reduce_scatter, fp32_accum_reduce, rank_gradients,
+from mfsdp.examples.numerics import (engine_reduce_scatter, fp32_accum_reduce, rank_gradients,
                             ring_reduce, simulate_reduction)
 
 
