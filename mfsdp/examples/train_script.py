@@ -78,7 +78,7 @@ def build(device: torch.device, dp_outer: int = 1, ep: int = 1, moe: bool = Fals
     )
     model.set_global_names(global_names)  # checkpoints name experts by their global index
     opt_class = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
-    optimizer = mfsdp.fully_shard_optimizer(opt_class(model.parameters(), lr=lr))
+    sharded_opt = mfsdp.fully_shard_optimizer(opt_class(model.parameters(), lr=lr))
 
     def schedule(step: int) -> float:  # linear warm-up, then cosine decay to 10%
         if step < warmup:
@@ -86,7 +86,7 @@ def build(device: torch.device, dp_outer: int = 1, ep: int = 1, moe: bool = Fals
         progress = (step - warmup) / max(1, steps - warmup)
         return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    return model, optimizer, LambdaLR(optimizer, schedule)
+    return model, sharded_opt, LambdaLR(sharded_opt, schedule)
 
 
 def batch(step: int, device: torch.device, global_batch: int = 64):
