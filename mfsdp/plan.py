@@ -416,9 +416,17 @@ def smallest_world(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
             candidate = replace(layout, world_size=world)
         except ValueError:
             continue
-        if plan(model, candidate).fits(device_gib):
+        p = plan(model, candidate)
+        if p.fits(device_gib):
             return world
+        if not _fits_without_state(p, device_gib):
+            return None  # more ranks shrink only the state: no world size fits
     return None
+
+
+def _fits_without_state(p: Plan, device_gib: float) -> bool:
+    """Whether what no added data-parallel rank shrinks (gathered weights and activations) fits."""
+    return replace(p, memory={k: p.memory[k] for k in ("gathered", "activations")}).fits(device_gib)
 
 
 def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0,

@@ -323,7 +323,7 @@ def test_flags_the_guide_names_exist():
                         "--fp8-format", "--fp8-recipe", "--fp8-param-gather",
                         "--use-precision-aware-optimizer", "--tensor-model-parallel-size",
                         "--context-parallel-size", "--dist-ckpt-strictness",
-                        "--dist-ckpt-optim-fully-reshardable"},
+                        "--dist-ckpt-optim-fully-reshardable", "--use-checkpoint-args"},
     }
     allowed = ours | set().union(*external.values())
     root = Path(__file__).resolve().parents[1]

@@ -122,7 +122,10 @@ def plan_bucket(shapes: list[tuple[int, ...]], shard_count: int,
         shard_numel = total
     else:
         row_sizes = [math.prod(s[1:]) if len(s) > 1 else 1 for s in shapes]
-        offsets, shard_numel = _place_search(numels, row_sizes, shard_count)
+        # a shard size past this pads more than allowed: the search can stop there
+        largest = (None if math.isinf(max_row_padding)
+                   else math.floor(total * (1 + max_row_padding) / shard_count))
+        offsets, shard_numel = _place_search(numels, row_sizes, shard_count, largest)
         if shard_count * shard_numel - total > max_row_padding * total:
             offsets = [sum(numels[:i]) for i in range(len(numels))]
             shard_numel = -(-total // shard_count)
@@ -150,16 +153,19 @@ def _place(numels: list[int], row_sizes: list[int], size: int, n: int) -> list[i
     return offsets if cursor <= n * size else None
 
 
-def _place_search(numels: list[int], row_sizes: list[int], n: int,
+def _place_search(numels: list[int], row_sizes: list[int], n: int, largest: int | None = None,
                   max_tries: int = 100_000) -> tuple[list[int], int]:
     """The smallest shard size with a valid placement; a multiple of every row size always has
-    one (each parameter starting on a multiple of its row size), which bounds the search."""
+    one (each parameter starting on a multiple of its row size), which bounds the search.
+
+    Sizes above ``largest`` are not tried: the caller would reject them."""
     lower = -(-sum(numels) // n)
     lcm = 1
     for numel, r in zip(numels, row_sizes):
         if numel and r > 1:
             lcm = math.lcm(lcm, r)
-    for size in range(lower, lower + max_tries):
+    stop = lower + max_tries if largest is None else min(lower + max_tries, largest + 1)
+    for size in range(lower, stop):
         if size % lcm == 0:
             break
         offsets = _place(numels, row_sizes, size, n)
