@@ -633,6 +633,101 @@ def test_expert_parallel_checkpoint_both_ways(tmp_path):
     assert len(one["optimizer"]["param_groups"]) == 2
 
 
+# --- a tensor-parallel job: megatron-core at TP 2 (make_tp_fixture.py), Adam, fully reshardable
+TP2 = FIXTURE / "optim" / "adam-tp2"
+
+
+def test_tensor_parallel_checkpoint_both_ways(tmp_path):
+    """megatron-core's TP 2 checkpoint (each rank wrote its piece of every split weight: query
+    groups, the gate and up halves of ``linear_fc1``, the vocabulary) reads as global tensors:
+    every main weight and Adam moment equals megatron-core's, the ranks' pieces joined as it
+    splits them. Exported for a TP 2 job it is megatron-core's checkpoint again, every tensor
+    bit for bit (``make_tp_fixture.py mcore --load DIR`` has megatron-core at TP 2 load the
+    export and run the third iteration bit for bit), with ``args`` naming TP 2; a TP size the
+    model cannot be split by is refused with the size named."""
+    from mfsdp.checkpoint.dcp import read_full
+    from mfsdp.checkpoint.megatron_common import read_common_state
+    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
+
+    e = torch.load(FIXTURE / "expected_tp2.pt")
+    mid = megatron_lm_to_fsdp(TP2, tmp_path / "m", _config().to_dict(), progress=False)
+    tensors, blobs, _ = read_full(mid)
+    names = [k[len("model."):] for k in tensors if k.startswith("model.")]
+    assert len(names) == len(e["state_after_2"])
+    for name in names:
+        want = e["state_after_2"][_mcore_name(name)]
+        assert torch.equal(tensors[f"model.{name}"], want["param"]), name
+        for field in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(tensors[f"optimizer.state.{name}.{field}"], want[field]), name
+    assert blobs["extra"]["opt_param_scheduler"] == e["scheduler"] | {"num_steps": 2}
+    out = fsdp_to_megatron_lm(mid, tmp_path / "tp2", progress=False, tensor_model_parallel_size=2)
+    want, got = assert_same_tensors(TP2 / "iter_0000002", out / "iter_0000002")
+    assert read_common_state(out / "iter_0000002")["args"].tensor_model_parallel_size == 2
+    a = got["common_state/shard_0_1"][0]["optimizer"]["optimizer"]["param_groups"]
+    b = want["common_state/shard_0_1"][0]["optimizer"]["optimizer"]["param_groups"]
+    assert len(a) == len(b) and all({k: y[k] for k in x} == x for x, y in zip(a, b))
+    with pytest.raises(CheckpointError, match="num_attention_heads=4, num_query_groups=2"):
+        fsdp_to_megatron_lm(mid, tmp_path / "tp3", progress=False, tensor_model_parallel_size=3)
+    assert not (tmp_path / "tp3").exists()
+
+
+def _third_iteration_tp(path: str) -> dict:
+    """Both ranks: mfsdp's model split at TP 2 (``apply_tensor_parallel``, the vocabulary-parallel
+    loss) and sharded over data parallelism 1, loaded from megatron-core's TP 2 checkpoint, then
+    the fixture's third iteration (both sequences on both ranks, mean token loss, clipping at
+    1.0, one Adam step)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mfsdp import fully_shard
+    from mfsdp.checkpoint import load_checkpoint
+    from mfsdp.models.gpt import GPT, TransformerLayer
+    from mfsdp.models.tensor_parallel import (apply_tensor_parallel, loss_parallel_context,
+                                              vocab_parallel_cross_entropy)
+
+    e = torch.load(FIXTURE / "expected_tp2.pt")
+    torch.manual_seed(1)  # other initial values: the checkpoint must replace them all
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    net = apply_tensor_parallel(GPT(_config()), mesh["tp"], vocab_parallel_loss=True)
+    params = list(net.named_parameters())
+    groups = [{"params": [p for _, p in params if p.dim() > 1], "weight_decay": 0.5},
+              {"params": [p for _, p in params if p.dim() == 1], "weight_decay": 0.5}]
+    sharded, opt = fully_shard(net, torch.optim.AdamW(groups, lr=1.0), device_mesh=mesh,
+                               dp_shard_dim="dp", tp_dim="tp",
+                               fsdp_unit_modules=[TransformerLayer],
+                               zero_dp_strategy="optim_grads_params")
+    load_checkpoint(path, sharded, opt)
+    tokens, labels = e["tokens"], e["labels"]
+    B, S = tokens.shape
+    logits = sharded(tokens.reshape(-1), torch.arange(0, B * S + 1, S))
+    loss = vocab_parallel_cross_entropy(logits, labels.reshape(-1),
+                                        torch.ones(B * S, dtype=torch.bool)) / (B * S)
+    with loss_parallel_context(2):
+        loss.backward()
+    total = opt.clip_grad_norm_(1.0)
+    opt.step()
+    return {"loss": loss.item(), "grad_norm": float(total),
+            "weights": {k: v.clone() for k, v in sharded.full_parameters().items()}}
+
+
+@pytest.mark.slow
+def test_training_goes_on_at_tp2_as_megatron_core_does(tmp_path):
+    """mfsdp's own tensor parallelism continues megatron-core's TP 2 run: the third iteration's
+    loss (1e-5), gradient norm (1e-5 relative) and every weight after it (the tolerances of
+    ``test_training_goes_on_as_megatron_core_does``: float32 sums in another order)."""
+    e = torch.load(FIXTURE / "expected_tp2.pt")
+    copy = tmp_path / "megatron"
+    shutil.copytree(TP2, copy)
+    got = launch(_third_iteration_tp, 2, args=(str(copy),))[0]
+    assert abs(got["loss"] - e["loss_3"]) < 1e-5, (got["loss"], e["loss_3"])
+    assert abs(got["grad_norm"] - e["grad_norm_3"]) < 1e-5 * e["grad_norm_3"]
+    for name, after in got["weights"].items():
+        want = e["weights_after_3"][_mcore_name(name)]
+        before = e["state_after_2"][_mcore_name(name)]["param"]
+        step = (want - before).norm()
+        tol = 1e-2 if "linear_qkv" in name else 1e-4
+        assert (after - want).norm() <= tol * step, (name, (after - want).norm() / step)
+
+
 @pytest.mark.slow
 @pytest.mark.extended
 def test_trainer_resumes_an_expert_parallel_checkpoint_at_ep2(tmp_path):

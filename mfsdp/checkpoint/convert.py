@@ -138,6 +138,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="(--to megatron_lm, torch_dist) the loading job's expert "
                              "parallelism: above 1, the optimizer's groups are written for "
                              "megatron-core's chained expert optimizer (default 1)")
+    parser.add_argument("--tensor-model-parallel-size", type=int, metavar="N",
+                        help="(--to megatron_lm, torch_dist) the loading job's tensor "
+                             "parallelism, written into the checkpoint's args (which "
+                             "--use-checkpoint-args reads); the tensors are global at any TP "
+                             "size (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress report")
     return parser
 
@@ -186,11 +191,14 @@ def run(args: argparse.Namespace) -> int:
     pair = (args.src_format, args.dst_format)
     shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work
     dtensor_flags = [f for f, on in (("--bf16", args.bf16), ("--fp16", args.fp16)) if on]
-    if args.expert_model_parallel_size and not (pair == ("fsdp_dtensor", "megatron_lm")
-                                                 and args.ckpt_format != "fsdp_dtensor"):
-        raise SystemExit("mfsdp convert: --expert-model-parallel-size names the expert "
-                         "parallelism of the Megatron-LM job that loads the torch_dist output "
-                         "of --to megatron_lm (an fsdp_dtensor checkpoint serves any)")
+    for flag, kind in (("expert_model_parallel_size", "expert"),
+                       ("tensor_model_parallel_size", "tensor")):
+        if getattr(args, flag) and not (pair == ("fsdp_dtensor", "megatron_lm")
+                                        and args.ckpt_format != "fsdp_dtensor"):
+            raise SystemExit(f"mfsdp convert: --{flag.replace('_', '-')} names the {kind} "
+                             "parallelism of the Megatron-LM job that loads the torch_dist "
+                             "output of --to megatron_lm (an fsdp_dtensor checkpoint serves "
+                             "any)")
     if args.transformer_impl and pair != ("fsdp_dtensor", "megatron_lm"):
         raise SystemExit("mfsdp convert: --transformer-impl names the layer spec of the "
                          "Megatron-LM job that loads the output of --to megatron_lm")
@@ -245,7 +253,8 @@ def run(args: argparse.Namespace) -> int:
         out = fsdp_to_megatron_lm(src, args.output, model_config, weights_only=args.weights_only,
                                   progress=not args.no_progress,
                                   transformer_impl=args.transformer_impl or "transformer_engine",
-                                  expert_model_parallel_size=args.expert_model_parallel_size or 1)
+                                  expert_model_parallel_size=args.expert_model_parallel_size or 1,
+                                  tensor_model_parallel_size=args.tensor_model_parallel_size or 1)
         print(f"wrote Megatron-LM torch_dist checkpoint {out} (load it with --ckpt-format "
               "torch_dist" + ("" if args.weights_only else
                               "; Adam state: --use-distributed-optimizer") + ")")

@@ -213,10 +213,12 @@ def target_key(name: str, per_layer: bool = False, mla: bool = False,
     return f"decoder.layers.{i}.{rest}", None
 
 
-def megatron_args(cfg, optimizer: str | None, distributed: bool, iteration: int):
+def megatron_args(cfg, optimizer: str | None, distributed: bool, iteration: int,
+                  tensor_model_parallel_size: int = 1):
     """The ``args`` namespace Megatron-LM's loader reads from a checkpoint: the architecture
-    (compared with the job's, and used by ``--use-checkpoint-args``), a tensor- and
-    pipeline-parallel size of 1, and ``no_save_rng`` (mfsdp's RNG states are not Megatron-LM's)."""
+    (compared with the job's, and used by ``--use-checkpoint-args``), the loading job's
+    tensor-parallel size (``--use-checkpoint-args`` takes it from here), a pipeline-parallel size
+    of 1, and ``no_save_rng`` (mfsdp's RNG states are not Megatron-LM's)."""
     heads = cfg.num_attention_heads
     groups = cfg.num_query_groups or heads
     return argparse.Namespace(
@@ -233,7 +235,8 @@ def megatron_args(cfg, optimizer: str | None, distributed: bool, iteration: int)
         normalization=cfg.normalization, norm_epsilon=cfg.norm_epsilon, swiglu=cfg.swiglu,
         add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
         untie_embeddings_and_output_weights=not cfg.share_embeddings_and_output_weights,
-        padded_vocab_size=cfg.vocab_size, tensor_model_parallel_size=1,
+        padded_vocab_size=cfg.vocab_size,
+        tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=1, ckpt_format="torch_dist", no_save_rng=True,
         no_save_optim=optimizer is None, optimizer=optimizer or "adam",
         use_distributed_optimizer=distributed, iteration=iteration, consumed_train_samples=0,

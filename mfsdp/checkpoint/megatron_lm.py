@@ -213,10 +213,27 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
 
 
 
+def _check_tensor_parallel_split(cfg, tp: int) -> None:
+    """Refuse a tensor-parallel size the model cannot be split by, naming the size that does
+    not divide (Megatron-LM's own checks at start-up)."""
+    if tp < 1:
+        raise CheckpointError(f"--tensor-model-parallel-size {tp}: must be at least 1")
+    sizes = {"num_attention_heads": cfg.num_attention_heads,
+             "num_query_groups": cfg.num_query_groups or cfg.num_attention_heads,
+             "ffn_hidden_size": cfg.ffn_hidden_size, "vocab_size": cfg.vocab_size}
+    if getattr(cfg, "moe_shared_expert_intermediate_size", None):
+        sizes["moe_shared_expert_intermediate_size"] = cfg.moe_shared_expert_intermediate_size
+    bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
+    if bad:
+        raise CheckpointError(f"a job at --tensor-model-parallel-size {tp} cannot split this "
+                              f"model: {', '.join(bad)} not divisible by {tp}")
+
+
 def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | None = None,
                         weights_only: bool = False, progress: bool = True,
                         transformer_impl: str = "transformer_engine",
-                        expert_model_parallel_size: int = 1, verify: bool = True) -> Path:
+                        expert_model_parallel_size: int = 1, verify: bool = True,
+                        tensor_model_parallel_size: int = 1) -> Path:
     """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``torch_dist`` checkpoint (``dst`` is the root:
     ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed: stacked tensors are
     written one chunk per layer (or expert), as megatron-core writes them, so one weight is in
@@ -239,8 +256,12 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     ``linear_kv_up_proj.layer_norm_weight``, the dense MLP's fused into ``linear_fc1``).
     ``expert_model_parallel_size``: the loading job's; above 1 the optimizer's groups are
     written as megatron-core's chained optimizer holds them (the routed experts' own optimizer
-    after the dense one), the tensors as they are at any expert parallelism. ``verify``: check
-    ``src``'s files against their SHA-256 sums first.
+    after the dense one), the tensors as they are at any expert parallelism.
+    ``tensor_model_parallel_size``: the loading job's, written into ``args`` (which
+    ``--use-checkpoint-args`` reads); the tensors are global at any TP size (megatron-core's
+    sharded state dict places each rank's piece), so only the model must split: heads, query
+    groups, the FFN and the vocabulary divisible by it, else a ``CheckpointError`` names which.
+    ``verify``: check ``src``'s files against their SHA-256 sums first.
     """
     from mfsdp.models.gpt import GPT, GPTConfig
 
@@ -251,6 +272,7 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
                                   "--model-preset or --model-config")
         model_config = json.loads((src / MODEL_CONFIG_FILE).read_text())
     cfg = GPTConfig.from_dict(model_config)
+    _check_tensor_parallel_split(cfg, tensor_model_parallel_size)
     if transformer_impl not in ("transformer_engine", "local"):
         raise ValueError(f"transformer_impl={transformer_impl!r}: choose transformer_engine or "
                          "local")
@@ -365,7 +387,7 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
         if scheduler:
             common["opt_param_scheduler"] = dict(scheduler)
     common["args"] = megatron_args(cfg, None if groups is None else ("adam" if distributed else "sgd"),
-                           distributed, iteration)
+                                   distributed, iteration, tensor_model_parallel_size)
     common["args"].expert_model_parallel_size = expert_model_parallel_size
     common["content_metadata"] = metadata
     # as megatron-core stores a ShardedObject: torch.save of [object], not flattened into keys
