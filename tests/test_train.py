@@ -130,6 +130,17 @@ def test_tensor_parallel_flags_follow_megatron_lm_rules():
     assert "pass --expert-tensor-parallel-size 1" in errors[1]
 
 
+def test_vocabulary_is_padded_for_tensor_parallelism_as_megatron_lm_pads(tmp_path):
+    """A vocabulary that TP does not divide gains dummy tokens, with Megatron-LM's start-up line
+    (255 -> 256 at TP 2); training at TP 2 then gives the 1-rank curve of the 256-token model."""
+    log = tmp_path / "log.jsonl"
+    proc = _torchrun(SHORT + TP + ["--vocab-size", "255", "--log-jsonl", str(log)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert " > padded vocab (size: 255) with 1 dummy tokens (new size: 256)" in proc.stdout
+    assert [r["loss"] for r in _jsonl(log)] == pytest.approx(
+        _losses(1, tuple(SHORT + ["--vocab-size", "256"])), rel=1e-5)
+
+
 def test_resume_at_another_tensor_parallel_size(tmp_path):
     """Saved at TP 2 x DP 2, resumed at TP 1 x DP 4: the straight run's losses."""
     ckpt = str(tmp_path / "ckpt")

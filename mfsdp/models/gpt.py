@@ -347,11 +347,22 @@ def _fork_rng_here():
     return torch.random.fork_rng(devices=[])
 
 
+class TiedOutput(nn.Module):
+    """The output projection of a model whose output layer is its embedding: ``x @ weight.T``
+    with the embedding's weight passed in. A module of its own (with no parameter) so that a
+    parallelisation plan can place its input and output, as it does an ``output_layer``'s
+    (see :func:`mfsdp.models.tensor_parallel.tp_plan`)."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+
 class GPT(nn.Module):
     """Embeddings, a :class:`~mfsdp.models.gpt.TransformerLayer` stack, final norm and output head.
 
     With ``share_embeddings_and_output_weights`` the output projection reuses
-    ``embedding.weight`` (there is no ``output_layer``).
+    ``embedding.weight`` (there is no ``output_layer``; :class:`TiedOutput`, which holds no
+    weight, applies it).
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -379,7 +390,9 @@ class GPT(nn.Module):
             TransformerLayer(cfg, moe=cfg.num_experts > 0 and i >= cfg.moe_first_dense_layers)
             for i in range(cfg.num_layers))
         self.final_layernorm = _norm(cfg, cfg.hidden_size)
-        if not cfg.share_embeddings_and_output_weights:
+        if cfg.share_embeddings_and_output_weights:
+            self.tied_output = TiedOutput()
+        else:
             self.output_layer = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def init_weights(self, module: nn.Module) -> None:
@@ -465,7 +478,7 @@ class GPT(nn.Module):
         x = self._layers(x, mask, rope)
         x = self.final_layernorm(x)
         if cfg.share_embeddings_and_output_weights:
-            return F.linear(x, self.embedding.weight)
+            return self.tied_output(x, self.embedding.weight)
         return self.output_layer(x)
 
 

@@ -14,7 +14,9 @@ The split is Megatron-LM's:
   results are summed), the output layer column-parallel over the vocabulary: its logits are
   gathered, or with ``vocab_parallel_loss=True`` stay split over the vocabulary (a DTensor) for a
   vocabulary-parallel cross-entropy (:func:`vocab_parallel_cross_entropy`, PyTorch's
-  ``loss_parallel``), so no rank ever holds a token's logits over the whole vocabulary;
+  ``loss_parallel``), so no rank ever holds a token's logits over the whole vocabulary; tied
+  embeddings (``share_embeddings_and_output_weights``) project with the embedding's own
+  vocabulary rows, as Megatron-LM ties them;
 * MLA's rotary key, computed whole and used by every head, gets its gradient summed over TP;
 * MoE layers: the experts over EP as without TP (expert TP size 1, each TP rank runs the layer on
   the same tokens), the router whole;
@@ -90,10 +92,8 @@ def check_tensor_parallel(cfg, tp: int, sequence_parallel: bool = False) -> None
         problems.append(f"ffn_hidden_size={cfg.ffn_hidden_size} is not divisible by {tp}")
     if cfg.vocab_size % tp:
         problems.append(f"vocab_size={cfg.vocab_size} is not divisible by {tp} (the embedding "
-                        "and output layer are split by vocabulary; pad the vocabulary)")
-    if cfg.share_embeddings_and_output_weights:
-        problems.append("share_embeddings_and_output_weights=True: tied embeddings are not "
-                        "split by this plan; untie them for tensor parallelism")
+                        "and output layer are split by vocabulary; pad it with dummy tokens: "
+                        "mfsdp.trainer.build.padded_vocab_size, as the trainer does)")
     if problems:
         raise ValueError("tensor parallelism: " + "; ".join(problems))
 
@@ -109,12 +109,22 @@ def tp_plan(model, sequence_parallel: bool = False, vocab_parallel_loss: bool = 
     plan: dict = {
         # whole embeddings (position embeddings are added to them) ...
         "embedding": RowwiseParallel(input_layouts=Replicate()),
-        "output_layer": ColwiseParallel(
+    }
+    logits = Shard(-1) if vocab_parallel_loss else Replicate()
+    if cfg.share_embeddings_and_output_weights:
+        # the output layer is the embedding, its weight already split by vocabulary rows: the
+        # same column-parallel projection (as Megatron-LM ties them), the input whole on every
+        # rank (its gradient summed over TP), the logits split by vocabulary
+        plan["tied_output"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(0) if sp else Replicate(), None),
+            desired_input_layouts=(Replicate(), None), use_local_input=False,
+            output_layouts=(Shard(-1),), desired_output_layouts=(logits,),
+            use_local_output=not vocab_parallel_loss)
+    else:
+        plan["output_layer"] = ColwiseParallel(
             input_layouts=Shard(0) if sp else Replicate(),
             # vocabulary-parallel loss: logits stay a DTensor split over the vocabulary
-            output_layouts=Shard(-1) if vocab_parallel_loss else Replicate(),
-            use_local_output=not vocab_parallel_loss),
-    }
+            output_layouts=logits, use_local_output=not vocab_parallel_loss)
     if sp:
         plan["final_layernorm"] = SequenceParallel(sequence_dim=0)
         # ... cut into sequence shards where the first layer takes them (a local slice)

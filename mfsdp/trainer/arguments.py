@@ -67,7 +67,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     m.add_argument("--hidden-size", type=positive_int, help="model width")
     m.add_argument("--ffn-hidden-size", type=positive_int, help="dense MLP width")
     m.add_argument("--num-attention-heads", type=positive_int, help="attention heads")
-    m.add_argument("--vocab-size", type=positive_int, help="vocabulary (at least 256 with data files)")
+    m.add_argument("--vocab-size", type=positive_int,
+                   help="vocabulary (at least 256 with data files; under tensor parallelism "
+                        "padded to a multiple of the TP size)")
     m.add_argument("--max-position-embeddings", type=positive_int,
                    help="longest sequence (default: --seq-length)")
     m.add_argument("--swiglu", action="store_true", default=None, help="gated MLPs")
@@ -246,7 +248,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     t.add_argument("--tokenizer-model", metavar="PATH",
                    help="HuggingFaceTokenizer: a local tokenizer directory")
     t.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
-                   help="pad the tokenizer's vocabulary to a multiple (default: %(default)s)")
+                   help="pad the tokenizer's vocabulary to a multiple of this times the "
+                        "tensor-parallel size, as Megatron-LM does (default: %(default)s)")
     t.add_argument("--train-samples", type=positive_int,
                    help="samples to train on (sets --train-iters = samples / global batch)")
     t.add_argument("--eval-interval", type=positive_int, default=1000,

@@ -54,12 +54,41 @@ def model_config(args):
             indexed = bool(args.data_path) and any(is_indexed_prefix(p) for p in args.data_path)
             cfg = with_overrides(cfg, max_position_embeddings=max(args.seq_length, 1) + indexed)
         tok = tokenizer_of(args)
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
         if tok is not None:
-            multiple = args.make_vocab_size_divisible_by
-            cfg = with_overrides(cfg, vocab_size=-(-tok.vocab_size // multiple) * multiple)
+            kept = (saved or {}).get("vocab_size", 0)  # a resumed job keeps its padded size
+            size = (kept if kept >= tok.vocab_size and kept % tp == 0
+                    else padded_vocab_size(tok.vocab_size, args.make_vocab_size_divisible_by, tp))
+            _note_padding(tok.vocab_size, size)
+            cfg = with_overrides(cfg, vocab_size=size)
+        elif cfg.vocab_size % tp:  # the vocabulary-parallel layers need a multiple of TP
+            size = padded_vocab_size(cfg.vocab_size, 1, tp)
+            _note_padding(cfg.vocab_size, size)
+            cfg = with_overrides(cfg, vocab_size=size)
         return cfg
     except ValueError as e:  # an inconsistent combination of model flags
         raise SystemExit(f"mfsdp train: {e}") from None
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int = 1) -> int:
+    """Megatron-LM's padded vocabulary: ``vocab`` rounded up to a multiple of
+    ``divisible_by x tp`` (``--make-vocab-size-divisible-by`` times the tensor-parallel size,
+    so that every TP rank holds as many rows of the embedding and the output layer).
+
+    >>> padded_vocab_size(50257, 128), padded_vocab_size(50257, 128, tp=8)
+    (50304, 51200)
+    """
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def _note_padding(vocab: int, size: int) -> None:
+    """Megatron-LM's start-up line when the vocabulary gains dummy tokens (rank 0)."""
+    import torch.distributed as dist
+
+    if size != vocab and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f" > padded vocab (size: {vocab}) with {size - vocab} dummy tokens "
+              f"(new size: {size})", flush=True)
 
 
 def overridden_config(base, args, max_pos):
