@@ -33,7 +33,8 @@ def _resume(world, cfg, tmp_path, save_at=3):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", [dict(BASE, strategy=s) for s in STRATEGIES] + [
-    dict(BASE, model="moe", strategy="optim_grads_params", ep=2, dp_outer=2),
+    pytest.param(dict(BASE, model="moe", strategy="optim_grads_params", ep=2, dp_outer=2),
+                 marks=pytest.mark.extended),  # (the HFSDP case below covers its path)
     dict(BASE, model="moe", strategy="optim_grads_params", ep=2, dp_outer=2,
          outer_strategy="optim")], ids=lambda c: "-".join(
     [c["strategy"]] + [f"{k}{c[k]}" for k in ("ep", "dp_outer", "outer_strategy") if k in c]))
@@ -46,18 +47,22 @@ def test_resume_is_bit_identical(cfg, tmp_path):
 
 
 RESHARD = [
-    (2, dict(BASE), 4, dict(BASE)),
-    (4, dict(BASE), 2, dict(BASE)),
-    (4, dict(BASE), 4, dict(BASE, dp_outer=2)),
-    (2, dict(BASE, strategy="optim"), 4, dict(BASE, dp_outer=2, outer_strategy="optim")),
-    (4, dict(BASE, model="moe", ep=2), 4, dict(BASE, model="moe", ep=1)),
-    (4, dict(BASE, model="moe", ep=2), 4, dict(BASE, model="moe", ep=2, dp_outer=2)),
+    pytest.param(2, dict(BASE), 4, dict(BASE), id="2to4"),
+    # (make test-extended: the inverse directions and combinations of the cases above)
+    pytest.param(4, dict(BASE), 2, dict(BASE), id="4to2", marks=pytest.mark.extended),
+    pytest.param(4, dict(BASE), 4, dict(BASE, dp_outer=2), id="fsdp_to_hsdp"),
+    pytest.param(2, dict(BASE, strategy="optim"), 4,
+                 dict(BASE, dp_outer=2, outer_strategy="optim"), id="zero1_to_hfsdp"),
+    pytest.param(4, dict(BASE, model="moe", ep=2), 4, dict(BASE, model="moe", ep=1),
+                 id="ep2_to_ep1"),
+    pytest.param(4, dict(BASE, model="moe", ep=2), 4,
+                 dict(BASE, model="moe", ep=2, dp_outer=2), id="ep2_fsdp_to_ep2_hsdp",
+                 marks=pytest.mark.extended),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("w1, cfg1, w2, cfg2", RESHARD, ids=[
-    "2to4", "4to2", "fsdp_to_hsdp", "zero1_to_hfsdp", "ep2_to_ep1", "ep2_fsdp_to_ep2_hsdp"])
+@pytest.mark.parametrize("w1, cfg1, w2, cfg2", RESHARD)
 def test_reshard_keeps_state_and_training(w1, cfg1, w2, cfg2, tmp_path):
     straight, saved = launch(train_sharded_many, w1, args=(
         [cfg1, dict(cfg1, steps=3, save_at=3, save_dir=str(tmp_path))],))[0]

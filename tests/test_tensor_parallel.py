@@ -115,7 +115,7 @@ def parity(kind: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("kind", ["sgd", pytest.param("adamw", marks=pytest.mark.extended)])
 def test_llama_tp_plan_matches_one_process(kind):
     errors = launch(parity, 4, args=(kind,), timeout=600)[0]
     for case, err in errors.items():
@@ -473,8 +473,9 @@ def test_vocab_parallel_loss_matches_the_unsplit_model(sequence_parallel):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel,split_logits", [(False, True), (True, True),
-                                                           (True, False)])
+@pytest.mark.parametrize("sequence_parallel,split_logits", [
+    (True, True), pytest.param(False, True, marks=pytest.mark.extended),
+    pytest.param(True, False, marks=pytest.mark.extended)])
 def test_tied_embeddings_under_tensor_parallelism(sequence_parallel, split_logits):
     """#29: a model whose output layer is its embedding (Megatron-LM's default) splits under TP
     as Megatron-LM ties it: the embedding's vocabulary rows project the logits, which stay split
