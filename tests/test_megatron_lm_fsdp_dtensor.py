@@ -9,7 +9,8 @@ weights only: megatron-core cannot save a SwiGLU model's optimizer state in this
 ``gelu`` (fp32, Adam), ``bf16`` (``--bf16``: one more ``module.`` in the optimizer's keys) and
 ``moe`` (the MoE model: experts, router with expert bias, shared expert; fp32, Adam) and
 ``moe-ep2`` (the same with expert parallelism 2: each rank two experts, saved under their
-global indices).
+global indices) and ``gelu-tp2`` (``gelu`` with tensor parallelism 2 on four ranks: each
+weight a DTensor over data parallelism and TP, saved as its global tensor).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mfsdp.launch import launch
 
 FIXTURE = Path(__file__).parent / "fixtures" / "megatron_lm"
 ROOT = FIXTURE / "fsdp_dtensor"
-VARIANTS = ["swiglu", "gelu", "bf16", "moe", "moe-ep2"]
+VARIANTS = ["swiglu", "gelu", "bf16", "moe", "moe-ep2", "gelu-tp2"]
 
 
 def _expected(variant: str) -> dict:
@@ -258,7 +259,7 @@ def test_sgd_from_the_imported_weights_follows_the_gradient(tmp_path):
 
 @pytest.mark.parametrize("variant,precision", [("swiglu", "fp32"), ("gelu", "fp32"),
                                                ("bf16", "bf16"), ("moe", "fp32"),
-                                               ("moe-ep2", "fp32")])
+                                               ("moe-ep2", "fp32"), ("gelu-tp2", "fp32")])
 def test_export_of_an_import_is_the_checkpoint_megatron_core_wrote(variant, precision, tmp_path):
     """megatron-core's checkpoint -> mfsdp -> Megatron-LM ``fsdp_dtensor`` (for the job that
     wrote it: local layer spec, its precision) gives back its entries: the tracker, every key
