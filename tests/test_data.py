@@ -192,6 +192,46 @@ def test_trainer_on_indexed_data_resumes_on_the_same_samples(corpus, tmp_path):
             assert b["valid_loss"] == pytest.approx(a["valid_loss"], rel=1e-6)
 
 
+def _train_counting_reads(argv: list[str]) -> dict:
+    """This rank's training records and every sample it read from the dataset."""
+    from mfsdp.data.batches import MegatronData
+    from mfsdp.train import run_in_rank
+
+    reads, original = [], MegatronData.sample
+
+    def counted(self, split, i):
+        reads.append(("train" if split is self.train else "valid", i))
+        return original(self, split, i)
+
+    MegatronData.sample = counted
+    try:
+        return {"records": run_in_rank(argv), "reads": reads}
+    finally:
+        MegatronData.sample = original
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # (22 s; every TP trainer test of make test runs the same path)
+def test_a_replica_reads_its_samples_once_whatever_its_tensor_parallel_size(corpus):
+    """#29: at TP 2 x DP 2 each data-parallel replica's first TP rank reads its share of every
+    global batch and sends it to its TP partner, which reads nothing (as Megatron-LM's TP rank 0
+    reads and broadcasts); the two replicas read disjoint samples, every one of the global batch
+    once, and the losses are the DP 2 run's (the vocabulary padded to the same 256: Megatron-LM
+    pads to a multiple of 128 x TP)."""
+    from mfsdp.launch import launch
+
+    argv = _argv(corpus, "--train-iters", "2", "--model-preset", "llama-tiny")
+    four = launch(_train_counting_reads, 4, args=(argv + ["--tensor-model-parallel-size", "2"],))
+    reads = [r["reads"] for r in four]
+    assert reads[1] == reads[3] == []  # the second TP rank of each replica
+    train = [sorted(i for kind, i in r if kind == "train") for r in (reads[0], reads[2])]
+    assert train == [[0, 1, 4, 5], [2, 3, 6, 7]]  # iteration 1: samples 0-3, iteration 2: 4-7
+    assert sum(kind == "valid" for kind, _ in reads[0] + reads[2]) == 2 * 4  # eval: 2 x GBS
+    two = launch(_train, 2, args=(argv + ["--make-vocab-size-divisible-by", "256"],))[0]
+    assert [r["loss"] for r in four[0]["records"]] == pytest.approx(
+        [r["loss"] for r in two], rel=1e-5)
+
+
 def test_packing_cuts_indexed_samples_at_eod(corpus):
     from mfsdp.launch import launch
 

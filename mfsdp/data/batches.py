@@ -86,16 +86,18 @@ def documents(sample: torch.Tensor, eod: int) -> list[torch.Tensor]:
 
 
 def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
-                 data: torch.Tensor | None = None) -> list[torch.Tensor]:
+                 data: torch.Tensor | None = None, rows: range | None = None) -> list[torch.Tensor]:
     """The ``--global-batch-size`` sequences of ``iteration`` (1-based): a function of the seed only.
 
     Mock sequences are arithmetic progressions modulo the vocabulary (learnable from two tokens of
     context); with ``--sequence-packing`` lengths vary between a quarter of and the full
-    ``--seq-length``.
+    ``--seq-length``. ``rows``: only those sequences of the batch (an indexed dataset reads only
+    them; generated ones are drawn in order and sliced, so they are the same either way).
     """
     if isinstance(data, MegatronData):  # Megatron-LM's order: consumed samples = (iteration-1) x GBS
         base = (iteration - 1) * args.global_batch_size
-        seqs = [data.sample(data.train, base + j) for j in range(args.global_batch_size)]
+        wanted = range(args.global_batch_size) if rows is None else rows
+        seqs = [data.sample(data.train, base + j) for j in wanted]
         high = max(int(t.max()) for t in seqs)
         if high >= vocab_size:
             raise SystemExit(f"--data-path holds token id {high}, beyond the model's vocabulary of "
@@ -118,7 +120,7 @@ def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
                 raise SystemExit(f"--data-path holds {len(data)} bytes; --seq-length {n} needs more")
             off = int(torch.randint(len(data) - n, (1,), generator=g))
             seqs.append(data[off:off + n].clone())
-    return seqs
+    return seqs if rows is None else seqs[rows.start:rows.stop]
 
 
 def is_indexed_prefix(path: str) -> bool:

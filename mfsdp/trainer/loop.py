@@ -152,11 +152,14 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
         for iteration in range(start + 1, args.train_iters + 1):
             profiler.before(iteration)
             t0 = time.perf_counter()
-            seqs = global_batch(args, iteration, cfg.vocab_size, data)
+            rows = range(par.dp_rank * per_rank, (par.dp_rank + 1) * per_rank)
+            mine = par.read_once(lambda: global_batch(args, iteration, cfg.vocab_size, data, rows))
             # with packing of indexed samples, each sample is a list of its documents
-            pieces = [t for s in seqs for t in (s if isinstance(s, list) else [s])]
-            global_tokens = sum(len(t) - 1 for t in pieces)  # predicted tokens, all ranks
-            mine = seqs[par.dp_rank * per_rank:(par.dp_rank + 1) * per_rank]
+            pieces = [t for s in mine for t in (s if isinstance(s, list) else [s])]
+            # predicted tokens and sequences of the global batch
+            counted = torch.tensor([sum(len(t) - 1 for t in pieces), len(pieces)], device=device)
+            dist.all_reduce(counted, group=par.dp_group)
+            global_tokens, global_pieces = (int(c) for c in counted)
             lr = learning_rate(args, iteration)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -200,8 +203,8 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
             now = time.perf_counter()
             rec = {"iteration": iteration, "loss": loss_sum.item() / global_tokens,
                    "grad_norm": float(grad_norm), "lr": lr,
-                   "tokens_per_s": (global_tokens + len(pieces)) / (now - t0),
-                   "elapsed_s": now - t_start, "tokens": global_tokens + len(pieces),
+                   "tokens_per_s": (global_tokens + global_pieces) / (now - t0),
+                   "elapsed_s": now - t_start, "tokens": global_tokens + global_pieces,
                    "rss_mib": rss_mib()}
             if args.use_megatron_fsdp:
                 rec["state_mib"] = (sum(model.memory_by_kind().values())
@@ -288,8 +291,8 @@ def evaluate(args, model, data: MegatronData, routers, device, iteration: int, p
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for b in range(args.eval_iters):
         base = k * n + b * args.global_batch_size
-        mine = [data.sample(data.valid, (base + j) % len(data.valid))
-                for j in range(rank * per_rank, (rank + 1) * per_rank)]
+        mine = par.read_once(lambda: [data.sample(data.valid, (base + j) % len(data.valid))
+                                      for j in range(rank * per_rank, (rank + 1) * per_rank)])
         for i in range(0, per_rank, args.micro_batch_size):
             loss, count = micro_batch(mine[i:i + args.micro_batch_size], par,
                                       device).loss(model, routers)

@@ -2,8 +2,8 @@
 groups) and how a micro-batch is laid out for it.
 
 Megatron-LM's rank order (TP fastest, then CP, then DP; see :class:`mfsdp.ParallelLayout`): the TP
-and CP ranks of a replica read the same samples, the data-parallel ranks (``dp`` groups)
-different ones; each CP rank takes its load-balanced share of every sequence
+and CP ranks of a replica use the same samples, which its first TP and CP rank reads and sends
+them (:meth:`TrainParallel.read_once`), the data-parallel ranks (``dp`` groups) different ones; each CP rank takes its load-balanced share of every sequence
 (:mod:`mfsdp.models.context_parallel`). Gradients are averaged over the ranks that hold different
 tokens (``dp x cp`` and the outer replicas), never over TP.
 """
@@ -44,6 +44,20 @@ class TrainParallel:
     def grad_ranks(self) -> int:
         """How many ranks the engine averages gradients over, ``dp x cp`` (different tokens)."""
         return self.dp_size * self.cp
+
+    def read_once(self, read):
+        """``read()`` on this data-parallel place's first TP and CP rank only, its result sent
+        to the other TP and CP ranks (as Megatron-LM's TP rank 0 reads and broadcasts the
+        batch): a replica reads its samples once, whatever its TP x CP size."""
+        tp_group = self.tp_mesh.get_group() if self.tp_mesh is not None else None
+        tp_first = tp_group is None or dist.get_rank(tp_group) == 0
+        cp_first = self.cp_group is None or dist.get_rank(self.cp_group) == 0
+        box = [read() if tp_first and cp_first else None]
+        if self.cp_group is not None and tp_first:  # first along CP (at TP index 0) ...
+            dist.broadcast_object_list(box, group=self.cp_group, group_src=0)
+        if tp_group is not None:  # ... then along TP
+            dist.broadcast_object_list(box, group=tp_group, group_src=0)
+        return box[0]
 
     def sum_over_tokens(self, t: torch.Tensor) -> None:
         """Sum ``t`` in place over every rank holding different tokens (not over TP)."""
