@@ -214,19 +214,25 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
 
 
 def _check_tensor_parallel_split(cfg, tp: int) -> None:
-    """Refuse a tensor-parallel size the model cannot be split by, naming the size that does
-    not divide (Megatron-LM's own checks at start-up)."""
+    """Refuse a tensor-parallel size the model cannot be split by, naming what does not divide:
+    the model's TP rules (:func:`mfsdp.models.tensor_parallel.check_tensor_parallel`), and the
+    shared expert, which Megatron-LM splits too."""
+    from mfsdp.models.tensor_parallel import check_tensor_parallel
+
     if tp < 1:
         raise CheckpointError(f"--tensor-model-parallel-size {tp}: must be at least 1")
-    sizes = {"num_attention_heads": cfg.num_attention_heads,
-             "num_query_groups": cfg.num_query_groups or cfg.num_attention_heads,
-             "ffn_hidden_size": cfg.ffn_hidden_size, "vocab_size": cfg.vocab_size}
-    if getattr(cfg, "moe_shared_expert_intermediate_size", None):
-        sizes["moe_shared_expert_intermediate_size"] = cfg.moe_shared_expert_intermediate_size
-    bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
-    if bad:
+    problems = []
+    try:
+        check_tensor_parallel(cfg, tp)
+    except ValueError as exc:
+        problems.append(str(exc))
+    shared = getattr(cfg, "moe_shared_expert_intermediate_size", None)
+    if shared and shared % tp:
+        problems.append(f"moe_shared_expert_intermediate_size={shared} is not divisible by {tp} "
+                        "(Megatron-LM splits the shared expert)")
+    if problems:
         raise CheckpointError(f"a job at --tensor-model-parallel-size {tp} cannot split this "
-                              f"model: {', '.join(bad)} not divisible by {tp}")
+                              f"model: {'; '.join(problems)}")
 
 
 def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | None = None,
