@@ -123,7 +123,7 @@ def test_optimizer_state_imports_by_name(kind, tmp_path):
     e = _expected_optim()[kind]
     out = megatron_lm_to_fsdp(OPTIM / kind, tmp_path / "imported", _config().to_dict())
     tensors, blobs, manifest = read_full(out)
-    fields = {"adam": ["exp_avg", "exp_avg_sq"], "sgd": ["momentum_buffer"]}[kind]
+    fields = FIELDS[kind]
     names = [k[len("model."):] for k in tensors if k.startswith("model.")]
     assert len(names) == len(e["state_after_2"])
     for name in names:
@@ -643,14 +643,19 @@ def test_expert_parallel_checkpoint_both_ways(tmp_path):
     assert len(one["optimizer"]["param_groups"]) == 2
 
 
-# --- a tensor-parallel job: megatron-core at TP 2 (make_tp_fixture.py), Adam, fully reshardable
-TP2 = FIXTURE / "optim" / "adam-tp2"
+# --- a tensor-parallel job: megatron-core at TP 2 (make_tp_fixture.py): Adam (the distributed
+# optimizer, fully reshardable) and SGD with momentum (the plain optimizer)
+TP2 = {"adam": FIXTURE / "optim" / "adam-tp2", "sgd": FIXTURE / "optim" / "sgd-tp2"}
+TP2_EXPECTED = {"adam": "expected_tp2.pt", "sgd": "expected_tp2_sgd.pt"}
+FIELDS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
-def test_tensor_parallel_checkpoint_both_ways(tmp_path):
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_tensor_parallel_checkpoint_both_ways(kind, tmp_path):
     """megatron-core's TP 2 checkpoint (each rank wrote its piece of every split weight: query
     groups, the gate and up halves of ``linear_fc1``, the vocabulary) reads as global tensors:
-    every main weight and Adam moment equals megatron-core's, the ranks' pieces joined as it
+    every main weight and moment (Adam's, SGD's momentum) equals megatron-core's, the ranks'
+    pieces joined as it
     splits them. Exported for a TP 2 job it is megatron-core's checkpoint again, every tensor
     bit for bit (``make_tp_fixture.py mcore --load DIR`` has megatron-core at TP 2 load the
     export and run the third iteration bit for bit), with ``args`` naming TP 2; a TP size the
@@ -659,22 +664,23 @@ def test_tensor_parallel_checkpoint_both_ways(tmp_path):
     from mfsdp.checkpoint.megatron_common import read_common_state
     from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
 
-    e = torch.load(FIXTURE / "expected_tp2.pt")
-    mid = megatron_lm_to_fsdp(TP2, tmp_path / "m", _config().to_dict(), progress=False)
+    e = torch.load(FIXTURE / TP2_EXPECTED[kind])
+    mid = megatron_lm_to_fsdp(TP2[kind], tmp_path / "m", _config().to_dict(), progress=False)
     tensors, blobs, _ = read_full(mid)
     names = [k[len("model."):] for k in tensors if k.startswith("model.")]
     assert len(names) == len(e["state_after_2"])
     for name in names:
         want = e["state_after_2"][_mcore_name(name)]
         assert torch.equal(tensors[f"model.{name}"], want["param"]), name
-        for field in ("exp_avg", "exp_avg_sq"):
+        for field in FIELDS[kind]:
             assert torch.equal(tensors[f"optimizer.state.{name}.{field}"], want[field]), name
     assert blobs["extra"]["opt_param_scheduler"] == e["scheduler"] | {"num_steps": 2}
     out = fsdp_to_megatron_lm(mid, tmp_path / "tp2", progress=False, tensor_model_parallel_size=2)
-    want, got = assert_same_tensors(TP2 / "iter_0000002", out / "iter_0000002")
+    want, got = assert_same_tensors(TP2[kind] / "iter_0000002", out / "iter_0000002")
     assert read_common_state(out / "iter_0000002")["args"].tensor_model_parallel_size == 2
-    a = got["common_state/shard_0_1"][0]["optimizer"]["optimizer"]["param_groups"]
-    b = want["common_state/shard_0_1"][0]["optimizer"]["optimizer"]["param_groups"]
+    # (the distributed optimizer nests its groups one level deeper than the plain one)
+    a, b = (d["common_state/shard_0_1"][0]["optimizer"] for d in (got, want))
+    a, b = (o.get("optimizer", o)["param_groups"] for o in (a, b))
     assert len(a) == len(b) and all({k: y[k] for k in x} == x for x, y in zip(a, b))
     with pytest.raises(CheckpointError, match="num_attention_heads=4 is not divisible by the "
                                                "tensor-parallel size 3; num_query_groups=2"):
@@ -682,11 +688,11 @@ def test_tensor_parallel_checkpoint_both_ways(tmp_path):
     assert not (tmp_path / "tp3").exists()
 
 
-def _third_iteration_tp(path: str) -> dict:
+def _third_iteration_tp(path: str, kind: str) -> dict:
     """Both ranks: mfsdp's model split at TP 2 (``apply_tensor_parallel``, the vocabulary-parallel
     loss) and sharded over data parallelism 1, loaded from megatron-core's TP 2 checkpoint, then
     the fixture's third iteration (both sequences on both ranks, mean token loss, clipping at
-    1.0, one Adam step)."""
+    1.0, one Adam or SGD step)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from mfsdp import fully_shard
@@ -695,12 +701,14 @@ def _third_iteration_tp(path: str) -> dict:
     from mfsdp.models.tensor_parallel import (apply_tensor_parallel, loss_parallel_context,
                                               vocab_parallel_cross_entropy)
 
-    e = torch.load(FIXTURE / "expected_tp2.pt")
+    e = torch.load(FIXTURE / TP2_EXPECTED[kind])
     torch.manual_seed(1)  # other initial values: the checkpoint must replace them all
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     net = apply_tensor_parallel(GPT(_config()), mesh["tp"], vocab_parallel_loss=True)
-    sharded, opt = fully_shard(net, torch.optim.AdamW(_decay_groups(net), lr=1.0),
-                               device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
+    groups = _decay_groups(net)
+    opt = (torch.optim.AdamW(groups, lr=1.0) if kind == "adam" else
+           torch.optim.SGD(groups, lr=1.0, momentum=0.9))
+    sharded, opt = fully_shard(net, opt, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
                                fsdp_unit_modules=[TransformerLayer],
                                zero_dp_strategy="optim_grads_params")
     load_checkpoint(path, sharded, opt)
@@ -718,15 +726,16 @@ def _third_iteration_tp(path: str) -> dict:
 
 
 @pytest.mark.slow
-def test_training_goes_on_at_tp2_as_megatron_core_does(tmp_path):
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_training_goes_on_at_tp2_as_megatron_core_does(kind, tmp_path):
     """mfsdp's own tensor parallelism continues megatron-core's TP 2 run: the third iteration's
     loss (1e-5), gradient norm (1e-5 relative) and every weight after it (the tolerances of
     ``test_training_goes_on_as_megatron_core_does``: float32 sums in another order)."""
-    e = torch.load(FIXTURE / "expected_tp2.pt")
+    e = torch.load(FIXTURE / TP2_EXPECTED[kind])
     copy = tmp_path / "megatron"
-    shutil.copytree(TP2, copy)
-    got = launch(_third_iteration_tp, 2, args=(str(copy),))[0]
-    assert_third_iteration(got, e, adam=True)
+    shutil.copytree(TP2[kind], copy)
+    got = launch(_third_iteration_tp, 2, args=(str(copy), kind))[0]
+    assert_third_iteration(got, e, adam=kind == "adam")
 
 
 @pytest.mark.slow
