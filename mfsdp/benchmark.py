@@ -37,11 +37,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from mfsdp.benchmark_systems import (DEFAULTS, FLOOR_SYSTEMS, LLAMA_1B, OPTIONAL_SYSTEMS, SYSTEMS,
+from mfsdp.benchmark_systems import (DEFAULTS, FLOOR_SYSTEMS, LLAMA_1B, MODEL_PRESETS,
+                                     OPTIONAL_SYSTEMS, SYSTEMS,
                                      TP_SYSTEMS,
                                      batch, build_system, loopback_bytes,
-                                     model_flops_per_token, loss_of, reference_parameters,
-                                     timed_step, train_step)
+                                     model_flops_per_token, reference_parameters,
+                                     loss_fn, timed_step, train_step)
 
 __all__ = ["LLAMA_1B", "SYSTEMS", "bench_memory", "bench_time", "build_parser", "loopback_bytes",
            "main", "model_flops_per_token", "phases_table", "plot", "profile_step", "run_benchmark",
@@ -66,7 +67,7 @@ def bench_time(systems: list[str], cfg: dict | None = None) -> dict:
                 model.comm_log.clear()
             dist.barrier()
             before = loopback_bytes() if rank == 0 else 0
-            dt, loss = timed_step(model, opt, x, y)
+            dt, loss = timed_step(model, opt, x, y, loss_fn(cfg))
             dist.barrier()
             after = loopback_bytes() if rank == 0 else 0
             if r >= cfg["warmup"]:
@@ -108,7 +109,7 @@ def bench_memory(system: str, cfg: dict | None = None) -> dict:
         torch.cuda.reset_peak_memory_stats()
     model, opt = build_system(system, cfg)
     for r in range(cfg["warmup"] + 2):
-        train_step(model, opt, *batch(cfg, r))
+        train_step(model, opt, *batch(cfg, r), loss_fn(cfg))
     out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if cuda:
         torch.cuda.synchronize()
@@ -119,7 +120,7 @@ def bench_memory(system: str, cfg: dict | None = None) -> dict:
     return out
 
 
-def profile_step(system: str, cfg: dict | None = None, steps: int = 3, top: int = 12) -> str:
+def profile_step(system: str, cfg: dict | None = None, steps: int = 3, top: int = 30) -> str:
     """``torch.profiler`` table of ``steps`` steps of ``system`` after warm-up (run in every rank;
     rank 0's table is the one to read). mfsdp's collectives carry ``mfsdp::`` labels."""
     from torch.profiler import ProfilerActivity, profile
@@ -127,13 +128,13 @@ def profile_step(system: str, cfg: dict | None = None, steps: int = 3, top: int 
     cfg = dict(DEFAULTS, **(cfg or {}))
     model, opt = build_system(system, cfg)
     for r in range(cfg["warmup"]):
-        train_step(model, opt, *batch(cfg, r))
+        train_step(model, opt, *batch(cfg, r), loss_fn(cfg))
     activities = [ProfilerActivity.CPU]
     if cfg.get("device") == "cuda":
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         for r in range(steps):
-            train_step(model, opt, *batch(cfg, cfg["warmup"] + r))
+            train_step(model, opt, *batch(cfg, cfg["warmup"] + r), loss_fn(cfg))
     sort = "cuda_time_total" if cfg.get("device") == "cuda" else "cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=top)
 
@@ -151,7 +152,7 @@ def step_phases(system: str, cfg: dict | None = None) -> dict:
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = loss_of(model(x), y)
+        loss = loss_fn(cfg)(model(x), y)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -248,11 +249,22 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="systems to time (default: all but megatron_fsdp, which needs "
                         "upstream's package, and no-comm: the machine's floor, every rank "
                         "training alone with no communication)")
-    parser.add_argument("--model", choices=("toy", "gpt", "llama", "llama-1b"),
+    parser.add_argument("--model", choices=("toy", "gpt", "llama", *MODEL_PRESETS),
                         default=DEFAULTS["model"],
                         help="toy: residual MLP blocks on vectors; gpt: a GPT on token sequences; "
                              "llama: the Llama family with the sizes below; llama-1b: 1.1B "
-                             "parameters (TinyLlama's shape)")
+                             "parameters (TinyLlama's shape); llama-3b: 3.0B (Llama 3.2 3B's "
+                             "layers, a 32,000-token vocabulary); a preset's sizes yield to the "
+                             "size flags given")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each transformer layer's forward and the loss "
+                        "(torchtitan's per-block compile), every system alike")
+    parser.add_argument("--fused-adam", action="store_true",
+                        help="PyTorch's fused AdamW (one kernel) for every system (CUDA)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="full activation recompute of every layer (Megatron-LM's "
+                        "--recompute-granularity full --recompute-method uniform "
+                        "--recompute-num-layers 1), every system alike")
     parser.add_argument("--num-query-groups", "--kv-heads", dest="kv_heads", type=int,
                         help="key/value heads (llama; default: --num-attention-heads)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -261,19 +273,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="bf16 compute, fp32 main weights (every system)")
     parser.add_argument("--peak-tflops", type=float, default=DEFAULTS["peak_tflops"],
                         help="the device's dense peak for MFU (default: H100 bf16, %(default)s)")
-    parser.add_argument("--seq-length", type=int, default=DEFAULTS["seq_length"],
+    parser.add_argument("--seq-length", type=int, default=None,
                         help="tokens per sample (gpt)")
-    parser.add_argument("--vocab-size", type=int, default=DEFAULTS["vocab_size"],
+    parser.add_argument("--vocab-size", type=int, default=None,
                         help="vocabulary (gpt)")
     parser.add_argument("--num-attention-heads", "--heads", dest="heads", type=int,
-                        default=DEFAULTS["heads"],
+                        default=None,
                         help="attention heads (gpt)")
-    parser.add_argument("--hidden-size", "--dim", dest="dim", type=int, default=DEFAULTS["dim"],
+    parser.add_argument("--hidden-size", "--dim", dest="dim", type=int, default=None,
                         help="model width")
     parser.add_argument("--ffn-hidden-size", "--hidden", dest="hidden", type=int,
-                        default=DEFAULTS["hidden"], help="MLP width")
+                        default=None, help="MLP width")
     parser.add_argument("--num-layers", "--blocks", dest="blocks", type=int,
-                        default=DEFAULTS["blocks"], help="blocks")
+                        default=None, help="blocks")
     parser.add_argument("--micro-batch-size", "--local-batch", dest="local_batch", type=int,
                         default=DEFAULTS["local_batch"],
                         help="samples per rank per step")
@@ -289,7 +301,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--data-path", nargs="+", metavar="PATH",
                         help="instead: the data loader's throughput on Megatron indexed "
                         "datasets (prefixes, optionally weighted), in tokens/s")
-    parser.add_argument("--profile", metavar="SYSTEM", choices=SYSTEMS,
+    parser.add_argument("--profile", metavar="SYSTEM", choices=SYSTEMS + OPTIONAL_SYSTEMS,
                         help="instead: print torch.profiler's table for SYSTEM on the first world "
                         "size")
     parser.add_argument("--phases", action="store_true",
@@ -362,13 +374,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"loader: {r['samples']} samples of {seq + 1} tokens in Megatron-LM's order: "
               f"{r['tokens_per_s'] / 1e6:.2f} M tokens/s (index built in {r['index_s']:.2f} s)")
         return 0
-    cfg = dict(dim=args.dim, hidden=args.hidden, blocks=args.blocks, local_batch=args.local_batch,
-               rounds=args.rounds, warmup=args.warmup, model=args.model,
-               seq_length=args.seq_length, vocab_size=args.vocab_size, heads=args.heads,
-               kv_heads=args.kv_heads, device=args.device, bf16=args.bf16,
-               peak_tflops=args.peak_tflops, tp=args.tp)
-    if args.model == "llama-1b":
-        cfg.update(LLAMA_1B)
+    cfg = dict(local_batch=args.local_batch, rounds=args.rounds, warmup=args.warmup,
+               model=args.model, device=args.device, bf16=args.bf16,
+               peak_tflops=args.peak_tflops, tp=args.tp, recompute=args.recompute,
+               compile=args.compile, fused_adam=args.fused_adam)
+    sizes = dict(dim=args.dim, hidden=args.hidden, blocks=args.blocks,
+                 seq_length=args.seq_length, vocab_size=args.vocab_size, heads=args.heads,
+                 kv_heads=args.kv_heads)
+    preset = MODEL_PRESETS.get(args.model, {})
+    cfg.update({k: DEFAULTS[k] for k in sizes}, **preset)  # a preset's shape, else the defaults
+    cfg.update({k: v for k, v in sizes.items() if v is not None})  # the flags given win
     if args.tp > 1:
         others = [s for s in args.systems if s not in TP_SYSTEMS]
         if others and args.systems != list(SYSTEMS):
@@ -385,7 +400,8 @@ def run(args: argparse.Namespace) -> int:
         if max(args.world_sizes) > torch.cuda.device_count():
             raise SystemExit(f"mfsdp bench: --world-sizes {max(args.world_sizes)} needs as many "
                              f"GPUs; this machine has {torch.cuda.device_count()}")
-        check_gpu_fit(cfg, args.systems, min(args.world_sizes),
+        fit = [args.profile] if args.profile else args.systems  # the systems alive at once
+        check_gpu_fit(cfg, fit, min(args.world_sizes),
                       torch.cuda.get_device_properties(0).total_memory)
     if args.profile:
         from mfsdp.launch import launch

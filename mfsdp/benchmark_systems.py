@@ -10,10 +10,10 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["SYSTEMS", "OPTIONAL_SYSTEMS", "FLOOR_SYSTEMS", "TP_SYSTEMS", "DEFAULTS", "LLAMA_1B",
+__all__ = ["SYSTEMS", "OPTIONAL_SYSTEMS", "FLOOR_SYSTEMS", "TP_SYSTEMS", "DEFAULTS", "LLAMA_1B", "LLAMA_3B", "MODEL_PRESETS",
            "build_system", "tp_mesh", "dp_rank_and_size",
            "batch", "train_step", "timed_step", "device_of", "loopback_bytes",
-           "model_flops_per_token", "model_of", "loss_of", "reference_parameters"]
+           "model_flops_per_token", "model_of", "loss_of", "loss_fn", "reference_parameters"]
 
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2-no-reshard", "mfsdp-no_shard", "mfsdp-optim",
@@ -31,7 +31,8 @@ FLOOR_SYSTEMS = ("no-comm",)
 
 DEFAULTS = dict(dim=512, hidden=1408, blocks=6, local_batch=16, warmup=2, rounds=8, lr=1e-3,
                 seed=0, model="toy", seq_length=64, vocab_size=2048, heads=6, kv_heads=None,
-                device="cpu", bf16=False, peak_tflops=989.0, tp=1)
+                device="cpu", bf16=False, peak_tflops=989.0, tp=1, recompute=False,
+                compile=False, fused_adam=False)
 
 # Systems that run with tensor parallelism (--tensor-model-parallel-size > 1): FSDP2 and mfsdp,
 # each on the same (dp, tp) mesh and the same TP plan (mfsdp.models.tensor_parallel).
@@ -72,6 +73,14 @@ def dp_rank_and_size(cfg: dict) -> tuple[int, int]:
 LLAMA_1B = dict(model="llama", dim=2048, hidden=5632, blocks=22, heads=32, kv_heads=4,
                 vocab_size=32000, seq_length=2048)
 
+# Llama 3.2 3B's layer shape (28 layers, width 3072, 24 heads over 8 key/value groups, SwiGLU
+# 8192) with a 32,000-token vocabulary: 3.0B parameters, untied.
+LLAMA_3B = dict(model="llama", dim=3072, hidden=8192, blocks=28, heads=24, kv_heads=8,
+                vocab_size=32000, seq_length=2048)
+
+# The shapes ``--model`` names; flags given on the command line override their fields.
+MODEL_PRESETS = {"llama-1b": LLAMA_1B, "llama-3b": LLAMA_3B}
+
 
 def _gpt_config(cfg: dict):
     from mfsdp.models.gpt import GPTConfig
@@ -82,10 +91,18 @@ def _gpt_config(cfg: dict):
                          num_attention_heads=cfg["heads"], num_query_groups=cfg["kv_heads"],
                          max_position_embeddings=cfg["seq_length"], normalization="RMSNorm",
                          position_embedding_type="rope", swiglu=True, add_bias_linear=False,
-                         init_method_std=0.02)
+                         init_method_std=0.02, **_recompute(cfg))
     return GPTConfig(vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["seq_length"],
                      num_layers=cfg["blocks"], hidden_size=cfg["dim"],
-                     ffn_hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"])
+                     ffn_hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
+                     **_recompute(cfg))
+
+
+def _recompute(cfg: dict) -> dict:
+    """Megatron-LM's full activation recompute of every layer (``--recompute``), or nothing."""
+    if not cfg.get("recompute"):
+        return {}
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 def model_flops_per_token(cfg: dict) -> float:
@@ -144,12 +161,29 @@ class _FloorOptimizer(torch.optim.AdamW):
     """AdamW over a subset of ``model``'s parameters whose ``zero_grad`` clears them all (the
     ``no-comm`` bound: the others' gradients are computed and dropped, as a shard's would be)."""
 
-    def __init__(self, model: torch.nn.Module, params, lr: float):
-        super().__init__(params, lr=lr)
+    def __init__(self, model: torch.nn.Module, params, lr: float, **options):
+        super().__init__(params, lr=lr, **options)
         self._model = model
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._model.zero_grad(set_to_none=set_to_none)
+
+
+def _adamw_options(cfg: dict) -> dict:
+    """AdamW's implementation: ``fused`` (one kernel for every parameter) with ``--fused-adam``
+    on CUDA, else PyTorch's default (``foreach`` on CUDA)."""
+    if not cfg.get("fused_adam"):
+        return {}
+    if cfg.get("device") != "cuda":
+        raise SystemExit("mfsdp bench --fused-adam: needs --device cuda (PyTorch's fused "
+                         "AdamW on the CPU is slower than its default there)")
+    return dict(fused=True)
+
+
+def _adamw(cfg: dict):
+    """A factory of the benchmark's AdamW over some parameters (the same for every system)."""
+    options = _adamw_options(cfg)
+    return lambda params: torch.optim.AdamW(params, lr=cfg["lr"], **options)
 
 
 def build_system(system: str, cfg: dict):
@@ -170,19 +204,25 @@ def build_system(system: str, cfg: dict):
                          "(--model gpt); the toy MLP has no TP plan")
     with device:
         model, unit = model_of(cfg)
+    if cfg.get("compile"):
+        if cfg["model"] not in ("gpt", "llama"):
+            raise SystemExit("mfsdp bench --compile: needs a transformer (--model gpt or llama)")
+        model.compile_layers()  # each layer's forward; every system's hooks stay outside
     if mesh is not None:
         from mfsdp.models.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"])
     lr = cfg["lr"]
+    adamw = _adamw(cfg)
     if system == "no-comm":
         params = list(model.parameters())
-        return model, _FloorOptimizer(model, params[dist.get_rank()::dist.get_world_size()], lr=lr)
+        return model, _FloorOptimizer(model, params[dist.get_rank()::dist.get_world_size()], lr=lr,
+                                      **_adamw_options(cfg))
     if system == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        return model, torch.optim.AdamW(model.parameters(), lr=lr)
+        return model, adamw(model.parameters())
     if system.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
         from torch.distributed.fsdp import fully_shard as fsdp2_shard
@@ -194,7 +234,7 @@ def build_system(system: str, cfg: dict):
         for block in [m for m in model.modules() if isinstance(m, unit)]:
             fsdp2_shard(block, reshard_after_forward=reshard, mp_policy=mp, **where)
         fsdp2_shard(model, reshard_after_forward=reshard, mp_policy=mp, **where)
-        return model, torch.optim.AdamW(model.parameters(), lr=lr)
+        return model, adamw(model.parameters())
     if system == "megatron_fsdp":
         try:
             import megatron_fsdp
@@ -206,7 +246,7 @@ def build_system(system: str, cfg: dict):
             model = model.to(torch.bfloat16)
             extra["mixed_precision_policy"] = megatron_fsdp.MixedPrecisionPolicy(
                 main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-        return megatron_fsdp.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=lr),
+        return megatron_fsdp.fully_shard(model, adamw(model.parameters()),
                                          fsdp_unit_modules=[unit], zero_dp_strategy=3,
                                          device=device, **extra)
     from mfsdp import MixedPrecisionPolicy, fully_shard
@@ -221,7 +261,7 @@ def build_system(system: str, cfg: dict):
         model = model.to(torch.bfloat16)
         extra.setdefault("mixed_precision_policy", MixedPrecisionPolicy(
             main_params_dtype=torch.float32, main_grads_dtype=torch.float32))
-    return fully_shard(model, torch.optim.AdamW(model.parameters(), lr=lr),
+    return fully_shard(model, adamw(model.parameters()),
                        fsdp_unit_modules=[unit], zero_dp_strategy=strategy, device=device, **extra)
 
 
@@ -248,10 +288,26 @@ def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out.float(), y.float())
 
 
-def train_step(model, opt, x, y) -> float:
-    """One training step of a system (forward, backward, optimizer step); returns the loss."""
+_COMPILED_LOSS = []
+
+
+def loss_fn(cfg: dict):
+    """The loss of a run: :func:`loss_of`, compiled for ``--compile`` (every system alike), where
+    the fp32 upcast of the logits is fused into the softmax's reads in forward and backward
+    instead of materialising fp32 logits and their gradient (2 x 1 GiB at 8,192 tokens and
+    32,000 words)."""
+    if not cfg.get("compile"):
+        return loss_of
+    if not _COMPILED_LOSS:
+        _COMPILED_LOSS.append(torch.compile(loss_of, dynamic=False))
+    return _COMPILED_LOSS[0]
+
+
+def train_step(model, opt, x, y, loss=loss_of) -> float:
+    """One training step of a system (forward, backward, optimizer step) with the ``loss``
+    function (see :func:`loss_fn`); returns the loss."""
     opt.zero_grad(set_to_none=True)
-    loss = loss_of(model(x), y)
+    loss = loss(model(x), y)
     loss.backward()
     opt.step()
     if hasattr(model, "wait_param_sync"):  # mfsdp ZeRO-1/2: the step ends when weights are back
@@ -259,19 +315,19 @@ def train_step(model, opt, x, y) -> float:
     return loss.item()
 
 
-def timed_step(model, opt, x, y) -> tuple[float, float]:
+def timed_step(model, opt, x, y, loss=loss_of) -> tuple[float, float]:
     """(seconds, loss) of one step: CUDA events on a GPU (host timers would stop when the work
     is queued, not done), the host clock on CPU."""
     if x.is_cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
-        loss = train_step(model, opt, x, y)  # loss.item() synchronises the loss, not the step
+        loss = train_step(model, opt, x, y, loss)  # .item() synchronises the loss, not the step
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3, loss
     t0 = time.perf_counter()
-    loss = train_step(model, opt, x, y)
+    loss = train_step(model, opt, x, y, loss)
     return time.perf_counter() - t0, loss
 
 

@@ -169,7 +169,14 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not isinstance(mask, (torch.Tensor, PackedSequences)):  # context parallel: every rank's
         k, v = mask.gather(k), mask.gather(v)                   # keys and values, masked by place
         mask = mask.mask
+    # Grouped-query attention: ``k``/``v`` may hold fewer heads than ``q`` (each serving
+    # ``H // G`` query heads). The causal kernels read them as they are (``enable_gqa``: no copy
+    # of the keys and values per query head); an explicit mask gets the copies.
+    gqa = k.shape[1] != q.shape[1]
     if isinstance(mask, torch.Tensor):  # an explicit [T, T] mask
+        if gqa:
+            per = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
                                              v.transpose(0, 1), attn_mask=mask)
         return out.transpose(0, 1)
@@ -178,11 +185,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if len(set(lengths)) == 1:  # [B, S]: one batched causal call
         B, S = len(lengths), lengths[0]
         out = F.scaled_dot_product_attention(
-            *(t.reshape(B, S, H, t.shape[-1]).transpose(1, 2) for t in (q, k, v)), is_causal=True)
+            *(t.reshape(B, S, t.shape[1], t.shape[-1]).transpose(1, 2) for t in (q, k, v)),
+            is_causal=True, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(T, H, v.shape[-1])
     outs = [F.scaled_dot_product_attention(qi.transpose(0, 1).unsqueeze(0),
                                            ki.transpose(0, 1).unsqueeze(0),
-                                           vi.transpose(0, 1).unsqueeze(0), is_causal=True)
+                                           vi.transpose(0, 1).unsqueeze(0), is_causal=True,
+                                           enable_gqa=gqa)
             .squeeze(0).transpose(0, 1)
             for qi, ki, vi in zip(*(t.split(lengths) for t in (q, k, v)))]
     return torch.cat(outs)
@@ -231,9 +240,7 @@ class Attention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope, self.interleaved), apply_rotary(k, *rope, self.interleaved)
-        if per > 1:
-            k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
-        out = _core_attention(q, k, v, mask, self.selective)
+        out = _core_attention(q, k, v, mask, self.selective)  # (k, v: one head per group)
         return self.linear_proj(out.reshape(T, -1))
 
 
@@ -420,6 +427,27 @@ class GPT(nn.Module):
                 module.reset_parameters()
             elif hasattr(module, "reset_parameters") and not list(module.children()):
                 module.reset_parameters()
+
+    def compile_layers(self, **options) -> "GPT":
+        """Compile each layer's ``forward`` with :func:`torch.compile` (torchtitan's per-block
+        compile), so that normalisation, rotary embedding, SwiGLU and the residual additions run
+        as fused kernels; returns the model.
+
+        Only ``forward`` is compiled: a layer's module hooks (an FSDP unit's all-gather before it
+        and reduce-scatter after it) stay outside the compiled code, so this composes with
+        :func:`mfsdp.fully_shard`, PyTorch's FSDP2 and activation recompute, called before or
+        after sharding. Layers of one shape share one compiled graph. ``options`` go to
+        :func:`torch.compile` (e.g. ``mode="max-autotune-no-cudagraphs"``).
+
+        >>> cfg = GPTConfig(vocab_size=64, num_layers=2, hidden_size=32, ffn_hidden_size=64,
+        ...                 num_attention_heads=4)
+        >>> model = GPT(cfg).compile_layers()
+        >>> [type(layer.forward).__name__ for layer in model.layers] != ["method", "method"]
+        True
+        """
+        for layer in self.layers:
+            layer.forward = torch.compile(layer.forward, **options)
+        return self
 
     def _layers(self, x: torch.Tensor, mask: torch.Tensor, rope) -> torch.Tensor:
         cfg = self.config
