@@ -237,7 +237,10 @@ class Communicator:
             return Handle(None, None, record)
         finish = None
         with torch.profiler.record_function("mfsdp::all_gather"):
-            if self.backend == "gloo":  # [Note: gloo all-gather as point-to-point]
+            # [Note: gloo all-gather as point-to-point]; gloo's send and receive take CPU
+            # tensors only (a CUDA tensor's address fails in the socket write), so CUDA tensors
+            # on gloo take its collective, which stages them through the host.
+            if self.backend == "gloo" and not out.is_cuda:
                 work = self._all_gather_p2p(out, shard)
             else:
                 work = _all_gather(out, shard, group=self.group, async_op=True)
