@@ -44,7 +44,8 @@ from mfsdp.benchmark_systems import (DEFAULTS, FLOOR_SYSTEMS, LLAMA_1B, MODEL_PR
                                      model_flops_per_token, reference_parameters,
                                      loss_fn, timed_step, train_step)
 
-__all__ = ["LLAMA_1B", "SYSTEMS", "bench_memory", "bench_time", "build_parser", "loopback_bytes",
+__all__ = ["LLAMA_1B", "SYSTEMS", "bench_memory", "bench_time", "build_parser", "config_of",
+           "loopback_bytes",
            "main", "model_flops_per_token", "phases_table", "plot", "profile_step", "run_benchmark",
            "step_phases", "table"]
 
@@ -366,14 +367,17 @@ def loader_throughput(data_path: list[str], seq_length: int, samples: int = 4096
             "tokens_per_s": tokens / (t2 - t1)}
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run a parsed ``mfsdp bench`` command."""
-    if args.data_path:
-        seq = args.seq_length
-        r = loader_throughput(args.data_path, seq)
-        print(f"loader: {r['samples']} samples of {seq + 1} tokens in Megatron-LM's order: "
-              f"{r['tokens_per_s'] / 1e6:.2f} M tokens/s (index built in {r['index_s']:.2f} s)")
-        return 0
+def config_of(args: argparse.Namespace) -> dict:
+    """The benchmark configuration of parsed ``mfsdp bench`` flags: a ``--model`` preset's shape
+    (else the defaults), then every size flag given on the command line.
+
+    >>> cfg = config_of(build_parser().parse_args(["--model", "llama-1b", "--seq-length", "4096"]))
+    >>> cfg["model"], cfg["dim"], cfg["blocks"], cfg["seq_length"]
+    ('llama', 2048, 22, 4096)
+    """
+    if args.fused_adam and args.device != "cuda":
+        raise SystemExit("mfsdp bench --fused-adam: needs --device cuda (PyTorch's fused AdamW "
+                         "is a CUDA kernel; drop the flag on CPU)")
     cfg = dict(local_batch=args.local_batch, rounds=args.rounds, warmup=args.warmup,
                model=args.model, device=args.device, bf16=args.bf16,
                peak_tflops=args.peak_tflops, tp=args.tp, recompute=args.recompute,
@@ -384,6 +388,18 @@ def run(args: argparse.Namespace) -> int:
     preset = MODEL_PRESETS.get(args.model, {})
     cfg.update({k: DEFAULTS[k] for k in sizes}, **preset)  # a preset's shape, else the defaults
     cfg.update({k: v for k, v in sizes.items() if v is not None})  # the flags given win
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed ``mfsdp bench`` command."""
+    if args.data_path:
+        seq = args.seq_length
+        r = loader_throughput(args.data_path, seq)
+        print(f"loader: {r['samples']} samples of {seq + 1} tokens in Megatron-LM's order: "
+              f"{r['tokens_per_s'] / 1e6:.2f} M tokens/s (index built in {r['index_s']:.2f} s)")
+        return 0
+    cfg = config_of(args)
     if args.tp > 1:
         others = [s for s in args.systems if s not in TP_SYSTEMS]
         if others and args.systems != list(SYSTEMS):

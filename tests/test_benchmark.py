@@ -43,3 +43,96 @@ def test_gpu_mode_without_cuda_is_a_clear_error():
                          capture_output=True, text=True)
     assert out.returncode != 0
     assert "--device cuda, but CUDA is not available here" in out.stderr
+
+
+def test_a_presets_shape_yields_to_the_size_flags_given():
+    from mfsdp.benchmark import build_parser, config_of
+    from mfsdp.benchmark_systems import LLAMA_3B
+
+    cfg = config_of(build_parser().parse_args(["--model", "llama-3b", "--seq-length", "4096",
+                                               "--num-layers", "4", "--recompute"]))
+    assert (cfg["dim"], cfg["hidden"], cfg["heads"], cfg["kv_heads"]) == (3072, 8192, 24, 8)
+    assert (cfg["seq_length"], cfg["blocks"], cfg["recompute"]) == (4096, 4, True)
+    full = dict(DEFAULTS, **LLAMA_3B)
+    n = sum(p.numel() for p in reference_parameters(full))
+    assert abs(n - 3.0e9) / 3.0e9 < 0.02  # Llama 3.2 3B's layers with a 32,000-word vocabulary
+    # without a preset the defaults apply, and a size flag still wins
+    cfg = config_of(build_parser().parse_args(["--model", "gpt", "--hidden-size", "96"]))
+    assert (cfg["dim"], cfg["blocks"], cfg["seq_length"]) == (96, DEFAULTS["blocks"], 64)
+
+
+def test_fused_adam_on_cpu_is_refused_in_one_line():
+    out = subprocess.run([sys.executable, "-m", "mfsdp.cli", "bench", "--fused-adam"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].startswith("mfsdp bench --fused-adam: needs "
+                                                            "--device cuda")
+
+
+def test_grouped_query_attention_reads_each_group_once():
+    """The causal kernels take one key/value head per group (``enable_gqa``); the reference
+    copies each group's head for every query head it serves (PyTorch's documented equivalent)."""
+    import torch.nn.functional as F
+
+    from mfsdp.models.gpt import PackedSequences, _sdpa
+
+    g = torch.Generator().manual_seed(0)
+    T, H, G, D = 48, 8, 2, 16
+    q, k, v = (torch.randn(T, h, D, generator=g, dtype=torch.float64) for h in (H, G, G))
+
+    def reference(lengths):
+        kk, vv = k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1)
+        outs, i = [], 0
+        for n in lengths:
+            qi, ki, vi = (t[i:i + n].transpose(0, 1) for t in (q, kk, vv))
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True).transpose(0, 1))
+            i += n
+        return torch.cat(outs)
+
+    for lengths in ([24, 24], [10, 38], [48]):  # [B, S], packed THD, one sequence
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        got = _sdpa(q, k, v, PackedSequences.from_cu_seqlens(cu))
+        assert (got - reference(lengths)).abs().max() < 1e-12, lengths
+    mask = torch.ones(T, T, dtype=torch.bool).tril()  # an explicit mask: the copies
+    assert (_sdpa(q, k, v, mask) - reference([T])).abs().max() < 1e-12
+
+
+def _compiled_losses(compiled: bool, optimizer: str) -> list[float]:
+    import torch.distributed as dist
+
+    from mfsdp import fully_shard
+    from mfsdp.models.gpt import GPT, GPTConfig, TransformerLayer
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=128, num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                    num_attention_heads=4, num_query_groups=2, max_position_embeddings=32,
+                    normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                    add_bias_linear=False, init_method_std=0.02)
+    model = GPT(cfg)
+    if compiled:
+        model.compile_layers()
+    opt = (torch.optim.SGD(model.parameters(), lr=0.5) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model, opt = fully_shard(model, opt, fsdp_unit_modules=[TransformerLayer],
+                             zero_dp_strategy="optim_grads_params")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(3):
+        tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(step))
+        tokens = tokens[rank * 2:(rank + 1) * 2]
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(tokens).float(),
+                                                 tokens.roll(-1, 1).reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.extended  # inductor compiles the layer on the CPU (about a minute here)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_compiled_layers_train_as_eager_ones_under_fully_shard(optimizer):
+    eager = launch(_compiled_losses, 2, args=(False, optimizer))
+    compiled = launch(_compiled_losses, 2, args=(True, optimizer), timeout=900)
+    for e, c in zip(eager, compiled):
+        assert c == pytest.approx(e, rel=1e-5, abs=1e-6)
