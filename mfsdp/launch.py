@@ -155,7 +155,7 @@ def launch(
             log = open(workdir / f"rank{rank}.log", "wb")
             logs.append(log)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "mfsdp.launch", str(workdir), str(rank)],
+                [sys.executable, "-m", "mfsdp.launch", str(workdir), str(rank), str(os.getpid())],
                 stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
             ))
         return _collect(procs, workdir, world_size, timeout, echo)
@@ -345,6 +345,26 @@ def shutdown(barrier: bool = True, exit_code: int | None = None) -> None:
             os._exit(exit_code)
 
 
+def _end_with_parent(parent: int, interval: float = 0.5) -> None:
+    """End this rank (and its process group) when ``parent``, the launching process, is gone.
+
+    The ranks run in a session of their own (so that a timeout can kill each one with its
+    children), which also takes them out of the parent's process group: a parent killed by a
+    signal, or a test runner that times out, would otherwise leave them running. A daemon thread
+    polls the parent's id; once this process is re-parented, the parent is dead.
+    """
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    if os.getppid() != parent:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    threading.Thread(target=watch, name="mfsdp-parent-watch", daemon=True).start()
+
+
 def _worker(workdir: Path, rank: int) -> int:
     job: _Job = pickle.loads((workdir / "job.pkl").read_bytes())
     try:
@@ -379,4 +399,5 @@ def _write(path: Path, data: bytes) -> None:
 
 if __name__ == "__main__":
     # os._exit after the result is written: see shutdown() for why not the interpreter's teardown
+    _end_with_parent(int(sys.argv[3]))
     shutdown(barrier=False, exit_code=_worker(Path(sys.argv[1]), int(sys.argv[2])))

@@ -155,3 +155,48 @@ def test_shutdown_exit_code_ends_the_process_without_teardown(tmp_path):
                           timeout=120)
     assert proc.returncode == 3
     assert proc.stdout == "done"
+
+
+def _sleep_and_say_pid(pid_file):
+    with open(f"{pid_file}.{dist.get_rank()}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+    return dist.get_rank()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its new parent to reap it has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc")
+def test_ranks_end_when_the_launching_process_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "pid"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+         "from mfsdp.launch import launch; "
+         f"launch('test_launch:_sleep_and_say_pid', 2, args=({str(pid_file)!r},), timeout=600)"])
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"pid.{r}").exists() for r in range(2)):
+            assert parent.poll() is None and time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.1)
+        pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(2)]
+        assert all(_alive(p) for p in pids)
+        parent.send_signal(signal.SIGKILL)  # no cleanup runs in the parent
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), "a rank outlived its launcher by 10 s"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
