@@ -65,3 +65,30 @@ EDGE = [
 def test_shared_frozen_unused_and_options(cfg):
     """Tied weights, frozen weights, a unit that runs no forward, clipping, per-token loss."""
     assert_matches_reference(cfg, 2, run_sharded(2, cfg, EDGE))
+
+
+def _hook_labels() -> list[str]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mfsdp import fully_shard
+    from mfsdp.models import Block, ToyModel
+
+    torch.manual_seed(0)
+    model, _ = fully_shard(ToyModel(16, 32, 2), fsdp_unit_modules=[Block],
+                           zero_dp_strategy="optim_grads_params")
+    x = torch.randn(4, 16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(x).square().sum().backward()
+    return sorted({e.name for e in prof.events() if e.name.startswith("mfsdp::")})
+
+
+def test_every_hook_carries_a_profiler_label_with_its_unit():
+    from mfsdp.launch import launch
+
+    labels = launch(_hook_labels, 1)[0]
+    for unit in ("blocks.0", "blocks.1"):
+        for hook in ("pre_forward", "post_forward", "pre_backward", "post_backward",
+                     "post_accumulate_grad"):
+            assert f"mfsdp::{hook} ({unit})" in labels, (hook, unit, labels)
+    assert "mfsdp::pre_forward (root)" in labels

@@ -15,6 +15,7 @@ are in ``mfsdp/fsdp/module.py`` and ``mfsdp/fsdp/reducer.py``.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -44,6 +45,18 @@ def tensors_requiring_grad(obj) -> list[torch.Tensor]:
 def in_backward() -> bool:
     """Whether autograd is running a backward now (a forward now is a recompute)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _labelled(label: str):
+    """Run a unit's hook inside a profiler range named ``mfsdp::<label> (<unit>)``, as FSDP2
+    names its hooks, so that a trace shows which unit's hook took the time."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def labelled(self, *args, **kwargs):
+            with torch.profiler.record_function(f"mfsdp::{label} ({self.name or 'root'})"):
+                return fn(self, *args, **kwargs)
+        return labelled
+    return wrap
 
 
 class _PostBackward(torch.autograd.Function):
@@ -172,6 +185,7 @@ class FSDPUnit:
             if sp.unsharded.requires_grad:
                 sp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(sp))
 
+    @_labelled("pre_forward")
     def _pre_forward(self, module, args, kwargs):
         state = self.state
         if in_backward():
@@ -199,6 +213,7 @@ class FSDPUnit:
         state.reducer.poll()
         return args, kwargs
 
+    @_labelled("post_forward")
     def _post_forward(self, module, args, output):
         backward = in_backward()
         if self.is_root and not backward:
@@ -223,6 +238,7 @@ class FSDPUnit:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grad: [u.pre_backward() for u in units], mode="any")
 
+    @_labelled("pre_backward")
     def pre_backward(self) -> None:
         """Before the unit's backward: gather its weights (and prefetch the next unit's)."""
         state = self.state
@@ -251,6 +267,7 @@ class FSDPUnit:
             flat[i] = t
         return tree_unflatten(flat, spec)
 
+    @_labelled("post_backward")
     def _post_backward(self) -> None:
         self.fwd_pending -= 1
         if self.fwd_pending > 0:
@@ -271,8 +288,13 @@ class FSDPUnit:
         # model, its communicators and so its process groups would never be freed (gloo's threads
         # then outlive destroy_process_group() and abort the process at exit).
         sp_ref, reducer_ref, i = weakref.ref(sp), weakref.ref(self.state.reducer), sp.index
+        label = f"mfsdp::post_accumulate_grad ({self.name or 'root'})"
 
         def hook(param: torch.Tensor) -> None:
+            with torch.profiler.record_function(label):
+                _accumulate(param)
+
+        def _accumulate(param: torch.Tensor) -> None:
             grad = param.grad
             param.grad = None
             owner, reducer = sp_ref(), reducer_ref()
