@@ -513,3 +513,17 @@ def test_profiling_flags_that_cannot_work_are_refused_at_start(flags, message):
 
     with pytest.raises(SystemExit, match=re.escape(message)):
         check_profile_args(build_parser().parse_args(flags), is_cpu=True)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_per_token_loss_gives_one_process_gradients_on_ddp_and_fsdp(engine):
+    """``--calculate-per-token-loss`` normalises by the global token count: on two ranks, with
+    SGD, the loss curve is the one process's curve, whether mfsdp sums the gradients (FSDP path)
+    or PyTorch's DDP averages them (the DDP path scales the loss up by the ranks)."""
+    args = ["--train-iters", "4", "--global-batch-size", "8", "--micro-batch-size", "1",
+            "--sequence-packing", "--calculate-per-token-loss", "--optimizer", "sgd",
+            "--lr", "0.5"] + (["--use-megatron-fsdp"] if engine == "fsdp" else [])
+    one = _losses(1, tuple(args))
+    two = _losses(2, tuple(args))
+    assert two == pytest.approx(one, rel=1e-5), (engine, one, two)
+    assert one[-1] != one[0]

@@ -165,10 +165,11 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
                 g["lr"] = lr
             opt.zero_grad()
             # The engine averages gradients over the data-parallel ranks (never over TP) unless
-            # per-token loss asks it to sum.
+            # per-token loss asks it to sum; PyTorch's DDP always averages.
             n_dp = par.grad_ranks
-            scale = (1.0 if args.calculate_per_token_loss else n_dp) / global_tokens
-            aux_scale = (1.0 / n_dp if args.calculate_per_token_loss else 1.0) / num_micro
+            sums = args.calculate_per_token_loss and args.use_megatron_fsdp
+            scale = (1.0 if sums else n_dp) / global_tokens
+            aux_scale = (1.0 / n_dp if sums else 1.0) / num_micro
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for i in range(num_micro):
                 chunk = mine[i * args.micro_batch_size:(i + 1) * args.micro_batch_size]
