@@ -205,24 +205,9 @@ class FullyShardedModule(nn.Module):
                 self.state.param_sync.append(
                     b.ag_comm.all_gather(b.full_comm, b.model_shard.clone()))
 
-    @torch.no_grad()
     def zero_grad_buffers(self) -> None:
         """Zero the reduced gradients (and any accumulated full gradients)."""
-        for b in self.buckets:
-            b.used = [0.0] * len(b.names)
-            b.outer_pending = None
-            if b.grad_shard is not None:
-                b.grad_shard.zero_()
-            if b.replicated:
-                b.grad_full = b.grad_shard  # drop the second buffer, if any
-                b.holds_reduced = False
-            elif b.grad_full is not None:
-                b.release_grad_full()
-                if b.sharded_grads:
-                    self.memory["grad_full_bytes"] = 0
-        for sp in self._sparams:
-            sp.set_grad(None, self.use_decoupled_grad)
-        self.state.sync.unreduced = False
+        self.state.zero_grads()
 
     zero_grad_buffer = zero_grad_buffers  # upstream Megatron-FSDP's name
 
