@@ -60,9 +60,18 @@ def parse_split(split: str) -> list[float]:
     >>> parse_split("969,30,1")
     [0.969, 0.03, 0.001]
     """
-    parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    if not parts or len(parts) > 3 or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r}: give up to three non-negative weights, e.g. 969,30,1")
+    pieces = re.split(r"[,/]", split)
+    try:
+        parts = [float(x) for x in pieces]
+    except ValueError:
+        parts = None
+    if (parts is None or len(parts) > 3 or not all(0 <= x < math.inf for x in parts)
+            or sum(parts) <= 0):
+        bad = next((x for x in pieces if not re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*", x)),
+                   None)
+        raise ValueError(f"--split {split!r}: give up to three non-negative weights separated "
+                         "by commas, train,valid,test, e.g. 969,30,1"
+                         + (f" ({bad!r} is not a non-negative number)" if bad is not None else ""))
     parts += [0.0] * (3 - len(parts))
     total = float(numpy.sum(numpy.array(parts, dtype=numpy.float64)))
     return (numpy.array(parts, dtype=numpy.float64) / total).tolist()
