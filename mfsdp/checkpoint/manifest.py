@@ -40,9 +40,17 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return path
     latest = path / "latest"
     if latest.exists():
-        target = path / read_text(latest).strip()
+        text = read_text(latest)
+        name = text.strip()
+        if not name or "\n" in name or Path(name).name != name or name in (".", ".."):
+            # never a path: nothing outside the root is read through it
+            raise CheckpointError(
+                f"{latest} holds {text!r}, not the name of a checkpoint directory beside it "
+                "(such as 'iter_0000100'); write the name of the checkpoint to load into it, or "
+                "point --load at that directory")
+        target = path / name
         if not (target / "manifest.json").exists():
-            raise CheckpointError(f"{latest} names {target.name}, which has no manifest.json "
+            raise CheckpointError(f"{latest} names {name!r}, which has no manifest.json "
                                   "(incomplete or deleted checkpoint)")
         return target
     raise CheckpointError(f"no checkpoint at {path}: neither {path}/manifest.json nor "

@@ -96,6 +96,10 @@ def parse_data_path(items: list[str]) -> tuple[list[str], list[float] | None]:
     (['a', 'b'], [30.0, 70.0])
     >>> parse_data_path(["a", "b"])
     (['a', 'b'], None)
+    >>> parse_data_path(["0.3", "a", "0.7"])
+    Traceback (most recent call last):
+    ...
+    ValueError: --data-path 0.3 a 0.7: 3 entries, of which 0.3, 0.7 are numbers and no dataset: a weighted list pairs each weight with the prefix after it (WEIGHT PREFIX WEIGHT PREFIX ...), an unweighted one names prefixes only; add the missing weight or prefix
     """
     if len(items) % 2 == 0:
         try:
@@ -106,7 +110,22 @@ def parse_data_path(items: list[str]) -> tuple[list[str], list[float] | None]:
             if any(w < 0 for w in weights) or sum(weights) <= 0:
                 raise ValueError(f"--data-path {' '.join(items)}: weights must be positive")
             return [p.strip() for p in items[1::2]], weights
+    numbers = [x for x in items if _is_number(x) and not os.path.isfile(x.strip() + ".idx")]
+    if numbers and len(items) > 1:
+        raise ValueError(
+            f"--data-path {' '.join(items)}: {len(items)} entries, of which {', '.join(numbers)} "
+            f"{'is a number' if len(numbers) == 1 else 'are numbers'} and no dataset: a weighted "
+            "list pairs each weight with the prefix after it (WEIGHT PREFIX WEIGHT PREFIX ...), "
+            "an unweighted one names prefixes only; add the missing weight or prefix")
     return [p.strip() for p in items], None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _normalize(weights):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mfsdp.data.batches import is_indexed_prefix
+from mfsdp.data.batches import half_pair, is_indexed_prefix
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -427,6 +427,15 @@ def check_args(args, world: int, cfg) -> int:
             decay <= args.lr_warmup_iters:
         raise SystemExit(f"--lr-decay-iters {decay} must exceed --lr-warmup-iters "
                          f"{args.lr_warmup_iters}")
+    if args.data_path and len(args.data_path) > 1:
+        from mfsdp.data.gpt_dataset import parse_data_path
+
+        try:
+            parse_data_path(args.data_path)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    if args.data_path and len(args.data_path) == 1 and half_pair(args.data_path[0]):
+        raise SystemExit(f"--data-path {args.data_path[0]}: {half_pair(args.data_path[0])}")
     if args.data_path and len(args.data_path) == 1 and not is_indexed_prefix(args.data_path[0]) \
             and cfg.vocab_size < 256:
         raise SystemExit(f"--data-path reads bytes: --vocab-size must be at least 256, "

@@ -13,7 +13,89 @@ import torch.distributed as dist
 
 
 def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
-    """Save iteration ``iteration`` into ``--save`` in ``--ckpt-format`` (a collective call)."""
+    """Save iteration ``iteration`` into ``--save`` in ``--ckpt-format`` (a collective call).
+
+    A save the file system refuses (full, read-only, no permission: an ``OSError`` on any rank,
+    also inside ``torch.distributed.checkpoint``'s per-rank report) stops the job with one line
+    naming the path and the previous checkpoint, which the save never touched."""
+    try:
+        _save_step(args, model, opt, iteration, routers, cfg)
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        cause = os_error_in(exc)
+        if cause is None:
+            raise
+        raise SystemExit(f"mfsdp train: saving iteration {iteration} into --save {args.save} "
+                         f"failed: {describe_os_error(cause)}; {previous_checkpoint(args.save)}; "
+                         f"{_remedy(cause)} or choose another --save, then resume") from None
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``exc``: itself, its cause or context, or the first one of a
+    ``torch.distributed.checkpoint`` ``CheckpointException``'s per-rank failures (or of the
+    message rank 0 handed every rank); None when there is none."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+        todo.extend([e.__cause__, e.__context__])
+        if isinstance(e, _RankZeroOSError):
+            return e.error
+    return None
+
+
+class _RankZeroOSError(RuntimeError):
+    """An ``OSError`` rank 0 met while converting a save, as every rank raises it."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _remedy(exc: OSError) -> str:
+    import errno
+
+    return {errno.ENOSPC: "free space there", errno.EDQUOT: "free space within your quota",
+            errno.EROFS: "make the file system writable again",
+            errno.EACCES: "make the directory writable by this user",
+            errno.EPERM: "make the directory writable by this user"}.get(
+                exc.errno, "repair the file system")
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``no space left on device (/path)``: what the file system said, and where."""
+    what = exc.strerror or str(exc)
+    where = exc.filename
+    return f"{what[:1].lower() + what[1:]} ({where})" if where else what
+
+
+def previous_checkpoint(root) -> str:
+    """Which checkpoint of ``root`` still loads (what ``latest`` or Megatron-LM's tracker
+    names), for the message of a failed save."""
+    from mfsdp.checkpoint.detect import TRACKER
+
+    root = Path(root)
+    for name in ("latest", TRACKER):
+        try:
+            text = (root / name).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if name == TRACKER and text.isdigit():
+            text = f"iter_{int(text):07d}"
+        if text and Path(text).name == text and (root / text).is_dir():
+            return (f"the previous checkpoint, {root / text} (named by {name}), is untouched and "
+                    "is what --load reads")
+    return "no earlier checkpoint is in it"
+
+
+def _save_step(args, model, opt, iteration: int, routers, cfg) -> None:
     from mfsdp.checkpoint import save_checkpoint
     from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE
     from mfsdp.checkpoint.full import fsdp_to_full
@@ -40,10 +122,13 @@ def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
                 (root / ".latest-tmp").write_text(written.name + "\n")
                 os.replace(root / ".latest-tmp", root / "latest")
         except Exception as exc:  # noqa: BLE001 - every rank stops with the reason
-            error[0] = f"{type(exc).__name__}: {exc}"
+            cause = os_error_in(exc)
+            error[0] = cause if cause is not None else f"{type(exc).__name__}: {exc}"
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     dist.broadcast_object_list(error, src=0)
+    if isinstance(error[0], OSError):
+        raise _RankZeroOSError(error[0])
     if error[0]:
         raise RuntimeError(f"--ckpt-format {args.ckpt_format}: writing iteration {iteration} to "
                            f"{root} failed: {error[0]}")
