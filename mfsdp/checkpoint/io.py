@@ -259,7 +259,22 @@ def load_fsdp_dtensor(path: str | os.PathLike, model, optimizer=None, verify: bo
     own_rng = f"rng_state.rank{dist.get_rank()}"
     if own_rng in manifest.get("blobs", []):
         state[own_rng] = b""
-    dcp.load(state, checkpoint_id=str(ckpt))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mfsdp.checkpoint.dcp import read_dcp_metadata
+
+    read_dcp_metadata(FileSystemReader(str(ckpt)), ckpt)  # (its own error, on every rank)
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        first = str(exc).strip().splitlines()
+        raise CheckpointError(
+            f"checkpoint {ckpt}: its tensor files cannot be read ({type(exc).__name__}"
+            f"{': ' + first[-1] if first else ''}); they are damaged: restore them from a copy, "
+            "load another iteration, or load without --no-ckpt-verify to have the damaged file "
+            "named") from None
     if optimizer is not None:
         groups = pickle.loads(state["optimizer.param_groups"])
         if len(groups) != len(optimizer.param_groups):

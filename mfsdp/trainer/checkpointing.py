@@ -11,6 +11,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mfsdp.checkpoint.manifest import (RankZeroOSError, describe_os_error, os_error_in,
+                                      os_error_remedy)
+
 
 def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
     """Save iteration ``iteration`` into ``--save`` in ``--ckpt-format`` (a collective call).
@@ -26,54 +29,7 @@ def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
             raise
         raise SystemExit(f"mfsdp train: saving iteration {iteration} into --save {args.save} "
                          f"failed: {describe_os_error(cause)}; {previous_checkpoint(args.save)}; "
-                         f"{_remedy(cause)} or choose another --save, then resume") from None
-
-
-def os_error_in(exc: BaseException) -> OSError | None:
-    """The ``OSError`` behind ``exc``: itself, its cause or context, or the first one of a
-    ``torch.distributed.checkpoint`` ``CheckpointException``'s per-rank failures (or of the
-    message rank 0 handed every rank); None when there is none."""
-    seen = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop(0)
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            return e
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
-        todo.extend([e.__cause__, e.__context__])
-        if isinstance(e, _RankZeroOSError):
-            return e.error
-    return None
-
-
-class _RankZeroOSError(RuntimeError):
-    """An ``OSError`` rank 0 met while converting a save, as every rank raises it."""
-
-    def __init__(self, error: OSError):
-        super().__init__(str(error))
-        self.error = error
-
-
-def _remedy(exc: OSError) -> str:
-    import errno
-
-    return {errno.ENOSPC: "free space there", errno.EDQUOT: "free space within your quota",
-            errno.EROFS: "make the file system writable again",
-            errno.EACCES: "make the directory writable by this user",
-            errno.EPERM: "make the directory writable by this user"}.get(
-                exc.errno, "repair the file system")
-
-
-def describe_os_error(exc: OSError) -> str:
-    """``no space left on device (/path)``: what the file system said, and where."""
-    what = exc.strerror or str(exc)
-    where = exc.filename
-    return f"{what[:1].lower() + what[1:]} ({where})" if where else what
+                         f"{os_error_remedy(cause)} or choose another --save, then resume") from None
 
 
 def previous_checkpoint(root) -> str:
@@ -128,7 +84,7 @@ def _save_step(args, model, opt, iteration: int, routers, cfg) -> None:
             shutil.rmtree(staging, ignore_errors=True)
     dist.broadcast_object_list(error, src=0)
     if isinstance(error[0], OSError):
-        raise _RankZeroOSError(error[0])
+        raise RankZeroOSError(error[0])
     if error[0]:
         raise RuntimeError(f"--ckpt-format {args.ckpt_format}: writing iteration {iteration} to "
                            f"{root} failed: {error[0]}")
