@@ -368,7 +368,12 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     """Shard ``module`` (see :func:`mfsdp.fully_shard_model`) and ``optimizer``; return both.
 
     ``optimizer`` may be built on the original parameters, before this call, as upstream
-    Megatron-FSDP allows; its state must still be empty.
+    Megatron-FSDP allows; its state must still be empty. Or leave it out and build a plain
+    ``torch.optim`` optimizer afterwards over the returned model's parameters (FSDP2's pattern):
+    its ``zero_grad()`` clears what the next backward accumulates into and its ``step()``
+    reaches the model weights (see [Note: gradients cleared by hand] in
+    ``mfsdp/fsdp/reducer.py``); one still holding the parameters from before this call is
+    refused at its first step.
     """
     model = fully_shard_model(module, **kwargs)
     dcp_ready = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
