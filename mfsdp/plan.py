@@ -201,8 +201,11 @@ class Layout:
         ShardingStrategy.parse(self.strategy)
         ShardingStrategy.parse(self.outer_strategy, "outer_strategy")
         ParallelLayout(self.world_size, self.dp_outer, self.ep, tp=self.tp, cp=self.cp)
-        if self.micro_batches < 1:
-            raise ValueError(f"micro_batches={self.micro_batches} must be at least 1")
+        for name in ("micro_batches", "micro_batch", "seq_length", "recompute_num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 0")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True needs tp > 1 (it splits the TP region's "
                              "norms and dropout over the TP ranks)")
@@ -454,49 +457,83 @@ def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0
     return None
 
 
+def _positive_int(value: str) -> int:
+    """argparse type: a size or count of at least 1."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return n
+
+
+def _positive_float(value: str) -> float:
+    """argparse type: a finite number above 0 (memory, bandwidth, peak)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not (0 < x < math.inf):
+        raise argparse.ArgumentTypeError(f"{value} is not a finite number above 0")
+    return x
+
+
+def _fraction(value: str) -> float:
+    """argparse type: a fraction in (0, 1] (of a GPU's peak)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not (0 < x <= 1):
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]: it is the fraction of the "
+                                         "peak the kernels reach (0.4 by default)")
+    return x
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The ``mfsdp plan`` argument parser."""
+    """The ``mfsdp plan`` argument parser (every size positive, the efficiency in (0, 1])."""
     parser = parser or argparse.ArgumentParser(prog="mfsdp plan", description=__doc__.splitlines()[0])
     parser.add_argument("preset", choices=sorted(PRESETS), help="model")
-    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--world-size", type=_positive_int, default=8)
     # The trainer's (Megatron-LM's) names first; the short names stay as aliases.
     parser.add_argument("--data-parallel-sharding-strategy", "--strategy", dest="strategy",
                         default="optim_grads_params",
                         choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
     parser.add_argument("--num-distributed-optimizer-instances", "--dp-outer", dest="dp_outer",
-                        type=int, default=1, help="HSDP outer size")
+                        type=_positive_int, default=1, help="HSDP outer size")
     parser.add_argument("--outer-dp-sharding-strategy", "--outer-strategy", dest="outer_strategy",
                         default="no_shard", choices=["no_shard", "optim"])
-    parser.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, default=1)
-    parser.add_argument("--tensor-model-parallel-size", dest="tp", type=int, default=1,
+    parser.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=_positive_int, default=1)
+    parser.add_argument("--tensor-model-parallel-size", dest="tp", type=_positive_int, default=1,
                         help="tensor-parallel size (Megatron-LM's split of every projection)")
-    parser.add_argument("--context-parallel-size", dest="cp", type=int, default=1,
+    parser.add_argument("--context-parallel-size", dest="cp", type=_positive_int, default=1,
                         help="context-parallel size (each rank holds seq_length / cp tokens)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="sequence parallelism in the TP regions (needs TP > 1)")
-    parser.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=int,
+    parser.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=_positive_int,
                         default=1, help="sequences per micro-batch (the trainer's name)")
-    parser.add_argument("--global-batch-size", type=int,
+    parser.add_argument("--global-batch-size", type=_positive_int,
                         help="sequences per optimizer step over all data-parallel ranks (default: "
                              "one micro-batch per rank, no accumulation)")
-    parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--seq-length", type=_positive_int, default=4096)
     parser.add_argument("--recompute-granularity", choices=("full", "selective"),
                         help="activation recomputation, as mfsdp train and Megatron-LM name it")
     parser.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
-    parser.add_argument("--recompute-num-layers", type=int, default=1)
+    parser.add_argument("--recompute-num-layers", type=_positive_int, default=1)
     parser.add_argument("--recompute", action="store_true",
                         help="shorthand for --recompute-granularity full (uniform, 1 layer)")
-    parser.add_argument("--device-gib", type=float, default=80.0)
+    parser.add_argument("--device-gib", type=_positive_float, default=80.0)
     gpu = parser.add_argument_group("time estimate (mfsdp/plan_time.py)")
     gpu.add_argument("--gpu", choices=("h100", "gb200"), default="h100",
                      help="peak, NVLink and network figures of this GPU (defaults below)")
-    gpu.add_argument("--peak-tflops", type=float,
+    gpu.add_argument("--peak-tflops", type=_positive_float,
                      help="dense peak at the training precision (h100: 989 bf16, 1979 FP8; "
                           "gb200: 2500 bf16, 5000 FP8)")
-    gpu.add_argument("--compute-efficiency", type=float,
+    gpu.add_argument("--compute-efficiency", type=_fraction,
                      help="fraction of the peak a step's kernels reach (default 0.4)")
-    gpu.add_argument("--nvlink-gbps", type=float, help="GB/s per GPU inside an NVLink domain")
-    gpu.add_argument("--network-gbps", type=float, help="GB/s per GPU between domains")
+    gpu.add_argument("--nvlink-gbps", type=_positive_float, help="GB/s per GPU inside an NVLink domain")
+    gpu.add_argument("--network-gbps", type=_positive_float, help="GB/s per GPU between domains")
     parser.add_argument("--smallest", action="store_true",
                         help="also find the smallest number of devices (whole 8-GPU nodes) that "
                              "fits: with this layout's TP/CP, and searching TP (with SP) and CP")
@@ -529,7 +566,7 @@ def run(args: argparse.Namespace) -> int:
     given = {"peak_tflops": args.peak_tflops, "efficiency": args.compute_efficiency,
              "nvlink_gbps": args.nvlink_gbps, "network_gbps": args.network_gbps}
     print(step_time(model, layout, p.comm, args.gpu,
-                    **{k: v for k, v in given.items() if v}).summary())
+                    **{k: v for k, v in given.items() if v is not None}).summary())
     if args.smallest:
         world = smallest_world(model, layout, args.device_gib)
         print(f"smallest world that fits: {world if world else 'none up to 4096 nodes'}")

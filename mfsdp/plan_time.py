@@ -42,6 +42,17 @@ class Gpu:
     nvlink_domain: int  # GPUs that share NVLink: 8 in a DGX H100, 72 in a GB200 NVL72 rack
     efficiency: float = 0.4  # fraction of the peak the compute reaches (see the module notes)
 
+    def __post_init__(self) -> None:
+        for name in ("peak_tflops", "nvlink_gbps", "network_gbps"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name}={value} must be a finite number above 0")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency={self.efficiency} must be in (0, 1]: the fraction of "
+                             "the peak a step's kernels reach (0.4 by default)")
+        if self.nvlink_domain < 1:
+            raise ValueError(f"nvlink_domain={self.nvlink_domain} must be at least 1")
+
 
 GPUS = {
     # H100 SXM: 989 dense bf16 TFLOP/s; NVLink 4 is 450 GB/s per direction, NCCL's all-gather

@@ -263,3 +263,33 @@ def test_time_estimate_flops_links_and_overlap():
     # full recomputation costs time, not model FLOPs
     rc = step_time(model, Layout(world_size=8, seq_length=8192, recompute=True))
     assert rc.compute_s > fast.compute_s and rc.mfu < fast.mfu
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--world-size", "0"], "argument --world-size: 0 is not a positive integer"),
+    (["--micro-batch-size", "0"], "argument --micro-batch-size/--micro-batch: 0 is not a "
+                                  "positive integer"),
+    (["--seq-length", "0"], "argument --seq-length: 0 is not a positive integer"),
+    (["--global-batch-size", "0"], "argument --global-batch-size: 0 is not a positive integer"),
+    (["--compute-efficiency", "-0.5"], "argument --compute-efficiency: -0.5 is not in (0, 1]"),
+    (["--compute-efficiency", "1.5"], "argument --compute-efficiency: 1.5 is not in (0, 1]"),
+    (["--peak-tflops", "0"], "argument --peak-tflops: 0 is not a finite number above 0"),
+    (["--device-gib", "nan"], "argument --device-gib: nan is not a finite number above 0"),
+], ids=["zero-gpus", "zero-micro-batch", "zero-seq-length", "zero-global-batch",
+        "negative-efficiency", "efficiency-above-1", "zero-peak", "nan-memory"])
+def test_plan_refuses_values_that_cannot_be(flags, message, capsys):
+    """Every size positive, the efficiency in (0, 1]: one line naming the flag (no division by
+    zero, no "MFU -50.0%"); the Python API's Layout and Gpu refuse the same values."""
+    from mfsdp.cli import main
+    from mfsdp.plan_time import GPUS
+
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "llama3-8b", *flags])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"mfsdp plan: error: {message}" in err and "Traceback" not in err, err
+    with pytest.raises(ValueError, match="seq_length=0 must be at least 1"):
+        Layout(8, seq_length=0)
+    with pytest.raises(ValueError, match=r"efficiency=-0.5 must be in \(0, 1\]"):
+        mfsdp_plan.estimate(PRESETS["llama3-8b"], Layout(8), efficiency=-0.5)
+    assert GPUS["h100"].efficiency == 0.4

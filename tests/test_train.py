@@ -445,18 +445,43 @@ def test_load_of_what_is_not_a_checkpoint_is_refused_and_nothing_is_overwritten(
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--clip-grad", "-1"], "--clip-grad -1.0: the largest gradient norm must be positive"),
+    (["--clip-grad", "-1"], "argument --clip-grad: -1 is not a finite number of at least 0"),
+    (["--clip-grad", "nan"], "argument --clip-grad: nan is not a finite number of at least 0"),
     (["--vocab-size", "1"], "--vocab-size 1: a language model needs at least 2 tokens"),
     (["--use-megatron-fsdp", "--save", "{file}/sub"], "is not a directory this process may write"),
     (["--use-megatron-fsdp", "--save", "{file}"], "is a file; name a directory"),
-], ids=["clip-grad", "vocab-size", "save-below-a-file", "save-is-a-file"])
-def test_bad_values_are_refused_at_start(flags, message, tmp_path):
+    (["--adam-beta1", "1.5"], "argument --adam-beta1: 1.5 is not in [0, 1)"),
+    (["--adam-beta2", "1"], "argument --adam-beta2: 1 is not in [0, 1)"),
+    (["--adam-eps", "0"], "argument --adam-eps: 0 is not a finite number above 0"),
+    (["--weight-decay", "-0.1"], "argument --weight-decay: -0.1 is not a finite number of at least 0"),
+    (["--distributed-timeout-minutes", "0.001"],
+     "argument --distributed-timeout-minutes: 0.001 minutes is too short a wait: at least 0.1"),
+    (["--split", "90,x,10"], "--split '90,x,10': give up to three non-negative weights separated "
+                             "by commas, train,valid,test, e.g. 969,30,1 ('x' is not a "
+                             "non-negative number)"),
+    (["--tokenizer-model", "{dir}"], "needs --tokenizer-type HuggingFaceTokenizer"),
+    (["--log-jsonl", "{dir}/missing/log.jsonl"], "the directory {dir}/missing does not exist"),
+    (["--tensorboard-dir", "{file}/tb"], "--tensorboard-dir {file}/tb: {file} is a file"),
+    (["--data-cache-path", "{file}"], "--data-cache-path {file} is a file; name a directory"),
+], ids=["clip-grad", "clip-grad-nan", "vocab-size", "save-below-a-file", "save-is-a-file",
+        "adam-beta1", "adam-beta2", "adam-eps", "weight-decay", "timeout", "split",
+        "tokenizer-model-alone", "log-jsonl-missing-dir", "tensorboard-below-a-file",
+        "data-cache-is-a-file"])
+def test_bad_values_are_refused_at_start(flags, message, tmp_path, capsys):
+    """Each refused before the model is built (check_args is the first thing a run does), in
+    one line naming the flag; Megatron-LM's semantics where it has them (--clip-grad 0 turns
+    clipping off)."""
     from mfsdp.train import build_parser, check_args, model_config
 
     (tmp_path / "afile").write_text("x")
-    args = build_parser().parse_args([f.format(file=tmp_path / "afile") for f in flags])
-    with pytest.raises(SystemExit, match=re.escape(message)):
+    fill = {"file": tmp_path / "afile", "dir": tmp_path}
+    with pytest.raises(SystemExit) as stop:
+        args = build_parser().parse_args([f.format(**fill) for f in flags])
         check_args(args, 1, model_config(args))
+    said = stop.value.code if isinstance(stop.value.code, str) else capsys.readouterr().err
+    assert message.format(**fill) in said, said
+    args = build_parser().parse_args(["--clip-grad", "0", "--split", "90/10"])
+    check_args(args, 1, model_config(args))  # Megatron-LM's: 0 is no clipping
 
 
 def test_damaged_checkpoint_files_are_named(tmp_path):

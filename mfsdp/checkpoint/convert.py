@@ -47,7 +47,8 @@ from mfsdp.checkpoint.dcp import spread_over_ranks
 from mfsdp.checkpoint.detect import checkpoint_format
 from mfsdp.checkpoint.full import full_to_fsdp, fsdp_to_full
 from mfsdp.checkpoint.hf_format import fsdp_to_hf, hf_to_fsdp
-from mfsdp.checkpoint.manifest import resolve_checkpoint
+from mfsdp.checkpoint.manifest import (describe_os_error, os_error_in, os_error_remedy,
+                                      resolve_checkpoint)
 from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
 from mfsdp.checkpoint.megatron_lm_dtensor import fsdp_to_megatron_lm_dtensor
 from mfsdp.checkpoint.state import read_param_to_param_group_map
@@ -186,7 +187,56 @@ def _check_input(args: argparse.Namespace, found: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run a parsed ``mfsdp convert`` command."""
+    """Run a parsed ``mfsdp convert`` command.
+
+    A conversion that fails (the file system full, read-only or not writable, Ctrl-C) leaves
+    nothing behind: no ``OUTPUT`` that was not there before, no ``.tmp-*`` directory; a file
+    system error is one line naming the path."""
+    out = Path(args.output)
+    before = _ours_to_clean(out)
+    try:
+        return _run(args)
+    except BaseException as exc:
+        if os.environ.get("RANK", "0") == "0":
+            _clean(out, before)
+        cause = os_error_in(exc)
+        if cause is None or isinstance(cause, _USER_OS_ERRORS):
+            raise
+        raise SystemExit(f"mfsdp convert: writing {out} failed: {describe_os_error(cause)}; "
+                         f"nothing was left behind; {os_error_remedy(cause)} or choose another "
+                         "OUTPUT") from None
+
+
+# (a missing input, an output that exists: the command line's own one-line errors)
+_USER_OS_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
+
+
+def _ours_to_clean(out: Path) -> set[str]:
+    """What is at ``out`` and beside it under a temporary name before a conversion."""
+    if not out.parent.is_dir():
+        return set()
+    return {p.name for p in out.parent.iterdir()
+            if p.name == out.name or p.name.startswith(f".tmp-{out.name}-")}
+
+
+def _clean(out: Path, before: set[str]) -> None:
+    """Remove what a failed conversion wrote: ``out`` and its temporary directories, unless they
+    were there before it."""
+    import shutil
+
+    for name in _ours_to_clean(out) - before:
+        target = out.parent / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            try:
+                target.unlink()
+            except OSError:
+                pass
+
+
+def _run(args: argparse.Namespace) -> int:
+    """:func:`run` without the clean-up."""
     _check_input(args, _normalise(args))
     pair = (args.src_format, args.dst_format)
     shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from mfsdp.checkpoint.manifest import (CHECKSUMS, FORMAT_VERSION, CheckpointError,
-                                      file_checksums, file_sha256, read_manifest,
+                                      RankZeroOSError, file_checksums, file_sha256, read_manifest,
                                       verify_checksums)
 
 __all__ = ["MAP_FILE", "MODEL_CONFIG_FILE", "read_full", "write_full", "write_streaming",
@@ -71,19 +71,23 @@ def write_full(path: str | Path, tensors: dict[str, torch.Tensor], blobs: dict[s
     tmp = path.parent / f".tmp-{path.name}-{secrets.token_hex(4)}"
     state = dict(tensors)
     state.update({k: pickle.dumps(v) for k, v in blobs.items()})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
-    for name, text in (files or {}).items():
-        (tmp / name).write_text(text)
-    manifest = {"format": fmt, "format_version": FORMAT_VERSION, "layout": layout or {},
-                "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype)}
-                            for k, v in tensors.items()},
-                "blobs": sorted(blobs),
-                "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
-                CHECKSUMS: file_checksums(tmp)}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    tmp.rename(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
+        manifest = {"format": fmt, "format_version": FORMAT_VERSION, "layout": layout or {},
+                    "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype)}
+                                for k, v in tensors.items()},
+                    "blobs": sorted(blobs),
+                    "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
+                    CHECKSUMS: file_checksums(tmp)}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        tmp.rename(path)
+    except BaseException:  # a full disk, Ctrl-C: nothing is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
 
 
@@ -202,11 +206,13 @@ def commit_dir(tmp: Path, path: Path, write) -> None:
             tmp.rename(path)
         except BaseException as exc:  # noqa: BLE001 - every rank stops with the reason
             shutil.rmtree(tmp, ignore_errors=True)
-            error[0] = f"{type(exc).__name__}: {exc}"
+            error[0] = exc if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
     if world > 1:
         import torch.distributed as dist
 
         dist.broadcast_object_list(error, src=0)
+    if isinstance(error[0], OSError):  # a full disk: said by the caller, in its words
+        raise RankZeroOSError(error[0])
     if error[0]:
         raise CheckpointError(f"writing {path} failed: {error[0]}")
 
@@ -302,6 +308,20 @@ class _Window(io.RawIOBase):
         return got
 
 
+def read_dcp_metadata(reader, path: Path):
+    """``reader.read_metadata()``, or a CheckpointError naming the damaged ``.metadata`` (DCP's
+    index of the checkpoint's files) instead of the reader's own exceptions."""
+    try:
+        return reader.read_metadata()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - unpickling errors, EOFError, DCP's own
+        raise CheckpointError(
+            f"{Path(path) / '.metadata'} cannot be read ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}): the checkpoint's index of its "
+            "files is damaged; restore it from a copy or load another iteration") from None
+
+
 class DCPSource:
     """Read one tensor of a DCP checkpoint at a time (whatever layout wrote it), in one process.
 
@@ -313,7 +333,7 @@ class DCPSource:
         if verify and (self.path / "manifest.json").exists():
             verify_checksums(self.path, read_manifest(self.path), *ranks())
         self._reader = _CachedReader(str(self.path))
-        meta = self._reader.read_metadata()
+        meta = read_dcp_metadata(self._reader, self.path)
         self.tensors = {k: (tuple(md.size), md.properties.dtype)
                         for k, md in meta.state_dict_metadata.items()
                         if not isinstance(md, BytesStorageMetadata)}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mfsdp.checkpoint.dcp import DCPSource
 from mfsdp.checkpoint.manifest import (FULL_FORMAT, CheckpointError, is_full_format,
-                                      read_manifest, read_text)
+                                      read_json, read_manifest, read_text)
 
 __all__ = ["TRACKER", "is_fsdp_dtensor_keys", "resolve_megatron_lm", "is_megatron_lm",
            "megatron_lm_backend", "is_megatron_fsdp", "describe_unreadable",
@@ -73,7 +73,12 @@ def megatron_lm_backend(directory: Path) -> str:
     """The format of a Megatron-LM iteration directory (``torch_dist``'s ``sharded_backend``,
     or ``fsdp_dtensor``), or an error naming what the directory holds instead."""
     try:
-        return json.loads((directory / "metadata.json").read_text()).get("sharded_backend", "?")
+        meta = read_json(directory / "metadata.json")
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{directory / 'metadata.json'} is not Megatron-LM's metadata "
+                                  "(a JSON object): the file is damaged; restore it or load "
+                                  "another iteration")
+        return meta.get("sharded_backend", "?")
     except FileNotFoundError:
         pass
     where = f"{directory} holds a Megatron-LM checkpoint"

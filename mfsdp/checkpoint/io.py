@@ -103,49 +103,63 @@ def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: i
     tmp = root / f".tmp-{name}-{token[0]}"
     if dist.get_rank() == 0:
         tmp.mkdir(parents=True, exist_ok=False)
-    dist.barrier()
-    state = model_state(model)
-    if optimizer is not None:
-        state.update(optimizer_state(model, optimizer))
-        state["optimizer.param_groups"] = pickle.dumps(param_groups_state(optimizer))
-    state.update(buffer_state(model))
-    # Non-tensor values travel as one pickled blob each (DCP would flatten nested dicts). Every
-    # rank's RNG state has a key of its own (one shared key would keep one rank's for all).
-    rng = _rng_state(model)
-    state["extra"] = pickle.dumps(dict(extra or {}, iteration=iteration, rng_state=rng))
-    state[f"rng_state.rank{dist.get_rank()}"] = pickle.dumps(rng)
-    model.finish_grad_sync()
-    dcp.save(state, checkpoint_id=str(tmp))
-    described = _describe(state)
-    blobs: list = [None] * dist.get_world_size()
-    dist.all_gather_object(blobs, [k for k, v in state.items() if isinstance(v, bytes)])
-    group_map = global_param_to_param_group_map(model, optimizer) if optimizer is not None else None
-    if dist.get_rank() == 0:
-        for fname, text in (files or {}).items():
-            (tmp / fname).write_text(text)
+    try:
+        dist.barrier()
+        state = model_state(model)
         if optimizer is not None:
-            (tmp / "param_to_param_group_map.json").write_text(json.dumps(group_map, indent=1))
-    dist.barrier()
-    # Every rank hashes the files it wrote (still in its page cache): the save costs one read
-    # of 1/world of the checkpoint per rank, in parallel.
-    sums: list = [None] * dist.get_world_size()
-    dist.all_gather_object(sums, file_checksums(tmp, dist.get_rank(), dist.get_world_size()))
-    if dist.get_rank() == 0:
-        manifest = {"format": "fsdp_dtensor", "format_version": FORMAT_VERSION,
-                    "layout": _layout(model), "tensors": described,
-                    "blobs": sorted({k for part in blobs for k in part}),
-                    "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
-                    CHECKSUMS: {k: v for part in sums for k, v in sorted(part.items())}}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        _fsync_dir(tmp)
-        final = root / name
-        if final.exists():  # an older save of the same iteration: replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
-        latest_tmp = root / f".latest-{token[0]}"
-        latest_tmp.write_text(name + "\n")
-        os.replace(latest_tmp, root / "latest")
-        _fsync_dir(root)
+            state.update(optimizer_state(model, optimizer))
+            state["optimizer.param_groups"] = pickle.dumps(param_groups_state(optimizer))
+        state.update(buffer_state(model))
+        # Non-tensor values travel as one pickled blob each (DCP would flatten nested dicts).
+        # Every rank's RNG state has a key of its own (one shared key would keep one rank's for
+        # all).
+        rng = _rng_state(model)
+        state["extra"] = pickle.dumps(dict(extra or {}, iteration=iteration, rng_state=rng))
+        state[f"rng_state.rank{dist.get_rank()}"] = pickle.dumps(rng)
+        model.finish_grad_sync()
+        dcp.save(state, checkpoint_id=str(tmp))
+        described = _describe(state)
+        blobs: list = [None] * dist.get_world_size()
+        dist.all_gather_object(blobs, [k for k, v in state.items() if isinstance(v, bytes)])
+        group_map = (global_param_to_param_group_map(model, optimizer)
+                     if optimizer is not None else None)
+        if dist.get_rank() == 0:
+            for fname, text in (files or {}).items():
+                (tmp / fname).write_text(text)
+            if optimizer is not None:
+                (tmp / "param_to_param_group_map.json").write_text(json.dumps(group_map, indent=1))
+        dist.barrier()
+        # Every rank hashes the files it wrote (still in its page cache): the save costs one
+        # read of 1/world of the checkpoint per rank, in parallel.
+        sums: list = [None] * dist.get_world_size()
+        dist.all_gather_object(sums, file_checksums(tmp, dist.get_rank(), dist.get_world_size()))
+        if dist.get_rank() == 0:
+            manifest = {"format": "fsdp_dtensor", "format_version": FORMAT_VERSION,
+                        "layout": _layout(model), "tensors": described,
+                        "blobs": sorted({k for part in blobs for k in part}),
+                        "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
+                        CHECKSUMS: {k: v for part in sums for k, v in sorted(part.items())}}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            _fsync_dir(tmp)
+            final = root / name
+            if final.exists():  # an older save of the same iteration: replace it
+                shutil.rmtree(final)
+            tmp.rename(final)
+            latest_tmp = root / f".latest-{token[0]}"
+            latest_tmp.write_text(name + "\n")
+            os.replace(latest_tmp, root / "latest")
+            _fsync_dir(root)
+    except BaseException:
+        # A failed or interrupted save (a full disk, Ctrl-C) leaves nothing behind on rank 0's
+        # side: the temporary directory goes; latest and the checkpoints it names were never
+        # touched.
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                (root / f".latest-{token[0]}").unlink(missing_ok=True)
+            except OSError:
+                pass
+        raise
     dist.barrier()
     return root / name
 
@@ -245,7 +259,22 @@ def load_fsdp_dtensor(path: str | os.PathLike, model, optimizer=None, verify: bo
     own_rng = f"rng_state.rank{dist.get_rank()}"
     if own_rng in manifest.get("blobs", []):
         state[own_rng] = b""
-    dcp.load(state, checkpoint_id=str(ckpt))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mfsdp.checkpoint.dcp import read_dcp_metadata
+
+    read_dcp_metadata(FileSystemReader(str(ckpt)), ckpt)  # (its own error, on every rank)
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        first = str(exc).strip().splitlines()
+        raise CheckpointError(
+            f"checkpoint {ckpt}: its tensor files cannot be read ({type(exc).__name__}"
+            f"{': ' + first[-1] if first else ''}); they are damaged: restore them from a copy, "
+            "load another iteration, or load without --no-ckpt-verify to have the damaged file "
+            "named") from None
     if optimizer is not None:
         groups = pickle.loads(state["optimizer.param_groups"])
         if len(groups) != len(optimizer.param_groups):

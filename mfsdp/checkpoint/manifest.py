@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FORMAT_VERSION", "DTYPES", "FULL_FORMAT", "CheckpointError", "resolve_checkpoint",
+__all__ = ["FORMAT_VERSION", "DTYPES", "FULL_FORMAT", "CheckpointError", "RankZeroOSError",
+           "os_error_in", "describe_os_error", "os_error_remedy", "resolve_checkpoint",
            "read_manifest", "read_text", "read_json", "is_full_format", "CHECKSUMS",
            "file_sha256", "checksum_owner", "file_checksums", "verify_checksums"]
 
@@ -32,6 +33,54 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be loaded: the message names the key or file and what is wrong."""
 
 
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``exc``: itself, its cause or context, or the first one of a
+    ``torch.distributed.checkpoint`` ``CheckpointException``'s per-rank failures (or of the
+    message rank 0 handed every rank); None when there is none."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+        todo.extend([e.__cause__, e.__context__])
+        if isinstance(e, RankZeroOSError):
+            return e.error
+    return None
+
+
+class RankZeroOSError(RuntimeError):
+    """An ``OSError`` one rank met (e.g. rank 0 converting a save), as every rank raises it."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def os_error_remedy(exc: OSError) -> str:
+    """What to do about ``exc``: ``free space there``, ``make the file system writable again``..."""
+    import errno
+
+    return {errno.ENOSPC: "free space there", errno.EDQUOT: "free space within your quota",
+            errno.EROFS: "make the file system writable again",
+            errno.EACCES: "make the directory writable by this user",
+            errno.EPERM: "make the directory writable by this user"}.get(
+                exc.errno, "repair the file system")
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``no space left on device (/path)``: what the file system said, and where."""
+    what = exc.strerror or str(exc)
+    where = exc.filename
+    return f"{what[:1].lower() + what[1:]} ({where})" if where else what
+
+
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint directory: ``path`` itself, or what ``path/latest`` names."""
@@ -40,9 +89,17 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return path
     latest = path / "latest"
     if latest.exists():
-        target = path / read_text(latest).strip()
+        text = read_text(latest)
+        name = text.strip()
+        if not name or "\n" in name or Path(name).name != name or name in (".", ".."):
+            # never a path: nothing outside the root is read through it
+            raise CheckpointError(
+                f"{latest} holds {text!r}, not the name of a checkpoint directory beside it "
+                "(such as 'iter_0000100'); write the name of the checkpoint to load into it, or "
+                "point --load at that directory")
+        target = path / name
         if not (target / "manifest.json").exists():
-            raise CheckpointError(f"{latest} names {target.name}, which has no manifest.json "
+            raise CheckpointError(f"{latest} names {name!r}, which has no manifest.json "
                                   "(incomplete or deleted checkpoint)")
         return target
     raise CheckpointError(f"no checkpoint at {path}: neither {path}/manifest.json nor "

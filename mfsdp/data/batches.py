@@ -49,6 +49,9 @@ def read_data(args) -> "torch.Tensor | MegatronData | None":
             raise SystemExit(f"--data-path {path}: a Megatron dataset is named by its prefix; "
                              f"pass --data-path {path[:-4]}")
         file = DATA_FILE if path == "bundled" else Path(path)
+        half = half_pair(path)
+        if half:
+            raise SystemExit(f"--data-path {path}: {half}")
         if not file.is_file():
             raise SystemExit(f"--data-path {path}: neither {path}.bin/.idx (a Megatron indexed "
                              "dataset) nor a text file exists")
@@ -77,6 +80,26 @@ def read_data(args) -> "torch.Tensor | MegatronData | None":
     return MegatronData(splits, tok.eod if tok is not None else None)
 
 
+def _check_token_ids(seqs, rows, base: int, iteration: int, vocab_size: int) -> None:
+    """Stop (this rank, which names what it read; the others stay quiet) at a token id the
+    embedding cannot look up: negative, or beyond the vocabulary."""
+    for j, t in zip(rows, seqs):
+        low, high = int(t.min()), int(t.max())
+        if low >= 0 and high < vocab_size:
+            continue
+        import torch.distributed as dist
+
+        where = (f"training sample {base + j} (iteration {iteration}"
+                 + (f", read by rank {dist.get_rank()}" if dist.is_initialized() else "") + ")")
+        if low < 0:
+            raise SystemExit(f"mfsdp train: --data-path: {where} holds token id {low}; token ids "
+                             "are at least 0: the .bin is damaged or was written with another "
+                             "dtype than its .idx says; rewrite it with mfsdp preprocess")
+        raise SystemExit(f"mfsdp train: --data-path: {where} holds token id {high}, beyond the "
+                         f"model's vocabulary of {vocab_size}: pass --tokenizer-type/"
+                         "--tokenizer-model (or a larger --vocab-size)")
+
+
 def documents(sample: torch.Tensor, eod: int) -> list[torch.Tensor]:
     """Cut a sample after each EOD token into its documents (pieces of one token are dropped:
     they predict nothing)."""
@@ -98,11 +121,7 @@ def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
         base = (iteration - 1) * args.global_batch_size
         wanted = range(args.global_batch_size) if rows is None else rows
         seqs = [data.sample(data.train, base + j) for j in wanted]
-        high = max(int(t.max()) for t in seqs)
-        if high >= vocab_size:
-            raise SystemExit(f"--data-path holds token id {high}, beyond the model's vocabulary of "
-                             f"{vocab_size}: pass --tokenizer-type/--tokenizer-model (or a larger "
-                             "--vocab-size)")
+        _check_token_ids(seqs, wanted, base, iteration, vocab_size)
         if args.sequence_packing:
             return [documents(t, data.eod) for t in seqs]
         return seqs
@@ -121,6 +140,20 @@ def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
             off = int(torch.randint(len(data) - n, (1,), generator=g))
             seqs.append(data[off:off + n].clone())
     return seqs if rows is None else seqs[rows.start:rows.stop]
+
+
+def half_pair(prefix: str) -> str:
+    """What is wrong when ``prefix`` names half of a Megatron indexed dataset (its ``.bin``
+    without its ``.idx``, or the reverse); '' otherwise."""
+    import os
+
+    there = [s for s in (".bin", ".idx") if os.path.isfile(prefix + s)]
+    if len(there) != 1:
+        return ""
+    missing = ".idx" if there[0] == ".bin" else ".bin"
+    return (f"{prefix}{there[0]} exists but {prefix}{missing} does not (a Megatron indexed "
+            f"dataset is a .bin/.idx pair); put the {missing} beside it, or write both again "
+            "with mfsdp preprocess")
 
 
 def is_indexed_prefix(path: str) -> bool:

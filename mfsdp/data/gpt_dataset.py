@@ -60,9 +60,18 @@ def parse_split(split: str) -> list[float]:
     >>> parse_split("969,30,1")
     [0.969, 0.03, 0.001]
     """
-    parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    if not parts or len(parts) > 3 or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r}: give up to three non-negative weights, e.g. 969,30,1")
+    pieces = re.split(r"[,/]", split)
+    try:
+        parts = [float(x) for x in pieces]
+    except ValueError:
+        parts = None
+    if (parts is None or len(parts) > 3 or not all(0 <= x < math.inf for x in parts)
+            or sum(parts) <= 0):
+        bad = next((x for x in pieces if not re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*", x)),
+                   None)
+        raise ValueError(f"--split {split!r}: give up to three non-negative weights separated "
+                         "by commas, train,valid,test, e.g. 969,30,1"
+                         + (f" ({bad!r} is not a non-negative number)" if bad is not None else ""))
     parts += [0.0] * (3 - len(parts))
     total = float(numpy.sum(numpy.array(parts, dtype=numpy.float64)))
     return (numpy.array(parts, dtype=numpy.float64) / total).tolist()
@@ -87,6 +96,10 @@ def parse_data_path(items: list[str]) -> tuple[list[str], list[float] | None]:
     (['a', 'b'], [30.0, 70.0])
     >>> parse_data_path(["a", "b"])
     (['a', 'b'], None)
+    >>> parse_data_path(["0.3", "a", "0.7"])
+    Traceback (most recent call last):
+    ...
+    ValueError: --data-path 0.3 a 0.7: 3 entries, of which 0.3, 0.7 are numbers and no dataset: a weighted list pairs each weight with the prefix after it (WEIGHT PREFIX WEIGHT PREFIX ...), an unweighted one names prefixes only; add the missing weight or prefix
     """
     if len(items) % 2 == 0:
         try:
@@ -97,7 +110,22 @@ def parse_data_path(items: list[str]) -> tuple[list[str], list[float] | None]:
             if any(w < 0 for w in weights) or sum(weights) <= 0:
                 raise ValueError(f"--data-path {' '.join(items)}: weights must be positive")
             return [p.strip() for p in items[1::2]], weights
+    numbers = [x for x in items if _is_number(x) and not os.path.isfile(x.strip() + ".idx")]
+    if numbers and len(items) > 1:
+        raise ValueError(
+            f"--data-path {' '.join(items)}: {len(items)} entries, of which {', '.join(numbers)} "
+            f"{'is a number' if len(numbers) == 1 else 'are numbers'} and no dataset: a weighted "
+            "list pairs each weight with the prefix after it (WEIGHT PREFIX WEIGHT PREFIX ...), "
+            "an unweighted one names prefixes only; add the missing weight or prefix")
     return [p.strip() for p in items], None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _normalize(weights):

@@ -63,6 +63,11 @@ def _check_prefix(prefix: str) -> None:
     if prefix.endswith((".bin", ".idx")) and is_indexed_prefix(prefix[:-4]):
         raise FileNotFoundError(f"{prefix}: pass the prefix without .bin/.idx: {prefix[:-4]}")
     missing = [p for p in (prefix + ".idx", prefix + ".bin") if not os.path.isfile(p)]
+    if len(missing) == 1:
+        there = prefix + (".bin" if missing[0].endswith(".idx") else ".idx")
+        raise FileNotFoundError(f"indexed dataset {prefix!r}: {there} exists but {missing[0]} "
+                                "does not (a Megatron dataset is a .bin/.idx pair); put it "
+                                "beside the other, or write both again with `mfsdp preprocess`")
     if missing:
         raise FileNotFoundError(f"indexed dataset {prefix!r}: no {' and no '.join(missing)} "
                                 "(a Megatron dataset is a .bin/.idx pair named by its prefix; "

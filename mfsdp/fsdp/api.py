@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from mfsdp.config import MixedPrecisionPolicy, ShardingConfig, resolve_unit_classes
 from mfsdp.fsdp.module import FullyShardedModule
@@ -277,6 +279,62 @@ def _owner(p: torch.Tensor):
     return ref()
 
 
+# Plain torch.optim optimizers built over a sharded model's parameters (FSDP2's pattern): the
+# models whose main weights each steps on, found once per optimizer (and again when its groups
+# change).
+_PLAIN_OPTIMIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _models_stepped_by(optimizer) -> tuple[list, str]:
+    """The sharded models whose parameters ``optimizer`` holds, and ('' or) the position of a
+    parameter it holds that a model took over (a parameter from before ``fully_shard``)."""
+    # (what changes when groups are added or parameters swapped, or a model takes some over)
+    count = (len(_OLD_OWNERS), *((len(g["params"]), id(g["params"][0]) if g["params"] else 0)
+                                 for g in optimizer.param_groups))
+    known = _PLAIN_OPTIMIZERS.get(optimizer)
+    if known is None or known[0] != count:
+        refs, stale = {}, ""
+        for g, group in enumerate(optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                ref = getattr(p, "_mfsdp_model", None)
+                if ref is not None:
+                    refs[id(ref)] = ref
+                elif not stale and _owner(p) is not None:
+                    stale = f"param_groups[{g}]['params'][{j}] (shape {tuple(p.shape)})"
+        known = (count, list(refs.values()), stale)
+        _PLAIN_OPTIMIZERS[optimizer] = known
+    return [m for m in (r() for r in known[1]) if m is not None], known[2]
+
+
+def _before_any_step(optimizer, args, kwargs) -> None:
+    """Before the step of any ``torch.optim`` optimizer: refuse one that holds parameters a
+    sharded model took over (built before ``fully_shard`` and not handed to it): its step would
+    change tensors the model no longer reads, and training would silently stand still."""
+    if not _OLD_OWNERS:
+        return
+    stale = _models_stepped_by(optimizer)[1]
+    if stale:
+        raise RuntimeError(
+            f"mfsdp: this {type(optimizer).__name__} holds {stale}, a parameter of the module "
+            "from before fully_shard, which the sharded model no longer reads (its step would "
+            "change nothing); pass the optimizer to fully_shard(model, optimizer), or build it "
+            "after fully_shard from the returned model's parameters")
+
+
+def _after_any_step(optimizer, args, kwargs) -> None:
+    """After the step of any ``torch.optim`` optimizer: one built over a sharded model's own
+    parameters (``torch.optim.AdamW(model.parameters())`` after ``fully_shard``) stepped on the
+    main weights; copy them into the model weights and re-replicate them, as
+    :meth:`ShardedOptimizer.step` does. (A sharded optimizer's own optimizer steps on the
+    shards' plain rows, which name no model: nothing to do.)"""
+    for model in _models_stepped_by(optimizer)[0]:
+        model.install_main_weights()
+
+
+register_optimizer_step_pre_hook(_before_any_step)
+register_optimizer_step_post_hook(_after_any_step)
+
+
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
                           preproc_state_dict_for_dcp_ckpt: bool = True) -> ShardedOptimizer:
     """Make ``optimizer`` step on the main-weight shards of the model its parameters belong to.
@@ -310,7 +368,12 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     """Shard ``module`` (see :func:`mfsdp.fully_shard_model`) and ``optimizer``; return both.
 
     ``optimizer`` may be built on the original parameters, before this call, as upstream
-    Megatron-FSDP allows; its state must still be empty.
+    Megatron-FSDP allows; its state must still be empty. Or leave it out and build a plain
+    ``torch.optim`` optimizer afterwards over the returned model's parameters (FSDP2's pattern):
+    its ``zero_grad()`` clears what the next backward accumulates into and its ``step()``
+    reaches the model weights (see [Note: gradients cleared by hand] in
+    ``mfsdp/fsdp/reducer.py``); one still holding the parameters from before this call is
+    refused at its first step.
     """
     model = fully_shard_model(module, **kwargs)
     dcp_ready = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)

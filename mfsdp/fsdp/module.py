@@ -29,6 +29,7 @@ same storage with a version counter of its own.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import nn
@@ -84,6 +85,22 @@ class FullyShardedModule(nn.Module):
         # shard_experts() recorded the global names of the experts this rank kept
         if getattr(self.module, "_mfsdp_expert_names", None):
             self.set_global_names(self.module._mfsdp_expert_names)
+        # A call of the original module, not of this wrapper, would run the root unit's layers
+        # on their shards (the root unit's hooks are the wrapper's): say what to call instead.
+        self._calling = False  # inside forward(): the wrapper called the module
+        wrapper = weakref.ref(self)
+
+        def direct_call(mod, args):
+            owner = wrapper()
+            if (owner is not None and not owner._calling and not owner.user_unsharded
+                    and not in_backward()):  # (a recompute runs the module again)
+                raise RuntimeError(
+                    f"{type(mod).__name__} was sharded by fully_shard: outside the returned "
+                    "model's forward its parameters are this rank's shards (DTensors); call the "
+                    "model fully_shard returned (model, optimizer = fully_shard(module, ...); "
+                    "model(...)), or run inside `with model.unsharded():`")
+
+        module.register_forward_pre_hook(direct_call)
         if opts.preproc_state_dict_for_dcp_ckpt:
             self._register_state_dict_hook(FullyShardedModule._state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_pre_hook)
@@ -178,7 +195,11 @@ class FullyShardedModule(nn.Module):
         self.state.wait_param_sync()
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        self._calling = True
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._calling = False
 
     def finish_grad_sync(self) -> None:
         """Make sure every gradient reduction has finished (the optimizer calls this)."""
@@ -205,24 +226,9 @@ class FullyShardedModule(nn.Module):
                 self.state.param_sync.append(
                     b.ag_comm.all_gather(b.full_comm, b.model_shard.clone()))
 
-    @torch.no_grad()
     def zero_grad_buffers(self) -> None:
         """Zero the reduced gradients (and any accumulated full gradients)."""
-        for b in self.buckets:
-            b.used = [0.0] * len(b.names)
-            b.outer_pending = None
-            if b.grad_shard is not None:
-                b.grad_shard.zero_()
-            if b.replicated:
-                b.grad_full = b.grad_shard  # drop the second buffer, if any
-                b.holds_reduced = False
-            elif b.grad_full is not None:
-                b.release_grad_full()
-                if b.sharded_grads:
-                    self.memory["grad_full_bytes"] = 0
-        for sp in self._sparams:
-            sp.set_grad(None, self.use_decoupled_grad)
-        self.state.sync.unreduced = False
+        self.state.zero_grads()
 
     zero_grad_buffer = zero_grad_buffers  # upstream Megatron-FSDP's name
 

@@ -28,6 +28,16 @@ blocking one there deadlocks once other collectives run in backward too (tensor 
 rank A waits in the outer all-reduce for rank B, which waits in a TP all-reduce for rank C, ...).
 So every outer reduction is asynchronous and waited for at the end of backward.
 
+[Note: gradients cleared by hand] Gradients accumulate in the buckets (``grad_shard``), not in
+``.grad``: the parameters' ``.grad`` are views of the bucket's rows. ``optimizer.zero_grad()`` of
+:class:`~mfsdp.fsdp.optimizer.ShardedOptimizer` and ``model.zero_grad()`` clear the buckets; a plain
+``torch.optim`` optimizer built over the sharded model's parameters (FSDP2's pattern) only sets
+their ``.grad`` to ``None`` (or zeroes it in place). So the first backward after reduced gradients
+were handed out compares: a parameter whose ``.grad`` was cleared gets its rows zeroed (and counts
+as having no gradient), one whose ``.grad`` is a tensor of its own (a dtype cast, or one the user
+assigned) has it copied back. What the next backward accumulates into is then what ``.grad``
+says, as in plain PyTorch.
+
 [Note: bounded reduce-scatters] At most ``max_inflight_reduce`` reduce-scatters are in flight; the
 oldest is finished (its full gradient buffer released) before another is launched, so full gradient
 buffers never pile up until the end of backward.
@@ -67,7 +77,35 @@ class GradReducer:
         """The first unit's backward begins: queue :meth:`finish_backward` for its end."""
         if not self.backward_started:
             self.backward_started = True
+            if self.state.sync.installed:
+                self.adopt_user_grads()
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    @torch.no_grad()
+    def adopt_user_grads(self) -> None:
+        """Make the buckets hold what the parameters' ``.grad`` say before a backward adds to
+        them: [Note: gradients cleared by hand]."""
+        state = self.state
+        decoupled = state.options.use_decoupled_grad
+        attr = "decoupled_grad" if decoupled else "grad"
+        handed = [sp for sp in state.sparams if sp.grad is not None]
+        cleared = [sp for sp in handed if getattr(sp.sharded, attr, None) is None
+                   or getattr(sp.local, attr, None) is None]
+        if handed and len(cleared) == len(handed):  # zero_grad() of a plain optimizer
+            state.zero_grads()
+            return
+        cleared_ids = {id(sp) for sp in cleared}
+        for sp in handed:
+            rows = sp.bucket.local_view(sp.bucket.grad_shard, sp.index)
+            if id(sp) in cleared_ids:
+                rows.zero_()
+                sp.bucket.used[sp.index] = 0.0
+                sp.set_grad(None, decoupled)
+                continue
+            face = getattr(sp.sharded, attr)
+            face = face._local_tensor if hasattr(face, "_local_tensor") else face
+            if face.data_ptr() != rows.data_ptr() or face.dtype != rows.dtype:
+                rows.copy_(face.reshape(rows.shape))
 
     def reducing(self) -> bool:
         """Whether this backward reduces gradients (ZeRO-2/3 always: their grads are sharded)."""
@@ -249,6 +287,7 @@ class GradReducer:
         state.sync.unreduced = not synced  # a no_sync micro-batch: see finish_grad_sync
         if synced:
             self.install_grads()
+            state.sync.installed = True
 
     @torch.no_grad()
     def install_grads(self) -> None:

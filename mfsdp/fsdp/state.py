@@ -144,6 +144,9 @@ class GradSync:
     auto: bool = True  # sync_model_each_microbatch: every backward synchronises
     override: bool | None = None  # inside no_sync() (False) or sync() (True)
     unreduced: bool = False  # the last backward was deferred: its gradients are not reduced
+    # Reduced gradients were handed to the parameters (install_grads) and no zero_grad of the
+    # model or of its sharded optimizer came since: see [Note: gradients cleared by hand].
+    installed: bool = False
 
     @property
     def synchronising(self) -> bool:
@@ -206,6 +209,28 @@ class ShardingState:
         for h in self.param_sync:
             h.wait()
         self.param_sync.clear()
+
+    @torch.no_grad()
+    def zero_grads(self) -> None:
+        """Zero the reduced gradients and any accumulated full gradients, and drop the
+        parameters' ``.grad`` (``model.zero_grad_buffers()``, the sharded optimizer's
+        ``zero_grad()``)."""
+        for b in self.buckets:
+            b.used = [0.0] * len(b.names)
+            b.outer_pending = None
+            if b.grad_shard is not None:
+                b.grad_shard.zero_()
+            if b.replicated:
+                b.grad_full = b.grad_shard  # drop the second buffer, if any
+                b.holds_reduced = False
+            elif b.grad_full is not None:
+                b.release_grad_full()
+                if b.sharded_grads:
+                    self.memory["grad_full_bytes"] = 0
+        for sp in self.sparams:
+            sp.set_grad(None, self.options.use_decoupled_grad)
+        self.sync.unreduced = False
+        self.sync.installed = False
 
     def begin_forward(self) -> None:
         """Before the root's forward: wait for the weights of the last optimizer step and check

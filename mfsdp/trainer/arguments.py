@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mfsdp.data.batches import is_indexed_prefix
+from mfsdp.data.batches import half_pair, is_indexed_prefix
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -37,6 +37,47 @@ def non_negative_float(value: str) -> float:
     x = float(value)
     if not (x >= 0 and x != float("inf")):
         raise argparse.ArgumentTypeError(f"{value} is not a finite number of at least 0")
+    return x
+
+
+def positive_float(value: str) -> float:
+    """argparse type: a finite number above 0."""
+    x = float(value)
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a finite number above 0")
+    return x
+
+
+def non_negative_int(value: str) -> int:
+    """argparse type: an integer of at least 0."""
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not an integer of at least 0")
+    return n
+
+
+def adam_beta(value: str) -> float:
+    """argparse type: one of Adam's betas, in [0, 1) (torch.optim refuses others)."""
+    x = float(value)
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not in [0, 1): a beta is the decay rate of one of Adam's moving "
+            "averages (Megatron-LM's defaults: --adam-beta1 0.9, --adam-beta2 0.999)")
+    return x
+
+
+MIN_TIMEOUT_MINUTES = 0.1
+
+
+def timeout_minutes(value: str) -> float:
+    """argparse type: ``--distributed-timeout-minutes``, at least 0.1 (6 s): a shorter wait
+    times out while a healthy rank is still reading its data or writing its shard."""
+    x = float(value)
+    if not MIN_TIMEOUT_MINUTES <= x < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{value} minutes is too short a wait: at least {MIN_TIMEOUT_MINUTES} (6 s), or a "
+            "healthy rank that is still reading data or saving times out (Megatron-LM's "
+            "default: 10)")
     return x
 
 
@@ -74,7 +115,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="longest sequence (default: --seq-length)")
     m.add_argument("--swiglu", action="store_true", default=None, help="gated MLPs")
     m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
-    m.add_argument("--norm-epsilon", type=float, help="epsilon of the norms")
+    m.add_argument("--norm-epsilon", type=positive_float, help="epsilon of the norms")
     m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"))
     m.add_argument("--rotary-base", type=float, help="RoPE base (theta)")
     m.add_argument("--use-rope-scaling", action="store_true", default=None,
@@ -203,7 +244,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     t.add_argument("--lr", type=non_negative_float, default=3e-3, help="peak learning rate")
     t.add_argument("--min-lr", type=non_negative_float, default=0.0,
                    help="the learning rate decay ends at")
-    t.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up iterations")
+    t.add_argument("--lr-warmup-iters", type=non_negative_int, default=0,
+                   help="linear warm-up iterations")
     t.add_argument("--lr-decay-style", default="linear",
                    choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
                    help="as Megatron-LM's scheduler (default: %(default)s)")
@@ -216,15 +258,20 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     t.add_argument("--lr-wsd-decay-style", default="exponential",
                    choices=("linear", "cosine", "exponential", "minus_sqrt"),
                    help="WSD: the shape of the anneal (default: %(default)s)")
-    t.add_argument("--weight-decay", type=float, default=0.01,
+    t.add_argument("--weight-decay", type=non_negative_float, default=0.01,
                    help="AdamW decay (not on biases and norms)")
     t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                    help="adam: AdamW (decoupled weight decay, as Megatron-LM's adam); sgd: SGD "
                    "with --sgd-momentum (default: %(default)s)")
-    t.add_argument("--sgd-momentum", type=float, default=0.9, help="(default: %(default)s)")
-    t.add_argument("--adam-beta1", type=float, default=0.9)
-    t.add_argument("--adam-beta2", type=float, default=0.999)
-    t.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    t.add_argument("--sgd-momentum", type=non_negative_float, default=0.9,
+                   help="(default: %(default)s)")
+    t.add_argument("--adam-beta1", type=adam_beta, default=0.9, help="in [0, 1)")
+    t.add_argument("--adam-beta2", type=adam_beta, default=0.999, help="in [0, 1)")
+    t.add_argument("--adam-eps", type=positive_float, default=1e-8,
+                   help="added to Adam's denominator, above 0 (default: %(default)s)")
+    t.add_argument("--clip-grad", type=non_negative_float, default=1.0,
+                   help="largest global gradient norm; 0 turns clipping off, as in Megatron-LM "
+                        "(default: %(default)s)")
     t.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_true", default=True,
                    help="stop when the loss or the gradient norm is NaN or Inf, before the "
@@ -254,13 +301,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="samples to train on (sets --train-iters = samples / global batch)")
     t.add_argument("--eval-interval", type=positive_int, default=1000,
                    help="validation every N iterations and at the end (default: %(default)s)")
-    t.add_argument("--eval-iters", type=int, default=100,
+    t.add_argument("--eval-iters", type=non_negative_int, default=100,
                    help="global batches per validation (0: none; default: %(default)s)")
     t.add_argument("--sequence-packing", action="store_true",
                    help="variable-length sequences packed per micro-batch (THD); with indexed "
                    "datasets, each sample is cut into its documents at EOD tokens")
     j = parser.add_argument_group("job")
-    j.add_argument("--distributed-timeout-minutes", type=non_negative_float, default=10.0,
+    j.add_argument("--distributed-timeout-minutes", type=timeout_minutes, default=10.0,
                    help="how long a collective waits for the other ranks before the job stops "
                    "(Megatron-LM's flag and default: %(default)s); shortly before, the rank that "
                    "waits names the ranks that are behind and where they are")
@@ -276,7 +323,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "iteration 0 (Megatron-LM's flag)")
     c.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM (Slurm's --signal before the time limit): save and exit 0")
-    c.add_argument("--exit-duration-in-mins", type=float,
+    c.add_argument("--exit-duration-in-mins", type=positive_float,
                    help="save and exit once the run has lasted this many minutes")
     c.add_argument("--exit-interval", type=positive_int,
                    help="stop (after saving, with --save) when the iteration is a multiple of N")
@@ -380,6 +427,15 @@ def check_args(args, world: int, cfg) -> int:
             decay <= args.lr_warmup_iters:
         raise SystemExit(f"--lr-decay-iters {decay} must exceed --lr-warmup-iters "
                          f"{args.lr_warmup_iters}")
+    if args.data_path and len(args.data_path) > 1:
+        from mfsdp.data.gpt_dataset import parse_data_path
+
+        try:
+            parse_data_path(args.data_path)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    if args.data_path and len(args.data_path) == 1 and half_pair(args.data_path[0]):
+        raise SystemExit(f"--data-path {args.data_path[0]}: {half_pair(args.data_path[0])}")
     if args.data_path and len(args.data_path) == 1 and not is_indexed_prefix(args.data_path[0]) \
             and cfg.vocab_size < 256:
         raise SystemExit(f"--data-path reads bytes: --vocab-size must be at least 256, "
@@ -417,9 +473,52 @@ def check_args(args, world: int, cfg) -> int:
                          "tokens")
     if args.distributed_timeout_minutes <= 0:
         raise SystemExit("--distributed-timeout-minutes must be positive")
+    if args.tokenizer_model and not args.tokenizer_type:
+        raise SystemExit(f"--tokenizer-model {args.tokenizer_model} needs --tokenizer-type "
+                         "HuggingFaceTokenizer (as in Megatron-LM, the type says how to read it)")
+    from mfsdp.data.gpt_dataset import parse_split
+
+    try:
+        parse_split(args.split)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if args.save:
         _check_save_dir(Path(args.save))
+    dump = args.dump_param_to_param_group_map
+    for flag, path, file in (("--log-jsonl", args.log_jsonl, True),
+                             ("--tensorboard-dir", args.tensorboard_dir, False),
+                             ("--data-cache-path", args.data_cache_path, False),
+                             ("--dump-param-to-param-group-map", dump,
+                              bool(dump) and dump.endswith(".json"))):
+        if path:
+            _check_writable(flag, Path(path), file)
     return args.global_batch_size // per
+
+
+def _check_writable(flag: str, path: Path, file: bool) -> None:
+    """Fail at start, not after the model is built, when ``path`` cannot be written: a file
+    (``file``) goes into an existing directory this process may write in; a directory may be
+    created below the nearest one that exists."""
+    if file:
+        if path.is_dir():
+            raise SystemExit(f"{flag} {path} is a directory; name a file in it")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise SystemExit(f"{flag} {path}: the file is not writable by this process")
+        parent = path.parent
+        if not parent.is_dir():
+            raise SystemExit(f"{flag} {path}: the directory {parent} does not exist; create it "
+                             "or name a file in an existing directory")
+    else:
+        if path.exists() and not path.is_dir():
+            raise SystemExit(f"{flag} {path} is a file; name a directory")
+        parent = path
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise SystemExit(f"{flag} {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise SystemExit(f"{flag} {path}: {parent} is not a directory this process may write "
+                         "in; choose another path")
 
 
 def _check_save_dir(save: Path) -> None:

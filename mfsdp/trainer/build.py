@@ -153,10 +153,12 @@ def build_param_groups(model, args) -> list[dict]:
 
 
 def make_optimizer(groups: list[dict], args) -> torch.optim.Optimizer:
-    """The optimizer ``--optimizer`` names, with ``--lr``, ``--weight-decay`` and Adam's betas and eps."""
+    """The optimizer ``--optimizer`` names, with ``--lr``, ``--weight-decay``, Adam's betas and
+    ``--adam-eps``."""
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2))
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_eps)
 
 
 def learning_rate(args, iteration: int) -> float:

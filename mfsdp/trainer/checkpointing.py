@@ -11,9 +11,47 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mfsdp.checkpoint.manifest import (RankZeroOSError, describe_os_error, os_error_in,
+                                      os_error_remedy)
+
 
 def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
-    """Save iteration ``iteration`` into ``--save`` in ``--ckpt-format`` (a collective call)."""
+    """Save iteration ``iteration`` into ``--save`` in ``--ckpt-format`` (a collective call).
+
+    A save the file system refuses (full, read-only, no permission: an ``OSError`` on any rank,
+    also inside ``torch.distributed.checkpoint``'s per-rank report) stops the job with one line
+    naming the path and the previous checkpoint, which the save never touched."""
+    try:
+        _save_step(args, model, opt, iteration, routers, cfg)
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        cause = os_error_in(exc)
+        if cause is None:
+            raise
+        raise SystemExit(f"mfsdp train: saving iteration {iteration} into --save {args.save} "
+                         f"failed: {describe_os_error(cause)}; {previous_checkpoint(args.save)}; "
+                         f"{os_error_remedy(cause)} or choose another --save, then resume") from None
+
+
+def previous_checkpoint(root) -> str:
+    """Which checkpoint of ``root`` still loads (what ``latest`` or Megatron-LM's tracker
+    names), for the message of a failed save."""
+    from mfsdp.checkpoint.detect import TRACKER
+
+    root = Path(root)
+    for name in ("latest", TRACKER):
+        try:
+            text = (root / name).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if name == TRACKER and text.isdigit():
+            text = f"iter_{int(text):07d}"
+        if text and Path(text).name == text and (root / text).is_dir():
+            return (f"the previous checkpoint, {root / text} (named by {name}), is untouched and "
+                    "is what --load reads")
+    return "no earlier checkpoint is in it"
+
+
+def _save_step(args, model, opt, iteration: int, routers, cfg) -> None:
     from mfsdp.checkpoint import save_checkpoint
     from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE
     from mfsdp.checkpoint.full import fsdp_to_full
@@ -40,10 +78,13 @@ def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
                 (root / ".latest-tmp").write_text(written.name + "\n")
                 os.replace(root / ".latest-tmp", root / "latest")
         except Exception as exc:  # noqa: BLE001 - every rank stops with the reason
-            error[0] = f"{type(exc).__name__}: {exc}"
+            cause = os_error_in(exc)
+            error[0] = cause if cause is not None else f"{type(exc).__name__}: {exc}"
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     dist.broadcast_object_list(error, src=0)
+    if isinstance(error[0], OSError):
+        raise RankZeroOSError(error[0])
     if error[0]:
         raise RuntimeError(f"--ckpt-format {args.ckpt_format}: writing iteration {iteration} to "
                            f"{root} failed: {error[0]}")

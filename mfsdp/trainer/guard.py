@@ -18,7 +18,6 @@ See the reliability page of the guide for what each guard guarantees and how it 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import socket
@@ -60,6 +59,16 @@ def _first(store, key: str) -> bool:
         return store.add(f"mfsdp/once/{key}", 1) == 1
     except Exception:  # noqa: BLE001 - the store is gone (the job is ending): say it anyway
         return True
+
+
+def _reported(store) -> bool:
+    """Whether a rank of this job has already said what ended it (see :func:`report_error`)."""
+    if store is None:
+        return False
+    try:
+        return bool(store.check(["mfsdp/once/error"]))
+    except Exception:  # noqa: BLE001 - the store is gone: nobody can tell
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -183,14 +192,21 @@ class SaveLock:
             except OSError:
                 pass
 
-    def release(self) -> None:
-        """Remove the lock (only if it is still ours)."""
+    def release(self) -> str:
+        """Remove the lock (only if it is still ours). Never raises: it runs in ``finally``
+        blocks, where an error would hide the one that ended the run; returns why the lock
+        could not be removed ('' when it was), for a note (the next job takes it over)."""
         if not self.held:
-            return
+            return ""
         self.held = False
-        info = self._holder()
-        if info and info.get("pid") == os.getpid() and info.get("host") == socket.gethostname():
-            self.path.unlink(missing_ok=True)
+        try:
+            info = self._holder()
+            if info and info.get("pid") == os.getpid() and info.get("host") == socket.gethostname():
+                self.path.unlink(missing_ok=True)
+        except OSError as exc:
+            return (f"could not remove the lock {self.path} ({exc.strerror or exc}); the next "
+                    "job on this host takes it over")
+        return ""
 
 
 class Watch:
@@ -324,7 +340,8 @@ class Watch:
             stuck = time.monotonic() - self.since
             if not self.reported and self.world > 1 and stuck > self.report_after_s:
                 self.reported = True
-                if _first(self.store, "hang"):
+                # (a rank that waits for one that already said why it stopped says nothing)
+                if not _reported(self.store) and _first(self.store, "hang"):
                     sys.stderr.write(self.hang_report() + "\n")
                     sys.stderr.flush()
 
@@ -375,10 +392,12 @@ def is_timeout(exc: BaseException) -> bool:
 def report_error(exc: BaseException, debug: bool) -> int:
     """Say what ended the run, once per job, and return the exit status.
 
-    A user error (``is_user_error``): its message in one line, by the first rank that
-    reaches this (other ranks stay silent), no traceback unless ``debug``, status 2. A timed-out
-    collective: nothing more (the hang report said it). Anything else is a bug: the traceback,
-    every rank."""
+    The first rank of the job to get here speaks (the ranks agree through the job's store);
+    every later rank stays silent, whatever ended it (most often the first rank's exit, seen
+    as a closed connection). A user error (``is_user_error``): its message in one line, no
+    traceback, status 2. SIGINT (Ctrl-C): one line, status 130. A timed-out collective: one
+    line (the hang report said more). Anything else is a bug: its traceback. ``debug``: every
+    rank prints its traceback."""
     import traceback
 
     store = _store()
@@ -388,15 +407,21 @@ def report_error(exc: BaseException, debug: bool) -> int:
     if isinstance(exc, SystemExit) and not isinstance(exc.code, str):
         # a rank told to stay silent (an int), or sys.exit() (None: success)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-    if is_user_error(exc):  # status 2, as every mfsdp command's user errors
+    user = is_user_error(exc)
+    status = (2 if user else 130 if isinstance(exc, KeyboardInterrupt) else 1)
+    if _reported(store) or not _first(store, "error"):
+        return status  # another rank said why the job ended
+    if user:  # status 2, as every mfsdp command's user errors
         text = str(exc.code if isinstance(exc, SystemExit) else exc).strip()
         line = text if text.startswith("mfsdp") else f"mfsdp train: error: {text}"
-        if _first(store, "error-" + hashlib.sha1(line.encode()).hexdigest()[:16]):
-            sys.stderr.write(line + "\n")
-        return 2
-    if is_timeout(exc):
-        if _first(store, "hang"):
-            sys.stderr.write(f"mfsdp train: a collective timed out: {exc}\n")
-        return 1
-    traceback.print_exception(exc)
-    return 1
+        sys.stderr.write(line + "\n")
+    elif isinstance(exc, KeyboardInterrupt):
+        sys.stderr.write("mfsdp train: interrupted (SIGINT, Ctrl-C): stopped without saving; "
+                         "the checkpoints already in --save are complete (a save under way is "
+                         "discarded)\n")
+    elif is_timeout(exc):
+        sys.stderr.write(f"mfsdp train: a collective timed out: {exc}\n")
+    else:
+        traceback.print_exception(exc)
+    sys.stderr.flush()
+    return status

@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -52,10 +53,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     watch = Watch(args.distributed_timeout_minutes * 60, lock if rank == 0 else None)
     try:
         return train(args, cfg, num_micro, device, log, watch)
-    finally:
+    finally:  # (nothing here may raise: it would hide what ended the run)
         watch.stop()
-        if lock is not None:
-            lock.release()
+        note = lock.release() if lock is not None else ""
+        if note and sys.exc_info()[0] is None:
+            log(f"note: {note}", flush=True)
 
 
 def take_save_lock(lock: SaveLock | None, log) -> None:
@@ -216,8 +218,7 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
                     rec["max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
             records.append(rec)
             if jsonl:
-                jsonl.write(json.dumps(rec) + "\n")
-                jsonl.flush()
+                _write_log(jsonl, args.log_jsonl, rec)
             if board is not None:
                 for tag, key in (("lm loss", "loss"), ("learning-rate", "lr"),
                                  ("grad-norm", "grad_norm"), ("throughput/tokens-per-s",
@@ -242,9 +243,9 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
                 valid_loss = evaluate(args, model, data, routers, device, iteration, par)
                 rec.update(valid_loss=valid_loss, valid_ppl=math.exp(min(valid_loss, 700.0)))
                 if jsonl:
-                    jsonl.write(json.dumps({"iteration": iteration, "valid_loss": valid_loss,
-                                            "valid_ppl": rec["valid_ppl"]}) + "\n")
-                    jsonl.flush()
+                    _write_log(jsonl, args.log_jsonl, {"iteration": iteration,
+                                                       "valid_loss": valid_loss,
+                                                       "valid_ppl": rec["valid_ppl"]})
                 log(f"validation after iteration {iteration} | loss {valid_loss:.4f} | "
                     f"perplexity {rec['valid_ppl']:.2f}", flush=True)
                 if board is not None:
@@ -267,14 +268,27 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
             if leaving:
                 log(f"exiting after iteration {iteration}", flush=True)
                 break
-    finally:
-        profiler.stop()
-        stop.restore()
-        if jsonl:
-            jsonl.close()
-        if board is not None:
-            board.close()
+    finally:  # cleanup never hides the error that ended the run
+        for close in (profiler.stop, stop.restore, jsonl.close if jsonl else None,
+                      board.close if board is not None else None):
+            try:
+                if close is not None:
+                    close()
+            except Exception:  # noqa: BLE001
+                if sys.exc_info()[0] is None:
+                    raise
     return records
+
+
+def _write_log(jsonl, flag_value: str, rec: dict) -> None:
+    """One JSON line into ``--log-jsonl`` (rank 0), or a user error naming the file."""
+    try:
+        jsonl.write(json.dumps(rec) + "\n")
+        jsonl.flush()
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise SystemExit(f"mfsdp train: --log-jsonl {flag_value}: cannot write ({why}); free "
+                         "space there or point --log-jsonl elsewhere") from None
 
 
 @torch.no_grad()
