@@ -277,6 +277,42 @@ class FullyShardedModule(nn.Module):
         """Set whether every backward reduces gradients (``sync_model_each_microbatch``)."""
         self.state.sync.auto = bool(sync)
 
+    # -- the mixed-precision policy of a step (upstream Megatron-FSDP 0.6.1's two methods) --------
+    def reset_mixed_precision_policy(self, mixed_precision_policy: MixedPrecisionPolicy) -> None:
+        """Take ``mixed_precision_policy``'s gradient communication dtype from now on.
+
+        As upstream's method: the main-weight and main-gradient dtypes stay what the model was
+        built with (they size buffers that already hold the weights and the accumulated
+        gradients), so only ``grad_comm_dtype`` is read from the new policy; ``None`` there means
+        "communicate in the main-gradient dtype". It acts on the next gradient reduction.
+        Upstream 0.6.1 applies it only with ``nccl_ub`` or ``fsdp_double_buffer`` (its comment
+        says the opposite); mfsdp casts into a temporary for every reduction and always applies it.
+        """
+        if not isinstance(mixed_precision_policy, MixedPrecisionPolicy):
+            raise TypeError(f"mixed_precision_policy={mixed_precision_policy!r} must be an "
+                            "mfsdp.MixedPrecisionPolicy")
+        if self.reducer.backward_started:
+            raise RuntimeError("reset_mixed_precision_policy() during backward: change the "
+                               "policy between steps, where no reduction is in flight")
+        old = self.state.mp_policy
+        self.state.mp_policy = MixedPrecisionPolicy(
+            main_params_dtype=old.main_params_dtype, main_grads_dtype=old.main_grads_dtype,
+            grad_comm_dtype=mixed_precision_policy.grad_comm_dtype)
+        for b in self.buckets:  # each bucket resolved its dtypes when it was built
+            b.comm_dtype = self.state.mp_policy.grad_comm_dtype or b.grad_dtype
+
+    @contextlib.contextmanager
+    def mixed_precision_context(self, mixed_precision_policy: MixedPrecisionPolicy):
+        """``with model.mixed_precision_context(policy): ...``: the gradient communication dtype
+        of ``policy`` inside (see :meth:`reset_mixed_precision_policy`), the previous policy
+        restored on the way out, also when the block raises."""
+        saved = self.state.mp_policy
+        self.reset_mixed_precision_policy(mixed_precision_policy)
+        try:
+            yield self
+        finally:
+            self.reset_mixed_precision_policy(saved)
+
     # ------------------------------------------------------------------------------------------
     # full weights on demand, state dicts
     # ------------------------------------------------------------------------------------------
