@@ -62,6 +62,7 @@ class FullyShardedModule(nn.Module):
         mixed_precision_policy: MixedPrecisionPolicy,
         options: EngineOptions | None = None,
         outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD,
+        hooks_on_module: bool = False,
     ):
         super().__init__()
         opts = options or EngineOptions()
@@ -71,7 +72,9 @@ class FullyShardedModule(nn.Module):
                               Comms.build(groups, outer_strategy, device),
                               sync=GradSync(auto=opts.sync_model_each_microbatch))
         self.state = state
-        built = build_units(state, module, self, unit_classes)
+        # The root unit's hooks go on this wrapper, whose forward callers use; the per-module
+        # front door (mfsdp.experimental) leaves the model in place and calls ``module`` itself.
+        built = build_units(state, module, module if hooks_on_module else self, unit_classes)
         state.units = built.units
         state.unit_by_name = {u.name: u for u in built.units}
         state.pool = built.pool
