@@ -216,7 +216,7 @@ def _v2_case(case: dict) -> dict:
     out = {"errors": [], "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
            "groups": {n: [[fp.fqns for fp in g.fsdp_parameters] for g in m.parameter_groups]
                       for n, m in model.named_modules() if isinstance(m, FsdpModule)},
-           "phases": set()}
+           "phases": set(), "outer": []}  # collectives over the outer axis per backward
 
     def diff() -> float:
         ours = {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -231,7 +231,9 @@ def _v2_case(case: dict) -> dict:
             mine = slice(2 * rank, 2 * rank + 2)
             with microbatch(context, is_last=m == micro - 1):
                 loss = nn.functional.mse_loss(model(x[mine]), y[mine]) / micro
+                model.engine.comm_log.clear()
                 loss.backward()
+            out["outer"].append(sum(r["group"] == "dp_outer" for r in model.engine.comm_log.records))
             nn.functional.mse_loss(ref(x), y).div(micro).backward()
         out["phases"].update(m.phase.name for m in model.modules() if isinstance(m, FsdpModule))
         opt.step()
@@ -269,28 +271,37 @@ def _check_cases(cases, results):
         assert max(res["errors"]) < TOL, (case, res["errors"])
 
 
+# What `make test` runs: every placement once, both optimizers, micro-batches, meta init, tied,
+# frozen and parameterless modules, HFSDP; the whole matrix is extended.
+CORE = [0, 3, 6, 9, 13, 16, 17, 18, 19, 20, 21]
+
+
 @pytest.mark.slow
-def test_v2_per_module_matches_one_process_on_two_ranks():
+@pytest.mark.parametrize("which", [pytest.param("core"), pytest.param(
+    "all", marks=pytest.mark.extended)])
+def test_v2_per_module_matches_one_process_on_two_ranks(which):
     """ZeRO-1/2/3 and no_shard placements, SGD and AdamW, 1 and 3 micro-batches, meta init,
     ``zero_grad(set_to_none=False)``, frozen, tied and parameterless modules: every step's
     weights equal a plain PyTorch model's trained on the global batch."""
-    results = launch(_v2_rank, 2, args=(TWO_RANKS,), timeout=600)
-    _check_cases(TWO_RANKS, results[0])
-    for other in results[1:]:
-        _check_cases(TWO_RANKS, other)
+    cases = [TWO_RANKS[i] for i in CORE] if which == "core" else TWO_RANKS
+    results = launch(_v2_rank, 2, args=(cases,), timeout=600)
+    for r in results:
+        _check_cases(cases, r)
     groups = results[0][0]["groups"]
     assert groups["act"] == []  # a module without parameters has no group
     assert groups["fc1"] == [[("weight",), ("bias",)]]  # names relative to the module
     assert groups[""] == [[("bias",), ("head.weight",)]]  # the root keeps what no child owns
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_v2_hsdp_and_hfsdp_with_micro_batches_on_four_ranks():
     """HSDP and HFSDP (outer 2 x shard 2), 3 micro-batches with the outer reduction deferred to
     the last, SGD and AdamW, both ``zero_grad`` modes, against one process."""
     results = launch(_v2_rank, 4, args=(FOUR_RANKS,), timeout=600)
     for r in results:
         _check_cases(FOUR_RANKS, r)
+        for res in r:  # the outer reduction runs in the last micro-batch's backward only
+            assert [n > 0 for n in res["outer"]] == [False, False, True] * 3, res["outer"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -402,3 +413,46 @@ def test_checkpoint_round_trip_v1_v2_is_bit_exact(tmp_path):
     for report in launch(_round_trip_rank, 2, args=(str(tmp_path),)):
         assert report == [("v1 -> v2", []), ("v2 -> v1", []), ("v2 -> v2", []),
                           ("step after load", [])]
+
+
+# ------------------------------------------------------------------------------------------------
+# refusals (one process)
+# ------------------------------------------------------------------------------------------------
+def test_placements_and_refusals_name_the_fix():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from mfsdp.config import ShardingStrategy
+    from mfsdp.experimental import (Placements, fully_shard, fully_shard_context,
+                                    fully_shard_optimizer)
+    from mfsdp.experimental.fully_shard import strategies_of
+
+    S, R, P = Shard(0), Replicate(), Partial("avg")
+    assert [strategies_of(_placements(n)) for n in ("zero3", "zero2", "zero1", "no_shard",
+                                                      "hsdp", "hfsdp")] == [
+        (ShardingStrategy.OPTIM_GRADS_PARAMS, None), (ShardingStrategy.OPTIM_GRADS, None),
+        (ShardingStrategy.OPTIM, None), (ShardingStrategy.NO_SHARD, None),
+        (ShardingStrategy.OPTIM_GRADS_PARAMS, ShardingStrategy.NO_SHARD),
+        (ShardingStrategy.OPTIM_GRADS_PARAMS, ShardingStrategy.OPTIM)]
+    with pytest.raises(ValueError, match="one placement per axis"):
+        Placements([0, 1], [S], [S], [S])
+    with pytest.raises(NotImplementedError, match="Shard\\(0\\)"):
+        strategies_of(Placements([0], [Shard(1)], [S], [S]))
+    with pytest.raises(NotImplementedError, match="no ZeRO stage"):
+        strategies_of(Placements([0], [S], [P], [S]))
+    with pytest.raises(NotImplementedError, match="HFSDP"):
+        strategies_of(Placements([0, 1], [R, R], [P, S], [S, S]))
+    with pytest.raises(NotImplementedError, match="Partial\\('avg'\\)"):
+        strategies_of(Placements([0], [R], [Partial("sum")], [S]))
+    with pytest.raises(RuntimeError, match="inside `with fully_shard_context"):
+        fully_shard(nn.Linear(2, 2), None, _placements("zero3"))
+    with pytest.raises(ValueError, match="use_symmetric_memory=True"):
+        with fully_shard_context(use_symmetric_memory=True):
+            pass
+    with pytest.raises(ValueError, match="unify_communication_stream=True"):
+        with fully_shard_context(unify_communication_stream=True):
+            pass
+    with pytest.raises(ValueError, match="precision_aware=True"):
+        fully_shard_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0),
+                              precision_aware=True)
+    with pytest.raises(ValueError, match="none of the optimizer's parameters is sharded"):
+        fully_shard_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0))
