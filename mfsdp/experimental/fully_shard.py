@@ -89,7 +89,7 @@ def strategies_of(placements: Placements) -> tuple[ShardingStrategy, ShardingStr
     """mfsdp's (``zero_dp_strategy``, ``outer_dp_sharding_strategy`` or ``None``) for
     ``placements`` (see the module's table); other combinations are refused by name.
 
-    >>> strategies_of(Placements([0, 1], [Replicate(), Shard(0)], [Partial(), Shard(0)],
+    >>> strategies_of(Placements([0, 1], [Replicate(), Shard(0)], [Partial("avg"), Shard(0)],
     ...                          [Shard(0), Shard(0)]))
     (<ShardingStrategy.OPTIM_GRADS_PARAMS: 'optim_grads_params'>, <ShardingStrategy.OPTIM: 'optim'>)
     """
