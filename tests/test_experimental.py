@@ -443,7 +443,7 @@ def test_placements_and_refusals_name_the_fix():
         strategies_of(Placements([0, 1], [R, R], [P, S], [S, S]))
     with pytest.raises(NotImplementedError, match="Partial\\('avg'\\)"):
         strategies_of(Placements([0], [R], [Partial("sum")], [S]))
-    with pytest.raises(RuntimeError, match="inside `with fully_shard_context"):
+    with pytest.raises(RuntimeError, match="inside fully_shard_context"):
         fully_shard(nn.Linear(2, 2), None, _placements("zero3"))
     with pytest.raises(ValueError, match="use_symmetric_memory=True"):
         with fully_shard_context(use_symmetric_memory=True):

@@ -173,7 +173,8 @@ def fully_shard_context(device: torch.device | str | None = None, *,
         raise ValueError("unify_communication_stream=True: mfsdp runs all-gathers and "
                          "reduce-scatters on separate streams (async handles on CPU); leave it False")
     if _CONTEXT.get() is not None:
-        raise RuntimeError("fully_shard_context does not nest; shard every module in one block")
+        raise RuntimeError("fully_shard_context does not support nesting; shard every module "
+                           "in one block")
     if not dist.is_initialized():
         raise RuntimeError("fully_shard_context needs an initialised process group: call "
                            "torch.distributed.init_process_group() first (or use torchrun)")
@@ -205,7 +206,8 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, placements: Placements,
         raise ValueError(f"{type(module).__name__} is already sharded by fully_shard")
     context = _CONTEXT.get()
     if context is None:
-        raise RuntimeError("fully_shard must run inside `with fully_shard_context():`")
+        raise RuntimeError("fully_shard must run inside fully_shard_context "
+                           "(`with fully_shard_context(): fully_shard(...)`)")
     for sub in module.modules():
         if isinstance(sub, FsdpModule) and sub.context is not context:
             raise ValueError("fully_shard: the module contains a module sharded in another "
@@ -228,17 +230,19 @@ def microbatch(context: FsdpContext, is_last: bool) -> Iterator[None]:
     """``with microbatch(context, is_last): loss.backward()``: whether the backwards inside are
     of the last micro-batch of the step.
 
-    Backwards of earlier micro-batches accumulate: sharded gradients are still reduce-scattered
-    over the shard axis, but what can wait (the outer axis of HSDP/HFSDP, the all-reduce of
-    unsharded gradients) waits for the last one. Outside any ``microbatch`` every backward
-    is the last.
+    As upstream's, it matters for HSDP/HFSDP only: before the last micro-batch, gradients are
+    reduce-scattered over the shard axis and accumulate, and the reduction over the outer axis
+    waits for the last one. On a one-axis mesh every backward reduces its gradients (and the
+    parameters' ``.grad`` holds the sum so far). Outside any ``microbatch`` every backward is the
+    last.
     """
     context.ensure_finalized()
     previous = context.is_last_microbatch
     context.is_last_microbatch = bool(is_last)
     with contextlib.ExitStack() as stack:
         for engine in context.engines:
-            stack.enter_context(engine.sync() if is_last else engine.no_sync())
+            if engine.outer_comm is not None:  # (only an outer reduction is deferred)
+                stack.enter_context(engine.sync() if is_last else engine.no_sync())
         try:
             yield
         finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ class FsdpContext:
         self.device = device  # where every engine built here keeps its shards
         self.is_last_microbatch = True  # set by microbatch(); outside it, every backward is last
         self.engines: list[FullyShardedModule] = []  # one per root, after finalize()
+        self.modules: list[nn.Module] = []  # every sharded module, after finalize()
         self._registrations: list[Registration] = []  # until finalize()
         self._finalized = False
 
@@ -63,8 +65,8 @@ class FsdpContext:
     def ensure_finalized(self) -> None:
         """Raise unless the context has closed (and built its engines)."""
         if not self._finalized:
-            raise RuntimeError("the fully_shard_context is still open: leave the `with` block "
-                               "before running forward")
+            raise RuntimeError("the fully_shard_context is still open: Exit fully_shard_context "
+                               "(leave the `with` block) before running forward")
 
     def finalize(self) -> None:
         """Build one mfsdp engine per root (see [Note: one engine per root])."""
@@ -107,6 +109,7 @@ class FsdpContext:
         for r in members:
             name = next(n for n, m in module.named_modules() if m is r.module)
             r.module._fsdp_attach(engine, name, r is root)
+            self.modules.append(r.module)
             if r.grad_divisor != 1:
                 for b in engine.unit_by_name[name].buckets:
                     b.grad_scale /= r.grad_divisor
@@ -160,6 +163,15 @@ class FsdpParameter:
         return f"FsdpParameter({self.fqns})"
 
 
+class MainWeightView(BufferView):
+    """A group's main weights: ``data`` is this rank's shard, ``layout.size`` the elements of
+    the whole flat buffer over the shard group (padding included)."""
+
+    def __init__(self, bucket):
+        super().__init__(bucket.main_shard)
+        self.layout = SimpleNamespace(size=bucket.plan.padded_numel)
+
+
 class FsdpParameterGroup(ParameterGroupView):
     """One bucket of a module's unit, with upstream v2's names (``fsdp_parameters``,
     ``main_weight``, ``main_grad``, ``model_weight``) beside v1's."""
@@ -169,14 +181,14 @@ class FsdpParameterGroup(ParameterGroupView):
         self._engine = engine
         self.fsdp_parameters = tuple(FsdpParameter(sp, prefix) for sp in bucket.sparams)
         self.model_weight = self.model_weight_buffer
-        self.main_weight = BufferView(bucket.main_shard)
+        self.main_weight = MainWeightView(bucket)
         self.main_grad = self.main_grad_buffer if bucket.requires_grad else None
 
     def sync_model_weight_from_main_weight(self) -> None:
-        """Copy the main weights into the model weights (and re-gather where replicated); the
-        optimizer adapter does this after every step, for every group."""
-        self._engine.install_main_weights()
-        self._engine.wait_param_sync()
+        """Copy the main weights into the model weights and start re-gathering them where they
+        are replicated (the next forward waits); the optimizer adapter calls it after every
+        step, once per group."""
+        self._engine.install_main_weights([self._bucket])
 
 
 class FsdpModule:
@@ -195,11 +207,47 @@ class FsdpModule:
         object.__setattr__(self, "_fsdp_engine", None)  # the engine of its root, once built
         object.__setattr__(self, "_fsdp_name", None)  # its path under its root
         object.__setattr__(self, "_fsdp_is_root", False)
+        # A forward before the context closed would run on parameters not yet sharded.
+        self.register_forward_pre_hook(
+            lambda module, args: module.context.ensure_finalized(), prepend=True)
+        self.register_load_state_dict_pre_hook(FsdpModule._refuse_assign)
+
+    @staticmethod
+    def _refuse_assign(module, state_dict, prefix, local_metadata, *rest) -> None:
+        # (torch hands load_state_dict(assign=True) to pre-hooks in this metadata key)
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise RuntimeError("load_state_dict(assign=True) would replace parameters that "
+                               "fully_shard manages; load with assign=False (in place), or "
+                               "before fully_shard")
+
+    def _apply(self, fn, recurse=True):
+        """``model.to(device)`` and friends: the parameters this module's engine manages stay
+        where the engine keeps them (the context's device); the rest (parameters of modules not
+        sharded, buffers) are converted as usual."""
+        engine = self._fsdp_engine
+        if engine is None:
+            return super()._apply(fn, recurse)
+        mine = {id(m) for m in self.modules()}
+        hidden = []
+        for sp in engine._sparams:
+            for module, attr in sp.uses:
+                if id(module) in mine and attr in module._parameters:
+                    hidden.append((module, attr, module._parameters.pop(attr)))
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for module, attr, p in hidden:
+                module._parameters[attr] = p
 
     def _fsdp_attach(self, engine: FullyShardedModule, name: str, is_root: bool) -> None:
         object.__setattr__(self, "_fsdp_engine", engine)
         object.__setattr__(self, "_fsdp_name", name)
         object.__setattr__(self, "_fsdp_is_root", is_root)
+        prefix = f"{name}." if name else ""
+        # The views are made once: the optimizer adapter syncs through them (and code written
+        # for upstream may hold on to them).
+        object.__setattr__(self, "_fsdp_groups", tuple(
+            FsdpParameterGroup(b, engine, prefix) for b in engine.unit_by_name[name].buckets))
 
     @property
     def context(self) -> FsdpContext:
@@ -240,5 +288,5 @@ class FsdpModule:
     def parameter_groups(self) -> tuple[FsdpParameterGroup, ...]:
         """The module's own parameters by group (dtype, requires_grad): views of its unit's
         buckets; ``()`` for a module without parameters of its own."""
-        prefix = f"{self.name}." if self.name else ""
-        return tuple(FsdpParameterGroup(b, self.engine, prefix) for b in self._unit().buckets)
+        self.context.ensure_finalized()
+        return self._fsdp_groups

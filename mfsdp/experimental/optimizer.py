@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["engines_of", "fully_shard_optimizer"]
+__all__ = ["engine_modules", "engines_of", "fully_shard_optimizer"]
 
 
 def engines_of(optimizer: torch.optim.Optimizer) -> list:
@@ -20,6 +20,12 @@ def engines_of(optimizer: torch.optim.Optimizer) -> list:
             if engine is not None:
                 found.setdefault(id(engine), engine)
     return list(found.values())
+
+
+def engine_modules(engine) -> list:
+    """The modules given to ``fully_shard`` that ``engine`` (one root's) drives."""
+    root = engine.module
+    return [m for m in root.modules() if getattr(m, "_fsdp_engine", None) is engine]
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *,
@@ -56,7 +62,9 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *,
 
     def after(opt, args, kwargs):
         for engine in engines:
-            engine.install_main_weights()
+            for module in engine_modules(engine):
+                for group in module.parameter_groups:
+                    group.sync_model_weight_from_main_weight()
 
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)

@@ -195,9 +195,10 @@ class FullyShardedModule(nn.Module):
                 "optimizer.step()")
 
     @torch.no_grad()
-    def install_main_weights(self) -> None:
-        """Copy main weights into the model weights after an optimizer step, then re-replicate."""
-        for b in self.buckets:
+    def install_main_weights(self, buckets: list[Bucket] | None = None) -> None:
+        """Copy main weights into the model weights after an optimizer step, then re-replicate
+        (``buckets``: those only; default every bucket)."""
+        for b in self.buckets if buckets is None else buckets:
             mine = b.model_sub_shard()
             if not b.main_aliases_model():
                 mine.copy_(b.main_shard)
