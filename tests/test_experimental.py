@@ -242,8 +242,63 @@ def _v2_case(case: dict) -> dict:
     return out
 
 
-def _v2_rank(cases: list[dict]) -> list[dict]:
-    return [_v2_case(c) for c in cases]
+def _v2_behaviours() -> dict:
+    """Upstream's contract beyond training: what a one-axis ``microbatch(is_last=False)``
+    leaves in ``.grad``, ``model.to()`` after sharding a child of a CPU model, and the errors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from mfsdp.experimental import fully_shard, fully_shard_context, microbatch, save_checkpoint
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    # Two backwards under is_last=False on one axis: each reduced (averaged), then summed.
+    lin = nn.Linear(1, world, bias=False)
+    nn.init.constant_(lin.weight, 1.0)
+    with fully_shard_context() as context:
+        fully_shard(lin, mesh, _placements("zero3"))
+    x = torch.full((1, 1), float(rank + 1))
+    with microbatch(context, is_last=False):
+        lin(x).sum().backward()
+        lin(x).sum().backward()
+    out["grad"] = (isinstance(lin.weight.grad, DTensor), lin.weight.grad.full_tensor().tolist())
+    # A child sharded, the parent moved afterwards: the sharded child stays, the rest moves.
+    seq = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    nn.init.constant_(seq[0].weight, 2.0)
+    nn.init.constant_(seq[1].weight, 3.0)
+    expected = seq(torch.ones(1, 4)).detach()
+    with fully_shard_context():
+        fully_shard(seq[1], mesh, _placements("zero3"))
+    seq.to(torch.float32).to("cpu")
+    out["to"] = (isinstance(seq[1].weight, DTensor), torch.equal(seq(torch.ones(1, 4)), expected))
+    errors = []
+    model = Tiny()
+    with fully_shard_context():
+        fully_shard(model, mesh, _placements("zero3"))
+        try:
+            model(torch.ones(2, 6))
+        except RuntimeError as e:
+            errors.append(str(e))
+    try:
+        model.load_state_dict(Tiny().state_dict(), assign=True)
+    except RuntimeError as e:
+        errors.append(str(e))
+    try:
+        save_checkpoint(seq, torch.optim.SGD(seq.parameters(), lr=1.0), "unused")
+    except ValueError as e:
+        errors.append(str(e))
+    out["errors"] = errors
+    # state_dict() hands out DTensors that know their uneven rows: full_tensor() is the weight
+    out["state_dict"] = all(torch.equal(v.full_tensor(), model_param.full_tensor())
+                            for (k, v), model_param in zip(model.state_dict().items(),
+                                                           model.parameters()))
+    return out
+
+
+def _v2_rank(cases: list[dict], behaviours: bool = False) -> list[dict]:
+    return [_v2_case(c) for c in cases] + ([_v2_behaviours()] if behaviours else [])
 
 
 TWO_RANKS = (
@@ -284,13 +339,23 @@ def test_v2_per_module_matches_one_process_on_two_ranks(which):
     ``zero_grad(set_to_none=False)``, frozen, tied and parameterless modules: every step's
     weights equal a plain PyTorch model's trained on the global batch."""
     cases = [TWO_RANKS[i] for i in CORE] if which == "core" else TWO_RANKS
-    results = launch(_v2_rank, 2, args=(cases,), timeout=600)
+    results = launch(_v2_rank, 2, args=(cases, which == "core"), timeout=600)
     for r in results:
-        _check_cases(cases, r)
+        _check_cases(cases, r[:len(cases)])
     groups = results[0][0]["groups"]
     assert groups["act"] == []  # a module without parameters has no group
     assert groups["fc1"] == [[("weight",), ("bias",)]]  # names relative to the module
     assert groups[""] == [[("bias",), ("head.weight",)]]  # the root keeps what no child owns
+    if which == "core":
+        extra = results[0][-1]
+        # rank r's input is r + 1: each backward averages (1 + 2) / 2, two backwards add up
+        assert extra["grad"] == (True, [[3.0], [3.0]])
+        assert extra["to"] == (True, True)
+        assert extra["state_dict"]
+        assert [e.split(":")[0].split(";")[0] for e in extra["errors"]] == [
+            "the fully_shard_context is still open",
+            "load_state_dict(assign=True) would replace parameters that fully_shard manages",
+            "Sequential is not a root sharded by fully_shard (its sharded roots"]
 
 
 @pytest.mark.extended

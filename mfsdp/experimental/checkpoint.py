@@ -28,8 +28,12 @@ __all__ = ["save_checkpoint", "load_checkpoint"]
 def _engine(model: nn.Module):
     """The one mfsdp engine of ``model`` (a root sharded by ``fully_shard``)."""
     if not isinstance(model, FsdpModule) or not model.is_root():
-        raise ValueError(f"{type(model).__name__} is not a root sharded by fully_shard; pass the "
-                         "model whose fully_shard call came last (the root)")
+        roots = [n or "(the model)" for n, m in model.named_modules()
+                 if isinstance(m, FsdpModule) and m.is_root()]
+        raise ValueError(f"{type(model).__name__} is not a root sharded by fully_shard (its "
+                         f"sharded roots: {', '.join(roots) or 'none'}); an mfsdp checkpoint "
+                         "holds one sharded model: call fully_shard(model, ...) last, on the "
+                         "model itself")
     engine = model.engine
     managed = {id(sp.sharded) for sp in engine._sparams}
     for name, p in model.named_parameters():

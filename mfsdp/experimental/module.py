@@ -114,6 +114,7 @@ class FsdpContext:
                 for b in engine.unit_by_name[name].buckets:
                     b.grad_scale /= r.grad_divisor
         module.register_forward_pre_hook(_zero_cleared_grads(ref))
+        module._register_state_dict_hook(_state_dict_hook(ref))
         return engine
 
 
@@ -127,6 +128,25 @@ def _zero_cleared_grads(ref):
             return
         if any(sp.grad is not None and sp.sharded.grad is None for sp in engine._sparams):
             engine.zero_grad_buffers()
+
+    return hook
+
+
+def _state_dict_hook(ref):
+    """A root's ``state_dict()`` hook: each parameter's entry becomes a DTensor over its
+    main-weight rows that carries its uneven chunk layout (``state_dict()`` detaches the
+    parameter, which drops it), so ``full_tensor()`` and DCP read the right rows."""
+
+    def hook(module, state_dict, prefix, local_metadata):
+        engine = ref()
+        if engine is None:
+            return state_dict
+        engine.wait_param_sync()
+        for sp in engine._sparams:
+            for name in sp.names:
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = sp.wrap(sp.local.detach())
+        return state_dict
 
     return hook
 
