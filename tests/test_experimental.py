@@ -290,11 +290,31 @@ def _v2_behaviours() -> dict:
     except ValueError as e:
         errors.append(str(e))
     out["errors"] = errors
+    # bf16 weights, fp32 main weights: .grad is a cast copy of the bf16 accumulator, and
+    # zero_grad(set_to_none=False) must still start the next step from zero
+    out["bf16_zero_grad"] = [_bf16_training(mesh, stn) for stn in (True, False)]
     # state_dict() hands out DTensors that know their uneven rows: full_tensor() is the weight
     out["state_dict"] = all(torch.equal(v.full_tensor(), model_param.full_tensor())
                             for (k, v), model_param in zip(model.state_dict().items(),
                                                            model.parameters()))
     return out
+
+
+def _bf16_training(mesh, set_to_none: bool) -> list[torch.Tensor]:
+    from mfsdp.experimental import fully_shard, fully_shard_context, fully_shard_optimizer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).to(torch.bfloat16)
+    with fully_shard_context():
+        fully_shard(model[0], mesh, _placements("zero3"))
+        fully_shard(model, mesh, _placements("zero3"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fully_shard_optimizer(opt)
+    for step in range(3):
+        opt.zero_grad(set_to_none=set_to_none)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+    return [p.full_tensor() for p in model.parameters()]
 
 
 def _v2_rank(cases: list[dict], behaviours: bool = False) -> list[dict]:
@@ -352,6 +372,8 @@ def test_v2_per_module_matches_one_process_on_two_ranks(which):
         assert extra["grad"] == (True, [[3.0], [3.0]])
         assert extra["to"] == (True, True)
         assert extra["state_dict"]
+        to_none, zeroed = extra["bf16_zero_grad"]
+        assert all(torch.equal(a, b) for a, b in zip(to_none, zeroed))
         assert [e.split(":")[0].split(";")[0] for e in extra["errors"]] == [
             "the fully_shard_context is still open",
             "load_state_dict(assign=True) would replace parameters that fully_shard manages",

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from mfsdp.config import EngineOptions, MixedPrecisionPolicy, ShardingStrategy
 from mfsdp.fsdp.buffers import BufferView, ParameterGroupView
@@ -119,14 +120,29 @@ class FsdpContext:
 
 
 def _zero_cleared_grads(ref):
-    """A root pre-forward hook: ``optimizer.zero_grad()`` (``set_to_none=True``) dropped the
-    gradients the engine handed out, so the next backward must start from zero, as upstream's."""
+    """A root pre-forward hook: after ``optimizer.zero_grad()`` the next backward starts from
+    zero, as upstream's. With ``set_to_none=True`` the gradients the engine handed out are gone.
+    With ``set_to_none=False`` they were zeroed in place, which zeroes the engine's accumulator
+    itself where ``.grad`` views it; where it is a cast copy (gradients kept in another dtype
+    than the main weights) the copy is all zero, and then so is what it was cast from: the
+    accumulator is zeroed too (one host sync per forward, mixed precision only)."""
 
     def hook(module, args):
         engine = ref()
         if engine is None or in_backward() or not torch.is_grad_enabled():
             return
-        if any(sp.grad is not None and sp.sharded.grad is None for sp in engine._sparams):
+        copies = []
+        for sp in engine._sparams:
+            if sp.grad is None:
+                continue
+            face = sp.sharded.grad
+            if face is None:  # set_to_none=True
+                engine.zero_grad_buffers()
+                return
+            if sp.bucket.grad_shard is not None and sp.bucket.grad_shard.dtype != sp.local.dtype:
+                copies.append(face._local_tensor if isinstance(face, DTensor) else face)
+        copies = [c for c in copies if c.numel()]
+        if copies and not torch.stack([c.abs().max() for c in copies]).any().item():
             engine.zero_grad_buffers()
 
     return hook
