@@ -88,15 +88,31 @@ def _v1_reference(world: int, fp16_first_step: bool) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters())
 
 
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+def _two_rank_suite(root: str) -> dict:
+    """Everything `make test` checks on two ranks, in one launch (ranks start once)."""
+    return {"v1": _v1_precision_rank(STRATEGIES),
+            "v2": _v2_rank([TWO_RANKS[i] for i in CORE], behaviours=True),
+            "checkpoint": _round_trip_rank(root)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's results of :func:`_two_rank_suite`."""
+    return launch(_two_rank_suite, 2, args=(str(tmp_path_factory.mktemp("ckpt")),), timeout=600)
+
+
 @pytest.mark.slow
-def test_mixed_precision_context_changes_grad_comm_dtype_for_one_step():
+def test_mixed_precision_context_changes_grad_comm_dtype_for_one_step(two_ranks):
     """Upstream 0.6.1's ``mixed_precision_context``: the first step reduces gradients in fp16
     (the weights then equal a reference that rounds each rank's gradient to fp16 and sums in
     fp16, and differ from the fp32 reference), the second step in the main-gradient dtype again;
     the main-weight dtype stays what the model was built with; the policy is restored on exit,
     also when the block raises."""
-    strategies = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-    results = launch(_v1_precision_rank, 2, args=(strategies,))
+    strategies = STRATEGIES
+    results = [r["v1"] for r in two_ranks]
     fp16 = _v1_reference(2, True)
     fp32 = _v1_reference(2, False)
     for strategy in strategies:
@@ -352,14 +368,22 @@ CORE = [0, 3, 6, 9, 13, 16, 17, 18, 19, 20, 21]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", [pytest.param("core"), pytest.param(
-    "all", marks=pytest.mark.extended)])
-def test_v2_per_module_matches_one_process_on_two_ranks(which):
+def test_v2_per_module_matches_one_process_on_two_ranks(two_ranks):
     """ZeRO-1/2/3 and no_shard placements, SGD and AdamW, 1 and 3 micro-batches, meta init,
     ``zero_grad(set_to_none=False)``, frozen, tied and parameterless modules: every step's
-    weights equal a plain PyTorch model's trained on the global batch."""
+    weights equal a plain PyTorch model's trained on the global batch; and upstream's contract
+    beyond training (see ``_v2_behaviours``)."""
+    _check_v2([r["v2"] for r in two_ranks], "core")
+
+
+@pytest.mark.extended
+def test_v2_whole_matrix_on_two_ranks():
+    """Every case of ``TWO_RANKS`` (the core set runs in `make test`)."""
+    _check_v2(launch(_v2_rank, 2, args=(TWO_RANKS,), timeout=600), "all")
+
+
+def _check_v2(results: list, which: str) -> None:
     cases = [TWO_RANKS[i] for i in CORE] if which == "core" else TWO_RANKS
-    results = launch(_v2_rank, 2, args=(cases, which == "core"), timeout=600)
     for r in results:
         _check_cases(cases, r[:len(cases)])
     groups = results[0][0]["groups"]
@@ -498,11 +522,11 @@ def _round_trip_rank(root: str) -> list[tuple[str, list[str]]]:
 
 
 @pytest.mark.slow
-def test_checkpoint_round_trip_v1_v2_is_bit_exact(tmp_path):
+def test_checkpoint_round_trip_v1_v2_is_bit_exact(two_ranks):
     """A checkpoint saved through v1 (ZeRO-3) loads through v2 (no_shard) bit for bit, and one
     saved through v2 loads through v1 (ZeRO-1) and v2 (ZeRO-3) bit for bit, AdamW state included;
     the two continue training alike."""
-    for report in launch(_round_trip_rank, 2, args=(str(tmp_path),)):
+    for report in [r["checkpoint"] for r in two_ranks]:
         assert report == [("v1 -> v2", []), ("v2 -> v1", []), ("v2 -> v2", []),
                           ("step after load", [])]
 
