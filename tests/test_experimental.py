@@ -280,6 +280,12 @@ def _v2_behaviours() -> dict:
         lin(x).sum().backward()
         lin(x).sum().backward()
     out["grad"] = (isinstance(lin.weight.grad, DTensor), lin.weight.grad.full_tensor().tolist())
+    # grad_divisor divides that module's reduced gradients once more (expert parallelism)
+    lin2 = nn.Linear(1, world, bias=False)
+    with fully_shard_context():
+        fully_shard(lin2, mesh, _placements("zero3"), grad_divisor=2)
+    lin2(x).sum().backward()
+    out["divided"] = lin2.weight.grad.full_tensor().tolist()
     # A child sharded, the parent moved afterwards: the sharded child stays, the rest moves.
     seq = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
     nn.init.constant_(seq[0].weight, 2.0)
@@ -395,6 +401,7 @@ def _check_v2(results: list, which: str) -> None:
         # rank r's input is r + 1: each backward averages (1 + 2) / 2, two backwards add up
         assert extra["grad"] == (True, [[3.0], [3.0]])
         assert extra["to"] == (True, True)
+        assert extra["divided"] == [[0.75], [0.75]]  # (1 + 2) / 2 ranks / grad_divisor 2
         assert extra["state_dict"]
         to_none, zeroed = extra["bf16_zero_grad"]
         assert all(torch.equal(a, b) for a, b in zip(to_none, zeroed))
