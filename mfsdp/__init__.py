@@ -1,6 +1,8 @@
 """mfsdp: Megatron-FSDP-style sharded data parallelism on ``torch.distributed``.
 
 The public surface is listed in ``__all__``; everything else is importable but not advertised.
+Upstream's per-module API ("v2": ``fully_shard(module, mesh, placements)`` in place) is
+``mfsdp.experimental``, a second front door to the same engine.
 """
 
 from __future__ import annotations

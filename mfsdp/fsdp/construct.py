@@ -90,12 +90,18 @@ def _tp_specs(comms: Comms, params: dict[int, dict]) -> None:
         e["tp"] = TPSpec.of(p)
 
 
+def _is_unit(m: nn.Module, units) -> bool:
+    """Whether ``m`` is a unit: an instance of one of the classes in ``units``, or one of the
+    module instances there (the per-module front door, ``mfsdp.experimental``, names modules)."""
+    return any(m is u if isinstance(u, nn.Module) else isinstance(m, u) for u in units)
+
+
 def _unit_paths(root: nn.Module, unit_classes, disable_bucketing: bool) -> list[str]:
     paths = [""]
     if unit_classes and not disable_bucketing:
-        paths += [n for n, m in root.named_modules() if n and isinstance(m, unit_classes)]
-        if len(paths) == 1 and not isinstance(root, unit_classes):
-            names = ", ".join(c.__name__ for c in unit_classes)
+        paths += [n for n, m in root.named_modules() if n and _is_unit(m, unit_classes)]
+        if len(paths) == 1 and not _is_unit(root, unit_classes):
+            names = ", ".join(getattr(c, "__name__", type(c).__name__) for c in unit_classes)
             raise ValueError(f"fsdp_unit_modules=({names}) matches no module of "
                              f"{type(root).__name__}; name the block classes the model uses")
     return paths

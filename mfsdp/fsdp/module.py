@@ -63,6 +63,7 @@ class FullyShardedModule(nn.Module):
         mixed_precision_policy: MixedPrecisionPolicy,
         options: EngineOptions | None = None,
         outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD,
+        hooks_on_module: bool = False,
     ):
         super().__init__()
         opts = options or EngineOptions()
@@ -72,7 +73,9 @@ class FullyShardedModule(nn.Module):
                               Comms.build(groups, outer_strategy, device),
                               sync=GradSync(auto=opts.sync_model_each_microbatch))
         self.state = state
-        built = build_units(state, module, self, unit_classes)
+        # The root unit's hooks go on this wrapper, whose forward callers use; the per-module
+        # front door (mfsdp.experimental) leaves the model in place and calls ``module`` itself.
+        built = build_units(state, module, module if hooks_on_module else self, unit_classes)
         state.units = built.units
         state.unit_by_name = {u.name: u for u in built.units}
         state.pool = built.pool
@@ -213,9 +216,10 @@ class FullyShardedModule(nn.Module):
                 "optimizer.step()")
 
     @torch.no_grad()
-    def install_main_weights(self) -> None:
-        """Copy main weights into the model weights after an optimizer step, then re-replicate."""
-        for b in self.buckets:
+    def install_main_weights(self, buckets: list[Bucket] | None = None) -> None:
+        """Copy main weights into the model weights after an optimizer step, then re-replicate
+        (``buckets``: those only; default every bucket)."""
+        for b in self.buckets if buckets is None else buckets:
             mine = b.model_sub_shard()
             if not b.main_aliases_model():
                 mine.copy_(b.main_shard)
@@ -282,6 +286,42 @@ class FullyShardedModule(nn.Module):
     def set_model_auto_sync(self, sync: bool) -> None:
         """Set whether every backward reduces gradients (``sync_model_each_microbatch``)."""
         self.state.sync.auto = bool(sync)
+
+    # -- the mixed-precision policy of a step (upstream Megatron-FSDP 0.6.1's two methods) --------
+    def reset_mixed_precision_policy(self, mixed_precision_policy: MixedPrecisionPolicy) -> None:
+        """Take ``mixed_precision_policy``'s gradient communication dtype from now on.
+
+        As upstream's method: the main-weight and main-gradient dtypes stay what the model was
+        built with (they size buffers that already hold the weights and the accumulated
+        gradients), so only ``grad_comm_dtype`` is read from the new policy; ``None`` there means
+        "communicate in the main-gradient dtype". It acts on the next gradient reduction.
+        Upstream 0.6.1 applies it only with ``nccl_ub`` or ``fsdp_double_buffer`` (its comment
+        says the opposite); mfsdp casts into a temporary for every reduction and always applies it.
+        """
+        if not isinstance(mixed_precision_policy, MixedPrecisionPolicy):
+            raise TypeError(f"mixed_precision_policy={mixed_precision_policy!r} must be an "
+                            "mfsdp.MixedPrecisionPolicy")
+        if self.reducer.backward_started:
+            raise RuntimeError("reset_mixed_precision_policy() during backward: change the "
+                               "policy between steps, where no reduction is in flight")
+        old = self.state.mp_policy
+        self.state.mp_policy = MixedPrecisionPolicy(
+            main_params_dtype=old.main_params_dtype, main_grads_dtype=old.main_grads_dtype,
+            grad_comm_dtype=mixed_precision_policy.grad_comm_dtype)
+        for b in self.buckets:  # each bucket resolved its dtypes when it was built
+            b.comm_dtype = self.state.mp_policy.grad_comm_dtype or b.grad_dtype
+
+    @contextlib.contextmanager
+    def mixed_precision_context(self, mixed_precision_policy: MixedPrecisionPolicy):
+        """``with model.mixed_precision_context(policy): ...``: the gradient communication dtype
+        of ``policy`` inside (see :meth:`reset_mixed_precision_policy`), the previous policy
+        restored on the way out, also when the block raises."""
+        saved = self.state.mp_policy
+        self.reset_mixed_precision_policy(mixed_precision_policy)
+        try:
+            yield self
+        finally:
+            self.reset_mixed_precision_policy(saved)
 
     # ------------------------------------------------------------------------------------------
     # full weights on demand, state dicts
