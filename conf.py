@@ -174,6 +174,9 @@ def _recipe_cache(app, config):
         _RECIPE_DIGEST.unlink(missing_ok=True)
         return
     digest = _recipe_inputs_digest()
+    # when this build began: docs/_ext/recipe_times.py tells the recipes it ran from those reused
+    _RECIPE_DIGEST.parent.mkdir(parents=True, exist_ok=True)
+    (_RECIPE_DIGEST.parent / ".build-started").touch()
     fresh = _RECIPE_DIGEST.exists() and _RECIPE_DIGEST.read_text().strip() == digest
     config.sphinx_gallery_conf["run_stale_examples"] = not fresh
     app._mfsdp_recipe_digest = digest
