@@ -1,25 +1,36 @@
 // Break opportunities inside long identifiers, between their words only: after "." "/" "," "="
 // "_" ":" "[" and after a "-" that joins two words (never inside the leading "--" of a flag), so
 // that a module path, a test id, a --long-flag-name or a snake_case name wraps between its parts
-// and never inside a word (docs/_static/mfsdp.css keeps each word whole). Applies to literals in
-// running text and tables, and to the left sidebar's entries (the API pages' dotted names); code
-// blocks are left alone: they scroll.
+// and never inside a word. Each part becomes its own span.pre (which docs/_static/mfsdp.css keeps
+// whole: white-space nowrap) with a <wbr> between them, in the literal's <code>, which wraps
+// normally. Applies to literals in running text and tables, and to the left sidebar's entries
+// (the API pages' dotted names); code blocks are left alone: they scroll.
 document.addEventListener("DOMContentLoaded", () => {
-  const split = (el) => {
-    const text = el.textContent;
-    if (text.length < 12 || el.children.length) return;
-    const parts = text.split(/(?<=[./,=_:\[]|[^-]-(?=[^-]))/);
-    if (parts.length < 2) return;
-    el.textContent = "";
-    for (const part of parts) {
-      el.appendChild(document.createTextNode(part));
-      el.appendChild(document.createElement("wbr"));
-    }
-  };
+  const BREAK = /(?<=[./,=_:\[]|[^-]-(?=[^-]))/;
   for (const span of document.querySelectorAll("article span.pre")) {
-    if (!span.closest("pre")) split(span);
+    if (span.closest("pre")) continue;
+    const text = span.textContent;
+    if (text.length < 12 || span.children.length) continue;
+    const parts = text.split(BREAK);
+    if (parts.length < 2) continue;
+    const fragment = document.createDocumentFragment();
+    parts.forEach((part, i) => {
+      if (i) fragment.appendChild(document.createElement("wbr"));
+      const piece = document.createElement("span");
+      piece.className = span.className;
+      piece.textContent = part;
+      fragment.appendChild(piece);
+    });
+    span.replaceWith(fragment);
   }
-  for (const a of document.querySelectorAll(".bd-sidebar-primary a, .bd-sidebar-primary code span")) {
-    split(a);
+  for (const a of document.querySelectorAll(".bd-sidebar-primary a")) {
+    if (a.children.length || a.textContent.length < 12) continue;
+    const parts = a.textContent.split(BREAK);
+    if (parts.length < 2) continue;
+    a.textContent = "";
+    parts.forEach((part, i) => {
+      if (i) a.appendChild(document.createElement("wbr"));
+      a.appendChild(document.createTextNode(part));
+    });
   }
 });
