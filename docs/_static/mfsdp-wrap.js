@@ -23,14 +23,20 @@ document.addEventListener("DOMContentLoaded", () => {
     });
     span.replaceWith(fragment);
   }
-  for (const a of document.querySelectorAll(".bd-sidebar-primary a")) {
-    if (a.children.length || a.textContent.length < 12) continue;
-    const parts = a.textContent.split(BREAK);
+  // Plain text that is one long identifier: the sidebar's entries and the API pages' titles
+  // (mfsdp.checkpoint.detect.is_megatron_fsdp), whose "#" link would otherwise land past the column.
+  const texts = [...document.querySelectorAll(".bd-sidebar-primary a, article h1")]
+    .flatMap(el => [...el.childNodes].filter(n => n.nodeType === Node.TEXT_NODE));
+  for (const node of texts) {
+    const text = node.data;
+    if (text.length < 12 || /\s/.test(text.trim())) continue;
+    const parts = text.split(BREAK);
     if (parts.length < 2) continue;
-    a.textContent = "";
+    const fragment = document.createDocumentFragment();
     parts.forEach((part, i) => {
-      if (i) a.appendChild(document.createElement("wbr"));
-      a.appendChild(document.createTextNode(part));
+      if (i) fragment.appendChild(document.createElement("wbr"));
+      fragment.appendChild(document.createTextNode(part));
     });
+    node.replaceWith(fragment);
   }
 });
