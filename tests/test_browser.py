@@ -130,7 +130,7 @@ def test_no_page_overflows_and_diagram_text_is_readable(site):
     results = {}
     for widths, group in (("1280,1920", guide), ("1280", api)):
         dom = _chromium("--dump-dom", f"{base}/_measure.html?widths={widths}&pages={','.join(group)}",
-                        budget_ms=900_000, timeout=300)
+                        budget_ms=900_000, timeout=900)
         found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
         assert found and found.group(1), dom[-2000:]
         got = json.loads(html.unescape(found.group(1)))
