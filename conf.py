@@ -62,6 +62,10 @@ mermaid_init_config = {
     "sequence": {"useMaxWidth": False, "width": 100, "actorMargin": 25, "messageMargin": 30},
 }
 
+# No smart quotes: docutils would turn a flag's "--" into an en dash, and a copied flag would be
+# invalid (tests/test_browser.py fails on a rendered "–flag").
+smartquotes = False
+
 myst_enable_extensions = ["colon_fence", "deflist", "attrs_inline"]
 myst_fence_as_directive = ["mermaid"]
 myst_heading_anchors = 3
@@ -106,7 +110,10 @@ sphinx_gallery_conf = {
     "only_warn_on_example_error": False,
     "show_memory": False,
     "run_stale_examples": True,  # set per build by _recipe_cache below
-    "capture_repr": (),  # show what recipes print, not the repr of a last expression
+    "capture_repr": (),
+    # matplotlib's scraper, after a check of every figure (docs/_ext/recipe_figures.py): an empty
+    # axes or a legend over a label is a warning, an error under -W
+    "image_scrapers": ("recipe_figures.checked_matplotlib_scraper",),  # show what recipes print, not the repr of a last expression
 }
 
 html_theme = "pydata_sphinx_theme"
@@ -167,6 +174,9 @@ def _recipe_cache(app, config):
         _RECIPE_DIGEST.unlink(missing_ok=True)
         return
     digest = _recipe_inputs_digest()
+    # when this build began: docs/_ext/recipe_times.py tells the recipes it ran from those reused
+    _RECIPE_DIGEST.parent.mkdir(parents=True, exist_ok=True)
+    (_RECIPE_DIGEST.parent / ".build-started").touch()
     fresh = _RECIPE_DIGEST.exists() and _RECIPE_DIGEST.read_text().strip() == digest
     config.sphinx_gallery_conf["run_stale_examples"] = not fresh
     app._mfsdp_recipe_digest = digest

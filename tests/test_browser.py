@@ -107,9 +107,10 @@ def test_search_finds_fully_shard(site):
 
 
 def test_no_page_overflows_and_diagram_text_is_readable(site):
-    """Every page of the guide at 1280 and 1920 px (API reference pages at 1280 px): no code block or table wider than its column
-    (nothing hidden behind a scroll bar), no literal wrapped inside a word (only at spaces, dots,
-    slashes, commas), plot text at least 10 px as rendered, diagram text at least 3/4 of the body
+    """Every page of the guide at 1280 and 1920 px (API reference pages at 1280 px): every code and
+    output block scrolls and never wraps (computed white-space "pre"), no element reaches past its
+    column, no flag renders with an en dash, no literal (nor a sidebar entry) wrapped inside a word
+    (only at spaces, dots, slashes, commas, underscores), plot text at least 10 px as rendered, diagram text at least 3/4 of the body
     text size, no overlapping diagram labels. Measured in the browser by
     tests/browser/measure.html."""
     import html
@@ -129,7 +130,7 @@ def test_no_page_overflows_and_diagram_text_is_readable(site):
     results = {}
     for widths, group in (("1280,1920", guide), ("1280", api)):
         dom = _chromium("--dump-dom", f"{base}/_measure.html?widths={widths}&pages={','.join(group)}",
-                        budget_ms=900_000, timeout=300)
+                        budget_ms=900_000, timeout=900)
         found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
         assert found and found.group(1), dom[-2000:]
         got = json.loads(html.unescape(found.group(1)))
@@ -146,6 +147,9 @@ def test_no_page_overflows_and_diagram_text_is_readable(site):
                      for s in r["small_text"][:3]]
         problems += [f"{key}: diagram labels overlap: {pair}" for pair in r["overlaps"][:3]]
         problems += [f"{key}: a literal breaks inside a word: {w!r}" for w in r["broken_words"][:3]]
+        problems += [f"{key}: a code block wraps (white-space: {p['white_space']}): {p['text']!r}"
+                     for p in r["wrapping_pre"][:3]]
+        problems += [f"{key}: a flag renders with an en dash: {f!r}" for f in r["en_dash_flags"][:3]]
         problems += [f"{key}: plot text renders at {i['px']} px (< 10): {i['src']}"
                      for i in r["plot_text_px"] if i["px"] < 10][:3]
     assert not problems, "\n".join(problems[:40])

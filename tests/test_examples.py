@@ -93,3 +93,64 @@ def test_recipes_draw_no_text_below_10_points():
             r"rcParams\[[\"'](font\.size|\w+\.labelsize|savefig\.dpi|figure\.dpi)[\"']\]", text)]
         small += [f"{path.name}: dpi" for m in re.finditer(r"\bdpi\s*=", text)]
     assert small == []
+
+
+def _cells(text: str) -> list[str]:
+    """A recipe's code cells as sphinx-gallery splits them (at ``# %%`` lines)."""
+    return re.split(r"(?m)^# %%.*$", text)
+
+
+def test_recipes_draw_each_figure_in_the_cell_that_shows_it():
+    """sphinx-gallery saves the figures open at the end of a cell: an axes made by
+    ``plt.subplots`` in one cell and drawn in a later one is saved empty (#38: the memory recipe's
+    right panel was an empty 0-1 box, and so was its thumbnail). No cell may call a method of an
+    axes or figure that an earlier cell made."""
+    import ast
+
+    def made_by_subplots(tree) -> set[str]:
+        names = set()
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                    and getattr(node.value.func, "attr", "") in ("subplots", "figure", "subplot")):
+                for target in node.targets:
+                    names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        return names
+
+    late = []
+    for path in sorted((ROOT / "recipes").glob("plot_*.py")):
+        earlier: set[str] = set()
+        for i, cell in enumerate(_cells(path.read_text())):
+            tree = ast.parse(cell)
+            made_here = made_by_subplots(tree)
+            used = {n.value.id for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                    and isinstance(n.value, ast.Name) and n.value.id in earlier - made_here}
+            late += [f"{path.name}: cell {i} draws on {name}, made in an earlier cell"
+                     for name in sorted(used)]
+            earlier = (earlier | made_here)
+    assert late == []
+
+
+def test_the_figure_check_finds_empty_axes_and_covered_labels():
+    """docs/_ext/recipe_figures.py, the scraper the docs build uses, warns (an error under -W) on
+    an empty axes and on a legend over a label, and passes a figure drawn whole."""
+    import sys
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    from recipe_figures import figure_problems
+
+    fig, (left, right) = plt.subplots(1, 2)
+    left.plot([0, 1], label="line")
+    left.legend()
+    assert figure_problems(fig) == ["axes 'axes 2' is empty (drawn in a later cell?)"]
+    right.bar([0, 1], [1, 2])
+    assert figure_problems(fig) == []
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], label="a long label " * 3)
+    ax.set_ylabel("bytes per parameter")
+    ax.legend(loc="center left", bbox_to_anchor=(-0.4, 0.5))
+    assert figure_problems(fig) == ["a legend covers the text 'bytes per parameter'"]
+    plt.close("all")

@@ -330,7 +330,7 @@ def test_flags_the_guide_names_exist():
                    "--account", "--exclusive", "--job-name", "--signal"},
         "srun/pyxis": {"--container-image", "--container-mounts", "--container-workdir",
                        "--kill-on-bad-exit"},
-        "sphinx/pytest/pip": {"--keep-going", "--upgrade"},
+        "sphinx/pytest/pip": {"--keep-going", "--upgrade", "--index-url"},
         "nsys": {"--trace", "--output", "--capture-range"},
         "py-spy/sha256sum": {"--pid", "--quiet"},
         # Megatron-LM flags of features mfsdp does not implement or does not need; the page

@@ -22,8 +22,8 @@ The formats, one module each (the CLI here only parses and dispatches):
   with ``--use-megatron-fsdp`` writes (:mod:`mfsdp.checkpoint.megatron_lm_dtensor`); the input's
   format is recognised by what is on disk (:mod:`mfsdp.checkpoint.detect`).
 * ``mfsdp_full``: mfsdp's full-tensor form, optimizer state by position
-  (:mod:`mfsdp.checkpoint.full`); called ``torch_dist`` before mfsdp 0.2: ``--from torch_dist``
-  still reads it, with a one-line notice.
+  (:mod:`mfsdp.checkpoint.full`); ``--from torch_dist`` still reads it, with a one-line
+  notice naming ``--from mfsdp_full`` (until 0.2.0; ``CHANGELOG.md``).
 * ``hf``: a Hugging Face model directory that ``transformers`` loads (:mod:`mfsdp.checkpoint.hf_format`,
   streaming: one tensor in memory at a time).
 * ``safetensors``: weights by mfsdp name (:mod:`mfsdp.checkpoint.safetensors_format`).

@@ -4,9 +4,9 @@ job writes.
 The same keys as ``fsdp_dtensor`` with full, unsharded tensors, and optimizer state keyed by
 *position*, as ``torch.optim.Optimizer.state_dict()`` does (``optimizer.state.<index>.<key>``,
 groups listing indices), with ``param_to_param_group_map.json`` naming each position's
-parameter and group. This format was called ``torch_dist`` before mfsdp 0.2; that name now means
-Megatron-LM's format everywhere (:mod:`mfsdp.checkpoint.megatron_lm`). The old function names
-still work for one release and warn once.
+parameter and group. ``torch_dist`` means Megatron-LM's format everywhere
+(:mod:`mfsdp.checkpoint.megatron_lm`); this format's earlier names (``CHANGELOG.md``) still work
+until 0.2.0 and warn once.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ keeps working after changing the import::
 
 from __future__ import annotations
 
+import inspect
+
 import dataclasses
 import weakref
 from typing import Any
@@ -378,3 +380,17 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     model = fully_shard_model(module, **kwargs)
     dcp_ready = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
     return model, (fully_shard_optimizer(optimizer, dcp_ready) if optimizer is not None else None)
+
+
+def _fully_shard_signature() -> inspect.Signature:
+    """``fully_shard``'s real signature: ``module``, ``optimizer``, then every keyword of
+    :func:`fully_shard_model`, so that ``help()``, IDEs and the API reference show them instead
+    of ``**kwargs``."""
+    model_params = list(inspect.signature(fully_shard_model).parameters.values())
+    optimizer = inspect.Parameter("optimizer", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                  default=None, annotation="torch.optim.Optimizer | None")
+    return inspect.signature(fully_shard).replace(
+        parameters=[model_params[0], optimizer, *model_params[1:]])
+
+
+fully_shard.__signature__ = _fully_shard_signature()
