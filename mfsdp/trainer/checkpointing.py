@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mfsdp.trainer.signals import slow_save_for_tests
+
 
 def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
     """Save iteration ``iteration`` into ``--save`` in ``--ckpt-format`` (a collective call)."""
@@ -22,6 +24,7 @@ def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
              "data_position": iteration, "opt_param_scheduler": scheduler_state(args, iteration)}
     files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
     root = Path(args.save)
+    slow_save_for_tests()
     if args.ckpt_format == "fsdp_dtensor":
         save_checkpoint(root, model, opt, iteration=iteration, extra=extra, files=files)
         return
