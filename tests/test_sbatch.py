@@ -1,8 +1,12 @@
 """Rendered sbatch scripts: committed = fresh render, ASCII, newline-terminated, ``bash -n`` and
-``shellcheck`` clean, every trainer flag they pass exists, and bad input fails clearly."""
+``shellcheck`` clean; every flag an mfsdp script passes parses with ``mfsdp train``, every flag a
+Megatron-LM script passes with the snapshot of Megatron-LM's own parser; values render as
+literal strings; bad input fails at render time in one line."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 import shlex
 import shutil
@@ -15,29 +19,42 @@ from mfsdp import sbatch, train
 from mfsdp.checkpoint import convert
 
 SCRIPTS = ROOT / "example-scripts"
-PRESETS = sorted(sbatch.PRESETS)
+ALL = sbatch.scripts()
+IDS = [rel for _, _, rel in ALL]
+SNAPSHOT = json.loads((ROOT / "tests" / "fixtures" / "megatron_lm_parser.json").read_text())
+MEGATRON_DEFAULTS = json.loads((ROOT / "docs" / "megatron_lm_defaults.json").read_text())["defaults"]
 
 
-@pytest.mark.parametrize("name", PRESETS)
-def test_committed_script_equals_fresh_render(name):
-    path = SCRIPTS / f"{name}.sbatch"
+@pytest.mark.parametrize("name, overrides, rel", ALL, ids=IDS)
+def test_committed_script_equals_fresh_render(name, overrides, rel):
+    path = SCRIPTS / rel
     assert path.exists(), f"{path} missing: run `mfsdp sbatch render-all example-scripts`"
-    assert path.read_text() == sbatch.render(name), (
+    assert path.read_text() == sbatch.render(name, overrides), (
         f"{path} differs from a fresh render: run `mfsdp sbatch render-all example-scripts`")
 
 
-@pytest.mark.parametrize("name", PRESETS)
-def test_script_is_ascii_and_ends_with_newline(name):
-    data = (SCRIPTS / f"{name}.sbatch").read_bytes()
+def test_no_stale_scripts():
+    committed = {p.relative_to(SCRIPTS).as_posix() for p in SCRIPTS.rglob("*.sbatch")}
+    assert committed == set(IDS)
+
+
+def test_every_gpu_preset_renders_for_both_trainers():
+    gpu = [n for n, p in sbatch.PRESETS.items() if p.values.get("gpus_per_node")]
+    assert gpu and all(f"megatron-lm/{n}.sbatch" in IDS for n in gpu)
+    with pytest.raises(sbatch.RenderError, match="Megatron-LM's pretrain_gpt.py does not train"):
+        sbatch.render("cpu-smoke", {"trainer": "megatron-lm"})
+
+
+@pytest.mark.parametrize("rel", IDS)
+def test_script_is_ascii_and_ends_with_newline(rel):
+    data = (SCRIPTS / rel).read_bytes()
     bad = [(i, b) for i, b in enumerate(data) if b > 127]
     assert not bad, f"non-ASCII byte at offset {bad[0][0]}"
     assert data.startswith(b"#!/bin/bash\n")
     assert data.endswith(b"\n") and not data.endswith(b"\n\n")
 
 
-@pytest.mark.parametrize("name", PRESETS)
-def test_bash_n_and_shellcheck(name):
-    path = SCRIPTS / f"{name}.sbatch"
+def _lint(path) -> None:
     proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     if shutil.which("shellcheck") is None:
@@ -46,19 +63,143 @@ def test_bash_n_and_shellcheck(name):
     assert proc.returncode == 0, proc.stdout
 
 
+@pytest.mark.parametrize("rel", IDS)
+def test_bash_n_and_shellcheck(rel):
+    _lint(SCRIPTS / rel)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+@pytest.mark.parametrize("trainer", ["mfsdp", "megatron-lm"])
+def test_both_launchers_lint(tmp_path, trainer, launcher):
+    for name in ("llama3-8b-container", "deepseek-v3"):
+        path = tmp_path / f"{name}.sbatch"
+        path.write_text(sbatch.render(name, {"trainer": trainer, "launcher": launcher}))
+        _lint(path)
+
+
 def _array(text: str, name: str) -> list[str]:
     body = re.search(rf"^{name}=\(\n(.*?)^\)", text, re.S | re.M).group(1)
     return shlex.split(body)
 
 
-@pytest.mark.parametrize("name", PRESETS)
-def test_every_flag_in_a_script_exists(name):
-    text = (SCRIPTS / f"{name}.sbatch").read_text()
-    if sbatch.PRESETS[name].template == "train":
-        args = train.build_parser().parse_args(_array(text, "TRAIN_ARGS"))
-        assert args.use_megatron_fsdp
+def _appended(text: str) -> list[str]:
+    """What the script adds to TRAIN_ARGS when DATA_PATH, TOKENIZER_MODEL and WANDB_API_KEY are
+    set (the variables replaced by sample values)."""
+    out = []
+    for body in re.findall(r"TRAIN_ARGS\+=\((.*)\)", text):
+        body = (body.replace('"${DATA_ARGS[@]}"', "0.5 /data/a 0.5 /data/b")
+                .replace('"$TOKENIZER_MODEL"', "/tokenizer").replace("$", ""))
+        out += shlex.split(body)
+    return out
+
+
+class SnapshotParser(argparse.ArgumentParser):
+    """An argparse parser with the flags, arities, types and choices of the snapshot of
+    Megatron-LM's parser; errors raise ValueError."""
+
+    TYPES = {"int": int, "float": float}
+
+    def __init__(self):
+        super().__init__(allow_abbrev=False, add_help=False)
+        by_dest: dict[tuple, list[str]] = {}
+        for option, e in SNAPSHOT["flags"].items():
+            key = (e["dest"], e["action"], json.dumps(e["nargs"]), e["type"],
+                   json.dumps(e["choices"]))
+            by_dest.setdefault(key, []).append(option)
+        for (dest, action, nargs, typ, choices), options in by_dest.items():
+            nargs, choices = json.loads(nargs), json.loads(choices)
+            kw: dict = {"dest": dest}
+            if action in ("storetrue", "storefalse", "storeconst", "count", "appendconst",
+                          "booleanoptional"):
+                kw["action"] = {"storetrue": "store_true", "storefalse": "store_false",
+                                "count": "count"}.get(action, "store_true")
+            else:
+                kw["action"] = "append" if action == "append" else "store"
+                if nargs is not None:
+                    kw["nargs"] = nargs
+                kw["type"] = self.TYPES.get(typ, str)
+                if choices is not None and kw["type"] is str and \
+                        all(isinstance(c, str) and "." not in c for c in choices):
+                    kw["choices"] = choices  # (enum choices are written Class.member)
+                elif choices is not None and kw["type"] is int:
+                    kw["choices"] = choices
+            self.add_argument(*options, **kw)
+
+    def error(self, message):
+        raise ValueError(message)
+
+
+def test_the_snapshot_names_its_commit_and_refuses_what_megatron_lm_refuses():
+    assert re.fullmatch(r"[0-9a-f]{40}", SNAPSHOT["commit"])
+    p = SnapshotParser()
+    assert p.parse_args(["--ckpt-format", "fsdp_dtensor"]).ckpt_format == "fsdp_dtensor"
+    for bad, why in ((["--no-such-flag"], "unrecognized"), (["--ckpt-format", "zip"], "invalid choice"),
+                     (["--num-layers"], "expected one argument"),
+                     (["--num-layers", "2.5"], "invalid int"),
+                     (["--use-megatron-fsdp", "yes"], "unrecognized")):
+        with pytest.raises(ValueError, match=why):
+            p.parse_args(bad)
+
+
+@pytest.mark.parametrize("name, overrides, rel", ALL, ids=IDS)
+def test_every_flag_in_a_script_exists(name, overrides, rel):
+    text = (SCRIPTS / rel).read_text()
+    template = sbatch.PRESETS[name].template
+    if overrides.get("trainer") == "megatron-lm":
+        if template == "train":
+            args = SnapshotParser().parse_args(_array(text, "TRAIN_ARGS") + _appended(text))
+            assert args.use_megatron_fsdp and args.ckpt_format == "fsdp_dtensor"
+            assert args.data_path and args.tokenizer_type == "NullTokenizer"
+        else:
+            cmd = SNAPSHOT["checkpoint_inspector"]["convert-torch-dist-to-fsdp-dtensor"]
+            argv = _array(text, "CONVERT_ARGS")
+            assert argv[0] == "convert-torch-dist-to-fsdp-dtensor"
+            positional = [a for a in argv[1:] if not a.startswith("--")]
+            flags = [a for a in argv[1:] if a.startswith("--")]
+            assert all(f in cmd["options"] for f in flags), flags
+            valued = sum(not cmd["options"][f]["flag"] for f in flags)
+            assert len(positional) == len(cmd["arguments"]) + valued
+        return
+    if template == "train":
+        args = train.build_parser().parse_args(_array(text, "TRAIN_ARGS") + _appended(text))
+        assert args.use_megatron_fsdp and args.tensorboard_dir
     else:
         convert.build_parser().parse_args(_array(text, "CONVERT_ARGS"))
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "deepseek-v3", "llama3-70b", "llama3.1-405b",
+                                  "llama3-8b-long"])
+def test_megatron_lm_scripts_build_the_same_model_and_layout(name):
+    """The Megatron-LM script asks for the mfsdp script's model and layout, with the
+    Megatron-FSDP flags of the upstream guide."""
+    from mfsdp.models.gpt import GPT_PRESETS
+
+    ours = train.build_parser().parse_args(_array((SCRIPTS / f"{name}.sbatch").read_text(),
+                                                  "TRAIN_ARGS"))
+    theirs = SnapshotParser().parse_args(
+        _array((SCRIPTS / "megatron-lm" / f"{name}.sbatch").read_text(), "TRAIN_ARGS"))
+    cfg = GPT_PRESETS[ours.model_preset]
+    for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
+        assert getattr(theirs, field) == getattr(cfg, field), field
+    assert (theirs.num_query_groups or cfg.num_attention_heads) == (cfg.num_query_groups
+                                                                     or cfg.num_attention_heads)
+    assert theirs.num_experts == (cfg.num_experts or None)
+    for field in ("data_parallel_sharding_strategy", "num_distributed_optimizer_instances",
+                  "expert_model_parallel_size", "tensor_model_parallel_size",
+                  "context_parallel_size", "sequence_parallel", "micro_batch_size",
+                  "global_batch_size", "seq_length", "train_iters", "lr", "bf16",
+                  "init_model_with_meta_device", "recompute_granularity",
+                  "grad_reduce_in_bf16", "exit_signal_handler"):
+        flag = "--" + field.replace("_", "-")
+        value = getattr(theirs, field)
+        if value is None:  # not on the command line: Megatron-LM's default
+            value = MEGATRON_DEFAULTS.get(flag)
+        assert value == getattr(ours, field), field
+    assert theirs.fsdp_double_buffer and theirs.nccl_ub
+    if name == "deepseek-v3":
+        assert (theirs.moe_token_dispatcher_type, theirs.moe_flex_dispatcher_backend) == (
+            "flex", "hybridep")
+        assert theirs.create_all_gather_group and theirs.outer_dp_sharding_strategy == "optim"
 
 
 def test_the_70b_script_asks_for_tensor_and_sequence_parallelism():
@@ -117,23 +258,138 @@ def test_container_flags_only_with_an_image():
     assert "MFSDP_SRC" not in sbatch.render("llama3-8b")
     text = sbatch.render("llama3-8b", {"container_image": "nvcr.io#nvidia/pytorch:25.01-py3",
                                        "container_mounts": "/lustre:/lustre"})
-    assert "  --container-image=nvcr.io#nvidia/pytorch:25.01-py3\n" in text
-    assert '--container-mounts="$MFSDP_SRC:/opt/mfsdp,$PWD:$PWD,/lustre:/lustre"' in text
+    assert "  --container-image='nvcr.io#nvidia/pytorch:25.01-py3'\n" in text
+    assert '--container-mounts="$CODE_MOUNT,$PWD:$PWD,$LOG_DIR:$LOG_DIR",/lustre:/lustre\n' in text
     assert 'srun --kill-on-bad-exit=1 "${CONTAINER_ARGS[@]}" \\\n' in text
     assert 'export PYTHONPATH="/opt/mfsdp' in text
-    # the conversion script runs in the same container the same way
+    assert "transformers when TOKENIZER_MODEL is set" in text  # what the image must hold
+    assert "submit from the mfsdp checkout" in text
     conv = sbatch.render("convert", {"container_image": "img"})
     assert 'srun --kill-on-bad-exit=1 "${CONTAINER_ARGS[@]}" \\\n' in conv and "--container-image=img" in conv
+    mlm = sbatch.render("llama3-8b-container", {"trainer": "megatron-lm"})
+    assert 'CODE_MOUNT="$MEGATRON_LM_DIR:$MEGATRON_LM_DIR"' in mlm and "MFSDP_SRC" not in mlm
 
 
-def test_signal_handler_and_restarts_follow_the_keys():
+def test_signal_requeue_and_singleton_follow_the_keys():
     text = sbatch.render("llama3-8b")
-    assert "#SBATCH --signal=TERM@120\n" in text and "  --exit-signal-handler\n" in text
+    assert "#SBATCH --signal=B:TERM@120\n" in text and "  --exit-signal-handler\n" in text
+    assert "#SBATCH --requeue\n" in text and "#SBATCH --dependency=singleton\n" in text
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text and "trap on_sigterm TERM" in text
+    assert "pkill -TERM -P" in text  # torchrun's children, the ranks, not torchrun
     assert "--max-restarts" not in text
-    off = sbatch.render("llama3-8b", {"signal_seconds": "0", "max_restarts": "2"})
+    off = sbatch.render("llama3-8b", {"signal_seconds": "0", "max_restarts": "2",
+                                      "requeue": "false"})
     assert "--signal" not in off and "--exit-signal-handler" not in off
-    assert "    --max-restarts 2 \\\n" in off
+    assert "trap on_sigterm" not in off
+    assert "--requeue" not in off and "scontrol requeue" not in off
+    assert "  --max-restarts 2\n" in off
+    srun = sbatch.render("llama3-8b", {"launcher": "srun"})
+    assert "#SBATCH --ntasks-per-node=8\n" in srun and "#SBATCH --cpus-per-task=8\n" in srun
+    assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in srun and "torch.distributed.run" not in srun
+    assert '--output="$JOB_DIR/ranks/rank-%t.log"' in srun
     assert "--signal" not in sbatch.render("cpu-smoke")  # no checkpoints: nothing to save
+
+
+def test_rendezvous_port_from_the_job_id():
+    assert "RDZV_PORT=$((15000 + SLURM_JOB_ID % 15000))" in sbatch.render("llama3-8b")
+    assert "RDZV_PORT=29400\n" in sbatch.render("llama3-8b", {"rdzv_port": "29400"})
+
+
+def test_empty_data_path_fails_at_once_unless_mock_data():
+    text = sbatch.render("llama3-8b")
+    check = text.index('if [[ -z "$DATA_PATH" ]]; then')
+    assert check < text.index("PYTHON=") and "exit 2" in text[check:check + 400]
+    assert "MOCK DATA" not in text
+    mock = sbatch.render("llama3-8b", {"mock_data": "true"})
+    assert "MOCK DATA" in mock and "DATA_PATH is empty: submit" not in mock
+
+
+# ---- values are literal strings -----------------------------------------------------------
+
+NASTY = {
+    "save": "ckpt/run 1/$(touch INJECTED)",
+    "load": "/ckpt/with space/`touch INJECTED2`",
+    "data_path": '/data/a"b_text_document',
+    "tokenizer_model": "/tok/it's ${HOME}",
+    "log_jsonl": "/logs/a;touch INJECTED3.jsonl",
+    "extra_args": "--exit-interval 7 --tensorboard-queue-size '1'",
+    "env_setup": "true",
+}
+
+
+def _values_in_bash(text: str, tmp_path) -> dict:
+    """Run the script's assignments and TRAIN_ARGS under bash in ``tmp_path`` and return what
+    bash made of them (nothing else of the script runs)."""
+    keep = [line for line in text.splitlines()
+            if re.match(r"^(DATA_PATH|TOKENIZER_MODEL|CHECKPOINT_DIR|LOG_DIR|TENSORBOARD_DIR|DATA_CACHE_DIR)=",
+                        line)]
+    body = re.search(r"^TRAIN_ARGS=\(\n.*?^\)\n", text, re.S | re.M).group(0)
+    prog = "\n".join(["set -eu", "SLURM_JOB_NAME=j", *keep, body,
+                      'printf "%s\\n" "$DATA_PATH" "$TOKENIZER_MODEL" "${CHECKPOINT_DIR-}"',
+                      'printf "%s\\0" "${TRAIN_ARGS[@]}" > args.bin'])
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/home/u"}
+    proc = subprocess.run(["bash", "-c", prog], cwd=tmp_path, env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    data, tok, ckpt = proc.stdout.splitlines()
+    args = (tmp_path / "args.bin").read_text().split("\0")[:-1]
+    return {"data": data, "tok": tok, "ckpt": ckpt, "args": args}
+
+
+@pytest.mark.parametrize("trainer", ["mfsdp", "megatron-lm"])
+def test_values_render_as_literal_strings(tmp_path, trainer):
+    values = dict(NASTY)
+    preset = "llama3-8b"
+    if trainer == "megatron-lm":
+        values.pop("log_jsonl")
+    text = sbatch.render(preset, dict(values, trainer=trainer))
+    got = _values_in_bash(text, tmp_path)
+    assert not list(tmp_path.glob("INJECTED*"))
+    assert got["data"] == NASTY["data_path"] and got["tok"] == NASTY["tokenizer_model"]
+    assert got["ckpt"] == f"{tmp_path}/{NASTY['save']}"
+    args = got["args"]
+    assert args[args.index("--save") + 1] == f"{tmp_path}/{NASTY['save']}"
+    assert args[args.index("--load") + 1] == NASTY["load"]
+    assert args[args.index("--exit-interval") + 1] == "7"
+    if trainer == "mfsdp":
+        assert args[args.index("--log-jsonl") + 1] == NASTY["log_jsonl"]
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    _lint(path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"time": "two hours"}, "time='two hours' is not a Slurm time limit"),
+    ({"time": "0"}, "under one minute"),
+    ({"cpus_per_task": "0"}, "cpus_per_task=0: Slurm needs at least 1 CPU"),
+    ({"rdzv_port": "70000"}, "rdzv_port=70000: a TCP port from 1024 to 65535"),
+    ({"rdzv_port": "80"}, "rdzv_port=80"),
+    ({"job_name": "my\njob"}, "a newline or control character cannot be part of job_name"),
+    ({"job_name": "my job"}, "job_name='my job': Slurm reads it from an #SBATCH line"),
+    ({"partition": "gpu;rm"}, "partition='gpu;rm'"),
+    ({"output": "log dir/%j.log"}, "output='log dir/%j.log'"),
+    ({"save": "ckpt\nrm -rf /"}, "a newline or control character cannot be part of save"),
+    ({"data_path": "/data/x\n"}, "cannot be part of data_path"),
+    ({"save": "~/ckpt"}, "a leading ~ is not expanded"),
+    ({"extra_args": "--foo 'unbalanced"}, "No closing quotation"),
+    ({"container_mounts": "/a:/b $(id)"}, "pyxis takes src:dst"),
+    ({"signal_seconds": "14400"}, "signal_seconds=14400 is not less than the time limit"),
+    ({"signal_seconds": "70000"}, "signal_seconds=70000: Slurm's --signal takes 0 to 65535"),
+    ({"lr": "nan"}, "lr=nan must be a finite number"),
+    ({"lr": "-1"}, "lr=-1.0 must be positive"),
+    ({"split": "90,x,10"}, "split='90,x,10'"),
+    ({"launcher": "mpirun"}, "choose one of torchrun, srun"),
+    ({"launcher": "srun", "max_restarts": "1"}, "max_restarts is torchrun's"),
+    ({"trainer": "megatron-lm", "megatron_lm_dir": "Megatron-LM"}, "must be an absolute path"),
+    ({"trainer": "megatron-lm", "model_args": "--num-layers 2"}, "needs --model-preset NAME"),
+    ({"flex_backend": "hybridep", "num_experts": "8", "ep": "8", "dispatcher": "flex",
+      "model_args": "--model-preset deepseek-proxy"}, "flex_backend='hybridep' is not one of"),
+    ({"save_interval": "0"}, "save_interval=0 must be at least 1"),
+])
+def test_values_slurm_or_the_trainer_would_refuse_fail_at_render_time(overrides, message):
+    with pytest.raises(sbatch.RenderError, match=re.escape(message)) as err:
+        sbatch.render("llama3-8b", overrides)
+    assert "\n" not in str(err.value).replace(repr("\n")[1:-1], "")  # one line
 
 
 @pytest.mark.parametrize("preset, overrides, message", [
@@ -143,6 +399,8 @@ def test_signal_handler_and_restarts_follow_the_keys():
     ("cpu-smoke", {"bf16": "maybe"}, "bf16 must be true or false"),
     ("cpu-smoke", {"strategy": "zero3"}, "choose one of"),
     ("convert", {"ep": "2"}, "does not use 'ep'"),
+    ("convert", {"trainer": "megatron-lm", "to_format": "hf"}, "torch_dist to fsdp_dtensor only"),
+    ("convert", {"trainer": "megatron-lm", "gpus_per_node": "0"}, "converts on GPUs"),
     ("deepseek-v3", {"nodes": "3"}, "3 x 8 = 24 ranks cannot be split"),
     ("llama3-8b", {"nodes": "3"}, "not divisible by micro_batch_size x data-parallel ranks = 1 x 24"),
     ("cpu-smoke", {"ep": "2"}, "needs an MoE model"),
@@ -156,25 +414,44 @@ def test_render_errors(preset, overrides, message):
         sbatch.render(preset, overrides)
 
 
-def test_cli_render_to_file(tmp_path):
+def test_cli_render_to_file_and_one_line_errors(tmp_path, capsys):
     from mfsdp.cli import main
 
     out = tmp_path / "job.sbatch"
-    assert main(["sbatch", "render", "cpu-smoke", "--set", "train_iters=3", "-o", str(out)]) == 0
+    assert main(["sbatch", "render", "cpu-smoke", "--set", "train_iters=3", "--set",
+                 "save=a b", "-o", str(out)]) == 0
     assert "--train-iters 3" in out.read_text()
-    assert "--set train_iters=3" in out.read_text()  # the header records how it was rendered
+    assert "--set train_iters=3 --set 'save=a b'" in out.read_text()  # how it was rendered
+    capsys.readouterr()
+    assert main(["sbatch", "render", "cpu-smoke", "--set", "time=two hours"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "time='two hours'" in err, err
 
 
-@pytest.mark.parametrize("name", sorted(sbatch.PRESETS))
-def test_srun_gets_the_cpu_count_and_stops_on_a_failed_rank(name):
+@pytest.mark.parametrize("rel", IDS)
+def test_srun_gets_the_cpu_count_and_stops_on_a_failed_rank(rel):
     # Since Slurm 22.05 srun does not inherit --cpus-per-task: SRUN_CPUS_PER_TASK carries it.
-    text = (SCRIPTS / f"{name}.sbatch").read_text()
+    text = (SCRIPTS / rel).read_text()
     export = text.index("export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-")
     srun = text.index("\nsrun --kill-on-bad-exit=1")
     assert export < srun
 
 
-def test_env_setup_is_rendered_before_python_is_used():
+def test_env_setup_is_rendered_before_python_is_used_and_its_absence_is_caught():
     text = sbatch.render("cpu-smoke", {"env_setup": "source /opt/venvs/mfsdp/bin/activate"})
     assert text.index("source /opt/venvs/mfsdp/bin/activate") < text.index("PYTHON=")
-    assert "# Activate the environment" in (SCRIPTS / "cpu-smoke.sbatch").read_text()
+    plain = (SCRIPTS / "cpu-smoke.sbatch").read_text()
+    assert "finds no mfsdp (or no torch): render with --set env_setup=" in plain
+    mlm = (SCRIPTS / "megatron-lm" / "llama3-8b.sbatch").read_text()
+    assert "holds no pretrain_gpt.py" in mlm and "finds no torch and megatron.core" in mlm
+
+
+def test_provenance_and_per_rank_logs_are_in_every_training_script():
+    for name, overrides, rel in ALL:
+        text = (SCRIPTS / rel).read_text()
+        for what in ('cp "$0" "$PROVENANCE/job.sbatch"', "pip freeze", "nvidia-smi",
+                     'git -C "$CODE_DIR" rev-parse HEAD', "NCCL|UCX|CUDA"):
+            assert what in text, (rel, what)
+        if sbatch.PRESETS[name].template == "train":
+            assert '--log-dir "$1/ranks/node-$SLURM_NODEID"' in text and "--tee 3" in text
+            assert '--tensorboard-dir\n' not in text and '--tensorboard-dir "$TENSORBOARD_DIR"' in text

@@ -1,8 +1,11 @@
 """The rendered sbatch scripts under a real single-node Slurm (see ``slurm_cluster.py``).
 
-The CPU smoke script runs to the end with ``sbatch --wait`` (2 gloo ranks) and its log must show
-the loss going down; the GPU scripts must pass ``sbatch --test-only`` against a node with fake
-GPUs. Where Slurm cannot be started the tests skip and say why; in CI they fail instead.
+The CPU smoke script runs to the end with ``sbatch --wait`` (2 gloo ranks): its log shows the
+loss going down, and it writes per-rank logs and the provenance dump; an empty DATA_PATH stops a
+job at once with one line; a save slowed past torchrun's 30 s completes after the time-limit
+signal, with either launcher, and the requeued job resumes on the loss curve of an uninterrupted
+run; the GPU scripts of both trainers pass ``sbatch --test-only`` against a node with fake GPUs.
+Where Slurm cannot be started the tests skip and say why; in CI they fail instead.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import pytest
 from conftest import ROOT, skip_or_fail
 from slurm_cluster import Cluster, why_not
 
-from mfsdp.sbatch import render
+from mfsdp.sbatch import render, scripts
+from mfsdp.trainer.signals import SAVE_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 SCRIPTS = ROOT / "example-scripts"
@@ -40,9 +44,12 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def _submit(cluster: Cluster, script: Path, workdir: Path) -> tuple[int, str]:
-    proc = cluster.run("sbatch", "--wait", f"--chdir={workdir}",
-                       f"--export=ALL,PYTHON={sys.executable}", str(script), timeout=600)
+# The jobs run this checkout's mfsdp with the test's Python.
+EXPORT = f"--export=ALL,PYTHON={sys.executable},PYTHONPATH={ROOT}"
+
+
+def _submit(cluster: Cluster, script: Path, workdir: Path, export: str = EXPORT) -> tuple[int, str]:
+    proc = cluster.run("sbatch", "--wait", f"--chdir={workdir}", export, str(script), timeout=600)
     logs = sorted(workdir.glob("*.log"))
     text = "\n".join(p.read_text() for p in logs)
     return proc.returncode, proc.stdout + proc.stderr + "\n" + text
@@ -56,6 +63,33 @@ def test_cpu_smoke_script_trains_under_slurm(cluster, tmp_path):
     assert len(losses) == 10, log[-3000:]
     assert losses[-1] < losses[0], losses
     assert "2 ranks (gloo)" in log
+    assert "MOCK DATA" in log  # the preset trains on synthetic data, and says so
+    job_dir = next((tmp_path / "logs" / "mfsdp-cpu-smoke").glob("*/attempt-0"))
+    # per-rank logs: each rank's output in its own file (torchrun --log-dir)
+    ranks = {p.parent.name: p for p in (job_dir / "ranks").rglob("stdout.log")}
+    assert sorted(ranks) == ["0", "1"], list((job_dir / "ranks").rglob("*"))
+    assert "iteration    10/10" in ranks["0"].read_text()
+    # the provenance dump: the script as submitted, the code, the packages, GPUs, environment
+    prov = job_dir / "provenance"
+    assert (prov / "job.sbatch").read_text() == (SCRIPTS / "cpu-smoke.sbatch").read_text()
+    assert re.search(r"^[0-9a-f]{40}$", (prov / "code.txt").read_text(), re.M)
+    assert "torch==" in (prov / "pip-freeze.txt").read_text()
+    assert "SLURM_JOB_ID=" in (prov / "env.txt").read_text()
+    assert (prov / "nvidia-smi.txt").read_text().strip()
+    assert list((tmp_path / "logs" / "mfsdp-cpu-smoke" / "tensorboard").glob("events.*"))
+
+
+def test_an_empty_data_path_stops_the_job_at_once_with_one_line(cluster, tmp_path):
+    script = tmp_path / "nodata.sbatch"
+    script.write_text(render("cpu-smoke", {"mock_data": "false"}))
+    t0 = time.monotonic()
+    proc = cluster.run("sbatch", "--wait", f"--chdir={tmp_path}", EXPORT, str(script), timeout=120)
+    log = "".join(p.read_text() for p in tmp_path.glob("*.log"))
+    assert proc.returncode != 0
+    assert log.startswith("mfsdp sbatch: error: DATA_PATH is empty") and log.count("\n") == 1, log
+    assert time.monotonic() - t0 < 60
+    # mock data asked for explicitly: the job goes on, with the banner
+    assert "MOCK DATA" in (SCRIPTS / "cpu-smoke.sbatch").read_text()
 
 
 def test_a_failing_job_is_reported(cluster, tmp_path):
@@ -66,23 +100,26 @@ def test_a_failing_job_is_reported(cluster, tmp_path):
     assert "unrecognized arguments: --no-such-flag" in log
 
 
-@pytest.mark.parametrize("name", ["llama3-8b", "llama3-8b-container", "deepseek-v3"])
-def test_gpu_scripts_pass_test_only_on_a_fake_gpu_node(cluster, name):
+@pytest.mark.parametrize("rel", [rel for name, _, rel in scripts() if name != "cpu-smoke"])
+def test_gpu_scripts_pass_test_only_on_a_fake_gpu_node(cluster, rel):
     # One node with 8 (fake) GPUs: the multi-node request is narrowed to it, everything else in the
-    # script (GPUs per node, CPUs, time, exclusivity) is validated by the real controller.
-    proc = cluster.run("sbatch", "--test-only", "--nodes=1", str(SCRIPTS / f"{name}.sbatch"))
+    # script (GPUs per node, CPUs, time, exclusivity, signal, requeue, singleton) is validated by
+    # the real controller.
+    proc = cluster.run("sbatch", "--test-only", "--nodes=1", str(SCRIPTS / rel))
     assert proc.returncode == 0, proc.stderr
     assert "to start at" in proc.stderr
-    too_many = cluster.run("sbatch", "--test-only", "--nodes=1", "--gpus-per-node=9",
-                           str(SCRIPTS / f"{name}.sbatch"))
-    assert too_many.returncode != 0  # the check is real: 9 GPUs do not exist on the node
+    if "--gpus-per-node" in (SCRIPTS / rel).read_text():
+        too_many = cluster.run("sbatch", "--test-only", "--nodes=1", "--gpus-per-node=9",
+                               str(SCRIPTS / rel))
+        assert too_many.returncode != 0  # the check is real: 9 GPUs do not exist on the node
 
 
 def test_container_script_stops_without_the_mfsdp_source(cluster, tmp_path):
     script = tmp_path / "container.sbatch"
     script.write_text(render("llama3-8b-container", {"nodes": "1", "gpus_per_node": "0",
                                                      "ranks_per_node": "1", "cpus_per_task": "1",
-                                                     "global_batch_size": "1"}))
+                                                     "global_batch_size": "1",
+                                                     "mock_data": "true"}))
     empty = tmp_path / "empty"
     empty.mkdir()
     proc = cluster.run("sbatch", "--wait", f"--chdir={tmp_path}",
@@ -92,12 +129,8 @@ def test_container_script_stops_without_the_mfsdp_source(cluster, tmp_path):
     assert f"MFSDP_SRC={empty} holds no mfsdp/__init__.py" in log, log
 
 
-def test_convert_script_passes_test_only(cluster):
-    proc = cluster.run("sbatch", "--test-only", str(SCRIPTS / "convert.sbatch"))
-    assert proc.returncode == 0, proc.stderr
 
-
-def _wait_for(path_glob, workdir: Path, text: str, timeout: float = 180) -> str:
+def _wait_for(path_glob, workdir: Path, text: str, timeout: float = 400) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         logs = sorted(workdir.glob(path_glob))
@@ -109,14 +142,16 @@ def _wait_for(path_glob, workdir: Path, text: str, timeout: float = 180) -> str:
 
 
 def _workers(marker: str) -> list[int]:
-    """Training processes (not the torchrun agent) whose command line names ``marker``."""
+    """Training processes (not the torchrun agent, not srun) whose command line names
+    ``marker``."""
     pids = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        if marker.encode() in argv and b"mfsdp.train" in argv and \
+        python = b"python" in argv[0].rsplit(b"/", 1)[-1]  # not srun, not the bash -c wrapper
+        if python and marker.encode() in argv and b"mfsdp.train" in argv and \
                 b"torch.distributed.run" not in argv:
             pids.append(int(cmdline.parent.name))
     return sorted(pids)
@@ -131,10 +166,9 @@ def test_preemption_and_a_lost_rank_under_slurm(cluster, tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "train.jsonl"
     script = tmp_path / "long.sbatch"
     values = {"save": str(ckpt), "save_interval": "2", "max_restarts": "1",
-              "log_jsonl": str(log), "train_iters": "100000"}
+              "log_jsonl": str(log), "train_iters": "100000", "requeue": "false"}
     script.write_text(render("cpu-smoke", values))
-    sub = cluster.run("sbatch", "--parsable", f"--chdir={tmp_path}",
-                      f"--export=ALL,PYTHON={sys.executable}", str(script))
+    sub = cluster.run("sbatch", "--parsable", f"--chdir={tmp_path}", EXPORT, str(script))
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
     try:
@@ -145,7 +179,8 @@ def test_preemption_and_a_lost_rank_under_slurm(cluster, tmp_path):
         body = _wait_for("*.log", tmp_path, "resumed from iteration")
         resumed = int(re.search(r"resumed from iteration (\d+)", body).group(1))
         _wait_for("*.log", tmp_path, f"iteration {resumed + 3:5d}/")
-        assert cluster.run("scancel", "--signal=TERM", job).returncode == 0
+        # what #SBATCH --signal=B:TERM@120 does before the time limit: SIGTERM to the batch shell
+        assert cluster.run("scancel", "--batch", "--signal=TERM", job).returncode == 0
         body = _wait_for("*.log", tmp_path, "exiting after iteration")
     finally:
         deadline = time.monotonic() + 120
@@ -177,3 +212,101 @@ def test_preemption_and_a_lost_rank_under_slurm(cluster, tmp_path):
     assert f"resumed from iteration {stopped}" in out
     its = [json.loads(x)["iteration"] for x in log.read_text().splitlines()]
     assert its[-2:] == [stopped + 1, stopped + 2]
+
+
+def _wait_gone(cluster: Cluster, job: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while cluster.run("squeue", "-h", "-j", job).stdout.strip():
+        if time.monotonic() > deadline:
+            cluster.run("scancel", job)
+            raise AssertionError(f"job {job} still in the queue after {timeout} s")
+        time.sleep(1)
+
+
+def _job_field(cluster: Cluster, job: str, field: str) -> str:
+    out = cluster.run("scontrol", "show", "job", job).stdout
+    return re.search(rf"\b{field}=(\S+)", out).group(1)
+
+
+def _check_slow_save(body: str, ckpt: Path, delay: float) -> int:
+    """The signal's save completed although it took ``delay`` s (> torchrun's 30 s): the ranks
+    stopped, saved that iteration and exited; the lock is gone; nothing was SIGKILLed."""
+    stopped = int(re.search(r"stopping after iteration (\d+)", body).group(1))
+    assert f"saved iteration {stopped} to {ckpt}" in body, body[-3000:]
+    assert f"exiting after iteration {stopped}" in body
+    assert (ckpt / "latest").read_text().strip() == f"iter_{stopped:07d}"
+    assert not (ckpt / ".lock").exists()
+    for bad in ("SIGKILL", "exiting via 9", "SignalException", "Traceback"):
+        assert bad not in body, body[-3000:]
+    return stopped
+
+
+@pytest.mark.extended
+def test_a_save_longer_than_30s_completes_after_the_time_limit_signal(cluster, tmp_path):
+    """launcher=srun under a real time limit: #SBATCH --time=5 with --signal=B:TERM@120 signals
+    the batch shell 120 to 180 s after the start (Slurm's timer may be a minute early), the shell
+    passes SIGTERM to the ranks, whose save is slowed to 45 s; the job step and the job exit 0."""
+    ckpt = tmp_path / "ckpt"
+    script = tmp_path / "limit.sbatch"
+    script.write_text(render("cpu-smoke", {"launcher": "srun", "save": str(ckpt),
+                                           "save_interval": "100000", "train_iters": "100000",
+                                           "time": "00:05:00", "requeue": "false"}))
+    rc, out = _submit(cluster, script, tmp_path, f"{EXPORT},{SAVE_DELAY_ENV}=45")
+    job_dir = next((tmp_path / "logs" / "mfsdp-cpu-smoke").glob("*/attempt-0"))
+    rank0 = (job_dir / "ranks" / "rank-0.log").read_text()
+    assert rc == 0, f"{out[-3000:]}\n{rank0[-3000:]}\n{cluster.log_tail()}"
+    assert "SIGTERM ahead of the time limit" in out
+    assert (job_dir / "ranks" / "rank-1.log").exists()
+    _check_slow_save(rank0, ckpt, 45)
+
+
+@pytest.mark.extended
+def test_a_preempted_job_saves_requeues_and_resumes_on_the_uninterrupted_curve(cluster,
+                                                                                 tmp_path):
+    """launcher=torchrun (the default): SIGTERM to the batch shell as --signal=B:TERM sends it,
+    a save slowed to 45 s completes (torchrun would SIGKILL the ranks after 30 s if it got the
+    signal), the job requeues itself, and its second attempt resumes from that checkpoint with
+    the losses of an uninterrupted run of the same script."""
+    iters = 60
+    runs = {}
+    for name in ("preempted", "reference"):
+        d = tmp_path / name
+        d.mkdir()
+        values = {"save": str(d / "ckpt"), "save_interval": "100000",
+                  "train_iters": str(iters), "log_jsonl": str(d / "train.jsonl")}
+        (d / "job.sbatch").write_text(render("cpu-smoke", values))
+        runs[name] = d
+    d = runs["preempted"]
+    sub = cluster.run("sbatch", "--parsable", f"--chdir={d}", f"{EXPORT},{SAVE_DELAY_ENV}=45",
+                      str(d / "job.sbatch"))
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    try:
+        _wait_for("*.log", d, "iteration     5/")
+        t0 = time.monotonic()
+        assert cluster.run("scancel", "--batch", "--signal=TERM", job).returncode == 0
+        body = _wait_for("*.log", d, f"requeueing job {job}", timeout=300)
+        assert time.monotonic() - t0 > 40  # the 45 s save was waited for
+        stopped = _check_slow_save(body, d / "ckpt", 45)
+        assert stopped < iters
+        # Slurm holds a requeued job back for a while (BeginTime); let it start now
+        deadline = time.monotonic() + 60
+        while _job_field(cluster, job, "JobState") != "PENDING" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+        body = _wait_for("*.log", d, f"resumed from iteration {stopped}", timeout=300)
+        _wait_gone(cluster, job)
+    finally:
+        cluster.run("scancel", job)
+    assert _job_field(cluster, job, "ExitCode") == "0:0"
+    assert _job_field(cluster, job, "Restarts") == "1"
+    assert (d / "logs" / "mfsdp-cpu-smoke" / job / "attempt-1" / "provenance").is_dir()
+    resumed = [json.loads(x) for x in (d / "train.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in resumed] == list(range(1, iters + 1))
+
+    ref = runs["reference"]
+    rc, out = _submit(cluster, ref / "job.sbatch", ref)
+    assert rc == 0, out[-3000:]
+    reference = [json.loads(x) for x in (ref / "train.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in reference],
+                                                          rel=1e-6)

@@ -324,12 +324,15 @@ def test_flags_the_guide_names_exist():
     collect(sbatch.build_parser())
     external = {  # flags of other programs the guide shows, by program
         "torchrun": {"--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint",
-                     "--rdzv-id", "--standalone", "--max-restarts"},
+                     "--rdzv-id", "--standalone", "--max-restarts", "--log-dir", "--tee",
+                     "--shutdown-timeout"},
         "sbatch": {"--wait", "--test-only", "--nodes", "--export", "--chdir", "--gpus-per-node",
                    "--ntasks-per-node", "--cpus-per-task", "--time", "--output", "--partition",
-                   "--account", "--exclusive", "--job-name", "--signal"},
+                   "--account", "--exclusive", "--job-name", "--signal", "--open-mode",
+                   "--dependency", "--requeue"},
+        "scancel": {"--batch"},
         "srun/pyxis": {"--container-image", "--container-mounts", "--container-workdir",
-                       "--kill-on-bad-exit"},
+                       "--kill-on-bad-exit", "--overlap"},
         "sphinx/pytest/pip": {"--keep-going", "--upgrade", "--index-url"},
         "nsys": {"--trace", "--output", "--capture-range"},
         "py-spy/sha256sum": {"--pid", "--quiet"},
@@ -337,6 +340,7 @@ def test_flags_the_guide_names_exist():
         # that names them (gpu-clusters.md) says so on the same row; conversion.md names the
         # flags a Megatron-LM job saves or loads mfsdp's export with
         "megatron-lm": {"--no-gradient-accumulation-fusion", "--use-distributed-optimizer",
+                        "--moe-layer-freq",
                         "--fp8-format", "--fp8-recipe", "--fp8-param-gather",
                         "--use-precision-aware-optimizer", "--tensor-model-parallel-size",
                         "--context-parallel-size", "--dist-ckpt-strictness",

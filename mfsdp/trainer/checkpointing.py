@@ -11,8 +11,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+<<<<<<< HEAD
 from mfsdp.checkpoint.manifest import (RankZeroOSError, describe_os_error, os_error_in,
                                       os_error_remedy)
+=======
+from mfsdp.trainer.signals import slow_save_for_tests
+>>>>>>> sbatch
 
 
 def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
@@ -60,6 +64,7 @@ def _save_step(args, model, opt, iteration: int, routers, cfg) -> None:
              "data_position": iteration, "opt_param_scheduler": scheduler_state(args, iteration)}
     files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
     root = Path(args.save)
+    slow_save_for_tests()
     if args.ckpt_format == "fsdp_dtensor":
         save_checkpoint(root, model, opt, iteration=iteration, extra=extra, files=files)
         return

@@ -3,6 +3,7 @@ the same iteration."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -49,3 +50,14 @@ class StopRequest:
 
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+
+SAVE_DELAY_ENV = "MFSDP_TEST_SAVE_DELAY_S"
+
+
+def slow_save_for_tests() -> None:
+    """Sleep ``$MFSDP_TEST_SAVE_DELAY_S`` seconds inside a save (a test hook: the Slurm tests
+    slow a preemption save past torchrun's 30 s to show that it still completes)."""
+    delay = float(os.environ.get(SAVE_DELAY_ENV) or 0)
+    if delay > 0:
+        time.sleep(delay)

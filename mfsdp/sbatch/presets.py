@@ -1,0 +1,236 @@
+"""The keys of ``mfsdp sbatch`` (``SCHEMA``: type and meaning), their choices, and the presets
+(``PRESETS``: a template and a value for each key it uses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# key -> (type, help). bool values are written true/false; str values may be empty (= not used).
+# Every value is written into the script as a literal (shell-quoted) string, except env_setup,
+# which is a line of shell code by design.
+SCHEMA: dict[str, tuple[type, str]] = {
+    "trainer": (str, "what trains: mfsdp (`mfsdp train`) or megatron-lm (Megatron-LM's "
+                     "pretrain_gpt.py with --use-megatron-fsdp; conversion: its "
+                     "checkpoint_inspector.py)"),
+    "launcher": (str, "torchrun: one torchrun per node starts the ranks; srun: one Slurm task per "
+                      "rank, no torchrun (either way SIGTERM before the time limit reaches the "
+                      "ranks only)"),
+    "megatron_lm_dir": (str, "trainer=megatron-lm: the Megatron-LM checkout, absolute (empty: "
+                             "MEGATRON_LM_DIR from the environment at submission)"),
+    "job_name": (str, "Slurm job name (also the name of the singleton chain)"),
+    "nodes": (int, "number of nodes"),
+    "gpus_per_node": (int, "GPUs per node (0: a CPU job)"),
+    "ranks_per_node": (int, "training processes per node (GPUs per node on GPU jobs)"),
+    "cpus_per_task": (int, "CPU cores per node (torchrun) or per node's ranks together (srun)"),
+    "time": (str, "time limit: MM, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"),
+    "output": (str, "the batch log's file pattern (%x: job name, %j: job id)"),
+    "log_dir": (str, "per-rank logs, provenance and TensorBoard: LOG_DIR/JOB_NAME/JOB_ID/ "
+                     "(relative: to the submission directory)"),
+    "partition": (str, "partition (empty: the cluster's default)"),
+    "account": (str, "account to charge (empty: your default)"),
+    "exclusive": (bool, "whole nodes only"),
+    "requeue": (bool, "with save: #SBATCH --requeue, and a job that saved on the time-limit "
+                      "signal requeues itself and resumes from its checkpoint"),
+    "env_setup": (str, "one line of shell that activates the Python environment, e.g. 'source "
+                       "~/venvs/mfsdp/bin/activate' or 'conda activate mfsdp' (empty: PYTHON "
+                       "from the environment, default python3; the job stops at once when it "
+                       "cannot import the trainer)"),
+    "container_image": (str, "pyxis/enroot image (empty: no container)"),
+    "container_mounts": (str, "more pyxis mounts, src:dst[,src:dst] (data, checkpoints; the "
+                              "code is mounted from MFSDP_SRC or MEGATRON_LM_DIR)"),
+    "rdzv_port": (int, "TCP port of the rendezvous on the first node (0: derived from the job "
+                       "id, so that two jobs on one node do not collide)"),
+    "strategy": (str, "--data-parallel-sharding-strategy"),
+    "outer": (int, "--num-distributed-optimizer-instances (HSDP outer size)"),
+    "outer_strategy": (str, "--outer-dp-sharding-strategy"),
+    "ep": (int, "--expert-model-parallel-size"),
+    "tp": (int, "--tensor-model-parallel-size (inside a node: TP talks every layer)"),
+    "sequence_parallel": (bool, "with tp > 1: --sequence-parallel"),
+    "cp": (int, "--context-parallel-size"),
+    "distributed_timeout_minutes": (float, "--distributed-timeout-minutes: how long a collective "
+                                           "waits before the job stops with a hang report"),
+    "num_experts": (int, "routed experts per MoE layer (0: dense; must match model_args)"),
+    "dispatcher": (str, "--moe-token-dispatcher-type"),
+    "flex_backend": (str, "--moe-flex-dispatcher-backend (mfsdp: torch or deepep; Megatron-LM: "
+                          "deepep, hybridep or ncclep)"),
+    "model_args": (str, "model-size flags passed to the trainer (split like a shell command "
+                        "line; for megatron-lm, --model-preset NAME becomes Megatron-LM's "
+                        "architecture flags)"),
+    "micro_batch_size": (int, "--micro-batch-size"),
+    "global_batch_size": (int, "--global-batch-size"),
+    "seq_length": (int, "--seq-length"),
+    "train_iters": (int, "--train-iters"),
+    "lr": (float, "--lr"),
+    "bf16": (bool, "--bf16"),
+    "meta_init": (bool, "--init-model-with-meta-device"),
+    "all_gather_group": (bool, "--create-all-gather-group"),
+    "grad_reduce_in_bf16": (bool, "--grad-reduce-in-bf16"),
+    "double_buffer": (bool, "--fsdp-double-buffer"),
+    "nccl_ub": (bool, "--use-nccl-ub (NCCL user buffers)"),
+    "data_path": (str, "DATA_PATH: Megatron .bin/.idx prefixes, optionally weighted, separated "
+                       "by spaces (empty: the job stops at once unless mock_data)"),
+    "mock_data": (bool, "an empty DATA_PATH trains on synthetic data (with a banner in the "
+                        "log) instead of stopping the job"),
+    "split": (str, "--split of DATA_PATH, e.g. 969,30,1"),
+    "tokenizer_model": (str, "TOKENIZER_MODEL: a Hugging Face tokenizer directory (empty: none)"),
+    "save": (str, "--save directory, made absolute (empty: no checkpoints); with an empty "
+                  "load, also --load, so a requeued job resumes"),
+    "save_interval": (int, "--save-interval"),
+    "signal_seconds": (int, "with save: SIGTERM this many seconds before the time limit "
+                            "(#SBATCH --signal) and --exit-signal-handler: the time a save may "
+                            "take (0: off)"),
+    "max_restarts": (int, "launcher=torchrun: torchrun --max-restarts, restarts after a rank "
+                          "dies (0: none)"),
+    "ckpt_format": (str, "--ckpt-format"),
+    "load": (str, "--load directory (empty: start fresh)"),
+    "log_interval": (int, "--log-interval"),
+    "log_jsonl": (str, "trainer=mfsdp: --log-jsonl file (empty: none)"),
+    "wandb_project": (str, "trainer=megatron-lm: the W&B project, used when WANDB_API_KEY is set "
+                           "at submission (empty: the job name)"),
+    "extra_args": (str, "more trainer flags (split like a shell command line)"),
+    "src": (str, "conversion input checkpoint"),
+    "dst": (str, "conversion output directory"),
+    "from_format": (str, "conversion --from"),
+    "to_format": (str, "conversion --to"),
+    "param_map": (str, "--param-to-param-group-map file (empty: none)"),
+    "model_preset": (str, "--model-preset of a Megatron-LM checkpoint's model (empty: none)"),
+    "swiglu": (bool, "--swiglu (split/join fused gate and up projections)"),
+}
+
+_FORMATS = ("torch_dist", "megatron_lm", "mfsdp_full", "fsdp_dtensor", "safetensors", "hf",
+            "megatron_fsdp")
+CHOICES = {
+    "trainer": ("mfsdp", "megatron-lm"),
+    "launcher": ("torchrun", "srun"),
+    "strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
+    "outer_strategy": ("no_shard", "optim"),
+    "dispatcher": ("allgather", "alltoall", "flex"),
+    "flex_backend": ("torch", "deepep", "hybridep", "ncclep"),
+    "ckpt_format": ("fsdp_dtensor", "torch_dist"),
+    "from_format": _FORMATS,
+    "to_format": _FORMATS,
+}
+FLEX_BACKENDS = {"mfsdp": ("torch", "deepep"), "megatron-lm": ("deepep", "hybridep", "ncclep")}
+
+_SLURM = dict(trainer="mfsdp", megatron_lm_dir="", partition="", account="", exclusive=False,
+              env_setup="", container_image="", container_mounts="", log_dir="logs")
+_TRAIN = dict(_SLURM, launcher="torchrun", rdzv_port=0, requeue=True, strategy="optim_grads_params",
+              outer=1, outer_strategy="no_shard", ep=1, tp=1, sequence_parallel=True, cp=1,
+              distributed_timeout_minutes=10, num_experts=0, dispatcher="alltoall",
+              flex_backend="torch", meta_init=False, all_gather_group=False,
+              grad_reduce_in_bf16=False, double_buffer=False, nccl_ub=False, save="",
+              save_interval=1000, ckpt_format="fsdp_dtensor", load="", signal_seconds=120,
+              max_restarts=0, log_interval=1, log_jsonl="", wandb_project="", extra_args="",
+              bf16=False, data_path="", mock_data=False, split="969,30,1", tokenizer_model="")
+
+# Whole 8-GPU nodes, one rank per GPU: what every GPU preset asks of Slurm.
+_GPU_NODES = dict(gpus_per_node=8, ranks_per_node=8, cpus_per_task=64, output="%x-%j.log",
+                  exclusive=True, grad_reduce_in_bf16=True)
+# What the upstream guide's Megatron-LM scripts add for Megatron-FSDP on GPUs: the persistent
+# double buffer and NCCL user buffers (mfsdp accepts --use-nccl-ub and does not register them yet).
+_MEGATRON_LM_GPU = dict(double_buffer=True, nccl_ub=True)
+
+# The real architectures (RMSNorm, RoPE, grouped-query or multi-latent attention, SwiGLU) are
+# the trainer's presets; the planner reads the same definitions (``mfsdp plan``).
+_LLAMA3_8B = "--model-preset llama3-8b"
+_FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+_DEEPSEEK_V3 = ("--model-preset deepseek-v3 --moe-aux-loss-coeff 0.0001 --moe-grouped-gemm "
+                + _FULL_RECOMPUTE)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A template and the values of every variable it uses."""
+
+    template: str
+    description: str
+    values: dict
+    megatron_lm: dict = field(default_factory=dict)  # values that differ with trainer=megatron-lm
+
+
+PRESETS: dict[str, Preset] = {
+    "cpu-smoke": Preset("train", "CPU smoke test: 2 gloo ranks train the small GPT for a few "
+                        "iterations; runs anywhere Slurm runs.", dict(
+                            _TRAIN, job_name="mfsdp-cpu-smoke", nodes=1, gpus_per_node=0,
+                            ranks_per_node=2, cpus_per_task=2, time="00:10:00",
+                            output="mfsdp-cpu-smoke-%j.log", model_args="--model-preset gpt-tiny",
+                            micro_batch_size=2, global_batch_size=8, seq_length=64, train_iters=10,
+                            lr=0.003, mock_data=True)),
+    "llama3-8b": Preset("train", "Llama-3-8B-style dense model on 2 nodes x 8 GPUs with ZeRO-3 "
+                        "(optim_grads_params), bf16 compute, fp32 main weights.", dict(
+                            _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2,
+                            time="04:00:00", model_args=_LLAMA3_8B,
+                            micro_batch_size=1, global_batch_size=128, seq_length=8192,
+                            train_iters=1000, lr=0.0003, bf16=True, meta_init=True,
+                            save="checkpoints/llama3-8b", save_interval=500,
+                            log_jsonl="llama3-8b.jsonl"), _MEGATRON_LM_GPU),
+    "llama3-8b-container": Preset(
+        "train", "The llama3-8b job in NGC's PyTorch container (pyxis/enroot): the image's torch, "
+        "mfsdp mounted from its source checkout.", dict(
+            _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2, time="04:00:00",
+            model_args=_LLAMA3_8B, micro_batch_size=1, global_batch_size=128, seq_length=8192,
+            train_iters=1000, lr=0.0003, bf16=True, meta_init=True, save="checkpoints/llama3-8b",
+            save_interval=500, log_jsonl="llama3-8b.jsonl",
+            container_image="nvcr.io#nvidia/pytorch:25.10-py3"), _MEGATRON_LM_GPU),
+    "deepseek-v3": Preset("train", "DeepSeek-V3-style MoE (256 routed experts, top-8, "
+                          "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 8 inside a "
+                          "node, HFSDP over 4 outer groups (optimizer state sharded across them too), flex "
+                          "dispatcher with DeepEP.", dict(
+                              _TRAIN, **_GPU_NODES, job_name="mfsdp-deepseek-v3", nodes=32,
+                              time="24:00:00", model_args=_DEEPSEEK_V3,
+                              outer=4, outer_strategy="optim", ep=8, num_experts=256,
+                              dispatcher="flex", flex_backend="deepep", micro_batch_size=1,
+                              global_batch_size=512, seq_length=4096, train_iters=10000,
+                              lr=0.0002, bf16=True, meta_init=True, all_gather_group=True,
+                              save="checkpoints/deepseek-v3", save_interval=500,
+                              log_jsonl="deepseek-v3.jsonl"),
+                          dict(_MEGATRON_LM_GPU, flex_backend="hybridep")),
+    "llama3-70b": Preset("train", "Llama-3-70B-style dense model on 8 nodes x 8 GPUs: tensor "
+                         "parallelism 4 with sequence parallelism inside a node, ZeRO-3 over the "
+                         "16 data-parallel ranks, selective recompute, bf16 compute, meta-device "
+                         "initialisation.", dict(
+                             _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-70b", nodes=8,
+                             time="24:00:00", model_args="--model-preset llama3-70b --recompute-granularity "
+                                        "selective",
+                             tp=4, micro_batch_size=1, global_batch_size=128, seq_length=8192,
+                             train_iters=1000, lr=0.00015, bf16=True, meta_init=True,
+                             save="checkpoints/llama3-70b", save_interval=250,
+                             log_jsonl="llama3-70b.jsonl"), _MEGATRON_LM_GPU),
+    "llama3.1-405b": Preset("train", "Llama-3.1-405B-shaped dense model on 32 nodes x 8 GPUs: "
+                            "FSDP x tensor parallelism 2 with sequence parallelism, the layout of "
+                            "Megatron-Bridge's published Megatron-FSDP run (128 GB200s, which "
+                            "hold 186 GiB; on 80 GiB GPUs the planner needs 256), ZeRO-3 over "
+                            "128 data-parallel ranks, full recompute, bf16 compute, meta-device "
+                            "initialisation.", dict(
+                                _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3.1-405b", nodes=32,
+                                time="48:00:00",
+                                model_args="--model-preset llama3.1-405b " + _FULL_RECOMPUTE,
+                                tp=2, sequence_parallel=True, micro_batch_size=1,
+                                global_batch_size=256, seq_length=8192, train_iters=1000,
+                                lr=0.0001, bf16=True, meta_init=True, all_gather_group=True,
+                                save="checkpoints/llama3.1-405b", save_interval=100,
+                                log_jsonl="llama3.1-405b.jsonl"), _MEGATRON_LM_GPU),
+    "llama3-8b-long": Preset("train", "Llama-3-8B-style model on 64K-token sequences, 2 nodes x 8 "
+                             "GPUs: context parallelism 2 (each rank holds 32K tokens of a "
+                             "sequence, attention exact over all of it), ZeRO-3 over the 16 ranks, "
+                             "full recompute, bf16 compute.", dict(
+                                 _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b-long", nodes=2,
+                                 time="12:00:00",
+                                 model_args="--model-preset llama3-8b " + _FULL_RECOMPUTE,
+                                 cp=2, micro_batch_size=1, global_batch_size=16,
+                                 seq_length=65536, train_iters=1000, lr=0.0003, bf16=True,
+                                 meta_init=True, save="checkpoints/llama3-8b-long",
+                                 save_interval=250, log_jsonl="llama3-8b-long.jsonl"),
+                             _MEGATRON_LM_GPU),
+    "convert": Preset("convert", "Checkpoint conversion: a Megatron-LM torch_dist checkpoint to "
+                      "fsdp_dtensor, on one node (mfsdp convert: CPU only; Megatron-LM's "
+                      "checkpoint_inspector.py: 8 GPUs).", dict(
+                          _SLURM, job_name="mfsdp-convert", gpus_per_node=0, cpus_per_task=16,
+                          time="02:00:00",
+                          output="%x-%j.log", src="checkpoints/megatron",
+                          dst="checkpoints/fsdp_dtensor/iter_0001000", from_format="torch_dist",
+                          to_format="fsdp_dtensor", param_map="", model_preset="llama3-8b",
+                          swiglu=False),
+                      # checkpoint_inspector.py converts on GPUs (NCCL), under torchrun
+                      dict(gpus_per_node=8, exclusive=True, swiglu=True)),
+}
