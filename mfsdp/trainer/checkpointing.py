@@ -11,12 +11,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-<<<<<<< HEAD
 from mfsdp.checkpoint.manifest import (RankZeroOSError, describe_os_error, os_error_in,
                                       os_error_remedy)
-=======
 from mfsdp.trainer.signals import slow_save_for_tests
->>>>>>> sbatch
 
 
 def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
