@@ -457,38 +457,25 @@ def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0
     return None
 
 
-def _positive_int(value: str) -> int:
-    """argparse type: a size or count of at least 1."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return n
+def _checked(cast, ok, what: str):
+    """An argparse type: ``cast(value)`` where ``ok`` accepts it, else an error saying ``what``."""
+    def parse(value: str):
+        try:
+            x = cast(value)
+        except ValueError:
+            kind = "an integer" if cast is int else "a number"
+            raise argparse.ArgumentTypeError(f"{value!r} is not {kind}") from None
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"{value} is not {what}")
+        return x
+    return parse
 
 
-def _positive_float(value: str) -> float:
-    """argparse type: a finite number above 0 (memory, bandwidth, peak)."""
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if not (0 < x < math.inf):
-        raise argparse.ArgumentTypeError(f"{value} is not a finite number above 0")
-    return x
-
-
-def _fraction(value: str) -> float:
-    """argparse type: a fraction in (0, 1] (of a GPU's peak)."""
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if not (0 < x <= 1):
-        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]: it is the fraction of the "
-                                         "peak the kernels reach (0.4 by default)")
-    return x
+# a size or count; a memory, bandwidth or peak; the fraction of a GPU's peak the kernels reach
+_positive_int = _checked(int, lambda n: n >= 1, "a positive integer")
+_positive_float = _checked(float, lambda x: 0 < x < math.inf, "a finite number above 0")
+_fraction = _checked(float, lambda x: 0 < x <= 1, "in (0, 1]: it is the fraction of the peak "
+                     "the kernels reach (0.4 by default)")
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
