@@ -103,7 +103,8 @@ class FullyShardedModule(nn.Module):
                     "model fully_shard returned (model, optimizer = fully_shard(module, ...); "
                     "model(...)), or run inside `with model.unsharded():`")
 
-        module.register_forward_pre_hook(direct_call)
+        if not hooks_on_module:  # (the per-module front door calls the module itself)
+            module.register_forward_pre_hook(direct_call)
         if opts.preproc_state_dict_for_dcp_ckpt:
             self._register_state_dict_hook(FullyShardedModule._state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_pre_hook)
