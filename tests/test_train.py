@@ -544,6 +544,7 @@ def test_profiling_flags_that_cannot_work_are_refused_at_start(flags, message):
         check_profile_args(build_parser().parse_args(flags), is_cpu=True)
 
 
+@pytest.mark.extended  # four trainer launches (about a minute on an idle 2-core machine)
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_per_token_loss_gives_one_process_gradients_on_ddp_and_fsdp(engine):
     """``--calculate-per-token-loss`` normalises by the global token count: on two ranks, with
