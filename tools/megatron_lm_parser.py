@@ -9,8 +9,8 @@ are replaced by stubs that only exist: the parser's flags never depend on them.
 ``tests/test_sbatch.py`` checks every flag a rendered Megatron-LM script passes against the
 snapshot (unknown flag, wrong number of values, value outside the choices or of the wrong type)::
 
-    git -C Megatron-LM archive COMMIT megatron tools/checkpoint | tar -x -C /tmp/mlm
-    python tools/megatron_lm_parser.py /tmp/mlm COMMIT
+    git -C Megatron-LM archive COMMIT megatron tools/checkpoint | tar -x -C megatron-lm-src
+    python tools/megatron_lm_parser.py megatron-lm-src COMMIT
 """
 
 from __future__ import annotations
