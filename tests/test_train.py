@@ -340,6 +340,7 @@ def test_flags_the_guide_names_exist():
         # that names them (gpu-clusters.md) says so on the same row; conversion.md names the
         # flags a Megatron-LM job saves or loads mfsdp's export with
         "megatron-lm": {"--no-gradient-accumulation-fusion", "--use-distributed-optimizer",
+                        "--megatron-fsdp-version",  # per-module-api.md: upstream main's v2 switch
                         "--moe-layer-freq",
                         "--fp8-format", "--fp8-recipe", "--fp8-param-gather",
                         "--use-precision-aware-optimizer", "--tensor-model-parallel-size",
