@@ -294,7 +294,7 @@ def test_imported_model_trains_sharded_and_exports(family, ep, strategy, tmp_pat
                     trained.eval()(ids)) < 1e-5
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # (36 s: make test's budget; the API round trips above cover the formats)
 def test_cli_import_train_export(tmp_path):
     """The user's path: ``mfsdp convert --from hf``, ``mfsdp train --load`` on 2 ranks with EP 2,
     ``mfsdp convert --to hf``, then ``transformers`` runs the result."""
@@ -423,7 +423,7 @@ def test_meta_init_of_our_families_equals_eager(fused):
 # ---------------------------------------------------------------------------------------------
 # regressions of the old export (mfsdp names, --swiglu looked for fc1 only, no expert bias)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.slow
+@pytest.mark.extended  # (29 s: make test's budget)
 def test_trainer_checkpoint_exports_swiglu_split_and_expert_bias(tmp_path):
     from mfsdp.checkpoint.dcp import DCPSource
     from mfsdp.checkpoint.hf_format import fsdp_to_hf
