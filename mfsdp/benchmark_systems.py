@@ -5,6 +5,7 @@ optimizer, and one training step of each; the measurements and the CLI are
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -285,19 +286,18 @@ def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out.float(), y.float())
 
 
-_COMPILED_LOSS = []
-
-
 def loss_fn(cfg: dict):
     """The loss of a run: :func:`loss_of`, compiled for ``--compile`` (every system alike), where
     the fp32 upcast of the logits is fused into the softmax's reads in forward and backward
     instead of materialising fp32 logits and their gradient (2 x 1 GiB at 8,192 tokens and
     32,000 words)."""
-    if not cfg.get("compile"):
-        return loss_of
-    if not _COMPILED_LOSS:
-        _COMPILED_LOSS.append(torch.compile(loss_of, dynamic=False))
-    return _COMPILED_LOSS[0]
+    return _compiled_loss() if cfg.get("compile") else loss_of
+
+
+@functools.cache
+def _compiled_loss():
+    """:func:`loss_of` through :func:`torch.compile`, made once per process."""
+    return torch.compile(loss_of, dynamic=False)
 
 
 def train_step(model, opt, x, y, loss=loss_of) -> float:
