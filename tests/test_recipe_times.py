@@ -10,7 +10,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 
+from gallery_order import LEARNING_PATH  # noqa: E402
 from recipe_times import ran_this_build, summary  # noqa: E402
+
+
+def test_every_recipe_has_its_place_on_the_learning_path():
+    """Every recipe file is named in docs/_ext/gallery_order.py (checked without a docs build, so
+    a new recipe without its place fails ``make test``, not only the extended build)."""
+    assert sorted(LEARNING_PATH) == sorted(p.name for p in (ROOT / "recipes").glob("plot_*.py"))
 
 
 def test_a_recipe_counts_as_run_only_when_its_page_was_written_in_this_build(tmp_path):
