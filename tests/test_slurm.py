@@ -130,15 +130,29 @@ def test_container_script_stops_without_the_mfsdp_source(cluster, tmp_path):
 
 
 
-def _wait_for(path_glob, workdir: Path, text: str, timeout: float = 400) -> str:
+def _wait_for(path_glob, workdir: Path, text: str, timeout: float = 400,
+              cluster: Cluster | None = None, job: str | None = None) -> str:
+    """The job's logs once ``text`` is in them; with ``cluster`` and ``job``, fail at once (with
+    the job's record and the daemons' logs) when the job ends without writing it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         logs = sorted(workdir.glob(path_glob))
         body = "\n".join(p.read_text() for p in logs)
         if text in body:
             return body
+        if job is not None and _job_field(cluster, job, "JobState") in _ENDED:
+            body = "\n".join(p.read_text() for p in sorted(workdir.glob(path_glob)))
+            if text in body:
+                return body
+            record = cluster.run("scontrol", "show", "job", job).stdout
+            raise AssertionError(f"job {job} ended before {text!r} appeared:\n{record}\n"
+                                 f"{cluster.log_tail()}\nlog:\n{body[-3000:]}")
         time.sleep(0.3)
     raise AssertionError(f"{text!r} never appeared; log:\n{body[-3000:]}")
+
+
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+          "DEADLINE"}
 
 
 def _workers(marker: str) -> list[int]:
@@ -289,12 +303,16 @@ def test_a_preempted_job_saves_requeues_and_resumes_on_the_uninterrupted_curve(c
         assert time.monotonic() - t0 > 40  # the 45 s save was waited for
         stopped = _check_slow_save(body, d / "ckpt", 45)
         assert stopped < iters
-        # Slurm holds a requeued job back for a while (BeginTime); let it start now
+        # Slurm holds a requeued job back for a while (BeginTime); let it start sooner, but not
+        # in the second its first attempt ended: slurmd revokes that attempt's credential with
+        # one-second resolution and kills a relaunch in the same second ("Job credential
+        # revoked"), which is why Slurm itself delays requeued jobs.
         deadline = time.monotonic() + 60
         while _job_field(cluster, job, "JobState") != "PENDING" and time.monotonic() < deadline:
             time.sleep(0.5)
-        cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
-        body = _wait_for("*.log", d, f"resumed from iteration {stopped}", timeout=300)
+        cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now+5")
+        body = _wait_for("*.log", d, f"resumed from iteration {stopped}", timeout=300,
+                         cluster=cluster, job=job)
         _wait_gone(cluster, job)
     finally:
         cluster.run("scancel", job)
