@@ -20,7 +20,7 @@ _ROLES = re.compile(r":(?:func|class|meth|mod|attr|data|doc|py:\w+):`~?([^`<]*?)
 def plain(text: str | None) -> str | None:
     """Docstring markup (reST roles, double backquotes) as plain terminal text.
 
-    >>> plain("see :func:`~mfsdp.plan.plan` and ``--world-size``")
+    >>> plain("see :func:`~mfsdp.tools.plan.plan` and ``--world-size``")
     'see plan and --world-size'
     """
     if not text:
@@ -46,7 +46,7 @@ _USER_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, FileExistsEr
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from mfsdp.checkpoint.manifest import CheckpointError
-    from mfsdp.sbatch import RenderError
+    from mfsdp.tools.sbatch import RenderError
 
     return _USER_ERRORS + (CheckpointError, RenderError)
 
@@ -57,13 +57,13 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("mfsdp.checkpoint.convert", "run_distributed",
                 "convert checkpoints: fsdp_dtensor, Megatron-LM (torch_dist), mfsdp_full, "
                 "safetensors and Hugging Face (hf)"),
-    "plan": ("mfsdp.plan", "run",
+    "plan": ("mfsdp.tools.plan", "run",
              "estimate per-rank memory and per-step communication of a layout"),
     "train": ("mfsdp.train", "main_parsed",
               "train Llama, Qwen, Mixtral, DeepSeek-V3 or GPT models with Megatron-LM's flags "
               "(under torchrun)"),
-    "sbatch": ("mfsdp.sbatch", "run", "render Slurm batch scripts from presets"),
-    "bench": ("mfsdp.benchmark", "run",
+    "sbatch": ("mfsdp.tools.sbatch", "run", "render Slurm batch scripts from presets"),
+    "bench": ("mfsdp.tools.benchmark", "run",
               "step time, memory and bytes: DDP, PyTorch FSDP2 and mfsdp side by side"),
     "preprocess": ("mfsdp.data.preprocess", "run",
                    "tokenize JSONL into Megatron .bin/.idx datasets"),

@@ -66,11 +66,18 @@ def _floor(importer: str, forbidden: tuple[str, ...]) -> list[str]:
 
 def test_the_engine_imports_nothing_from_the_floors_above():
     above = ("mfsdp.checkpoint", "mfsdp.models", "mfsdp.data", "mfsdp.moe", "mfsdp.trainer",
-             "mfsdp.train", "mfsdp.cli", "mfsdp.testing", "mfsdp.examples", "mfsdp.benchmark",
-             "mfsdp.plan", "mfsdp.sbatch")
+             "mfsdp.train", "mfsdp.cli", "mfsdp.testing", "mfsdp.examples", "mfsdp.tools")
     assert _floor("mfsdp.fsdp", above) == []
     assert _floor("mfsdp.config", above + ("mfsdp.fsdp",)) == []
     assert _floor("mfsdp.layout", above + ("mfsdp.fsdp",)) == []
+
+
+def test_the_tools_sit_on_the_top_floor():
+    """The planner, sbatch rendering and the benchmark (``mfsdp.tools``) are used by the CLI, the
+    trainer and the harnesses only; the engine, formats, models, data and MoE never import them."""
+    below = ("mfsdp.fsdp", "mfsdp.config", "mfsdp.layout", "mfsdp.checkpoint", "mfsdp.models",
+             "mfsdp.data", "mfsdp.moe", "mfsdp.experimental")
+    assert [f for b in below for f in _floor(b, ("mfsdp.tools",))] == []
 
 
 def test_models_never_import_checkpoints_and_nothing_imports_the_harnesses():

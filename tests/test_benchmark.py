@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from mfsdp.benchmark_systems import DEFAULTS, LLAMA_1B, model_flops_per_token, reference_parameters
+from mfsdp.tools.benchmark_systems import DEFAULTS, LLAMA_1B, model_flops_per_token, reference_parameters
 from mfsdp.launch import launch
 
 
@@ -25,7 +25,7 @@ def test_llama_1b_is_tinyllamas_size():
 def test_llama_bench_reports_tokens_and_mfu_on_cpu():
     cfg = dict(model="llama", dim=64, hidden=176, blocks=2, heads=4, kv_heads=2, seq_length=32,
                vocab_size=256, local_batch=2, warmup=1, rounds=2, peak_tflops=1.0)
-    out = launch("mfsdp.benchmark:bench_time", 2, args=(["ddp", "mfsdp-optim_grads_params"], cfg))
+    out = launch("mfsdp.tools.benchmark:bench_time", 2, args=(["ddp", "mfsdp-optim_grads_params"], cfg))
     systems = out[0]["systems"]
     for s in ("ddp", "mfsdp-optim_grads_params"):
         tokens = 2 * 32 * 2
@@ -46,8 +46,8 @@ def test_gpu_mode_without_cuda_is_a_clear_error():
 
 
 def test_a_presets_shape_yields_to_the_size_flags_given():
-    from mfsdp.benchmark import build_parser, config_of
-    from mfsdp.benchmark_systems import LLAMA_3B
+    from mfsdp.tools.benchmark import build_parser, config_of
+    from mfsdp.tools.benchmark_systems import LLAMA_3B
 
     cfg = config_of(build_parser().parse_args(["--model", "llama-3b", "--seq-length", "4096",
                                                "--num-layers", "4", "--recompute"]))

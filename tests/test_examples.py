@@ -66,7 +66,7 @@ def test_recipes_show_the_code_they_run():
         used = []
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
-                    ("mfsdp.testing", "mfsdp.examples", "mfsdp.benchmark", "mfsdp.bench")):
+                    ("mfsdp.testing", "mfsdp.examples", "mfsdp.tools.benchmark", "mfsdp.bench")):
                 used += [a.name for a in node.names if not a.name.isupper()]
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
                     r"mfsdp\.(examples|testing)\.[\w.]+:\w+", node.value):

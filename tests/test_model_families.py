@@ -177,7 +177,7 @@ def test_presets_are_the_published_sizes():
 
     Counted by the planner, which ``tests/test_plan.py`` checks equal to the built model's count,
     parameter for parameter (building DeepSeek-V3's 15,616 experts once is enough)."""
-    from mfsdp.plan import PRESETS
+    from mfsdp.tools.plan import PRESETS
 
     published = {"llama3-8b": 8.03e9, "llama3-70b": 70.55e9, "llama3.1-405b": 405.85e9,
                  "deepseek-v3": 671.0e9}

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mfsdp.launch import launch
-import mfsdp.plan as mfsdp_plan
-from mfsdp.plan import PRESETS, Layout, plan, smallest_world, state_bytes
+import mfsdp.tools.plan as mfsdp_plan
+from mfsdp.tools.plan import PRESETS, Layout, plan, smallest_world, state_bytes
 from mfsdp.testing import train_sharded_many
 
 
@@ -153,7 +153,7 @@ _HF_LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hid
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 def test_tensor_parallel_state_bytes_match_measured(strategy):
-    from mfsdp.plan import ModelConfig, tp_dense
+    from mfsdp.tools.plan import ModelConfig, tp_dense
 
     measured = max(launch(tp_state_bytes, 4, args=(strategy,), timeout=300))
     model = ModelConfig(num_layers=2, hidden=128, ffn_hidden=256, num_heads=4, vocab=256,
@@ -183,7 +183,7 @@ def test_tp_cp_and_sp_change_what_they_should():
 
 
 def test_smallest_search_covers_tp_and_cp():
-    from mfsdp.plan import smallest_layout
+    from mfsdp.tools.plan import smallest_layout
 
     model = PRESETS["llama3-70b"]
     layout = Layout(8, seq_length=8192)
@@ -207,7 +207,7 @@ def test_a_step_counts_every_micro_batch_of_the_global_batch(capsys):
     """#30: traffic is per optimizer step: ZeRO-3 gathers twice and reduce-scatters once per
     micro-batch, ZeRO-2 reduce-scatters each and gathers once, ZeRO-1 reduces once; TP traffic is
     per micro-batch. The CLI derives the micro-batches from --global-batch-size."""
-    from mfsdp.plan import PRESETS, Layout, main, plan
+    from mfsdp.tools.plan import PRESETS, Layout, main, plan
 
     model = PRESETS["llama3-8b"]
 
@@ -233,15 +233,15 @@ def test_time_estimate_flops_links_and_overlap():
     a model really built (a small Llama); a group's link follows Megatron-LM's rank order (TP
     inside a node, a 16-rank shard group over two nodes); the FSDP traffic hides under the
     compute and TP traffic adds to it; MFU is model FLOPs over the peak."""
-    from mfsdp.benchmark_systems import DEFAULTS, model_flops_per_token as bench_flops
+    from mfsdp.tools.benchmark_systems import DEFAULTS, model_flops_per_token as bench_flops
     from mfsdp.models.gpt import GPT_PRESETS
-    from mfsdp.plan import PRESETS, Layout, ModelConfig
-    from mfsdp.plan import estimate as step_time
-    from mfsdp.plan_time import GPUS, model_flops_per_token
+    from mfsdp.tools.plan import PRESETS, Layout, ModelConfig
+    from mfsdp.tools.plan import estimate as step_time
+    from mfsdp.tools.plan_time import GPUS, model_flops_per_token
 
     cfg = dict(DEFAULTS, model="llama", dim=256, hidden=704, blocks=3, heads=4, kv_heads=2,
                vocab_size=1000, seq_length=128)
-    from mfsdp.benchmark_systems import _gpt_config
+    from mfsdp.tools.benchmark_systems import _gpt_config
 
     small = ModelConfig.from_gpt(_gpt_config(cfg))
     assert model_flops_per_token(small, 128)[0] == pytest.approx(bench_flops(cfg), rel=1e-9)
@@ -281,7 +281,7 @@ def test_plan_refuses_values_that_cannot_be(flags, message, capsys):
     """Every size positive, the efficiency in (0, 1]: one line naming the flag (no division by
     zero, no "MFU -50.0%"); the Python API's Layout and Gpu refuse the same values."""
     from mfsdp.cli import main
-    from mfsdp.plan_time import GPUS
+    from mfsdp.tools.plan_time import GPUS
 
     with pytest.raises(SystemExit) as stop:
         main(["plan", "llama3-8b", *flags])

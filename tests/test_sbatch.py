@@ -229,7 +229,7 @@ def test_gpu_presets_build_the_real_architecture_and_fit(name):
     own layout, says it fits on 80 GiB GPUs (the 405B preset on 256 of them, with FSDP x TP 2;
     the long-context 8B with 64K-token sequences split over CP 2)."""
     from mfsdp.models.gpt import GPT_PRESETS
-    from mfsdp.plan import Layout, ModelConfig, plan
+    from mfsdp.tools.plan import Layout, ModelConfig, plan
 
     args = train.build_parser().parse_args(_array((SCRIPTS / f"{name}.sbatch").read_text(),
                                                   "TRAIN_ARGS"))

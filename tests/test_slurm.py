@@ -22,7 +22,7 @@ import pytest
 from conftest import ROOT, skip_or_fail
 from slurm_cluster import Cluster, why_not
 
-from mfsdp.sbatch import render, scripts
+from mfsdp.tools.sbatch import render, scripts
 from mfsdp.trainer.signals import SAVE_DELAY_ENV
 
 pytestmark = pytest.mark.slow

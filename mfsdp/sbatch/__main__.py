@@ -1,7 +1,8 @@
-"""``python -m mfsdp.sbatch``: the ``mfsdp sbatch`` command."""
+"""``python -m mfsdp.sbatch``: moved to ``python -m mfsdp.tools.sbatch`` (works for one release)."""
 
-import sys
+import runpy
+import warnings
 
-from mfsdp.sbatch import main
-
-sys.exit(main())
+warnings.warn("python -m mfsdp.sbatch moved to python -m mfsdp.tools.sbatch (or: mfsdp sbatch)",
+              DeprecationWarning, stacklevel=1)
+runpy.run_module("mfsdp.tools.sbatch", run_name="__main__", alter_sys=True)

@@ -8,8 +8,8 @@ import math
 import re
 import shlex
 
-from mfsdp.sbatch.errors import RenderError
-from mfsdp.sbatch.presets import CHOICES, FLEX_BACKENDS, PRESETS, SCHEMA, Preset
+from mfsdp.tools.sbatch.errors import RenderError
+from mfsdp.tools.sbatch.presets import CHOICES, FLEX_BACKENDS, PRESETS, SCHEMA, Preset
 
 def _parse(key: str, raw: str) -> object:
     if key not in SCHEMA:

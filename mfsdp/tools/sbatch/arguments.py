@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shlex
 
-from mfsdp.sbatch.checks import _model_preset
+from mfsdp.tools.sbatch.checks import _model_preset
 
 class Var(str):
     """A shell variable in an argument list: written ``"$NAME"`` (expanded, one word)."""

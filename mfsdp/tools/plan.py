@@ -1,0 +1,595 @@
+"""Memory and communication planner: will this model fit, and what does a step move?
+
+``mfsdp plan`` (or :func:`plan`) estimates, per rank, the bytes of each kind of state (compute
+weights, main weights, gradients, optimizer state, gathered buffers, activations) and the bytes
+each group moves per step, for a model and a layout. The state terms follow the engine exactly
+(they are checked against measured runs in the tests); activations use the usual transformer
+estimate and are an estimate.
+
+>>> p = plan(PRESETS["llama3-8b"], Layout(world_size=8, strategy="optim_grads_params"))
+>>> round(p.params / 1e9, 2), p.dominant, round(p.total / GiB, 1)
+(8.03, 'activations', 34.6)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, replace
+
+from mfsdp.tools.plan_time import step_time
+
+__all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes",
+           "smallest_world", "smallest_layout", "tp_dense", "estimate", "main", "build_parser"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer, dense or mixture-of-experts (SwiGLU MLPs)."""
+
+    num_layers: int
+    hidden: int
+    ffn_hidden: int
+    num_heads: int
+    vocab: int
+    num_kv_heads: int | None = None  # grouped-query attention; None = num_heads
+    tied_embeddings: bool = False
+    num_experts: int = 0  # routed experts per MoE layer (0: dense model)
+    moe_ffn_hidden: int = 0
+    shared_expert_ffn_hidden: int = 0
+    topk: int = 1
+    first_dense_layers: int = 0  # leading layers with a dense MLP in an MoE model
+    mla: tuple[int, int, int, int, int] | None = None
+    """Multi-head latent attention ranks (q_lora, kv_lora, qk_nope, qk_rope, v_head)."""
+    head_dim: int | None = None  # None: hidden / num_heads
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    shared_expert_gate: bool = False
+
+    @classmethod
+    def from_gpt(cls, cfg) -> "ModelConfig":
+        """The planner's view of a :class:`~mfsdp.models.gpt.GPTConfig` (SwiGLU, no linear
+        biases: the Llama and DeepSeek families), so that both count the same parameters."""
+        if not cfg.swiglu or cfg.add_bias_linear:
+            raise ValueError("the planner models SwiGLU MLPs without linear biases (the Llama and "
+                             "DeepSeek families); this configuration has "
+                             + ("GELU MLPs" if not cfg.swiglu else "linear biases"))
+        mla = None
+        if cfg.multi_latent_attention:
+            mla = (cfg.q_lora_rank or 0, cfg.kv_lora_rank, cfg.qk_head_dim,
+                   cfg.qk_pos_emb_head_dim, cfg.v_head_dim)
+        return cls(cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads,
+                   cfg.vocab_size, num_kv_heads=cfg.num_query_groups,
+                   tied_embeddings=cfg.share_embeddings_and_output_weights,
+                   num_experts=cfg.num_experts,
+                   moe_ffn_hidden=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+                   shared_expert_ffn_hidden=cfg.moe_shared_expert_intermediate_size,
+                   topk=cfg.moe_router_topk, first_dense_layers=cfg.moe_first_dense_layers,
+                   mla=mla, head_dim=cfg.kv_channels, qkv_bias=cfg.add_qkv_bias,
+                   qk_norm=cfg.qk_layernorm, shared_expert_gate=cfg.moe_shared_expert_gate)
+
+    def attention_params(self) -> int:
+        h = self.hidden
+        if self.mla:
+            q_lora, kv_lora, nope, rope, v = self.mla
+            heads = self.num_heads
+            q = (h * q_lora + q_lora + q_lora * heads * (nope + rope) if q_lora
+                 else h * heads * (nope + rope))  # down, norm, up (or one projection)
+            return (q + h * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v)
+                    + heads * v * h)
+        head = self.head_dim or h // self.num_heads
+        kv = self.num_kv_heads or self.num_heads
+        q = self.num_heads * head
+        out = h * q + 2 * h * kv * head + q * h
+        if self.qkv_bias:
+            out += q + 2 * kv * head
+        if self.qk_norm:
+            out += 2 * head
+        return out
+
+    def layer_params(self, moe: bool) -> tuple[int, int]:
+        """(dense, expert) parameters of one layer."""
+        dense = self.attention_params() + 2 * self.hidden  # + two norms
+        if not moe:
+            return dense + 3 * self.hidden * self.ffn_hidden, 0
+        dense += self.hidden * self.num_experts + 3 * self.hidden * self.shared_expert_ffn_hidden
+        dense += self.hidden if self.shared_expert_gate else 0
+        return dense, self.num_experts * 3 * self.hidden * self.moe_ffn_hidden
+
+    def bucket_shapes(self, ep: int = 1) -> dict[str, tuple[list[tuple[int, ...]], int]]:
+        """The engine's buckets for this model: name -> (parameter shapes, how many such buckets).
+
+        One bucket per dense layer, per MoE layer's dense part and per MoE layer's local experts
+        (``num_experts / ep`` of them), and the root (embeddings, final norm, head).
+        """
+        h, heads = self.hidden, self.num_heads
+        if self.mla:
+            q_lora, kv_lora, nope, rope, v = self.mla
+            attn = [(q_lora, h), (heads * (nope + rope), q_lora), (kv_lora + rope, h),
+                    (heads * (nope + v), kv_lora), (h, heads * v)]
+        else:
+            head, kv = h // heads, self.num_kv_heads or heads
+            attn = [(h, h), (kv * head, h), (kv * head, h), (h, h)]
+        norms = [(h,), (h,)]
+        moe_layers = self.num_layers - self.first_dense_layers if self.num_experts else 0
+        out = {"dense layer": (attn + [(self.ffn_hidden, h)] * 2 + [(h, self.ffn_hidden)] + norms,
+                               self.num_layers - moe_layers)}
+        if moe_layers:
+            shared = self.shared_expert_ffn_hidden
+            out["moe layer"] = (attn + [(self.num_experts, h)] + norms
+                                + ([(shared, h)] * 2 + [(h, shared)] if shared else []), moe_layers)
+            local = self.num_experts // ep
+            out["experts"] = ([(self.moe_ffn_hidden, h)] * 2 * local
+                              + [(h, self.moe_ffn_hidden)] * local, moe_layers)
+        out["root"] = ([(self.vocab, h)] * (1 if self.tied_embeddings else 2) + [(h,)], 1)
+        return out
+
+    def tp_replicated_params(self) -> int:
+        """Dense parameters that Megatron-LM's tensor parallelism keeps whole on every TP rank:
+        norms, routers, shared-expert gates and query/key norms. Everything else dense (attention
+        and MLP projections, shared experts, vocabulary-parallel embedding and output layer) is
+        split ``tp`` ways; routed experts are split over EP instead (expert TP size 1)."""
+        h = self.hidden
+        moe_layers = self.num_layers - self.first_dense_layers if self.num_experts else 0
+        per_layer = 2 * h + (2 * (self.head_dim or h // self.num_heads) if self.qk_norm else 0)
+        if self.mla:
+            per_layer += self.mla[0] + self.mla[1]  # the q and kv latent norms
+        router = h * self.num_experts + (h if self.shared_expert_gate else 0)
+        return self.num_layers * per_layer + moe_layers * router + h
+
+    def param_counts(self) -> tuple[int, int]:
+        """(dense, expert) parameters of the whole model."""
+        moe_layers = self.num_layers - self.first_dense_layers if self.num_experts else 0
+        d1, _ = self.layer_params(False)
+        d2, e2 = self.layer_params(True) if moe_layers else (0, 0)
+        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
+        dense = embed + (self.num_layers - moe_layers) * d1 + moe_layers * d2
+        return dense, moe_layers * e2
+
+
+def _presets() -> dict[str, ModelConfig]:
+    from mfsdp.models.gpt import GPT_PRESETS
+
+    out = {}
+    for name, cfg in GPT_PRESETS.items():
+        try:
+            out[name] = ModelConfig.from_gpt(cfg)
+        except ValueError:  # GPT-2-like presets: not a planner model
+            pass
+    return out
+
+
+PRESETS: dict[str, ModelConfig] = _presets()
+"""The trainer's presets (:data:`mfsdp.models.gpt.GPT_PRESETS`) the planner models: the same
+definitions, so both count the same parameters."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model is trained: ranks, sharding, dtypes, batch."""
+
+    world_size: int
+    strategy: str = "optim_grads_params"
+    dp_outer: int = 1
+    outer_strategy: str = "no_shard"
+    ep: int = 1
+    compute_bytes: int = 2  # bf16
+    main_bytes: int = 4  # fp32 main weights (equal to compute_bytes: one copy)
+    grad_bytes: int = 4  # fp32 gradient accumulation
+    optimizer_bytes: int = 8  # Adam: two fp32 moments
+    micro_batch: int = 1
+    # Micro-batches per optimizer step on each data-parallel rank (gradient accumulation):
+    # global batch = micro_batch x micro_batches x data-parallel ranks.
+    micro_batches: int = 1
+    seq_length: int = 4096
+    prefetch_depth: int = 1
+    recompute: bool = False  # shorthand for recompute_granularity="full", uniform, 1 layer
+    recompute_granularity: str | None = None  # "full" or "selective" (Megatron-LM's names)
+    recompute_method: str = "uniform"  # with full: "uniform" chunks or the first layers ("block")
+    recompute_num_layers: int = 1
+    flash_attention: bool = True  # no s x s attention scores kept for backward
+    tp: int = 1  # tensor-parallel size (Megatron-LM's split, see ModelConfig.tp_replicated_params)
+    cp: int = 1  # context-parallel size: each rank holds seq_length / cp tokens of a sequence
+    sequence_parallel: bool = False  # norms and dropout on sequence shards (needs tp > 1)
+
+    def __post_init__(self) -> None:
+        from mfsdp.config import ShardingStrategy
+        from mfsdp.layout import ParallelLayout
+
+        ShardingStrategy.parse(self.strategy)
+        ShardingStrategy.parse(self.outer_strategy, "outer_strategy")
+        ParallelLayout(self.world_size, self.dp_outer, self.ep, tp=self.tp, cp=self.cp)
+        for name in ("micro_batches", "micro_batch", "seq_length", "recompute_num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 0")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=True needs tp > 1 (it splits the TP region's "
+                             "norms and dropout over the TP ranks)")
+
+    @property
+    def shard(self) -> int:
+        """Ranks the dense parameters are sharded over (``dp x cp``)."""
+        return self.world_size // (self.dp_outer * self.tp)
+
+
+def state_bytes(dense: int, expert: int, layout: Layout) -> dict[str, float]:
+    """Per-rank bytes of weights, main weights, gradients and optimizer state (no padding).
+
+    ``dense`` counts what one TP rank holds (see :func:`tp_dense`). The same terms the engine
+    allocates (see ``docs/sharding.md``): dense parameters are sharded
+    over the shard group, expert parameters (``expert / ep`` per rank) over the expert shard
+    group; under HFSDP main weights, gradients and optimizer state are also split over the outer
+    dimension. Main weights take no memory of their own when their dtype is the compute dtype.
+    """
+    from mfsdp.config import ShardingStrategy
+
+    stage = ShardingStrategy.parse(layout.strategy).zero_stage
+    shard = layout.shard
+    outer = layout.dp_outer if ShardingStrategy.parse(layout.outer_strategy).zero_stage else 1
+    separate_main = layout.main_bytes != layout.compute_bytes
+    out = {"weights": 0.0, "main_weights": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for params, n in ((dense, shard), (expert / layout.ep, shard // layout.ep)):
+        owned = params if stage == 0 else params / (n * outer)  # main weights' share
+        out["weights"] += params * layout.compute_bytes / (n if stage == 3 else 1)
+        out["main_weights"] += owned * layout.main_bytes if separate_main else 0.0
+        full_grads = params * layout.grad_bytes if stage in (0, 1) else 0.0
+        out["grads"] += full_grads + (owned * layout.grad_bytes if stage else 0.0)
+        out["optimizer"] += owned * layout.optimizer_bytes
+    return out
+
+
+@dataclass
+class Plan:
+    """The estimate for one model and layout (bytes per rank unless said otherwise)."""
+
+    params: int
+    dense_params: int
+    expert_params: int
+    memory: dict[str, float]
+    comm: dict[str, float] = field(default_factory=dict)
+    padding: float = 0.0
+    """Shard padding of the buckets, as a fraction of the parameters (counted in ``memory``)."""
+
+    @property
+    def total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def dominant(self) -> str:
+        return max(self.memory, key=self.memory.get)
+
+    def fits(self, device_gib: float = 80.0, reserve_gib: float = 4.0) -> bool:
+        """Whether it fits on one device of ``device_gib``, keeping ``reserve_gib`` spare."""
+        return self.total <= (device_gib - reserve_gib) * GiB
+
+    def table(self) -> str:
+        """Memory terms in GiB per rank, then the GiB each rank sends per optimizer step and
+        group (a step: every micro-batch of the global batch, see :class:`Layout`)."""
+        rows = [f"{'term':<14} {'GiB per rank':>12}"]
+        for k, v in self.memory.items():
+            rows.append(f"{k:<14} {v / GiB:12.2f}")
+        rows.append(f"{'total':<14} {self.total / GiB:12.2f}")
+        for k, v in self.comm.items():
+            rows.append(f"{'sent ' + k:<14} {v / GiB:12.2f}  (GiB per optimizer step per rank)")
+        return "\n".join(rows)
+
+
+def tp_dense(model: ModelConfig, dense: float, tp: int) -> float:
+    """Dense parameters one TP rank holds: the split ones ``/ tp``, the replicated ones whole."""
+    whole = model.tp_replicated_params()
+    return (dense - whole) / tp + whole
+
+
+def _activations(model: ModelConfig, layout: Layout) -> float:
+    """Activation bytes of one micro-batch in bf16 (Korthikanti et al., 2022), an estimate.
+
+    Per layer ``s b h (34 + 5 a s / h)`` bytes without recomputation (the second term vanishes
+    with flash attention or selective recomputation). Full recomputation keeps ``2 s b h`` per
+    recomputed chunk's input plus one chunk's activations while it is recomputed (uniform), or
+    ``2 s b h`` for each of the first ``recompute_num_layers`` layers (block).
+    """
+    s, b, h, a = layout.seq_length // layout.cp, layout.micro_batch, model.hidden, model.num_heads
+    t = layout.tp
+    granularity = layout.recompute_granularity or ("full" if layout.recompute else None)
+    scores = 0 if layout.flash_attention or granularity == "selective" else 5 * a * s / (h * t)
+    # Korthikanti et al.: 10 of the 34 bytes per token and channel (norm inputs, dropout masks)
+    # stay whole on every TP rank unless sequence parallelism splits them too.
+    per_layer = s * b * h * ((34 / t if layout.sequence_parallel else 10 + 24 / t) + scores)
+    if model.num_experts:  # routed tokens: topk copies of the MLP activations
+        per_layer += s * b * (model.topk - 1) * 3 * model.moe_ffn_hidden * 2
+    if layout.sequence_parallel:  # the checkpointed layer inputs are sequence shards too
+        s = s // t
+    L = model.num_layers
+    if granularity != "full":
+        return L * per_layer
+    n = min(layout.recompute_num_layers, L)
+    if layout.recompute_method == "block":  # the first n layers keep only their input
+        return n * 2 * s * b * h + (L - n) * per_layer
+    # uniform: every chunk keeps its input; one chunk is recomputed at a time
+    return math.ceil(L / n) * 2 * s * b * h + n * per_layer
+
+
+def padding(model: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """(dense, expert) shard padding as a fraction of the parameters, from the engine's own bucket
+    planner (:func:`mfsdp.fsdp.bucket.plan_bucket`) on the model's buckets.
+
+    >>> d, _ = padding(PRESETS["llama3-70b"], Layout(world_size=1024))
+    >>> d < 0.01
+    True
+    """
+    from mfsdp.config import ShardingStrategy
+
+    if ShardingStrategy.parse(layout.strategy).zero_stage == 0:
+        return 0.0, 0.0
+    shard = layout.shard
+    factor = layout.dp_outer if ShardingStrategy.parse(layout.outer_strategy).zero_stage else 1
+    pad = {"dense": [0, 0], "expert": [0, 0]}  # [padding, numel]
+    for name, (shapes, count) in model.bucket_shapes(layout.ep).items():
+        kind = "expert" if name == "experts" else "dense"
+        n = (shard // layout.ep if kind == "expert" else shard) * factor
+        b = _plan_bucket(tuple(shapes), n)
+        pad[kind][0] += count * (b.padded_numel - b.numel)
+        pad[kind][1] += count * b.numel
+    return tuple(p / n if n else 0.0 for p, n in pad.values())
+
+
+_BUCKET_PLANS: dict = {}
+
+
+def _plan_bucket(shapes: tuple, n: int):
+    from mfsdp.fsdp.bucket import plan_bucket
+
+    if (shapes, n) not in _BUCKET_PLANS:
+        _BUCKET_PLANS[(shapes, n)] = plan_bucket(list(shapes), n)
+    return _BUCKET_PLANS[(shapes, n)]
+
+
+def plan(model: ModelConfig, layout: Layout) -> Plan:
+    """Estimate per-rank memory and per-step communication for ``model`` under ``layout``.
+
+    State terms count the shard padding of the engine's buckets (``padding``).
+    """
+    from mfsdp.config import ShardingStrategy
+
+    dense, expert = model.param_counts()
+    pad_dense, pad_expert = padding(model, layout)
+    local_dense = tp_dense(model, dense, layout.tp)  # what one TP rank holds
+    memory = state_bytes(local_dense * (1 + pad_dense), expert * (1 + pad_expert), layout)
+    s = ShardingStrategy.parse(layout.strategy).zero_stage
+    unit_dense, unit_expert = model.layer_params(bool(model.num_experts))
+    unit = (unit_dense / layout.tp + unit_expert / layout.ep) * layout.compute_bytes
+    memory["gathered"] = (layout.prefetch_depth + 1) * unit if s == 3 else 0.0
+    memory["activations"] = _activations(model, layout)
+    shard = layout.shard
+    ring = (shard - 1) / shard
+    model_bytes = (local_dense + expert / layout.ep) * layout.compute_bytes
+    m = layout.micro_batches
+    # Per optimizer step of m micro-batches: ZeRO-3 gathers the weights for each micro-batch's
+    # forward and backward and reduce-scatters its gradients (3 m); ZeRO-2 reduce-scatters each
+    # micro-batch into the sharded gradients and gathers the weights once after the step
+    # (m + 1); ZeRO-1 and no_shard accumulate locally (no_sync) and reduce once (2).
+    comm = {"dp_shard": {3: 3 * m, 2: m + 1}.get(s, 2) * ring * model_bytes}
+    if layout.dp_outer > 1:
+        o = layout.dp_outer
+        comm["dp_outer"] = 2 * (o - 1) / o * model_bytes / shard  # once per step
+    granularity = layout.recompute_granularity or ("full" if layout.recompute else None)
+    tokens_here = layout.micro_batch * layout.seq_length // layout.cp  # one rank's tokens
+    act = tokens_here * model.hidden * layout.compute_bytes  # one [s, b, h] activation
+    if layout.tp > 1:
+        # Per layer: an all-reduce after attention and after the MLP in forward, two for the
+        # input gradients in backward (with SP: all-gather + reduce-scatter, the same bytes);
+        # full recomputation repeats the forward's two.
+        n = 4 + (2 if granularity == "full" else 0)
+        comm["tp"] = m * model.num_layers * n * 2 * (layout.tp - 1) / layout.tp * act
+    if layout.cp > 1:
+        # Per layer: keys and values of the other CP ranks' chunks in forward (all-gathered, as
+        # Llama 3 does), their gradients reduce-scattered back in backward, again in recompute.
+        head = model.head_dim or model.hidden // model.num_heads
+        kv = 2 * (model.num_kv_heads or model.num_heads) * head if not model.mla else \
+            2 * model.num_heads * model.mla[2]
+        n = 2 + (1 if granularity == "full" else 0)
+        comm["cp"] = (m * model.num_layers * n * (layout.cp - 1) * tokens_here * kv
+                      * layout.compute_bytes / layout.tp)
+    if layout.ep > 1 and model.num_experts:
+        tokens = tokens_here
+        moe_layers = model.num_layers - model.first_dense_layers
+        # dispatch + combine, forward + backward, topk copies of each token
+        comm["ep"] = 4 * m * moe_layers * tokens * model.topk * model.hidden * layout.compute_bytes \
+            * (layout.ep - 1) / layout.ep
+    return Plan(dense + expert, dense, expert, memory, comm,
+                padding=(pad_dense * dense + pad_expert * expert) / (dense + expert))
+
+
+def estimate(model: ModelConfig, layout: Layout, gpu="h100", **overrides):
+    """The time estimate of one optimizer step (:func:`mfsdp.tools.plan_time.step_time`) from this
+    plan's traffic: ``estimate(PRESETS["llama3-8b"], Layout(8), "h100").tokens_per_gpu_s``."""
+    return step_time(model, layout, plan(model, layout).comm, gpu, **overrides)
+
+
+def smallest_world(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
+                   gpus_per_node: int = 8, max_nodes: int = 4096) -> int | None:
+    """The smallest world size (whole nodes) on which every rank fits, or None."""
+    for nodes in range(1, max_nodes + 1):
+        world = nodes * gpus_per_node
+        try:
+            candidate = replace(layout, world_size=world)
+        except ValueError:
+            continue
+        p = plan(model, candidate)
+        if p.fits(device_gib):
+            return world
+        if not _fits_without_state(p, device_gib):
+            return None  # more ranks shrink only the state: no world size fits
+    return None
+
+
+def _fits_without_state(p: Plan, device_gib: float) -> bool:
+    """Whether what no added data-parallel rank shrinks (gathered weights and activations) fits."""
+    return replace(p, memory={k: p.memory[k] for k in ("gathered", "activations")}).fits(device_gib)
+
+
+def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
+                    gpus_per_node: int = 8, tps=(1, 2, 4, 8), cps=(1, 2, 4, 8),
+                    max_nodes: int = 4096) -> Layout | None:
+    """The layout on the fewest whole nodes where every rank fits, searching the TP and CP sizes
+    too (TP at most a node: its traffic needs NVLink); among equal worlds the least TP x CP.
+
+    >>> best = smallest_layout(PRESETS["llama3-70b"], Layout(8, seq_length=8192))
+    >>> best.world_size, best.tp, best.cp  # FSDP alone fits nowhere (activations: 170 GiB)
+    (24, 1, 8)
+    """
+    for nodes in range(1, max_nodes + 1):
+        world = nodes * gpus_per_node
+        options = sorted(((tp, cp) for tp in tps for cp in cps if tp <= gpus_per_node),
+                         key=lambda tc: (tc[0] * tc[1], tc[0]))
+        for tp, cp in options:
+            try:
+                candidate = replace(layout, world_size=world, tp=tp, cp=cp,
+                                    sequence_parallel=tp > 1)
+            except ValueError:
+                continue
+            if plan(model, candidate).fits(device_gib):
+                return candidate
+    return None
+
+
+def _checked(cast, ok, what: str):
+    """An argparse type: ``cast(value)`` where ``ok`` accepts it, else an error saying ``what``."""
+    def parse(value: str):
+        try:
+            x = cast(value)
+        except ValueError:
+            kind = "an integer" if cast is int else "a number"
+            raise argparse.ArgumentTypeError(f"{value!r} is not {kind}") from None
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"{value} is not {what}")
+        return x
+    return parse
+
+
+# a size or count; a memory, bandwidth or peak; the fraction of a GPU's peak the kernels reach
+_positive_int = _checked(int, lambda n: n >= 1, "a positive integer")
+_positive_float = _checked(float, lambda x: 0 < x < math.inf, "a finite number above 0")
+_fraction = _checked(float, lambda x: 0 < x <= 1, "in (0, 1]: it is the fraction of the peak "
+                     "the kernels reach (0.4 by default)")
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The ``mfsdp plan`` argument parser (every size positive, the efficiency in (0, 1])."""
+    parser = parser or argparse.ArgumentParser(prog="mfsdp plan", description=__doc__.splitlines()[0])
+    parser.add_argument("preset", choices=sorted(PRESETS), help="model")
+    parser.add_argument("--world-size", type=_positive_int, default=8)
+    # The trainer's (Megatron-LM's) names first; the short names stay as aliases.
+    parser.add_argument("--data-parallel-sharding-strategy", "--strategy", dest="strategy",
+                        default="optim_grads_params",
+                        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    parser.add_argument("--num-distributed-optimizer-instances", "--dp-outer", dest="dp_outer",
+                        type=_positive_int, default=1, help="HSDP outer size")
+    parser.add_argument("--outer-dp-sharding-strategy", "--outer-strategy", dest="outer_strategy",
+                        default="no_shard", choices=["no_shard", "optim"])
+    parser.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=_positive_int, default=1)
+    parser.add_argument("--tensor-model-parallel-size", dest="tp", type=_positive_int, default=1,
+                        help="tensor-parallel size (Megatron-LM's split of every projection)")
+    parser.add_argument("--context-parallel-size", dest="cp", type=_positive_int, default=1,
+                        help="context-parallel size (each rank holds seq_length / cp tokens)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="sequence parallelism in the TP regions (needs TP > 1)")
+    parser.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=_positive_int,
+                        default=1, help="sequences per micro-batch (the trainer's name)")
+    parser.add_argument("--global-batch-size", type=_positive_int,
+                        help="sequences per optimizer step over all data-parallel ranks (default: "
+                             "one micro-batch per rank, no accumulation)")
+    parser.add_argument("--seq-length", type=_positive_int, default=4096)
+    parser.add_argument("--recompute-granularity", choices=("full", "selective"),
+                        help="activation recomputation, as mfsdp train and Megatron-LM name it")
+    parser.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
+    parser.add_argument("--recompute-num-layers", type=_positive_int, default=1)
+    parser.add_argument("--recompute", action="store_true",
+                        help="shorthand for --recompute-granularity full (uniform, 1 layer)")
+    parser.add_argument("--device-gib", type=_positive_float, default=80.0)
+    gpu = parser.add_argument_group("time estimate (mfsdp/tools/plan_time.py)")
+    gpu.add_argument("--gpu", choices=("h100", "gb200"), default="h100",
+                     help="peak, NVLink and network figures of this GPU (defaults below)")
+    gpu.add_argument("--peak-tflops", type=_positive_float,
+                     help="dense peak at the training precision (h100: 989 bf16, 1979 FP8; "
+                          "gb200: 2500 bf16, 5000 FP8)")
+    gpu.add_argument("--compute-efficiency", type=_fraction,
+                     help="fraction of the peak a step's kernels reach (default 0.4)")
+    gpu.add_argument("--nvlink-gbps", type=_positive_float, help="GB/s per GPU inside an NVLink domain")
+    gpu.add_argument("--network-gbps", type=_positive_float, help="GB/s per GPU between domains")
+    parser.add_argument("--smallest", action="store_true",
+                        help="also find the smallest number of devices (whole 8-GPU nodes) that "
+                             "fits: with this layout's TP/CP, and searching TP (with SP) and CP")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed ``mfsdp plan`` command."""
+    model = PRESETS[args.preset]
+    dp = args.world_size // (args.tp * args.cp)  # data-parallel ranks: one batch slice each
+    gbs = args.global_batch_size or args.micro_batch * dp
+    if gbs % (args.micro_batch * dp):
+        raise SystemExit(f"mfsdp plan: --global-batch-size {gbs} is not a multiple of "
+                         f"--micro-batch-size x data-parallel ranks = {args.micro_batch} x {dp}")
+    layout = Layout(args.world_size, args.strategy, args.dp_outer, args.outer_strategy, args.ep,
+                    micro_batch=args.micro_batch, seq_length=args.seq_length,
+                    micro_batches=gbs // (args.micro_batch * dp),
+                    recompute=args.recompute, recompute_granularity=args.recompute_granularity,
+                    recompute_method=args.recompute_method,
+                    recompute_num_layers=args.recompute_num_layers, tp=args.tp, cp=args.cp,
+                    sequence_parallel=args.sequence_parallel)
+    p = plan(model, layout)
+    print(f"{args.preset}: {p.params / 1e9:.1f}B parameters ({p.expert_params / 1e9:.1f}B in "
+          f"experts), {args.world_size} ranks, {args.strategy}")
+    print(describe(layout, dp))
+    print(p.table())
+    print(f"dominant term: {p.dominant}; fits on {args.device_gib:g} GiB: "
+          f"{'yes' if p.fits(args.device_gib) else 'no'} (total <= {args.device_gib:g} - 4 GiB "
+          "kept for the CUDA context and the allocator)")
+    given = {"peak_tflops": args.peak_tflops, "efficiency": args.compute_efficiency,
+             "nvlink_gbps": args.nvlink_gbps, "network_gbps": args.network_gbps}
+    print(step_time(model, layout, p.comm, args.gpu,
+                    **{k: v for k, v in given.items() if v is not None}).summary())
+    if args.smallest:
+        world = smallest_world(model, layout, args.device_gib)
+        print(f"smallest world that fits: {world if world else 'none up to 4096 nodes'}")
+        best = smallest_layout(model, layout, args.device_gib)
+        if best is not None:
+            print(f"smallest with TP/CP searched: {best.world_size} (TP {best.tp}"
+                  f"{' + SP' if best.sequence_parallel else ''}, CP {best.cp})")
+    return 0
+
+
+def describe(layout: Layout, dp: int) -> str:
+    """What a step is and what the estimate assumes, in two lines (``mfsdp plan`` prints them).
+
+    >>> print(describe(Layout(world_size=16, micro_batches=4, seq_length=8192), dp=16))
+    step: one optimizer step = 4 micro-batches x 1 sequence x 8192 tokens on each of 16 data-parallel ranks (global batch 64)
+    assumed: bytes per parameter: weights 2 (bf16), main weights 4 (fp32), gradients 4 (fp32), Adam moments 8; flash attention; prefetch depth 1; no recomputation
+    """
+    m, b = layout.micro_batches, layout.micro_batch
+    recompute = layout.recompute_granularity or ("full" if layout.recompute else None)
+    return (f"step: one optimizer step = {m} micro-batch{'es' if m > 1 else ''} x {b} "
+            f"sequence{'s' if b > 1 else ''} x {layout.seq_length} tokens on each of {dp} "
+            f"data-parallel ranks (global batch {m * b * dp})\n"
+            f"assumed: bytes per parameter: weights {layout.compute_bytes} (bf16), main weights "
+            f"{layout.main_bytes} (fp32), gradients {layout.grad_bytes} (fp32), Adam moments "
+            f"{layout.optimizer_bytes}; "
+            f"{'flash attention' if layout.flash_attention else 'attention scores kept'}; "
+            f"prefetch depth {layout.prefetch_depth}; "
+            f"{recompute + ' recomputation' if recompute else 'no recomputation'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m mfsdp.tools.plan``."""
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
