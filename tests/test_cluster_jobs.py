@@ -110,3 +110,41 @@ def test_tensorboard_and_throughput(tmp_path):
     assert r["tflops_per_rank"] * 1e12 / r["tokens_per_s"] == pytest.approx(want, rel=1e-9)
 
 
+
+
+def test_wandb_logs_the_scalars_tensorboard_gets(tmp_path):
+    """--wandb-project with the real wandb package, offline: the run W&B wrote (read back from its
+    own .wandb file, see wandb_records.py) has Megatron-LM's name, project and config, and per
+    iteration the loss, learning rate and gradient norm of the trainer's JSON log."""
+    pytest.importorskip("wandb", reason="the wandb package is not installed")
+    from wandb_records import read_run
+
+    out = subprocess.run(_torchrun("--train-iters", "3", "--wandb-project", "parity",
+                                   "--wandb-exp-name", "run-1", "--wandb-save-dir",
+                                   str(tmp_path / "wb"), "--log-jsonl", str(tmp_path / "log.jsonl")),
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline",
+                                  WANDB_SILENT="true"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    run = read_run(tmp_path / "wb")
+    assert (run["project"], run["name"]) == ("parity", "run-1")
+    assert run["config"]["wandb_exp_name"] == "run-1" and run["config"]["train_iters"] == 3
+    assert sorted(run["history"]) == [1, 2, 3]
+    for rec in log:
+        row = run["history"][rec["iteration"]]
+        assert [row["lm loss"], row["learning-rate"], row["grad-norm"]] == pytest.approx(
+            [rec["loss"], rec["lr"], rec["grad_norm"]], rel=1e-12)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--wandb-project", "p"], "--wandb-project needs --wandb-exp-name NAME"),
+    (["--wandb-project", "p", "--wandb-exp-name", "e"], "--wandb-project needs --wandb-save-dir"),
+    (["--wandb-exp-name", "e"], "--wandb-exp-name has no effect without --wandb-project"),
+])
+def test_wandb_flags_that_cannot_act_are_refused_at_start(argv, said):
+    from mfsdp.trainer.arguments import build_parser
+    from mfsdp.trainer.metrics import check_wandb_args
+
+    with pytest.raises(SystemExit, match=said):
+        check_wandb_args(build_parser().parse_args(argv))

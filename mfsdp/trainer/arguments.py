@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from mfsdp.data.batches import half_pair, is_indexed_prefix
+from mfsdp.trainer.metrics import check_wandb_args
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -357,6 +358,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="TensorBoard event files (needs the tensorboard package)")
     o.add_argument("--log-throughput", action="store_true",
                    help="add TFLOP/s per rank (model FLOPs estimate) and peak memory to the log")
+    o.add_argument("--wandb-project", default="", metavar="NAME",
+                   help="log the same scalars as TensorBoard to this Weights & Biases project "
+                        "(rank 0; needs --wandb-exp-name and the wandb package; WANDB_MODE="
+                        "offline keeps the run local)")
+    o.add_argument("--wandb-exp-name", default="", metavar="NAME",
+                   help="the run's name in W&B")
+    o.add_argument("--wandb-save-dir", default="", metavar="DIR",
+                   help="W&B's local files (default: --save/wandb)")
+    o.add_argument("--wandb-entity", default="", metavar="NAME",
+                   help="the W&B team or user (default: the API key's)")
     f = parser.add_argument_group("profiling (Megatron-LM's flags)")
     f.add_argument("--profile", action="store_true",
                    help="profile iterations --profile-step-start to --profile-step-end (an nsys "
@@ -484,9 +495,11 @@ def check_args(args, world: int, cfg) -> int:
         raise SystemExit(str(e)) from None
     if args.save:
         _check_save_dir(Path(args.save))
+    check_wandb_args(args)
     dump = args.dump_param_to_param_group_map
     for flag, path, file in (("--log-jsonl", args.log_jsonl, True),
                              ("--tensorboard-dir", args.tensorboard_dir, False),
+                             ("--wandb-save-dir", args.wandb_save_dir, False),
                              ("--data-cache-path", args.data_cache_path, False),
                              ("--dump-param-to-param-group-map", dump,
                               bool(dump) and dump.endswith(".json"))):

@@ -22,7 +22,7 @@ from mfsdp.trainer.build import (build_param_groups, flops_per_token, learning_r
                                  model_config, model_family, precision_policy, routers_of, rss_mib)
 from mfsdp.trainer.checkpointing import check_load_exists, load_for_training, save_step
 from mfsdp.trainer.guard import SaveLock, Watch, report_error
-from mfsdp.trainer.metrics import tensorboard_writer
+from mfsdp.trainer.metrics import MetricSinks
 from mfsdp.trainer.parallel import build_parallel, micro_batch
 from mfsdp.trainer.profiling import Profiler, check_profile_args
 from mfsdp.trainer.signals import StopRequest
@@ -143,7 +143,7 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
         f"{num_micro} micro-batches of {args.micro_batch_size} per rank", flush=True)
 
     jsonl = open(args.log_jsonl, "a" if start else "w") if (args.log_jsonl and rank == 0) else None
-    board = tensorboard_writer(args.tensorboard_dir) if rank == 0 else None
+    sinks = MetricSinks.open(args, rank)
     token_flops = flops_per_token(cfg, args.seq_length) if args.log_throughput else None
     stop = StopRequest(args.exit_signal_handler)
     profiler = Profiler(args, device)
@@ -219,13 +219,7 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
             records.append(rec)
             if jsonl:
                 _write_log(jsonl, args.log_jsonl, rec)
-            if board is not None:
-                for tag, key in (("lm loss", "loss"), ("learning-rate", "lr"),
-                                 ("grad-norm", "grad_norm"), ("throughput/tokens-per-s",
-                                                              "tokens_per_s"),
-                                 ("throughput/tflops-per-rank", "tflops_per_rank")):
-                    if key in rec:
-                        board.add_scalar(tag, rec[key], iteration)
+            sinks.training(rec, iteration)
             logged = iteration % args.log_interval == 0 or iteration == args.train_iters
             profiler.after(iteration, logged)
             if logged:
@@ -248,9 +242,8 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
                                                        "valid_ppl": rec["valid_ppl"]})
                 log(f"validation after iteration {iteration} | loss {valid_loss:.4f} | "
                     f"perplexity {rec['valid_ppl']:.2f}", flush=True)
-                if board is not None:
-                    board.add_scalar("lm loss validation", valid_loss, iteration)
-                    board.add_scalar("lm loss validation ppl", rec["valid_ppl"], iteration)
+                sinks.write({"lm loss validation": valid_loss,
+                             "lm loss validation ppl": rec["valid_ppl"]}, iteration)
             leaving = bool(args.exit_interval) and iteration % args.exit_interval == 0
             watch.mark(f"iteration {iteration}: end")
             why = stop.reason(args, t_start, device)  # every rank agrees (one all-reduce)
@@ -270,7 +263,7 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
                 break
     finally:  # cleanup never hides the error that ended the run
         for close in (profiler.stop, stop.restore, jsonl.close if jsonl else None,
-                      board.close if board is not None else None):
+                      sinks.close):
             try:
                 if close is not None:
                     close()

@@ -1,6 +1,20 @@
-"""Logging sinks of the trainer: TensorBoard event files."""
+"""Logging sinks of the trainer: TensorBoard event files and Weights & Biases.
+
+Both receive the same scalars under Megatron-LM's names (``lm loss``, ``learning-rate``,
+``grad-norm``, ``lm loss validation``, ...) with the iteration as the step, from rank 0, where the
+trainer's metrics are already reduced over every rank. (Megatron-LM writes from the last rank; its
+values there are the same reduced ones.)
+"""
 
 from __future__ import annotations
+
+import argparse
+import os
+
+# what the trainer's per-iteration record calls each scalar -> the name Megatron-LM logs it under
+TRAINING_SCALARS = (("lm loss", "loss"), ("learning-rate", "lr"), ("grad-norm", "grad_norm"),
+                    ("throughput/tokens-per-s", "tokens_per_s"),
+                    ("throughput/tflops-per-rank", "tflops_per_rank"))
 
 
 def tensorboard_writer(directory: str | None):
@@ -13,3 +27,73 @@ def tensorboard_writer(directory: str | None):
         raise SystemExit("--tensorboard-dir needs the tensorboard package "
                          "(pip install tensorboard)") from None
     return SummaryWriter(log_dir=directory)
+
+
+def check_wandb_args(args: argparse.Namespace) -> None:
+    """Refuse at start what Megatron-LM would fail on later: ``--wandb-project`` without
+    ``--wandb-exp-name``, or without a directory (``--wandb-save-dir``, else ``--save``/wandb);
+    the other ``--wandb-*`` flags without ``--wandb-project``; a missing ``wandb`` package."""
+    if not args.wandb_project:
+        for flag in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
+            if getattr(args, flag):
+                raise SystemExit(f"--{flag.replace('_', '-')} has no effect without "
+                                 f"--wandb-project: add --wandb-project NAME to log to W&B")
+        return
+    if not args.wandb_exp_name:
+        raise SystemExit("--wandb-project needs --wandb-exp-name NAME (the run's name in W&B), "
+                         "as in Megatron-LM")
+    if not (args.wandb_save_dir or args.save):
+        raise SystemExit("--wandb-project needs --wandb-save-dir DIR (or --save, whose wandb/ "
+                         "subdirectory is then used): W&B keeps its local files there")
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise SystemExit("--wandb-project needs the wandb package (pip install wandb)") from None
+
+
+def wandb_run(args: argparse.Namespace):
+    """The W&B run of ``--wandb-project`` (None without it), made as Megatron-LM makes it: name
+    ``--wandb-exp-name``, entity ``--wandb-entity``, local files in ``--wandb-save-dir`` (else
+    ``--save``/wandb), every argument as the run's config. ``WANDB_MODE=offline`` keeps it local."""
+    if not args.wandb_project:
+        return None
+    import wandb
+
+    directory = args.wandb_save_dir or os.path.join(args.save, "wandb")
+    os.makedirs(directory, exist_ok=True)
+    return wandb.init(dir=directory, name=args.wandb_exp_name, project=args.wandb_project,
+                      entity=args.wandb_entity or None, config=vars(args))
+
+
+class MetricSinks:
+    """The run's TensorBoard writer and W&B run (either may be absent), written together."""
+
+    def __init__(self, board, run):
+        self.board = board  # torch SummaryWriter, or None
+        self.run = run  # wandb Run, or None
+
+    @classmethod
+    def open(cls, args: argparse.Namespace, rank: int) -> MetricSinks:
+        """The sinks ``args`` ask for on rank 0; none on the other ranks."""
+        if rank != 0:
+            return cls(None, None)
+        return cls(tensorboard_writer(args.tensorboard_dir), wandb_run(args))
+
+    def write(self, scalars: dict[str, float], iteration: int) -> None:
+        """Log ``scalars`` (Megatron-LM's names) at step ``iteration``."""
+        if self.board is not None:
+            for tag, value in scalars.items():
+                self.board.add_scalar(tag, value, iteration)
+        if self.run is not None and scalars:
+            self.run.log(dict(scalars), step=iteration)
+
+    def training(self, record: dict, iteration: int) -> None:
+        """Log one iteration's record (the trainer's JSON record) under Megatron-LM's names."""
+        self.write({tag: record[key] for tag, key in TRAINING_SCALARS if key in record}, iteration)
+
+    def close(self) -> None:
+        """Flush and close both (W&B's ``finish``)."""
+        if self.board is not None:
+            self.board.close()
+        if self.run is not None:
+            self.run.finish()
