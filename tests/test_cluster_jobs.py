@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,29 @@ def test_wandb_flags_that_cannot_act_are_refused_at_start(argv, said):
 
     with pytest.raises(SystemExit, match=said):
         check_wandb_args(build_parser().parse_args(argv))
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_run_starts_is_kept_and_the_run_saves(tmp_path):
+    """--exit-signal-handler catches SIGTERM from the moment the arguments are parsed: a signal
+    sent while the run starts (here when --save's lock appears, before the model is built and
+    the loop's own handler would exist) does not kill the rank; it trains one iteration, saves
+    it and exits 0."""
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "mfsdp.train", *TRAIN, "--train-iters", "50",
+                             "--exit-signal-handler", "--save", str(ckpt)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT="0"))
+    try:
+        deadline = time.monotonic() + 120
+        while not (ckpt / ".lock").exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "the run never took --save's lock"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "SIGTERM received (--exit-signal-handler): stopping after iteration 1" in out, out
+    assert (ckpt / "latest").read_text().strip() == "iter_0000001"

@@ -25,7 +25,7 @@ from mfsdp.trainer.guard import SaveLock, Watch, report_error
 from mfsdp.trainer.metrics import MetricSinks
 from mfsdp.trainer.parallel import build_parallel, micro_batch
 from mfsdp.trainer.profiling import Profiler, check_profile_args
-from mfsdp.trainer.signals import StopRequest
+from mfsdp.trainer.signals import install_early, stop_request
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -145,7 +145,7 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
     jsonl = open(args.log_jsonl, "a" if start else "w") if (args.log_jsonl and rank == 0) else None
     sinks = MetricSinks.open(args, rank)
     token_flops = flops_per_token(cfg, args.seq_length) if args.log_throughput else None
-    stop = StopRequest(args.exit_signal_handler)
+    stop = stop_request(args.exit_signal_handler)
     profiler = Profiler(args, device)
     records: list[dict] = []
     t_start = time.perf_counter()
@@ -327,6 +327,7 @@ def main_parsed(args: argparse.Namespace) -> int:
     """Run parsed ``mfsdp train`` arguments as a job: start the process group when none is, train,
     and end the process cleanly (see :func:`mfsdp.launch.shutdown`)."""
     started = False
+    install_early(args.exit_signal_handler)  # a SIGTERM from here on is kept, not fatal
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m mfsdp.train`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",

@@ -52,6 +52,25 @@ class StopRequest:
             self._previous = None
 
 
+# The StopRequest the entry point installed before the process group existed (install_early).
+_EARLY: list[StopRequest] = []
+
+
+def install_early(handle_signal: bool) -> None:
+    """Catch SIGTERM from the moment the arguments are parsed (``--exit-signal-handler``), not
+    only once the loop starts: a preemption warning that comes while the process group forms,
+    the model is built or a checkpoint loads is then kept, and the run saves after its first
+    iteration instead of dying with the signal."""
+    if handle_signal and not _EARLY:
+        _EARLY.append(StopRequest(True))
+
+
+def stop_request(handle_signal: bool) -> StopRequest:
+    """The run's StopRequest: the one :func:`install_early` made (with any signal it already
+    caught), else a new one."""
+    return _EARLY.pop() if _EARLY else StopRequest(handle_signal)
+
+
 SAVE_DELAY_ENV = "MFSDP_TEST_SAVE_DELAY_S"
 
 
