@@ -162,7 +162,7 @@ class EngineOptions:
     sync_model_each_microbatch: bool = True  # reduce every backward (no_sync() defers)
     average_in_collective: bool = False  # average inside the collective, not by a pre-scale
     calculate_per_token_loss: bool = False  # gradients summed, the loss divides by tokens
-    disable_bucketing: bool = False  # one bucket per parameter
+    disable_bucketing: bool = False  # every parameter in the root unit (no per-module units)
     max_inflight_reduce: int = 2  # reductions in flight before backward waits for the oldest
     fsdp_double_buffer: bool = False  # gathered weights in a fixed two-slot pool (ZeRO-3)
     prefetch_depth: int = 1  # units ahead whose all-gather is launched

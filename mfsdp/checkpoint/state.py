@@ -29,7 +29,7 @@ __all__ = ["param_entries", "model_state", "optimizer_state", "param_groups_stat
 
 
 def _mesh(model) -> DeviceMesh:
-    # The chunk metadata is carried by each tensor (see uneven.py); the mesh only names the ranks.
+    # The chunk metadata is carried by each tensor (see mfsdp/fsdp/dtensor.py); the mesh only names the ranks.
     if not hasattr(model, "_ckpt_mesh"):
         model._ckpt_mesh = DeviceMesh.from_group(dist.group.WORLD, model.device.type)
     return model._ckpt_mesh

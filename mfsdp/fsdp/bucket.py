@@ -199,7 +199,7 @@ class Bucket:
     * ``full``: model weights in compute dtype, ``padded_numel`` long; the module parameters are
       views into it. Under ZeRO-3 its storage is resized to 0 between uses (the views stay valid).
     * ``full_comm``: the same memory as ``full`` seen through a tensor with its own version counter;
-      collectives write through it (see [Note: version counters] in ``fsdp.py``).
+      collectives write through it (see [Note: version counters] in ``mfsdp/fsdp/module.py``).
     * ``model_shard``: this rank's slice of the model weights, kept between uses under ZeRO-3 only
       (the all-gather source); otherwise a view of ``full``.
     * ``main_shard``: this rank's main weights (``main_params_dtype``); a view of ``model_shard``

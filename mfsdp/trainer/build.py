@@ -129,7 +129,7 @@ def model_family(args, cfg) -> str:
 
 
 def precision_policy(args):
-    """The :class:`~mfsdp.MixedPrecisionPolicy` of ``--bf16``/``--fp16`` and the ``--megatron-fsdp-*-dtype`` flags."""
+    """The :class:`~mfsdp.MixedPrecisionPolicy` of ``--bf16`` and the ``--megatron-fsdp-*-dtype`` flags."""
     from mfsdp import MixedPrecisionPolicy
 
     main = DTYPES[args.megatron_fsdp_main_params_dtype] if args.megatron_fsdp_main_params_dtype \
