@@ -474,8 +474,8 @@ class FullyShardedModule(nn.Module):
 
     def comm_scratch_bytes(self) -> int:
         """Bytes of the communication scratch buffers this rank keeps for reuse (gloo only: the
-        all-to-all inputs of all-gathers and receive buffers of reduce-scatters, see [Note: gloo
-        all-gather as point-to-point] in ``mfsdp/fsdp/collectives.py``); not part of :meth:`memory_by_kind`."""
+        receive buffers of reduce-scatters, see [Note: gloo all-gather as point-to-point] in
+        ``mfsdp/fsdp/collectives.py``); not part of :meth:`memory_by_kind`."""
         return sum(c.scratch_bytes for c in self.state.comms.distinct())
 
     def memory_by_kind(self) -> dict[str, int]:
