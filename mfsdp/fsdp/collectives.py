@@ -202,8 +202,9 @@ class Communicator:
         self.backend = dist.get_backend(group)
         self.log = log if log is not None else CommLog()
         # Reusable receive buffers of gloo reduce-scatters by (numel, dtype, device): see [Note:
-        # gloo all-gather as point-to-point]. A buffer is taken when a collective launches and given back when it is
-        # waited for, so the pool holds at most as many buffers as were ever in flight at once.
+        # gloo all-gather as point-to-point]. A buffer is taken when a collective launches and
+        # given back when it is waited for, so the pool holds at most as many buffers as were
+        # ever in flight at once.
         self._pool: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         self._pool_bytes = 0
 
