@@ -81,6 +81,7 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
         resolve_units(probe, recursive_gather)
     tokens = make_batches(vocab_size(probe), 1, global_batch, seq_len, seed)[0]
     bypassed = bypassed_units(probe, unit_classes, tokens)
+    parent = _fused_parent(probe, bypassed[0]) if bypassed else ""
     del probe
     s = Settings(model=model, optimizer=optimizer, lr=lr or DEFAULT_LR[optimizer], steps=steps,
                  global_batch=global_batch, seq_len=seq_len, seed=seed,
@@ -104,25 +105,39 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
             result.passed = not result.reason
             result.max_rss_mib = [r["max_rss_mib"] for r in ranks]
             result.tracked_mib = [r["tracked_mib"] for r in ranks]
-        if not result.passed and bypassed:
-            result.reason += (f"; {bypassed[0]} computes without its forward (a fused parent "
-                              "reads its weights): pass --recursive-gather with the parent's "
-                              "class (docs/fused-experts.md)")
+        if not result.passed and bypassed and not recursive_gather:
+            result.reason += (f"; FSDP unit {bypassed[0]} computes without its forward (its "
+                              f"parent {parent} reads its weights): pass --recursive-gather "
+                              f"{parent} (docs/fused-experts.md)")
         result.seconds = time.perf_counter() - start
         results.append(result)
         if progress is not None:
+            summary = _summary(result)
+            summary = summary if len(summary) <= 150 else summary[:147] + "..."
             progress(f"[{i}/{len(chosen)}] {layout.name:<19} "
-                     f"{'PASS' if result.passed else 'FAIL'}  {_summary(result)}  "
+                     f"{'PASS' if result.passed else 'FAIL'}  {summary}  "
                      f"({result.seconds:.1f} s)")
     report = CheckReport(model=model if isinstance(model, str) else _qualname(model),
                          nproc=nproc, steps=steps, optimizer=optimizer, lr=s["lr"],
                          units=s["units"], layouts=results, skipped=skipped,
-                         bypassed_units=bypassed)
+                         bypassed_units=bypassed, recursive_gather=list(recursive_gather or []))
     if json_path:
         report.save_json(json_path)
     if plot_path:
         report.plot(plot_path)
     return report
+
+
+def _fused_parent(model, name: str) -> str:
+    """The class name of the nearest ancestor of ``name`` that is not a container."""
+    from torch import nn
+
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        m = model.get_submodule(".".join(parts[:cut]))
+        if not isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            return type(m).__name__
+    return type(model).__name__
 
 
 def _one_line(exc: BaseException) -> str:

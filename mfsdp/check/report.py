@@ -70,6 +70,8 @@ class CheckReport:
     """Default layouts that need more ranks than ``nproc``."""
     bypassed_units: list[str] = field(default_factory=list)
     """Unit modules whose weights got gradients without their ``forward`` running."""
+    recursive_gather: list[str] = field(default_factory=list)
+    """Classes passed as ``recursive_gather_modules``."""
 
     @property
     def passed(self) -> bool:
@@ -101,17 +103,22 @@ class CheckReport:
                              f"{s.worst_param} ({s.worst_param_error:.1e})")
         lines.append("")
         for r in self.layouts:
-            rss = max(r.max_rss_mib, default=0.0)
-            tracked = max(r.tracked_mib, default=0.0)
             verdict = "PASS" if r.passed else "FAIL"
-            lines.append(f"{verdict} {r.name:<19} tol {r.tolerance:<9} max RSS {rss:6.0f} MiB  "
-                         f"sharded state {tracked:8.3f} MiB  {r.seconds:5.1f} s"
+            memory = (f"max RSS {max(r.max_rss_mib):6.0f} MiB  sharded state "
+                      f"{max(r.tracked_mib):8.3f} MiB" if r.max_rss_mib else
+                      f"{'(no memory figures: it raised)':<46}")
+            lines.append(f"{verdict} {r.name:<19} tol {r.tolerance:<9} {memory}  "
+                         f"{r.seconds:5.1f} s"
                          + (f"\n     {r.reason}" if r.reason else ""))
         for name in self.skipped:
             lines.append(f"skip {name:<19} needs more ranks (see --nproc)")
         if self.bypassed_units:
+            shown = ", ".join(self.bypassed_units[:4]) + (
+                f" and {len(self.bypassed_units) - 4} more" if len(self.bypassed_units) > 4 else "")
             lines.append("note: these FSDP units compute without their forward (a fused parent "
-                         "reads their weights): " + ", ".join(self.bypassed_units))
+                         "reads their weights): " + shown + (
+                             f"; gathered by --recursive-gather {' '.join(self.recursive_gather)}"
+                             if self.recursive_gather else ""))
         return "\n".join(lines)
 
     def plot(self, path: str | Path) -> None:
@@ -201,7 +208,8 @@ def _outside(s: StepResult, loss_ref: float, tol) -> str:
 # The fields of the JSON document (``--json``), for tools that read it.
 JSON_SCHEMA: dict[str, Any] = {
     "model": str, "nproc": int, "steps": int, "optimizer": str, "lr": float, "units": list,
-    "passed": bool, "skipped": list, "bypassed_units": list, "tolerances": dict,
+    "passed": bool, "skipped": list, "bypassed_units": list, "recursive_gather": list,
+    "tolerances": dict,
     "layouts": [{
         "name": str, "description": str, "tolerance": str, "passed": bool, "reason": str,
         "error": (str, type(None)), "max_rss_mib": list, "tracked_mib": list, "seconds": float,
