@@ -96,7 +96,10 @@ def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
     every rank returns its peak memory."""
     import torch.distributed as dist
 
-    from mfsdp import MixedPrecisionPolicy, fully_shard
+    # mfsdp.fully_shard and mfsdp.MixedPrecisionPolicy, imported from where they are defined
+    # (mfsdp/__init__.py imports this package: no cycle)
+    from mfsdp.config import MixedPrecisionPolicy
+    from mfsdp.fsdp.api import fully_shard
     from mfsdp.layout import ParallelLayout
 
     rank, world = dist.get_rank(), dist.get_world_size()
