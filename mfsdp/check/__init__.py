@@ -4,12 +4,12 @@ Trains the model for a few steps on every layout (each ZeRO strategy, HSDP, bf16
 gradient communication) on ``nproc`` gloo ranks and, next to it, in one process on the same
 global batch; then reports per layout and step the loss difference, the gradient-norm and
 update-norm ratios (sharded / reference), the parameter furthest off, and a verdict against the
-tolerances of :data:`mfsdp.check.layouts.TOLERANCES`::
+tolerances of ``mfsdp.check.layouts.TOLERANCES``::
 
     mfsdp check llama-tiny --nproc 2 --steps 3 --optimizer sgd --json check.json --plot check.png
 
 or, from Python, ``mfsdp.check("llama-tiny", nproc=2, steps=3)``. The guide page is
-``docs/check.md``; the fault models it is tested on are in :mod:`mfsdp.check.faults`.
+``docs/check.md``; the fault models it is tested on are in ``mfsdp.check.faults``.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
         optimizer: ``"sgd"`` (shows a scale error as it is) or ``"adamw"`` (what you train
             with; it normalises gradient scale away, so run SGD too).
         lr: learning rate (default 0.1 for SGD, 1e-3 for AdamW).
-        layouts: names from :data:`LAYOUTS` (default: all that fit ``nproc``).
+        layouts: names from ``mfsdp.check.LAYOUTS`` (default: all that fit ``nproc``).
         units: FSDP unit class names (default: the class in the model's largest ``ModuleList``).
         optimizer_factory: ``fn(module, lr) -> torch.optim.Optimizer`` (or its
             ``"package.module:fn"``), the optimizer your script builds; called on the module
-            before :func:`mfsdp.fully_shard`, in every layout. The reference always trains every
+            before ``mfsdp.fully_shard``, in every layout. The reference always trains every
             parameter with ``optimizer`` and ``lr``, so the factory must build the same kind.
         recursive_gather: class names for ``fully_shard(recursive_gather_modules=...)``.
         global_batch: sequences per step over all ranks (default ``2 * nproc``).

@@ -1,8 +1,8 @@
 """The layouts ``mfsdp check`` runs and the tolerances each is judged by (the one place they live).
 
-A layout is one way a user shards their model with :func:`mfsdp.fully_shard`: a ZeRO strategy,
+A layout is one way a user shards their model with ``mfsdp.fully_shard``: a ZeRO strategy,
 HSDP, bf16 compute with fp32 main weights, or bf16 gradient communication. Each names the
-:class:`Tolerance` it is held to, chosen by the dtypes it computes and communicates in.
+``Tolerance`` it is held to, chosen by the dtypes it computes and communicates in.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ TOLERANCES: dict[str, Tolerance] = {
 
 @dataclass(frozen=True)
 class Layout:
-    """One sharded configuration: the :func:`mfsdp.fully_shard` arguments it stands for."""
+    """One sharded configuration: the ``mfsdp.fully_shard`` arguments it stands for."""
 
     name: str
     strategy: str
@@ -54,7 +54,7 @@ class Layout:
     grad_comm_dtype: str | None = None
     """``MixedPrecisionPolicy.grad_comm_dtype`` (``None``: the gradients' own dtype)."""
     tolerance: str = "fp32"
-    """The key of :data:`TOLERANCES` this layout is judged by."""
+    """The key of ``TOLERANCES`` this layout is judged by."""
     min_ranks: int = 2
 
     def describe(self) -> str:

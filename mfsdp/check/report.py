@@ -1,5 +1,5 @@
 """Compare a layout's run with the reference, judge it against its tolerance, and show the
-result: a terminal table, a JSON document (:data:`JSON_SCHEMA` lists its fields) and a plot of
+result: a terminal table, a JSON document (``JSON_SCHEMA`` lists its fields) and a plot of
 the ratios per step."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class LayoutResult:
 
 @dataclass
 class CheckReport:
-    """What :func:`mfsdp.check` found: one :class:`LayoutResult` per layout run."""
+    """What ``mfsdp.check`` found: one :class:`~mfsdp.check.report.LayoutResult` per layout run."""
 
     model: str
     nproc: int
@@ -79,14 +79,14 @@ class CheckReport:
         return all(r.passed for r in self.layouts)
 
     def to_dict(self) -> dict[str, Any]:
-        """The report as JSON-ready data (see :data:`JSON_SCHEMA`)."""
+        """The report as JSON-ready data (``mfsdp.check.report.JSON_SCHEMA`` lists the fields)."""
         d = asdict(self)
         d["passed"] = self.passed
         d["tolerances"] = {k: asdict(v) for k, v in TOLERANCES.items()}
         return d
 
     def save_json(self, path: str | Path) -> None:
-        """Write :meth:`to_dict` to ``path``."""
+        """Write ``to_dict()`` to ``path`` as JSON."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     def table(self) -> str:
