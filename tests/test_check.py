@@ -59,11 +59,12 @@ def test_default_units_are_the_class_of_the_largest_module_list():
 
 
 def test_a_healthy_model_passes_and_the_json_has_every_field(tmp_path):
-    path = tmp_path / "check.json"
+    path, plot = tmp_path / "check.json", tmp_path / "check.png"
     report = mfsdp.check(f"{FAULTS}:tiny", nproc=2, steps=2,
                          layouts=["no_shard", "optim_grads_params"], json_path=str(path),
-                         **_quiet())
+                         plot_path=str(plot), **_quiet())
     assert report.passed, report.table()
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(path.read_text())
     _matches(data, JSON_SCHEMA)
     assert [r["name"] for r in data["layouts"]] == ["no_shard", "optim_grads_params"]

@@ -128,7 +128,7 @@ class CheckReport:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharex=True)
         for r in self.layouts:
             if not r.steps:
                 continue
@@ -141,7 +141,9 @@ class CheckReport:
             ax.axhline(1.0, color="k", lw=0.8, ls=":")
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("step")
-        axes[1].legend(fontsize=8, loc="best")
+            ax.set_xticks(range(1, self.steps + 1))
+            ax.ticklabel_format(axis="y", useOffset=False)
+        axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
