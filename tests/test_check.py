@@ -127,6 +127,24 @@ def test_recursive_gather_fixes_the_fused_parent():
     assert fixed.passed, fixed.table()
 
 
+def test_the_resume_layout_passes_when_the_optimizer_state_is_resharded():
+    """The resume layout saves after step 2 under optim_grads_params and loads into optim: the
+    AdamW moments are resharded, and steps 3 and 4 match the reference."""
+    good = mfsdp.check(f"{FAULTS}:tiny", steps=4, optimizer="adamw", layouts=["resume"],
+                       **_quiet())
+    assert good.passed, good.table()
+
+
+def test_optimizer_state_lost_on_resume_is_named():
+    """A resume that loads the weights only restarts AdamW's moments after step 2."""
+    bad = mfsdp.check(f"{FAULTS}:tiny", steps=4, optimizer="adamw", layouts=["resume"],
+                      resume_fn=f"{FAULTS}:load_weights_only", **_quiet())
+    (r,) = bad.layouts
+    assert not r.passed and r.reason.startswith("step 3: update-norm ratio")
+    assert [abs(s.update_norm_ratio - 1) < 1e-4 for s in r.steps] == [True, True, False, False]
+    assert r.steps[2].worst_param in r.reason
+
+
 def test_cli_exit_codes(capsys):
     assert main(["check", f"{FAULTS}:tiny", "--layouts", "optim_grads", "--steps", "1"]) == 0
     out = capsys.readouterr().out
@@ -142,6 +160,7 @@ def test_cli_exit_codes(capsys):
     (["llama-tiny", "--layouts", "hsdp"], "--layouts hsdp needs --nproc 4"),
     ([f"{FAULTS}:tiny", "--units", "Nope"], "--units Nope: TinyLM has no module of class"),
     ([f"{FAULTS}:tiny", "--nproc", "1"], "--nproc=1"),
+    ([f"{FAULTS}:tiny", "--layouts", "resume", "--steps", "1"], "needs --steps 2 or more"),
 ])
 def test_cli_bad_input_is_one_line_with_status_2(capsys, args, message):
     assert main(["check", *args]) == 2

@@ -1,7 +1,7 @@
 """``mfsdp check``: a parity doctor for your own model.
 
 Trains the model for a few steps on every layout (each ZeRO strategy, HSDP, bf16 compute, bf16
-gradient communication) on ``nproc`` gloo ranks and, next to it, in one process on the same
+gradient communication, a resume into another strategy) on ``nproc`` gloo ranks and, next to it, in one process on the same
 global batch; then reports per layout and step the loss difference, the gradient-norm and
 update-norm ratios (sharded / reference), the parameter furthest off, and a verdict against the
 tolerances of ``mfsdp.check.layouts.TOLERANCES``::
@@ -30,7 +30,8 @@ DEFAULT_LR = {"sgd": 0.1, "adamw": 1e-3}
 def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
           lr: float | None = None, layouts: list[str] | None = None,
           units: list[str] | None = None, optimizer_factory: Callable | str | None = None,
-          recursive_gather: list[str] | None = None, global_batch: int | None = None,
+          recursive_gather: list[str] | None = None, resume_fn: Callable | str | None = None,
+          global_batch: int | None = None,
           seq_len: int = 16, seed: int = 0, json_path: str | None = None,
           plot_path: str | None = None, progress: Callable[[str], Any] | None = print,
           timeout: float = 300.0) -> CheckReport:
@@ -52,6 +53,9 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
             before ``mfsdp.fully_shard``, in every layout. The reference always trains every
             parameter with ``optimizer`` and ``lr``, so the factory must build the same kind.
         recursive_gather: class names for ``fully_shard(recursive_gather_modules=...)``.
+        resume_fn: ``fn(path, model, optimizer)`` loading a checkpoint the way your script
+            resumes (or its ``"package.module:fn"``; default
+            ``mfsdp.checkpoint.load_checkpoint``), used by the ``resume`` layout.
         global_batch: sequences per step over all ranks (default ``2 * nproc``).
         seq_len: tokens per sequence (random ids, fixed by ``seed``).
         json_path, plot_path: where to write the JSON report and the ratio plot.
@@ -70,7 +74,7 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
         raise ValueError(f"--steps={steps!r}: give a positive number of steps")
     if lr is not None and not lr > 0:
         raise ValueError(f"--lr={lr!r}: give a positive learning rate")
-    chosen, skipped = select_layouts(layouts, nproc)
+    chosen, skipped = select_layouts(layouts, nproc, steps)
     global_batch = global_batch or 2 * nproc
     if global_batch % nproc:
         raise ValueError(f"global_batch={global_batch} is not divisible by --nproc {nproc}")
@@ -86,7 +90,7 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     s = Settings(model=model, optimizer=optimizer, lr=lr or DEFAULT_LR[optimizer], steps=steps,
                  global_batch=global_batch, seq_len=seq_len, seed=seed,
                  units=[c.__name__ for c in unit_classes], optimizer_factory=optimizer_factory,
-                 recursive_gather=recursive_gather)
+                 recursive_gather=recursive_gather, resume_fn=resume_fn)
     references: dict[str, dict] = {}
     results = []
     for i, layout in enumerate(chosen, start=1):

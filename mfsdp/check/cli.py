@@ -44,6 +44,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--optimizer-factory", metavar="MODULE:FN", default=None,
                         help="fn(module, lr) building the optimizer your script uses (default: "
                              "the --optimizer over every parameter)")
+    parser.add_argument("--resume-fn", metavar="MODULE:FN", default=None,
+                        help="fn(path, model, optimizer) loading a checkpoint as your script "
+                             "resumes, for the resume layout (default: "
+                             "mfsdp.checkpoint.load_checkpoint)")
     parser.add_argument("--seq-len", type=int, default=16, help="tokens per random sequence")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
     parser.add_argument("--plot", metavar="PATH", default=None,
@@ -58,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     report = check(args.model, nproc=args.nproc, steps=args.steps, optimizer=args.optimizer,
                    lr=args.lr, layouts=args.layouts, units=args.units,
                    optimizer_factory=args.optimizer_factory,
-                   recursive_gather=args.recursive_gather, seq_len=args.seq_len,
+                   recursive_gather=args.recursive_gather, resume_fn=args.resume_fn,
+                   seq_len=args.seq_len,
                    json_path=args.json, plot_path=args.plot, progress=print)
     print()
     print(report.table())

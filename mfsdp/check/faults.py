@@ -9,6 +9,7 @@ run the doctor on them and show that it names the layout, the parameter and the 
     mfsdp check mfsdp.check.faults:loss_averaged_twice
     mfsdp check mfsdp.check.faults:tiny --optimizer-factory mfsdp.check.faults:optimizer_without_final_norm
     mfsdp check mfsdp.check.faults:fused_experts --layouts optim_grads_params
+    mfsdp check mfsdp.check.faults:tiny --optimizer adamw --resume-fn mfsdp.check.faults:load_weights_only
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["TinyLM", "tiny", "grad_scaled_on_one_rank", "loss_averaged_twice",
-           "optimizer_without_final_norm", "fused_experts", "FusedMoE"]
+           "optimizer_without_final_norm", "fused_experts", "FusedMoE", "load_weights_only"]
 
 VOCAB, DIM, HIDDEN, BLOCKS, EXPERTS = 64, 32, 64, 2, 4
 
@@ -150,3 +151,11 @@ def fused_experts() -> TinyLM:
     the FSDP units, and the fused parent bypasses their ``forward``. Passes with
     ``--recursive-gather FusedMoE`` (docs/fused-experts.md)."""
     return TinyLM([FusedMoE() for _ in range(BLOCKS)])
+
+
+def load_weights_only(path, model, optimizer) -> None:
+    """A resume that loads the weights and not the optimizer state: the optimizer starts again
+    from empty moments (AdamW's) under the new layout, as when its state was not resharded."""
+    from mfsdp.checkpoint import load_checkpoint
+
+    load_checkpoint(path, model)

@@ -1,7 +1,8 @@
 """The layouts ``mfsdp check`` runs and the tolerances each is judged by (the one place they live).
 
 A layout is one way a user shards their model with ``mfsdp.fully_shard``: a ZeRO strategy,
-HSDP, bf16 compute with fp32 main weights, or bf16 gradient communication. Each names the
+HSDP, bf16 compute with fp32 main weights, bf16 gradient communication, or a resume from a
+checkpoint into another strategy. Each names the
 ``Tolerance`` it is held to, chosen by the dtypes it computes and communicates in.
 """
 
@@ -56,6 +57,9 @@ class Layout:
     tolerance: str = "fp32"
     """The key of ``TOLERANCES`` this layout is judged by."""
     min_ranks: int = 2
+    resume_as: str | None = None
+    """Save a checkpoint halfway, load it into a fresh model sharded with this strategy (the
+    optimizer state is resharded) and train on: the steps after the load check the resume."""
 
     def describe(self) -> str:
         """The ``fully_shard`` arguments, as a user would write them."""
@@ -66,6 +70,8 @@ class Layout:
             parts.append("bf16 model, fp32 main weights and grads")
         if self.grad_comm_dtype:
             parts.append(f"grad_comm_dtype={self.grad_comm_dtype}")
+        if self.resume_as:
+            parts.append(f"saved halfway, loaded into zero_dp_strategy={self.resume_as!r}")
         return ", ".join(parts)
 
 
@@ -77,15 +83,17 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("hsdp", "optim_grads_params", dp_outer=2, min_ranks=4),
     Layout("bf16", "optim_grads_params", compute_dtype="bf16", tolerance="bf16"),
     Layout("bf16_comm", "optim_grads_params", grad_comm_dtype="bf16", tolerance="bf16_comm"),
+    Layout("resume", "optim_grads_params", resume_as="optim"),
 )}
 
 DEFAULT_LAYOUTS = tuple(LAYOUTS)
 
 
-def select_layouts(names: list[str] | None, nproc: int) -> tuple[list[Layout], list[str]]:
-    """The layouts to run for ``names`` (``None``: all) on ``nproc`` ranks, and the names of
-    default layouts skipped because they need more ranks. A named layout that cannot run is an
-    error."""
+def select_layouts(names: list[str] | None, nproc: int,
+                   steps: int = 2) -> tuple[list[Layout], list[str]]:
+    """The layouts to run for ``names`` (``None``: all) on ``nproc`` ranks for ``steps`` steps,
+    and the names of default layouts skipped because they need more ranks (or, ``resume``, two
+    steps). A named layout that cannot run is an error."""
     if nproc < 2:
         raise ValueError(f"--nproc={nproc}: a parity check needs at least 2 ranks; use --nproc 2")
     chosen = list(DEFAULT_LAYOUTS) if not names else list(names)
@@ -96,6 +104,12 @@ def select_layouts(names: list[str] | None, nproc: int) -> tuple[list[Layout], l
     run, skipped = [], []
     for name in chosen:
         layout = LAYOUTS[name]
+        if layout.resume_as and steps < 2:
+            if names:
+                raise ValueError(f"--layouts {name} saves halfway and needs --steps 2 or more, "
+                                 f"got --steps {steps}")
+            skipped.append(name)
+            continue
         if nproc < layout.min_ranks or nproc % layout.dp_outer:
             if names:
                 raise ValueError(f"--layouts {name} needs --nproc {layout.min_ranks} (or a "

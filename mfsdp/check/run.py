@@ -24,7 +24,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
 class Settings(dict):
     """What both sides must agree on (a plain dict, so it pickles to the ranks): ``model``,
     ``optimizer``, ``lr``, ``steps``, ``global_batch``, ``seq_len``, ``seed``, ``units``,
-    ``optimizer_factory``, ``recursive_gather``."""
+    ``optimizer_factory``, ``recursive_gather``, ``resume_fn``."""
 
 
 def make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
@@ -90,10 +90,8 @@ def _strip(name: str) -> str:
     return name[len("module."):] if name.startswith("module.") else name
 
 
-def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
-    """Train this rank's slice of every step's global batch under ``layout`` (call inside a
-    launched rank). Rank 0 returns the per-step losses, gradient norms and full main weights;
-    every rank returns its peak memory."""
+def _sharded(s: Settings, layout: Layout, strategy: str):
+    """The user's model and optimizer, sharded as ``layout`` with ``strategy``."""
     import torch.distributed as dist
 
     # mfsdp.fully_shard and mfsdp.MixedPrecisionPolicy, imported from where they are defined
@@ -102,9 +100,7 @@ def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
     from mfsdp.fsdp.api import fully_shard
     from mfsdp.layout import ParallelLayout
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(s["model"], s["seed"])
-    batches = _batches(s, model)
     units = resolve_units(model, s["units"])
     recursive = resolve_units(model, s["recursive_gather"]) if s["recursive_gather"] else None
     if layout.compute_dtype == "bf16":
@@ -113,17 +109,57 @@ def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
                                       main_grads_dtype=torch.float32)
     else:
         policy = MixedPrecisionPolicy(grad_comm_dtype=_DTYPES[layout.grad_comm_dtype])
-    groups = (ParallelLayout(world, layout.dp_outer).create_groups() if layout.dp_outer > 1
-              else None)
+    groups = (ParallelLayout(dist.get_world_size(), layout.dp_outer).create_groups()
+              if layout.dp_outer > 1 else None)
     optimizer = _user_optimizer(s, model)  # upstream's order: built on the module, then sharded
-    model, optimizer = fully_shard(model, optimizer, fsdp_unit_modules=units,
-                                   zero_dp_strategy=layout.strategy, process_groups=groups,
-                                   mixed_precision_policy=policy,
-                                   recursive_gather_modules=recursive)
+    return fully_shard(model, optimizer, fsdp_unit_modules=units, zero_dp_strategy=strategy,
+                       process_groups=groups, mixed_precision_policy=policy,
+                       recursive_gather_modules=recursive)
+
+
+def _resume(s: Settings, layout: Layout, model, optimizer, step: int):
+    """Save ``model`` and ``optimizer`` after ``step``, then load the checkpoint with the user's
+    ``resume_fn`` (default :func:`mfsdp.checkpoint.load_checkpoint`) into a fresh model sharded
+    with ``layout.resume_as``; return the fresh pair."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    from mfsdp.checkpoint import load_checkpoint, save_checkpoint
+
+    where = [tempfile.mkdtemp(prefix="mfsdp-check-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    try:
+        path = save_checkpoint(where[0], model, optimizer, iteration=step)
+        model, optimizer = _sharded(s, layout, layout.resume_as)
+        load = s["resume_fn"] or load_checkpoint
+        if isinstance(load, str):
+            load = load_callable(load, "--resume-fn")
+        load(path, model, optimizer)
+        dist.barrier()
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
+    return model, optimizer
+
+
+def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
+    """Train this rank's slice of every step's global batch under ``layout`` (call inside a
+    launched rank). Rank 0 returns the per-step losses, gradient norms and full main weights;
+    every rank returns its peak memory."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = _batches(s, build_model(s["model"], s["seed"]))
+    model, optimizer = _sharded(s, layout, layout.strategy)
     local = s["global_batch"] // world
     losses, norms, params = [], [], []
     initial = {_strip(n): p for n, p in model.full_parameters().items()}
+    resume_after = (len(batches) + 1) // 2 if layout.resume_as else None
     for step, tokens in enumerate(batches, start=1):
+        if step - 1 == resume_after:
+            model, optimizer = _resume(s, layout, model, optimizer, step - 1)
         phase = "forward/backward"
         try:
             optimizer.zero_grad()
