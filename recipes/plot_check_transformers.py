@@ -38,7 +38,8 @@ print(sorted(p.name for p in (work / "tiny-llama").iterdir()))
 # The command line is ``mfsdp check ./tiny-llama --nproc 2 --steps 3 --layouts
 # optim_grads_params bf16 --json check.json --plot check.png`` (exit status 0 when every layout
 # passes, 1 when one fails). From Python it is one call; each layout prints a line as it finishes.
-# Without ``layouts`` every layout that fits ``nproc`` runs (ZeRO 0-3, bf16, bf16 communication).
+# Without ``layouts`` every layout that fits ``nproc`` runs (ZeRO 0-3, bf16, bf16 communication,
+# a resume into another strategy).
 import mfsdp
 
 report = mfsdp.check(str(work / "tiny-llama"), nproc=2, steps=3,

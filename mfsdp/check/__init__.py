@@ -74,6 +74,14 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
         raise ValueError(f"--steps={steps!r}: give a positive number of steps")
     if lr is not None and not lr > 0:
         raise ValueError(f"--lr={lr!r}: give a positive learning rate")
+    if seq_len < 2:
+        raise ValueError(f"--seq-len={seq_len}: next-token loss needs 2 tokens or more")
+    for what, fn in (("MODEL", model), ("optimizer_factory", optimizer_factory),
+                     ("resume_fn", resume_fn)):
+        if callable(fn) and getattr(fn, "__module__", None) == "__main__":
+            raise ValueError(f"{what}={fn.__qualname__} is defined in __main__, which the ranks "
+                             "cannot import; move it into a module and pass it (or "
+                             "'module:function')")
     chosen, skipped = select_layouts(layouts, nproc, steps)
     global_batch = global_batch or 2 * nproc
     if global_batch % nproc:
