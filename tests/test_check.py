@@ -144,6 +144,17 @@ def test_optimizer_state_lost_on_resume_is_named():
     assert r.steps[2].worst_param in r.reason
 
 
+def test_a_bf16_reduction_that_loses_the_gradient_is_named():
+    """Per-rank gradients that cancel: exact in fp32, lost when rounded to bf16 before the sum."""
+    report = mfsdp.check(f"{FAULTS}:cancelling_gradients", steps=1,
+                         layouts=["optim_grads_params", "bf16_comm"], **_quiet())
+    fp32, bf16 = report.layouts
+    assert fp32.passed and fp32.steps[0].worst_param_error < 1e-4, fp32.reason
+    assert not bf16.passed
+    assert bf16.reason.startswith("step 1: parameter blocks.0.fc1.weight relative error")
+    assert bf16.steps[0].worst_param_error > 0.1
+
+
 def test_cli_exits_0_when_every_layout_passes(capsys):
     assert main(["check", f"{FAULTS}:tiny", "--layouts", "optim_grads", "--steps", "1"]) == 0
     out = capsys.readouterr().out

@@ -10,6 +10,7 @@ run the doctor on them and show that it names the layout, the parameter and the 
     mfsdp check mfsdp.check.faults:tiny --optimizer-factory mfsdp.check.faults:optimizer_without_final_norm
     mfsdp check mfsdp.check.faults:fused_experts --layouts optim_grads_params
     mfsdp check mfsdp.check.faults:tiny --optimizer adamw --resume-fn mfsdp.check.faults:load_weights_only
+    mfsdp check mfsdp.check.faults:cancelling_gradients --layouts optim_grads_params bf16_comm
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["TinyLM", "tiny", "grad_scaled_on_one_rank", "loss_averaged_twice",
-           "optimizer_without_final_norm", "fused_experts", "FusedMoE", "load_weights_only"]
+           "optimizer_without_final_norm", "fused_experts", "FusedMoE", "load_weights_only",
+           "cancelling_gradients"]
 
 VOCAB, DIM, HIDDEN, BLOCKS, EXPERTS = 64, 32, 64, 2, 4
 
@@ -44,18 +46,36 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-class Block(nn.Module):
-    """Pre-norm MLP block with a residual; ``grad_factor`` scales ``fc2.weight``'s gradient."""
+class _OffsetGrad(torch.autograd.Function):
+    """Identity forward; adds ``offset`` to every element of the gradient on the way back."""
 
-    def __init__(self, grad_factor=None):
+    @staticmethod
+    def forward(ctx, x, offset):
+        ctx.offset = offset
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + ctx.offset, None
+
+
+class Block(nn.Module):
+    """Pre-norm MLP block with a residual; ``grad_factor`` scales ``fc2.weight``'s gradient,
+    ``grad_offset`` is added to ``fc1.weight``'s."""
+
+    def __init__(self, grad_factor=None, grad_offset=None):
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
         self.fc1 = nn.Linear(DIM, HIDDEN)
         self.fc2 = nn.Linear(HIDDEN, DIM)
         self.grad_factor = grad_factor  # () -> float, or None
+        self.grad_offset = grad_offset  # () -> float, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(self.fc1(self.norm(x)))
+        w1 = self.fc1.weight
+        if self.grad_offset is not None:
+            w1 = _OffsetGrad.apply(w1, self.grad_offset())
+        h = F.gelu(F.linear(self.norm(x), w1, self.fc1.bias))
         w = self.fc2.weight
         if self.grad_factor is not None:
             w = _ScaleGrad.apply(w, self.grad_factor())
@@ -95,6 +115,18 @@ def grad_scaled_on_one_rank() -> TinyLM:
         return 2.0 if _rank_and_world()[0] == 1 else 1.0
 
     return TinyLM([Block(), Block(grad_factor=factor)])
+
+
+def cancelling_gradients() -> TinyLM:
+    """``blocks.0.fc1.weight``'s gradient carries a term that is +1 on even ranks and -1 on
+    odd ones (zero in one process): per-rank gradients about 100x larger than their sum, as when
+    ranks push a shared parameter opposite ways. The sum cancels in fp32; rounded to bf16 before
+    the reduction (``bf16_comm``) or computed in bf16 (``bf16``), the true gradient is lost."""
+    def offset() -> float:
+        rank, world = _rank_and_world()
+        return 0.0 if world == 1 else (1.0 if rank % 2 == 0 else -1.0)
+
+    return TinyLM([Block(grad_offset=offset), Block()])
 
 
 def loss_averaged_twice() -> TinyLM:
