@@ -158,10 +158,12 @@ def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
     initial = {_strip(n): p for n, p in model.full_parameters().items()}
     resume_after = (len(batches) + 1) // 2 if layout.resume_as else None
     for step, tokens in enumerate(batches, start=1):
-        if step - 1 == resume_after:
-            model, optimizer = _resume(s, layout, model, optimizer, step - 1)
         phase = "forward/backward"
         try:
+            if step - 1 == resume_after:
+                phase = "save and resume"
+                model, optimizer = _resume(s, layout, model, optimizer, step - 1)
+                phase = "forward/backward"
             optimizer.zero_grad()
             loss = next_token_loss(model, tokens[rank * local:(rank + 1) * local])
             loss.backward()
