@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-COMMANDS = ["convert", "plan", "train", "sbatch", "bench", "preprocess"]
+COMMANDS = ["convert", "plan", "train", "sbatch", "bench", "preprocess", "check"]
 
 
 def _mfsdp(*args: str) -> subprocess.CompletedProcess:

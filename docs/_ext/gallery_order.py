@@ -23,6 +23,7 @@ LEARNING_PATH = [
     "plot_bf16_reduction.py",          # numerics of bf16 gradient reduction
     "plot_megatron_data.py",           # Megatron-LM's indexed data
     "plot_hf_finetune.py",             # Hugging Face in, Hugging Face out
+    "plot_check_transformers.py",      # check a model on every layout before a cluster run
     "plot_benchmark.py",               # mfsdp against FSDP2 and DDP
     "plot_per_module_api.py",          # upstream's per-module ("v2") fully_shard
 ]

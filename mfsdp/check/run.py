@@ -1,0 +1,186 @@
+"""The two sides of a parity check: one process training the whole global batch (the reference),
+and one layout's ranks training their slices of it with :func:`mfsdp.fully_shard` (run inside
+:func:`mfsdp.launch.launch`). Both record, per step, the loss, the gradient norm and the full fp32
+main weights after the optimizer step; :mod:`mfsdp.check.report` compares them.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from mfsdp.check.layouts import Layout
+from mfsdp.check.models import (build_model, load_callable, make_batches, next_token_loss,
+                                resolve_units, vocab_size)
+
+__all__ = ["Settings", "make_optimizer", "run_reference", "run_layout"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
+
+
+class Settings(dict):
+    """What both sides must agree on (a plain dict, so it pickles to the ranks): ``model``,
+    ``optimizer``, ``lr``, ``steps``, ``global_batch``, ``seq_len``, ``seed``, ``units``,
+    ``optimizer_factory``, ``recursive_gather``, ``resume_fn``."""
+
+
+def make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
+    """The reference's optimizer: ``torch.optim.SGD(params, lr)`` or ``AdamW(params, lr)``
+    (PyTorch's other defaults)."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise ValueError(f"--optimizer={kind!r}: use sgd or adamw")
+
+
+def _user_optimizer(s: Settings, model: nn.Module) -> torch.optim.Optimizer:
+    factory = s["optimizer_factory"]
+    if factory is None:
+        return make_optimizer(s["optimizer"], [p for p in model.parameters() if p.requires_grad],
+                              s["lr"])
+    if isinstance(factory, str):
+        factory = load_callable(factory, "--optimizer-factory")
+    return factory(model, s["lr"])
+
+
+def _batches(s: Settings, model: nn.Module) -> list[torch.Tensor]:
+    return make_batches(vocab_size(model), s["steps"], s["global_batch"], s["seq_len"], s["seed"])
+
+
+def _grad_norm(params) -> float:
+    sq = sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None)
+    return float(sq) ** 0.5
+
+
+def run_reference(s: Settings, compute_dtype: str = "fp32") -> dict[str, Any]:
+    """Train one process on the whole global batch: the model in ``compute_dtype``, fp32 main
+    weights the optimizer steps on (as the sharded layouts keep them)."""
+    model = build_model(s["model"], s["seed"])
+    batches = _batches(s, model)
+    dtype = _DTYPES[compute_dtype]
+    model = model.to(dtype)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    work = [p for p in model.parameters() if p.requires_grad]
+    main = [nn.Parameter(p.detach().float().clone()) for p in work]
+    opt = make_optimizer(s["optimizer"], main, s["lr"])
+    initial = {n: p.detach().clone() for n, p in zip(names, main)}
+    losses, norms, params = [], [], []
+    for tokens in batches:
+        for p in work:
+            p.grad = None
+        loss = next_token_loss(model, tokens)
+        loss.backward()
+        for pm, pw in zip(main, work):
+            pm.grad = None if pw.grad is None else pw.grad.float()
+        norms.append(_grad_norm(main))
+        opt.step()
+        with torch.no_grad():
+            for pm, pw in zip(main, work):
+                pw.copy_(pm)
+        losses.append(loss.item())
+        params.append({n: p.detach().clone() for n, p in zip(names, main)})
+    return {"losses": losses, "grad_norms": norms, "params": params, "initial": initial}
+
+
+def _strip(name: str) -> str:
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+def _sharded(s: Settings, layout: Layout, strategy: str):
+    """The user's model and optimizer, sharded as ``layout`` with ``strategy``."""
+    import torch.distributed as dist
+
+    # mfsdp.fully_shard and mfsdp.MixedPrecisionPolicy, imported from where they are defined
+    # (mfsdp/__init__.py imports this package: no cycle)
+    from mfsdp.config import MixedPrecisionPolicy
+    from mfsdp.fsdp.api import fully_shard
+    from mfsdp.layout import ParallelLayout
+
+    model = build_model(s["model"], s["seed"])
+    units = resolve_units(model, s["units"])
+    recursive = resolve_units(model, s["recursive_gather"]) if s["recursive_gather"] else None
+    if layout.compute_dtype == "bf16":
+        model = model.to(torch.bfloat16)
+        policy = MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                      main_grads_dtype=torch.float32)
+    else:
+        policy = MixedPrecisionPolicy(grad_comm_dtype=_DTYPES[layout.grad_comm_dtype])
+    groups = (ParallelLayout(dist.get_world_size(), layout.dp_outer).create_groups()
+              if layout.dp_outer > 1 else None)
+    optimizer = _user_optimizer(s, model)  # upstream's order: built on the module, then sharded
+    return fully_shard(model, optimizer, fsdp_unit_modules=units, zero_dp_strategy=strategy,
+                       process_groups=groups, mixed_precision_policy=policy,
+                       recursive_gather_modules=recursive)
+
+
+def _resume(s: Settings, layout: Layout, model, optimizer, step: int):
+    """Save ``model`` and ``optimizer`` after ``step``, then load the checkpoint with the user's
+    ``resume_fn`` (default :func:`mfsdp.checkpoint.load_checkpoint`) into a fresh model sharded
+    with ``layout.resume_as``; return the fresh pair."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    from mfsdp.checkpoint import load_checkpoint, save_checkpoint
+
+    where = [tempfile.mkdtemp(prefix="mfsdp-check-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    try:
+        path = save_checkpoint(where[0], model, optimizer, iteration=step)
+        model, optimizer = _sharded(s, layout, layout.resume_as)
+        load = s["resume_fn"] or load_checkpoint
+        if isinstance(load, str):
+            load = load_callable(load, "--resume-fn")
+        load(path, model, optimizer)
+        dist.barrier()
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
+    return model, optimizer
+
+
+def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
+    """Train this rank's slice of every step's global batch under ``layout`` (call inside a
+    launched rank). Rank 0 returns the per-step losses, gradient norms and full main weights;
+    every rank returns its peak memory."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = _batches(s, build_model(s["model"], s["seed"]))
+    model, optimizer = _sharded(s, layout, layout.strategy)
+    local = s["global_batch"] // world
+    losses, norms, params = [], [], []
+    initial = {_strip(n): p for n, p in model.full_parameters().items()}
+    resume_after = (len(batches) + 1) // 2 if layout.resume_as else None
+    for step, tokens in enumerate(batches, start=1):
+        phase = "forward/backward"
+        try:
+            if step - 1 == resume_after:
+                phase = "save and resume"
+                model, optimizer = _resume(s, layout, model, optimizer, step - 1)
+                phase = "forward/backward"
+            optimizer.zero_grad()
+            loss = next_token_loss(model, tokens[rank * local:(rank + 1) * local])
+            loss.backward()
+            phase = "optimizer step"
+            norms.append(optimizer.grad_norm())
+            optimizer.step()
+        except Exception as exc:  # say where: the report names the step
+            raise RuntimeError(f"step {step} ({phase}): {type(exc).__name__}: {exc}") from exc
+        t = loss.detach().float().reshape(1)
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        full = model.full_parameters()
+        if rank == 0:
+            params.append({_strip(n): p for n, p in full.items()})
+    tracked = sum(model.memory_by_kind().values()) + optimizer.local_state_bytes()
+    out = {"rank": rank, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "tracked_mib": tracked / 2**20}
+    if rank == 0:
+        out.update(losses=losses, grad_norms=norms, params=params, initial=initial)
+    return out
