@@ -100,6 +100,7 @@ def test_an_update_scaled_by_the_data_parallel_size_shows_in_the_update_ratio(op
         assert abs(r.steps[0].update_norm_ratio - 1) < 1e-2
 
 
+@pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_a_parameter_left_out_of_the_optimizer_is_named():
     report = mfsdp.check(f"{FAULTS}:tiny", steps=2, layouts=["optim"],
                          optimizer_factory=f"{FAULTS}:optimizer_without_final_norm", **_quiet())
@@ -110,6 +111,7 @@ def test_a_parameter_left_out_of_the_optimizer_is_named():
     assert "step 1" in r.reason and "norm." in r.reason
 
 
+@pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_a_fused_parent_bypassing_its_units_is_named():
     broken = mfsdp.check(f"{FAULTS}:fused_experts", steps=2, layouts=["optim_grads_params"],
                          **_quiet())
@@ -120,12 +122,14 @@ def test_a_fused_parent_bypassing_its_units_is_named():
     assert broken.bypassed_units[:1] == ["blocks.0.experts.0"]
 
 
+@pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_recursive_gather_fixes_the_fused_parent():
     fixed = mfsdp.check(f"{FAULTS}:fused_experts", steps=2, layouts=["optim_grads_params"],
                         recursive_gather=["FusedMoE"], **_quiet())
     assert fixed.passed, fixed.table()
 
 
+@pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_the_resume_layout_passes_when_the_optimizer_state_is_resharded():
     """The resume layout saves after step 2 under optim_grads_params and loads into optim: the
     AdamW moments are resharded, and steps 3 and 4 match the reference."""
@@ -134,6 +138,7 @@ def test_the_resume_layout_passes_when_the_optimizer_state_is_resharded():
     assert good.passed, good.table()
 
 
+@pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_optimizer_state_lost_on_resume_is_named():
     """A resume that loads the weights only restarts AdamW's moments after step 2."""
     bad = mfsdp.check(f"{FAULTS}:tiny", steps=4, optimizer="adamw", layouts=["resume"],
@@ -144,6 +149,7 @@ def test_optimizer_state_lost_on_resume_is_named():
     assert r.steps[2].worst_param in r.reason
 
 
+@pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_a_bf16_reduction_that_loses_the_gradient_is_named():
     """Per-rank gradients that cancel: exact in fp32, lost when rounded to bf16 before the sum."""
     report = mfsdp.check(f"{FAULTS}:cancelling_gradients", steps=1,
@@ -155,6 +161,7 @@ def test_a_bf16_reduction_that_loses_the_gradient_is_named():
     assert bf16.steps[0].worst_param_error > 0.1
 
 
+@pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_cli_exits_0_when_every_layout_passes(capsys):
     assert main(["check", f"{FAULTS}:tiny", "--layouts", "optim_grads", "--steps", "1"]) == 0
     out = capsys.readouterr().out
@@ -181,6 +188,7 @@ def test_cli_bad_input_is_one_line_with_status_2(capsys, args, message):
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_hsdp_on_four_ranks_passes():
     report = mfsdp.check(f"{FAULTS}:tiny", nproc=4, steps=2, layouts=["hsdp"], **_quiet())
     assert report.passed, report.table()
