@@ -40,7 +40,7 @@ def _flag(action: argparse.Action) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    if action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0 and \
+    if action.default in (None, False, "", argparse.SUPPRESS) or action.nargs == 0 and \
             not isinstance(action, argparse.BooleanOptionalAction):
         return ""
     return f"``{action.default}``"
