@@ -21,8 +21,7 @@ from torch import nn
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from mfsdp.config import (CONFIG_ARGUMENTS, MixedPrecisionPolicy, ShardingConfig,
-                          resolve_unit_classes)
+from mfsdp.config import MixedPrecisionPolicy, ShardingConfig, resolve_unit_classes
 from mfsdp.fsdp.module import FullyShardedModule
 from mfsdp.fsdp.optimizer import ShardedOptimizer
 from mfsdp.layout import ProcessGroups
