@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 __all__ = ["ShardingStrategy", "MixedPrecisionPolicy", "EngineOptions", "ShardingConfig",
+           "CONFIG_ARGUMENTS",
            "resolve_unit_classes", "check_dtype"]
 
 
@@ -175,6 +176,10 @@ class EngineOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+        if self.average_in_collective and self.calculate_per_token_loss:
+            raise ValueError("average_in_collective=True divides by the data-parallel size, but "
+                             "calculate_per_token_loss=True needs summed gradients (the loss is "
+                             "divided by the global token count); pass one or the other")
         if self.param_init_fn is not None and not self.init_model_with_meta_device:
             raise ValueError("param_init_fn is used by meta-device initialisation; pass "
                              "init_model_with_meta_device=True (or initialise the model yourself)")
@@ -188,6 +193,18 @@ _CUDA_ONLY = {
     "enable_fine_grained_param_gather": (False, "per-module all-gathers of MXFP8 parameters"),
     "cuda_graph_mode": (None, "CUDA graph capture of the FSDP hooks"),
 }
+
+
+# Every name ShardingConfig.from_arguments reads: the strategies, the mixed-precision policy and
+# its older spellings, the double-buffer layout switches, the CUDA-only switches and the engine
+# options. fully_shard_model's other arguments (meshes, groups, device, unit classes) are resolved
+# in mfsdp/fsdp/api.py; tests/test_engine_arguments.py checks that the two sets cover its signature.
+CONFIG_ARGUMENTS = frozenset({
+    "zero_dp_strategy", "outer_dp_sharding_strategy", "mixed_precision_policy",
+    "grad_reduce_in_fp32", "preserve_fp32_weights", "maxpool_double_buffer",
+    "fsdp_db_use_persist_buf_on_alloc_fail", *_CUDA_ONLY,
+    *(f.name for f in dataclasses.fields(EngineOptions)),
+})
 
 
 @dataclass(frozen=True)
@@ -228,13 +245,13 @@ class ShardingConfig:
                              f"(gathered weights only exist under ZeRO-3), got {strategy.value!r}")
 
     @classmethod
-    def from_arguments(cls, zero_dp_strategy: Any = 3, outer_dp_sharding_strategy: Any = 0,
-                       mixed_precision_policy: MixedPrecisionPolicy | None = None,
-                       grad_reduce_in_fp32: bool | None = None,
-                       preserve_fp32_weights: bool | None = None,
-                       maxpool_double_buffer: bool = False, **given: Any) -> "ShardingConfig":
-        """Parse and check ``fully_shard_model``'s arguments (others in ``given`` are ignored
-        unless they are engine options or upstream's CUDA-only switches)."""
+    def from_arguments(cls, **given: Any) -> "ShardingConfig":
+        """Parse and check ``fully_shard_model``'s sharding arguments (the names in
+        :data:`CONFIG_ARGUMENTS`); any other name is a ``TypeError``, as Python raises for an
+        unknown keyword, so an argument can never be dropped on the way to the engine."""
+        unknown = sorted(set(given) - CONFIG_ARGUMENTS)
+        if unknown:
+            raise TypeError(f"fully_shard_model() got an unexpected keyword argument {unknown[0]!r}")
         for name, (default, what) in _CUDA_ONLY.items():
             value = given.get(name, default)
             if value != default and not (default is None and value in (False, "none")):
@@ -242,6 +259,14 @@ class ShardingConfig:
                     f"{name}={value!r}: {what} is not implemented by mfsdp (it needs CUDA "
                     f"features that mfsdp does not use); leave {name} at {default!r}, or use "
                     "upstream megatron_fsdp on GPUs for it")
+        if given.get("fsdp_db_use_persist_buf_on_alloc_fail", False):
+            raise ValueError(
+                "fsdp_db_use_persist_buf_on_alloc_fail=True: mfsdp's double buffer sizes both "
+                "slots for the largest unit, so no unit ever fails to fit and there is nothing to "
+                "fall back from; leave it False")
+        mixed_precision_policy = given.get("mixed_precision_policy")
+        grad_reduce_in_fp32 = given.get("grad_reduce_in_fp32")
+        preserve_fp32_weights = given.get("preserve_fp32_weights")
         if grad_reduce_in_fp32 is not None or preserve_fp32_weights is not None:
             if mixed_precision_policy is not None:
                 raise ValueError("grad_reduce_in_fp32 / preserve_fp32_weights are the older "
@@ -255,11 +280,16 @@ class ShardingConfig:
         elif not isinstance(mixed_precision_policy, MixedPrecisionPolicy):
             raise TypeError(f"mixed_precision_policy={mixed_precision_policy!r} must be a "
                             "mfsdp.MixedPrecisionPolicy")
-        strategy = ShardingStrategy.parse(zero_dp_strategy)
-        outer = ShardingStrategy.parse(outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
+        strategy = ShardingStrategy.parse(given.get("zero_dp_strategy", 3))
+        outer = ShardingStrategy.parse(given.get("outer_dp_sharding_strategy", 0),
+                                       "outer_dp_sharding_strategy")
         options = {f.name: given[f.name] for f in dataclasses.fields(EngineOptions)
                    if f.name in given}
-        if maxpool_double_buffer and strategy.shards_params:
+        if given.get("maxpool_double_buffer", False):
+            if not strategy.shards_params:
+                raise ValueError("maxpool_double_buffer=True lays out the double buffer of "
+                                 "gathered weights, which exists only under zero_dp_strategy="
+                                 f"'optim_grads_params', got {strategy.value!r}; leave it False")
             # upstream's max-pooled double buffer: two slots, each sized to the largest unit,
             # which is how mfsdp's double buffer is laid out (DoubleBuffer in mfsdp/fsdp/bucket.py)
             options["fsdp_double_buffer"] = True

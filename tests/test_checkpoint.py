@@ -310,7 +310,7 @@ def test_convert_refuses_a_from_that_is_not_what_is_on_disk(saved, tmp_path):
     (mfsdp's read as upstream Megatron-FSDP's kept 29 of 116 tensors): the input is recognised
     by what is on disk and a --from that disagrees is refused, writing nothing."""
     from mfsdp.checkpoint.convert import main
-    from mfsdp.checkpoint.detect import checkpoint_format
+    from mfsdp.checkpoint.formats import checkpoint_format
 
     megatron_lm = Path(__file__).parent / "fixtures" / "megatron_lm" / "ckpt"
     upstream = Path(__file__).parent / "fixtures" / "megatron_fsdp" / "ckpt"

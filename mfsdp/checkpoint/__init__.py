@@ -8,7 +8,8 @@ The package, bottom to top (a module imports only those above it in this list):
 (recognising a format by what is on disk), ``state`` (a model's state dicts), ``io`` (mfsdp's
 ``fsdp_dtensor``), one module per other format (``full``, ``hf_format``,
 ``safetensors_format``, ``megatron_common`` with ``megatron_lm`` and ``megatron_lm_dtensor``,
-``upstream``), ``load`` (any format into a model), ``convert`` (the CLI).
+``upstream``), ``formats`` (the registry of formats: recognisers, loaders, converters to and
+from ``fsdp_dtensor``), ``load`` (any format into a model), ``convert`` (the CLI).
 """
 
 from mfsdp.checkpoint.io import save_checkpoint

@@ -13,14 +13,15 @@ Run as ``mfsdp convert`` or ``python -m mfsdp.checkpoint.convert``::
     mfsdp convert --from fsdp_dtensor --to safetensors IN OUT [--swiglu] [--dtype bf16]
     mfsdp convert --from safetensors --to fsdp_dtensor IN OUT [--swiglu]
 
-The formats, one module each (the CLI here only parses and dispatches):
+The formats, one module each, registered in :mod:`mfsdp.checkpoint.formats` (the CLI here only
+parses, checks the flags and looks the conversion up there: INPUT -> ``fsdp_dtensor`` -> OUTPUT):
 
 * ``fsdp_dtensor``: mfsdp's sharded checkpoint (:mod:`mfsdp.checkpoint.io`), read into any layout
   by :func:`mfsdp.checkpoint.load_checkpoint`, which reshards on load.
 * ``torch_dist`` / ``megatron_lm``: what Megatron-LM's ``--ckpt-format torch_dist`` writes
   (:mod:`mfsdp.checkpoint.megatron_lm`), and with ``--ckpt-format fsdp_dtensor`` what Megatron-LM
   with ``--use-megatron-fsdp`` writes (:mod:`mfsdp.checkpoint.megatron_lm_dtensor`); the input's
-  format is recognised by what is on disk (:mod:`mfsdp.checkpoint.detect`).
+  format is recognised by what is on disk (:mod:`mfsdp.checkpoint.formats`).
 * ``mfsdp_full``: mfsdp's full-tensor form, optimizer state by position
   (:mod:`mfsdp.checkpoint.full`); ``--from torch_dist`` still reads it, with a one-line
   notice naming ``--from mfsdp_full`` (until 0.2.0; ``CHANGELOG.md``).
@@ -43,25 +44,19 @@ from pathlib import Path
 
 import torch
 
+from mfsdp.checkpoint import formats
 from mfsdp.checkpoint.dcp import spread_over_ranks
-from mfsdp.checkpoint.detect import checkpoint_format
-from mfsdp.checkpoint.full import full_to_fsdp, fsdp_to_full
-from mfsdp.checkpoint.hf_format import fsdp_to_hf, hf_to_fsdp
-from mfsdp.checkpoint.manifest import (describe_os_error, os_error_in, os_error_remedy,
-                                      resolve_checkpoint)
-from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
-from mfsdp.checkpoint.megatron_lm_dtensor import fsdp_to_megatron_lm_dtensor
-from mfsdp.checkpoint.state import read_param_to_param_group_map
-from mfsdp.checkpoint.upstream import fsdp_to_megatron_fsdp, megatron_fsdp_to_fsdp
-from mfsdp.checkpoint.safetensors_format import fsdp_to_safetensors, safetensors_to_fsdp
+from mfsdp.checkpoint.formats import COMMON, checkpoint_format
+from mfsdp.checkpoint.manifest import describe_os_error, os_error_in, os_error_remedy
 
 __all__ = ["FORMATS", "build_parser", "run", "run_distributed", "main", "parse_size"]
 
 _DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-FORMATS = ["fsdp_dtensor", "torch_dist", "megatron_lm", "mfsdp_full", "safetensors", "hf",
-           "megatron_fsdp"]
+# --from/--to names: every registered format and its aliases (mfsdp/checkpoint/formats.py); read
+# when the parser is built, so a format registered later is offered too.
+FORMATS = formats.names()
 
 
 def parse_size(text: str) -> int:
@@ -88,9 +83,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     """The ``mfsdp convert`` argument parser."""
     parser = parser or argparse.ArgumentParser(prog="mfsdp convert", description=__doc__.splitlines()[0])
     parser.add_argument("--from", dest="src_format", required=True,
-                        choices=FORMATS, help="format of INPUT")
+                        choices=formats.names(), help="format of INPUT")
     parser.add_argument("--to", dest="dst_format", required=True,
-                        choices=FORMATS, help="format of OUTPUT")
+                        choices=formats.names(), help="format of OUTPUT")
     parser.add_argument("input", metavar="INPUT", help="checkpoint directory (or its root with a 'latest' file)")
     parser.add_argument("output", metavar="OUTPUT", help="new directory to write")
     parser.add_argument("--param-to-param-group-map", "--param-to-param-group-map-json",
@@ -150,7 +145,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def _normalise(args: argparse.Namespace) -> str | None:
     """Give ``torch_dist`` its one meaning, Megatron-LM's format, and return what is on disk at
-    ``INPUT`` (:func:`~mfsdp.checkpoint.detect.checkpoint_format`). ``--to torch_dist`` writes
+    ``INPUT`` (:func:`~mfsdp.checkpoint.formats.detect`). ``--to torch_dist`` writes
     Megatron-LM's (as ``--to megatron_lm``); ``--from torch_dist`` reads it, or mfsdp's
     full-tensor format that had that name before, with a one-line notice."""
     if args.dst_format == "torch_dist":
@@ -239,35 +234,31 @@ def _run(args: argparse.Namespace) -> int:
     """:func:`run` without the clean-up."""
     _check_input(args, _normalise(args))
     pair = (args.src_format, args.dst_format)
+    to_megatron_lm = args.dst_format == "megatron_lm"  # (torch_dist is megatron_lm by now)
     shard_bytes = parse_size(args.max_shard_size)  # a bad value is reported before any work
     dtensor_flags = [f for f, on in (("--bf16", args.bf16), ("--fp16", args.fp16)) if on]
     for flag, kind in (("expert_model_parallel_size", "expert"),
                        ("tensor_model_parallel_size", "tensor")):
-        if getattr(args, flag) and not (pair == ("fsdp_dtensor", "megatron_lm")
-                                        and args.ckpt_format != "fsdp_dtensor"):
+        if getattr(args, flag) and not (to_megatron_lm and args.ckpt_format != "fsdp_dtensor"):
             raise SystemExit(f"mfsdp convert: --{flag.replace('_', '-')} names the {kind} "
                              "parallelism of the Megatron-LM job that loads the torch_dist "
                              "output of --to megatron_lm (an fsdp_dtensor checkpoint serves "
                              "any)")
-    if args.transformer_impl and pair != ("fsdp_dtensor", "megatron_lm"):
+    if args.transformer_impl and not to_megatron_lm:
         raise SystemExit("mfsdp convert: --transformer-impl names the layer spec of the "
                          "Megatron-LM job that loads the output of --to megatron_lm")
-    if args.ckpt_format and pair != ("fsdp_dtensor", "megatron_lm"):
+    if args.ckpt_format and not to_megatron_lm:
         raise SystemExit("mfsdp convert: --ckpt-format chooses what --to megatron_lm writes; the "
                          "input's format is recognised by what is on disk")
-    if dtensor_flags and not (pair == ("fsdp_dtensor", "megatron_lm")
-                              and args.ckpt_format == "fsdp_dtensor"):
+    if dtensor_flags and not (to_megatron_lm and args.ckpt_format == "fsdp_dtensor"):
         raise SystemExit(f"mfsdp convert: {', '.join(dtensor_flags)} name the Megatron-LM job "
                          "that loads an fsdp_dtensor checkpoint: use them with --to megatron_lm "
                          "--ckpt-format fsdp_dtensor")
     if args.bf16 and args.fp16:
         raise SystemExit("mfsdp convert: --bf16 or --fp16, not both")
-    megatron_lm = pair == ("megatron_lm", "fsdp_dtensor")
-    if args.weights_only and "megatron_lm" not in pair and not megatron_lm:
+    if args.weights_only and "megatron_lm" not in pair:
         raise SystemExit("mfsdp convert: --weights-only applies to Megatron-LM checkpoints "
                          "(--from megatron_lm or --to megatron_lm)")
-    src = (args.input if args.src_format in ("safetensors", "hf", "megatron_fsdp", "megatron_lm")
-           or megatron_lm else resolve_checkpoint(args.input))
     model_config = None
     if args.model_config:
         model_config = json.loads(Path(args.model_config).read_text())
@@ -278,87 +269,16 @@ def _run(args: argparse.Namespace) -> int:
             raise SystemExit(f"mfsdp convert: --model-preset {args.model_preset!r} is not one "
                              f"of {', '.join(sorted(GPT_PRESETS))}")
         model_config = GPT_PRESETS[args.model_preset].to_dict()
-    if megatron_lm:  # Megatron-LM's own torch_dist, recognised by its tracker and metadata.json
-
-        # (no --model-preset/--model-config: the model is read from the checkpoint's arguments)
-        out = megatron_lm_to_fsdp(args.input, args.output, model_config,
-                                  weights_only=args.weights_only, progress=not args.no_progress)
-        print(f"wrote fsdp_dtensor checkpoint {out} from the Megatron-LM checkpoint "
-              f"{args.input}")
-        return 0
-    if pair == ("fsdp_dtensor", "megatron_lm") and args.ckpt_format == "fsdp_dtensor":
-
-        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-        out = fsdp_to_megatron_lm_dtensor(src, args.output, model_config,
-                                          weights_only=args.weights_only, precision=precision,
-                                          transformer_impl=(args.transformer_impl
-                                                            or "transformer_engine"),
-                                          progress=not args.no_progress)
-        print(f"wrote Megatron-LM fsdp_dtensor checkpoint {out} (load it with "
-              "--use-megatron-fsdp --ckpt-format fsdp_dtensor"
-              + (f" --{precision}" if precision != "fp32" else "") + ")")
-        return 0
-    if pair == ("fsdp_dtensor", "megatron_lm"):
-
-        out = fsdp_to_megatron_lm(src, args.output, model_config, weights_only=args.weights_only,
-                                  progress=not args.no_progress,
-                                  transformer_impl=args.transformer_impl or "transformer_engine",
-                                  expert_model_parallel_size=args.expert_model_parallel_size or 1,
-                                  tensor_model_parallel_size=args.tensor_model_parallel_size or 1)
-        print(f"wrote Megatron-LM torch_dist checkpoint {out} (load it with --ckpt-format "
-              "torch_dist" + ("" if args.weights_only else
-                              "; Adam state: --use-distributed-optimizer") + ")")
-        return 0
-    if pair == ("megatron_fsdp", "fsdp_dtensor"):
-
-
-        group_of = (read_param_to_param_group_map(args.param_to_param_group_map)
-                    if args.param_to_param_group_map else None)
-        model_names = None
-        if model_config is not None:
-            from mfsdp.models.gpt import GPT, GPTConfig
-
-            with torch.device("meta"):
-                model_names = [n for n, _ in GPT(GPTConfig.from_dict(model_config))
-                               .named_parameters()]
-        elif group_of is not None:
-            model_names = list(group_of)
-        out = megatron_fsdp_to_fsdp(args.input, args.output, model_names=model_names,
-                                    group_of=group_of, model_config=model_config)
-        print(f"wrote fsdp_dtensor checkpoint {out}")
-        return 0
-    if pair == ("fsdp_dtensor", "megatron_fsdp"):
-
-        out = fsdp_to_megatron_fsdp(args.input, args.output)
-        print(f"wrote megatron_fsdp checkpoint {out}")
-        return 0
-    if pair == ("hf", "fsdp_dtensor"):
-        out = hf_to_fsdp(src, args.output, progress=not args.no_progress)
-    elif pair == ("fsdp_dtensor", "hf"):
-        out = fsdp_to_hf(src, args.output, _DTYPE_NAMES[args.dtype] if args.dtype else None,
-                         shard_bytes, model_config,
-                         progress=not args.no_progress)
-    elif pair == ("fsdp_dtensor", "mfsdp_full"):
-        out = fsdp_to_full(src, args.output)
-    elif pair == ("mfsdp_full", "fsdp_dtensor"):
-        out = full_to_fsdp(src, args.output, args.param_to_param_group_map)
-    elif pair == ("fsdp_dtensor", "safetensors"):
-        config = json.loads(Path(args.config).read_text()) if args.config else None
-        out = fsdp_to_safetensors(src, args.output, args.swiglu,
-                                  _DTYPE_NAMES[args.dtype] if args.dtype else None, config)
-    elif pair == ("safetensors", "fsdp_dtensor"):
-        out = safetensors_to_fsdp(src, args.output, True if args.swiglu else None)
-    else:
-        raise SystemExit(f"mfsdp convert: no conversion from {pair[0]} to {pair[1]}; supported: "
-                         "mfsdp_full<->fsdp_dtensor, fsdp_dtensor<->safetensors, "
-                         "fsdp_dtensor<->hf, fsdp_dtensor<->megatron_fsdp, "
-                         "fsdp_dtensor<->megatron_lm")
-    print(f"wrote {args.dst_format} checkpoint {out}")
+    args.model_cfg, args.max_shard_bytes = model_config, shard_bytes
+    # a lookup: INPUT -> the common form (fsdp_dtensor) -> OUTPUT (mfsdp/checkpoint/formats.py)
+    print(formats.convert(args.src_format, args.dst_format, args.input, args.output, args))
     return 0
 
 
-_PARALLEL = {("hf", "fsdp_dtensor"), ("megatron_lm", "fsdp_dtensor"),
-             ("fsdp_dtensor", "megatron_lm"), ("megatron_fsdp", "fsdp_dtensor")}
+def _parallel(src_format: str, dst_format: str) -> bool:
+    """Whether every leg of a conversion streams over the ranks of ``torchrun``."""
+    legs = [formats.get(f) for f in (src_format, dst_format) if formats.get(f).name != COMMON]
+    return bool(legs) and all(f.streams for f in legs)
 
 
 def run_distributed(args: argparse.Namespace) -> int:
@@ -376,7 +296,7 @@ def run_distributed(args: argparse.Namespace) -> int:
         return run(args)
     _normalise(args)
     pair = (args.src_format, args.dst_format)
-    if pair not in _PARALLEL:
+    if not _parallel(*pair):
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"mfsdp convert: {pair[0]} -> {pair[1]} runs in one process; ranks other "
                   "than 0 have nothing to do", flush=True)

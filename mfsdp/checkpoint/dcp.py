@@ -18,7 +18,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,7 +33,8 @@ from mfsdp.checkpoint.manifest import (CHECKSUMS, FORMAT_VERSION, CheckpointErro
 
 __all__ = ["MAP_FILE", "MODEL_CONFIG_FILE", "read_full", "write_full", "write_streaming",
            "LazyPlanner", "DCPSource", "Progress", "spread_over_ranks", "ranks",
-           "shared_temp_name", "owned_keys", "commit_dir", "nbytes", "human_bytes"]
+           "shared_temp_name", "owned_keys", "on_rank_zero", "commit_dir", "nbytes",
+           "human_bytes"]
 
 MAP_FILE = "param_to_param_group_map.json"
 MODEL_CONFIG_FILE = "model_config.json"
@@ -195,26 +196,49 @@ def owned_keys(nbytes: dict[str, int]) -> set[str]:
     return mine
 
 
-def commit_dir(tmp: Path, path: Path, write) -> None:
-    """Rank 0 runs ``write()`` (files beside the DCP data) and renames ``tmp`` to ``path``; every
-    rank learns whether it worked; a failure removes ``tmp``."""
-    rank, world = ranks()
+def on_rank_zero(work: Callable[[], object], *, cleanup: Callable[[], object] | None = None,
+                 catch: type[BaseException] = Exception, keep_os_error: bool = False,
+                 rank: int | None = None, world: int | None = None) -> object:
+    """Rank 0 runs ``work()``, then every rank learns how it went (none waits at a barrier for a
+    rank that raised): ``None``, or the error as ``"Type: message"`` (the ``OSError`` itself with
+    ``keep_os_error``, for the caller to word). ``cleanup()`` runs on rank 0 after a failure.
+    ``rank``/``world``: who takes part (default: the default process group, or one process)."""
+    if rank is None or world is None:
+        import torch.distributed as dist
+
+        up = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if up else (0, 1)
     error = [None]
     if rank == 0:
         try:
-            write()
-            tmp.rename(path)
-        except BaseException as exc:  # noqa: BLE001 - every rank stops with the reason
-            shutil.rmtree(tmp, ignore_errors=True)
-            error[0] = exc if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+            work()
+        except catch as exc:  # noqa: BLE001 - every rank stops with the reason
+            if cleanup is not None:
+                cleanup()
+            error[0] = (exc if keep_os_error and isinstance(exc, OSError)
+                        else f"{type(exc).__name__}: {exc}")
     if world > 1:
         import torch.distributed as dist
 
         dist.broadcast_object_list(error, src=0)
-    if isinstance(error[0], OSError):  # a full disk: said by the caller, in its words
-        raise RankZeroOSError(error[0])
-    if error[0]:
-        raise CheckpointError(f"writing {path} failed: {error[0]}")
+    return error[0]
+
+
+def commit_dir(tmp: Path, path: Path, write) -> None:
+    """Rank 0 runs ``write()`` (files beside the DCP data) and renames ``tmp`` to ``path``; every
+    rank learns whether it worked; a failure removes ``tmp``."""
+    rank, world = ranks()
+
+    def work():
+        write()
+        tmp.rename(path)
+
+    error = on_rank_zero(work, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True),
+                         catch=BaseException, keep_os_error=True, rank=rank, world=world)
+    if isinstance(error, OSError):  # a full disk: said by the caller, in its words
+        raise RankZeroOSError(error)
+    if error:
+        raise CheckpointError(f"writing {path} failed: {error}")
 
 
 def write_streaming(path: str | Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],

@@ -1,25 +1,25 @@
-"""One place that recognises a checkpoint format by what is on disk.
+"""The tests on what is on disk that the format registry (:mod:`mfsdp.checkpoint.formats`) and
+the loaders use to recognise a checkpoint, and the messages for what is none.
 
 mfsdp's own directories have ``manifest.json`` (or a root with ``latest``); Megatron-LM's have its
 tracker ``latest_checkpointed_iteration.txt`` or ``metadata.json`` beside a DCP (``torch_dist``),
 or Megatron-LM's entries in a plain DCP (``fsdp_dtensor``); upstream Megatron-FSDP's README
-checkpoint is a DCP of ``model.*`` and positional ``optimizer.state.<i>.*`` keys. Every loader and
-the converter ask here, so a directory is never mistaken for another format.
+checkpoint is a DCP of ``model.*`` and positional ``optimizer.state.<i>.*`` keys. Which format a
+directory is in is the registry's answer (:func:`mfsdp.checkpoint.formats.detect`), so a
+directory is never mistaken for another format.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from mfsdp.checkpoint.dcp import DCPSource
-from mfsdp.checkpoint.manifest import (FULL_FORMAT, CheckpointError, is_full_format,
-                                      read_json, read_manifest, read_text)
+from mfsdp.checkpoint.manifest import CheckpointError, read_json, read_text
 
 __all__ = ["TRACKER", "is_fsdp_dtensor_keys", "resolve_megatron_lm", "is_megatron_lm",
            "megatron_lm_backend", "is_megatron_fsdp", "describe_unreadable",
-           "is_empty_directory", "describe_non_checkpoint", "checkpoint_format"]
+           "is_empty_directory", "describe_non_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -164,35 +164,3 @@ def describe_non_checkpoint(path: str | Path) -> str:
     return (f"{path} holds no checkpoint mfsdp reads (found {', '.join(names[:5])}"
             f"{', ...' if len(names) > 5 else ''}); point --load at a checkpoint, or at a new or "
             "empty directory to start from iteration 0")
-
-
-def checkpoint_format(path: str | Path) -> str | None:
-    """The format of what is at ``path``, by what is on disk, in ``mfsdp convert``'s names:
-    ``fsdp_dtensor`` or ``mfsdp_full`` (mfsdp's, by the manifest), ``megatron_lm`` (either of
-    Megatron-LM's), ``megatron_fsdp`` (upstream's README checkpoint), ``hf`` or ``safetensors``
-    (``config.json`` beside safetensors files; the two are told apart by Hugging Face's
-    ``model_type``); ``None`` when it is none of them (or unreadable)."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    if (path / "manifest.json").exists() or (path / "latest").exists():
-        try:
-            manifest = read_manifest(path)
-        except (CheckpointError, OSError, ValueError, KeyError):
-            return None
-        return FULL_FORMAT if is_full_format(manifest) else manifest.get("format")
-    try:
-        if resolve_megatron_lm(path) is not None:
-            return "megatron_lm"
-    except CheckpointError:
-        return "megatron_lm"  # a tracker naming a missing iteration: still Megatron-LM's layout
-    if is_megatron_fsdp(path):
-        return "megatron_fsdp"
-    if (path / "config.json").is_file() and ((path / "model.safetensors").exists() or
-                                             (path / "model.safetensors.index.json").exists()):
-        try:
-            hf = "model_type" in json.loads((path / "config.json").read_text())
-        except (OSError, ValueError):
-            return None
-        return "hf" if hf else "safetensors"
-    return None

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from mfsdp.checkpoint.dcp import on_rank_zero
 from mfsdp.checkpoint.manifest import (
     CHECKSUMS,
     DTYPES,
@@ -192,16 +193,10 @@ def load_converted(path: str | os.PathLike, model, optimizer, convert, what: str
     token = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)
     tmp = path.parent / f".from-{path.name}-{token[0]}"
-    error = [None]
-    if dist.get_rank() == 0:
-        try:
-            convert(tmp)
-        except Exception as exc:  # every rank must hear of it, not wait at the barrier
-            shutil.rmtree(tmp, ignore_errors=True)
-            error[0] = f"{type(exc).__name__}: {exc}"
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise CheckpointError(f"cannot read {path} as {what}: {error[0]}")
+    error = on_rank_zero(lambda: convert(tmp),  # every rank hears of a failure
+                         cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
+    if error:
+        raise CheckpointError(f"cannot read {path} as {what}: {error}")
     try:  # written just now by this job: no checksum to check again
         return load_fsdp_dtensor(tmp, model, optimizer, verify=False)
     finally:

@@ -28,6 +28,16 @@ from mfsdp.layout import ProcessGroups
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 
+# fully_shard_model's arguments that it resolves itself (the module, where to shard, which groups
+# and unit classes); every other argument goes to ShardingConfig.from_arguments, which refuses a
+# name it does not read (mfsdp.config.CONFIG_ARGUMENTS). The two sets cover the signature exactly
+# (tests/test_engine_arguments.py), so no argument can be silently lost.
+API_ARGUMENTS = frozenset({
+    "module", "device_mesh", "dp_shard_dim", "dp_outer_dim", "tp_dim", "hybrid_fsdp_group",
+    "hybrid_fsdp_expt_group", "expt_device_mesh", "fsdp_unit_modules", "device",
+    "fsdp_group_ag", "expt_fsdp_group_ag", "process_groups", "recursive_gather_modules",
+})
+
 
 def _mesh_group(mesh, dim: str | None, arg: str) -> dist.ProcessGroup | None:
     names = tuple(mesh.mesh_dim_names or ())
@@ -135,14 +145,20 @@ def fully_shard_model(
         overlap_grad_reduce: launch each bucket's reduction as soon as its gradients are ready.
         overlap_param_gather: prefetch the next unit's weights (ZeRO-3).
         sync_model_each_microbatch: reduce gradients in every backward (see ``no_sync``).
-        average_in_collective: average with the collective (NCCL ``AVG``) instead of pre-scaling.
+        average_in_collective: average with the collective (NCCL ``AVG``; on gloo a sum followed
+            by a division) instead of dividing each rank's gradient before a sum, as upstream.
+            Not with ``calculate_per_token_loss``.
         calculate_per_token_loss: sum gradients over ranks instead of averaging (the loss is
             normalised by the global token count by the caller).
         fsdp_double_buffer: keep gathered weights in a fixed two-unit pool.
         disable_bucketing: put every parameter in the root unit (one bucket per group).
         fsdp_group_ag: a second process group over the dense shard ranks for all-gathers.
-        expt_device_mesh, hybrid_fsdp_group, hybrid_fsdp_expt_group, expt_fsdp_group_ag: the
-            expert-parallel and hybrid groups, in upstream's style.
+        expt_device_mesh, expt_fsdp_group_ag: the expert meshes and all-gather group.
+        hybrid_fsdp_group, hybrid_fsdp_expt_group: the flattened (outer x shard) groups of the
+            dense and expert parameters (HSDP/HFSDP): the engine agrees over them on which
+            parameters got a gradient (one collective instead of one per dimension) and, under
+            ``outer_dp_sharding_strategy='optim'``, shards main weights over them. A group
+            whose ranks are not the shard group and its outer replicas is refused.
         max_inflight_reduce: reduce-scatters in flight at once before the oldest is waited for.
         prefetch_depth: how many units ahead all-gathers are launched (ZeRO-3); gathered
             weights then take up to ``prefetch_depth + 1`` units.
@@ -165,12 +181,12 @@ def fully_shard_model(
             ``MixedPrecisionPolicy(main_grads_dtype=torch.float32, grad_comm_dtype=torch.float32)``
             and of ``main_params_dtype=torch.float32`` (``False``: the model's dtype); not
             together with ``mixed_precision_policy``.
-        fsdp_db_use_persist_buf_on_alloc_fail: accepted either way: mfsdp sizes the double
+        fsdp_db_use_persist_buf_on_alloc_fail: ``True`` is refused: mfsdp sizes the double
             buffer's slots for the largest unit, so a unit never fails to fit.
         maxpool_double_buffer: the double buffer with both slots sized to the largest unit
-            (upstream's max-pooled layout, which is mfsdp's double buffer): under
-            ``optim_grads_params`` it turns ``fsdp_double_buffer`` on; the other strategies
-            gather no weights, so there is no buffer to lay out.
+            (upstream's max-pooled layout, which is mfsdp's double buffer): it turns
+            ``fsdp_double_buffer`` on; refused outside ``optim_grads_params``, where no weights
+            are gathered.
         nccl_ub: upstream's CUDA-only features (also ``keep_fp8_transpose_cache``,
             ``disable_symmetric_registration``, ``enable_fine_grained_param_gather``,
             ``cuda_graph_mode``): a non-default value is an error that says so.
@@ -181,8 +197,9 @@ def fully_shard_model(
         raise ValueError("fully_shard_model: this module is already sharded by an earlier "
                          "fully_shard call (its parameters belong to a FullyShardedModule); "
                          "shard a model once and keep using the wrapped model it returned")
-    # validate
-    config = ShardingConfig.from_arguments(**given)
+    # validate (every argument is either resolved here or read by the config: API_ARGUMENTS)
+    config = ShardingConfig.from_arguments(
+        **{k: v for k, v in given.items() if k not in API_ARGUMENTS})
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialised process group: call "
                            "torch.distributed.init_process_group() first (or use torchrun)")
@@ -191,7 +208,7 @@ def fully_shard_model(
         device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_device_mesh, process_groups,
         fsdp_group_ag, expt_fsdp_group_ag)
     outer_size = dist.get_world_size(groups.dp_outer) if groups.dp_outer is not None else 1
-    _check_hybrid_groups(groups, outer_size, hybrid_fsdp_group, hybrid_fsdp_expt_group)
+    hybrid = _check_hybrid_groups(groups, outer_size, hybrid_fsdp_group, hybrid_fsdp_expt_group)
     config = config.for_outer_size(outer_size)
     device = device if device is not None else mesh_device
     device = torch.device(device) if device is not None else _default_device(module)
@@ -199,7 +216,8 @@ def fully_shard_model(
     model = FullyShardedModule(module, groups=groups, strategy=config.strategy,
                                unit_classes=resolve_unit_classes(fsdp_unit_modules, module),
                                device=device, mixed_precision_policy=config.mixed_precision_policy,
-                               options=config.options, outer_strategy=config.outer_strategy)
+                               options=config.options, outer_strategy=config.outer_strategy,
+                               hybrid_groups=hybrid)
     recursive = resolve_unit_classes(recursive_gather_modules, module)
     for m in module.modules():
         if recursive and isinstance(m, recursive):
@@ -253,17 +271,32 @@ def _resolve_groups(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_device
     return groups, device
 
 
-def _check_hybrid_groups(groups, outer_size: int, hybrid_fsdp_group, hybrid_fsdp_expt_group):
-    """Upstream passes the flattened (outer x shard) groups; mfsdp derives the same from the
-    meshes and checks that the given ones agree."""
-    shard_size = dist.get_world_size(groups.dp_shard)
-    expt_size = (dist.get_world_size(groups.expt_dp_shard) if groups.expt_dp_shard is not None
-                 else shard_size)
-    for name, group, inner in (("hybrid_fsdp_group", hybrid_fsdp_group, shard_size),
-                               ("hybrid_fsdp_expt_group", hybrid_fsdp_expt_group, expt_size)):
-        if group is not None and dist.get_world_size(group) != inner * outer_size:
-            raise ValueError(f"{name} has {dist.get_world_size(group)} ranks but the shard "
-                             f"group x dp_outer is {inner} x {outer_size}; it must span both")
+def _check_hybrid_groups(groups, outer_size: int, hybrid_fsdp_group,
+                         hybrid_fsdp_expt_group) -> tuple:
+    """Upstream passes the flattened (outer x shard) groups of the dense and expert parameters;
+    check that each spans this rank's shard group and its outer replicas, and return them
+    ``(dense, expert)`` for the engine to use (``None`` where not given)."""
+    shard, expt = groups.dp_shard, groups.expt_dp_shard if groups.expt_dp_shard is not None \
+        else groups.dp_shard
+    outer_ranks = (set(dist.get_process_group_ranks(groups.dp_outer))
+                   if groups.dp_outer is not None else {dist.get_rank()})
+    for name, group, inner in (("hybrid_fsdp_group", hybrid_fsdp_group, shard),
+                               ("hybrid_fsdp_expt_group", hybrid_fsdp_expt_group, expt)):
+        if group is None:
+            continue
+        inner_ranks = (set(dist.get_process_group_ranks(inner)) if inner is not None
+                       else set(range(dist.get_world_size())))
+        size = dist.get_world_size(group)
+        if size != len(inner_ranks) * outer_size:
+            raise ValueError(f"{name} has {size} ranks but the shard group x dp_outer is "
+                             f"{len(inner_ranks)} x {outer_size}; it must span both")
+        ranks = set(dist.get_process_group_ranks(group))
+        if not (inner_ranks | outer_ranks) <= ranks:
+            raise ValueError(f"{name} holds ranks {sorted(ranks)}, which miss rank "
+                             f"{dist.get_rank()}'s shard group {sorted(inner_ranks)} or outer "
+                             f"group {sorted(outer_ranks)}; pass the flattened (dp_outer, "
+                             "dp_shard) group, e.g. mesh['dp_outer', 'dp_shard']._flatten()")
+    return hybrid_fsdp_group, hybrid_fsdp_expt_group
 
 
 # id(original parameter) -> (the parameter, the model that took it over), both weak, so that an
@@ -377,6 +410,10 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     ``mfsdp/fsdp/reducer.py``); one still holding the parameters from before this call is
     refused at its first step.
     """
+    known = inspect.signature(fully_shard_model).parameters
+    for name in kwargs:
+        if name not in known or name == "module":
+            raise TypeError(f"fully_shard() got an unexpected keyword argument {name!r}")
     model = fully_shard_model(module, **kwargs)
     dcp_ready = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
     return model, (fully_shard_optimizer(optimizer, dcp_ready) if optimizer is not None else None)

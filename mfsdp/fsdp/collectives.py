@@ -266,7 +266,8 @@ class Communicator:
 
     def reduce_scatter(self, full: torch.Tensor, async_op: bool = True,
                        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
-        """Sum (or ``op``, NCCL only) ``full`` over ranks; ``wait()`` gives this rank's chunk."""
+        """Sum (or ``op``: ``AVG`` on gloo too, as a sum then a division; others NCCL only)
+        ``full`` over ranks; ``wait()`` gives this rank's chunk."""
         record = self._record("reduce_scatter", full, full.numel(), 1.0)
         n = self.size
         if n == 1:
@@ -280,7 +281,7 @@ class Communicator:
                 def finish(recv=recv):
                     value = _sum_chunks(recv, n, chunk)
                     self._give(recv)
-                    return value
+                    return value.div_(n) if op == dist.ReduceOp.AVG else value
             else:
                 out = torch.empty(chunk, dtype=full.dtype, device=full.device)
                 work = _reduce_scatter(out, full, op=op, group=self.group, async_op=True)
@@ -293,13 +294,18 @@ class Communicator:
     def all_reduce(self, t: torch.Tensor, async_op: bool = True,
                    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    kind: str = "all_reduce") -> Handle:
-        """Sum (or ``op``) ``t`` in place over ranks; ``kind`` names it in the accounting."""
+        """Sum (or ``op``) ``t`` in place over ranks; ``kind`` names it in the accounting. gloo
+        has no ``AVG``: there it is a sum, then a division by the group size."""
         record = self._record(kind, t, t.numel(), 2.0)
         if self.size == 1:
             return Handle(None, lambda: t, record)
+        post = op == dist.ReduceOp.AVG and self.backend == "gloo"
         with torch.profiler.record_function("mfsdp::all_reduce"):
-            work = dist.all_reduce(t, op=op, group=self.group, async_op=True)
-        handle = Handle(work, lambda: t, record, cuda=t.is_cuda and self.log.enabled)
+            work = dist.all_reduce(t, op=dist.ReduceOp.SUM if post else op, group=self.group,
+                                   async_op=True)
+        n = self.size
+        finish = (lambda: t.div_(n)) if post else (lambda: t)  # noqa: E731
+        handle = Handle(work, finish, record, cuda=t.is_cuda and self.log.enabled)
         if not async_op:
             handle.wait()
         return handle

@@ -274,7 +274,9 @@ def _param_mesh(state: ShardingState, bucket: Bucket, cache: dict, tp: bool):
     if key not in cache:
         group = comm.group if comm.group is not None else dist.group.WORLD
         if bucket.outer_factor > 1:  # HFSDP: main rows differ over inner x outer
-            group = _hybrid_group(group, state.comms.outer.group)
+            given = state.comms.expt_hybrid if bucket.is_expert else state.comms.hybrid
+            group = (given.group if given is not None  # the caller's hybrid_fsdp(_expt)_group
+                     else _hybrid_group(group, state.comms.outer.group))
         if tp:
             mesh = _dp_tp_mesh(group, state.comms.tp_group, state.device.type)
         else:

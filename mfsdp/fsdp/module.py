@@ -64,13 +64,14 @@ class FullyShardedModule(nn.Module):
         options: EngineOptions | None = None,
         outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD,
         hooks_on_module: bool = False,
+        hybrid_groups: tuple = (None, None),
     ):
         super().__init__()
         opts = options or EngineOptions()
         self.module = module
         # What the units and the reducer share, handed to each of them (mfsdp/fsdp/state.py).
         state = ShardingState(strategy, device, mixed_precision_policy, opts,
-                              Comms.build(groups, outer_strategy, device),
+                              Comms.build(groups, outer_strategy, device, hybrid_groups),
                               sync=GradSync(auto=opts.sync_model_each_microbatch))
         self.state = state
         # The root unit's hooks go on this wrapper, whose forward callers use; the per-module
@@ -239,8 +240,11 @@ class FullyShardedModule(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients: the reduced ones and the accumulation buffers (see
-        :meth:`zero_grad_buffers`); ``nn.Module.zero_grad`` alone would leave the buffers."""
-        self.zero_grad_buffers()
+        :meth:`zero_grad_buffers`); ``nn.Module.zero_grad`` alone would leave the buffers.
+
+        ``set_to_none=True`` drops the parameters' ``.grad``; ``False`` zeroes the gradients a
+        parameter holds in place and keeps them (``nn.Module.zero_grad``'s meaning)."""
+        self.state.zero_grads(set_to_none)
 
     # -- upstream Megatron-FSDP's names for the same steps ----------------------------------------
     @property

@@ -216,12 +216,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True, zero_grad_buffer: bool = True) -> None:
         """Zero the gradient buffers of the model and drop the shards' ``.grad``
-        (``zero_grad_buffer=False``, upstream's keyword: drop ``.grad`` only)."""
+        (``zero_grad_buffer=False``, upstream's keyword: leave the buffers, clear ``.grad``
+        only). ``set_to_none=False`` zeroes the ``.grad`` the shards hold in place instead of
+        dropping it (``torch.optim.Optimizer.zero_grad``'s meaning)."""
         if zero_grad_buffer:
-            self.model.zero_grad_buffers()
-        else:
-            for sp in self._sparams:
+            self.model.zero_grad(set_to_none=set_to_none)
+            return
+        for sp in self._sparams:
+            if set_to_none or sp.grad is None:
                 sp.set_grad(None, self.model.use_decoupled_grad)
+            else:
+                sp.grad.zero_()
 
     # -- state ----------------------------------------------------------------------------------
     @torch.no_grad()

@@ -199,14 +199,14 @@ class GradReducer:
     def reduce_op(self, b: Bucket) -> tuple:
         """(reduce op, pre-scale factor) of a bucket's gradient reductions.
 
-        ``average_in_collective`` lets NCCL divide (``ReduceOp.AVG``) over the inner and outer
-        groups; what is left of the bucket's factor (1/EP for experts) is applied first. gloo has
-        no AVG: there, and by default, the whole factor is applied before a SUM.
+        ``average_in_collective`` averages in the collectives (``ReduceOp.AVG`` over the inner and
+        the outer group; on gloo, which has no AVG, the communicator sums and then divides the
+        result); what is left of the bucket's factor (1/EP for experts) is applied first, as
+        upstream's expert scaling factor. By default the whole factor is applied before a SUM.
         """
         opts, outer_comm = self.state.options, self.state.comms.outer
         outer = outer_comm.size if outer_comm is not None else 1
-        if (opts.average_in_collective and not opts.calculate_per_token_loss
-                and b.comm.backend == "nccl"):
+        if opts.average_in_collective:  # (never with calculate_per_token_loss: config refuses)
             return dist.ReduceOp.AVG, b.grad_scale * b.comm.size * outer
         return dist.ReduceOp.SUM, b.grad_scale
 
@@ -249,7 +249,9 @@ class GradReducer:
             buckets = [b for b in state.buckets if b.requires_grad and b.is_expert == expert]
             if not buckets:
                 continue
-            comms = [c for c in (buckets[0].comm, state.comms.outer)
+            hybrid = state.comms.expt_hybrid if expert else state.comms.hybrid
+            comms = [c for c in ((hybrid,) if hybrid is not None  # one collective over both
+                                 else (buckets[0].comm, state.comms.outer))
                      if c is not None and c.size > 1]
             if not comms:
                 continue  # one rank: the local flags are the answer, nothing to read back

@@ -69,11 +69,18 @@ class Comms:
     ep: Communicator | None  # ranks holding different experts (None: no EP)
     tp_group: dist.ProcessGroup | None  # tensor-parallel ranks (None: no TP)
     tp_mesh: DeviceMesh | None  # the 1-D mesh over `tp_group` that DTensors use
+    # The caller's flattened (outer x shard) groups, upstream's hybrid_fsdp_group and
+    # hybrid_fsdp_expt_group (None: not given): the used-gradient flags are agreed over them in
+    # one collective, and under HFSDP main weights are sharded over them.
+    hybrid: Communicator | None = None
+    expt_hybrid: Communicator | None = None
 
     @classmethod
-    def build(cls, groups, outer_strategy: ShardingStrategy, device: torch.device) -> "Comms":
+    def build(cls, groups, outer_strategy: ShardingStrategy, device: torch.device,
+              hybrid_groups: tuple = (None, None)) -> "Comms":
         """Communicators over ``groups`` (a :class:`~mfsdp.layout.ProcessGroups`; ``None``
-        entries: the default group, or no such dimension)."""
+        entries: the default group, or no such dimension) and over the caller's hybrid
+        ``(dense, expert)`` groups, when given."""
         log = CommLog()
         dp = Communicator(groups.dp_shard, "dp_shard", log)
         dp_ag = (Communicator(groups.dp_shard_ag, "dp_shard_ag", log)
@@ -95,6 +102,14 @@ class Comms:
             tp_mesh = DeviceMesh.from_group(tp, device.type)
         comms = cls(log, dp, dp_ag, outer, outer is not None and outer_strategy is
                     ShardingStrategy.OPTIM, expt, expt_ag, ep, tp, tp_mesh)
+        dense_h, expt_h = hybrid_groups
+        if dense_h is not None:
+            comms.hybrid = Communicator(dense_h, "hybrid", log)
+        if expt_h is not None:
+            comms.expt_hybrid = (comms.hybrid if expt_h is dense_h
+                                 else Communicator(expt_h, "expt_hybrid", log))
+        elif groups.expt_dp_shard is None:  # no experts apart: dense and expert groups agree
+            comms.expt_hybrid = comms.hybrid
         for c in comms.distinct():
             c.backend = backend_of(c.group, device)
         return comms
@@ -102,7 +117,7 @@ class Comms:
     def distinct(self) -> list[Communicator]:
         """Every communicator once (several fields may share one)."""
         found = {id(c): c for c in (self.dp, self.dp_ag, self.outer, self.expt, self.expt_ag,
-                                    self.ep) if c is not None}
+                                    self.ep, self.hybrid, self.expt_hybrid) if c is not None}
         return list(found.values())
 
 
@@ -211,10 +226,10 @@ class ShardingState:
         self.param_sync.clear()
 
     @torch.no_grad()
-    def zero_grads(self) -> None:
+    def zero_grads(self, set_to_none: bool = True) -> None:
         """Zero the reduced gradients and any accumulated full gradients, and drop the
         parameters' ``.grad`` (``model.zero_grad_buffers()``, the sharded optimizer's
-        ``zero_grad()``)."""
+        ``zero_grad()``); ``set_to_none=False`` zeroes a held ``.grad`` in place instead."""
         for b in self.buckets:
             b.used = [0.0] * len(b.names)
             b.outer_pending = None
@@ -228,7 +243,10 @@ class ShardingState:
                 if b.sharded_grads:
                     self.memory["grad_full_bytes"] = 0
         for sp in self.sparams:
-            sp.set_grad(None, self.options.use_decoupled_grad)
+            if set_to_none or sp.grad is None:
+                sp.set_grad(None, self.options.use_decoupled_grad)
+            else:  # a view of the zeroed shard, or its own copy in the parameter's dtype
+                sp.grad.zero_()
         self.sync.unreduced = False
         self.sync.installed = False
 

@@ -156,18 +156,16 @@ def restore_scheduler(args, saved: dict | None) -> None:
 def convert_on_rank0(tmp: Path, convert) -> None:
     """``convert(tmp)`` on rank 0 (a stale ``tmp`` removed first); every rank stops with the
     reason if it fails, none waits at a barrier for a rank that raised."""
-    error = [None]
-    if dist.get_rank() == 0:
-        try:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            convert(tmp)
-        except Exception as exc:  # noqa: BLE001 - every rank stops with the reason
-            shutil.rmtree(tmp, ignore_errors=True)
-            error[0] = f"{type(exc).__name__}: {exc}"
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise SystemExit(f"--load: {error[0]}")
+    from mfsdp.checkpoint.dcp import on_rank_zero
+
+    def work():
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        convert(tmp)
+
+    error = on_rank_zero(work, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
+    if error:
+        raise SystemExit(f"--load: {error}")
 
 
 def check_load_exists(root) -> None:
@@ -192,17 +190,19 @@ def load_for_training(args, model, opt, routers, cfg) -> int:
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
     from mfsdp.checkpoint.detect import (describe_non_checkpoint, describe_unreadable,
-                                         is_empty_directory, is_megatron_fsdp)
+                                         is_empty_directory)
+    from mfsdp.checkpoint.formats import detect
 
     root = Path(args.load)
-    if is_megatron_fsdp(root):
+    found = detect(root)  # the format registry's answer (mfsdp/checkpoint/formats.py)
+    if found == "megatron_fsdp":
         load_checkpoint(root, model, opt)
         if dist.get_rank() == 0:
             print(f"--load {root}: loaded an upstream Megatron-FSDP checkpoint (weights and "
                   "optimizer state); training starts at iteration 0", flush=True)
         return 0
     tmp = None
-    if root.exists() and resolve_megatron_lm(root) is not None:
+    if found == "megatron_lm":
         # Megatron-LM's torch_dist or fsdp_dtensor: rank 0 converts it with this job's model config
         directory, _ = resolve_megatron_lm(root)
         tmp = root / f".from-megatron_lm-{directory.name}"
