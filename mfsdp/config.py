@@ -190,6 +190,13 @@ _CUDA_ONLY = {
 }
 
 
+def not_implemented_reason(name: str) -> str:
+    """Why the CUDA-only upstream option ``name`` is refused (the API and ``mfsdp train`` say it
+    alike): ``"NCCL user-buffer registration is not implemented by mfsdp (...)"``."""
+    return (f"{_CUDA_ONLY[name][1]} is not implemented by mfsdp (it needs CUDA features that "
+            "mfsdp does not use)")
+
+
 @dataclass(frozen=True)
 class ShardingConfig:
     """The sharding choices of :func:`mfsdp.fully_shard_model`, parsed and checked together:
@@ -239,9 +246,8 @@ class ShardingConfig:
             value = given.get(name, default)
             if value != default and not (default is None and value in (False, "none")):
                 raise ValueError(
-                    f"{name}={value!r}: {what} is not implemented by mfsdp (it needs CUDA "
-                    f"features that mfsdp does not use); leave {name} at {default!r}, or use "
-                    "upstream megatron_fsdp on GPUs for it")
+                    f"{name}={value!r}: {not_implemented_reason(name)}; leave {name} at "
+                    f"{default!r}, or use upstream megatron_fsdp on GPUs for it")
         if grad_reduce_in_fp32 is not None or preserve_fp32_weights is not None:
             if mixed_precision_policy is not None:
                 raise ValueError("grad_reduce_in_fp32 / preserve_fp32_weights are the older "

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from mfsdp.argtypes import (MIN_TIMEOUT_MINUTES, adam_beta, non_negative_float,  # noqa: F401
+                            non_negative_int, positive_float, positive_int, timeout_minutes)
 from mfsdp.data.batches import half_pair, is_indexed_prefix
 
 
@@ -17,69 +19,6 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-GPU_ONLY = {
-    "use_nccl_ub": "--use-nccl-ub registers NCCL user buffers for zero-copy collectives",
-    "fsdp_manual_registration": "--fsdp-manual-registration registers FSDP buffers with NCCL "
-                                "by hand",
-}
-
-
-def positive_int(value: str) -> int:
-    """argparse type: an integer of at least 1."""
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return n
-
-
-def non_negative_float(value: str) -> float:
-    """argparse type: a finite number of at least 0."""
-    x = float(value)
-    if not (x >= 0 and x != float("inf")):
-        raise argparse.ArgumentTypeError(f"{value} is not a finite number of at least 0")
-    return x
-
-
-def positive_float(value: str) -> float:
-    """argparse type: a finite number above 0."""
-    x = float(value)
-    if not 0 < x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} is not a finite number above 0")
-    return x
-
-
-def non_negative_int(value: str) -> int:
-    """argparse type: an integer of at least 0."""
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not an integer of at least 0")
-    return n
-
-
-def adam_beta(value: str) -> float:
-    """argparse type: one of Adam's betas, in [0, 1) (torch.optim refuses others)."""
-    x = float(value)
-    if not 0 <= x < 1:
-        raise argparse.ArgumentTypeError(
-            f"{value} is not in [0, 1): a beta is the decay rate of one of Adam's moving "
-            "averages (Megatron-LM's defaults: --adam-beta1 0.9, --adam-beta2 0.999)")
-    return x
-
-
-MIN_TIMEOUT_MINUTES = 0.1
-
-
-def timeout_minutes(value: str) -> float:
-    """argparse type: ``--distributed-timeout-minutes``, at least 0.1 (6 s): a shorter wait
-    times out while a healthy rank is still reading its data or writing its shard."""
-    x = float(value)
-    if not MIN_TIMEOUT_MINUTES <= x < float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"{value} minutes is too short a wait: at least {MIN_TIMEOUT_MINUTES} (6 s), or a "
-            "healthy rank that is still reading data or saving times out (Megatron-LM's "
-            "default: 10)")
-    return x
-
 
 class OneRankParser(argparse.ArgumentParser):
     """An argument parser whose usage errors are printed by rank 0 only (``RANK`` of torchrun):
@@ -121,7 +60,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     m.add_argument("--use-rope-scaling", action="store_true", default=None,
                    help="Llama-3 RoPE frequency scaling (factor: --rope-scaling-factor)")
     m.add_argument("--rope-scaling-factor", type=float, default=8.0,
-                   help="with --use-rope-scaling (default: %(default)s)")
+                   help="with --use-rope-scaling, refused without it (default: %(default)s)")
     m.add_argument("--rotary-interleaved", action="store_true", default=None,
                    help="rotate interleaved channel pairs (DeepSeek)")
     m.add_argument("--group-query-attention", action="store_true",
@@ -223,13 +162,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="prefetch the next unit's weights (default: on)")
     p.add_argument("--calculate-per-token-loss", action="store_true",
                    help="sum gradients over ranks; the loss is normalised by the global token count")
-    p.add_argument("--use-nccl-ub", action="store_true", help="GPU only: NCCL user buffers")
+    p.add_argument("--use-nccl-ub", action="store_true",
+                   help="Megatron-LM's NCCL user buffers: refused, mfsdp does not register them "
+                        "(fully_shard refuses nccl_ub=True alike)")
     p.add_argument("--fsdp-manual-registration", action="store_true",
-                   help="GPU only: register FSDP buffers with NCCL by hand")
+                   help="registers buffers for --use-nccl-ub: refused with it")
     x = parser.add_argument_group("precision")
     x.add_argument("--bf16", action="store_true", help="bf16 weights and compute, fp32 main weights")
     x.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="reduce gradients in bf16 (shorthand for --megatron-fsdp-grad-comm-dtype bf16)")
+                   help="reduce gradients in bf16 (shorthand for --megatron-fsdp-grad-comm-dtype "
+                        "bf16; another --megatron-fsdp-grad-comm-dtype is refused)")
     for what in ("main-params", "main-grads", "grad-comm"):
         x.add_argument(f"--megatron-fsdp-{what}-dtype", choices=sorted(DTYPES),
                        help=f"dtype of the {what.replace('-', ' ')}")
@@ -280,7 +222,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    action="store_false", help="train on through NaN/Inf (not recommended)")
     t.add_argument("--seed", type=int, default=1234, help="model init and data order")
     t.add_argument("--mock-data", action="store_true",
-                   help="synthetic sequences (the default when no --data-path is given)")
+                   help="synthetic sequences (the default when no --data-path is given; "
+                        "refused with --data-path)")
     t.add_argument("--data-path", nargs="+", metavar="PATH",
                    help="Megatron indexed dataset prefixes (PREFIX.bin/.idx), optionally "
                    "weighted: '0.3 a 0.7 b'; or one text file read as bytes (vocab 256); "
@@ -382,7 +325,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def check_args(args, world: int, cfg) -> int:
-    """Validate the combination of flags; return the micro-batches per iteration per rank."""
+    """Validate the combination of flags; return the micro-batches per iteration per rank.
+
+    Flags that the others would leave without effect are refused too
+    (:func:`mfsdp.trainer.refusals.check_combinations`), after the checks of values."""
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     if world % (tp * cp * args.num_distributed_optimizer_instances):
         raise SystemExit(f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} x "
@@ -482,6 +428,9 @@ def check_args(args, world: int, cfg) -> int:
         parse_split(args.split)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    from mfsdp.trainer.refusals import check_combinations
+
+    check_combinations(args)
     if args.save:
         _check_save_dir(Path(args.save))
     dump = args.dump_param_to_param_group_map
