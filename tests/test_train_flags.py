@@ -186,6 +186,8 @@ COMBOS: dict[str, tuple[list[str], list[str]]] = {
     "moe_flex_dispatcher_backend": ([], ["--moe-token-dispatcher-type", "flex"]),
     "mock_data": (["--data-path", "bundled"], []),
     "make_vocab_size_divisible_by": ([], ["--tokenizer-type", "NullTokenizer"]),
+    # (a weighted list names indexed datasets without reading them)
+    **{d: ([], ["--data-path", "1", "a", "1", "b"]) for d in ("eval_interval", "eval_iters")},
     "sgd_momentum": ([], ["--optimizer", "sgd"]),
     **{d: (["--optimizer", "sgd"], []) for d in ("adam_beta1", "adam_beta2", "adam_eps")},
     **{d: ([], ["--lr-decay-style", "WSD"]) for d in ("lr_wsd_decay_style", "lr_wsd_decay_iters")},
@@ -297,3 +299,20 @@ def test_a_refusal_at_the_command_line_is_one_line_and_status_2():
                                    "--use-megatron-fsdp (the DDP path replicates the model with "
                                    "PyTorch DDP and gathers no weights into a buffer)")
     assert proc.stdout == ""
+
+
+def test_the_expert_bias_rate_needs_the_expert_bias():
+    """``--moe-router-bias-update-rate`` is refused for a model without the balancing bias, and
+    accepted with it, from the flag or from the preset (deepseek-proxy has it)."""
+    from mfsdp.trainer.build import model_config
+    from mfsdp.trainer.refusals import check_with_model
+
+    parser = build_parser()
+    rate = ["--moe-router-bias-update-rate", "0.01"]
+    args = parser.parse_args(rate + ["--num-experts", "4"])
+    with pytest.raises(SystemExit, match=r"^--moe-router-bias-update-rate 0.01 needs"):
+        check_with_model(args, model_config(args), parser)
+    for words in (["--num-experts", "4", "--moe-router-enable-expert-bias"],
+                  ["--model-preset", "deepseek-proxy"]):
+        args = parser.parse_args(rate + words)
+        check_with_model(args, model_config(args), parser)

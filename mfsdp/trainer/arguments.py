@@ -373,7 +373,7 @@ def check_args(args, world: int, cfg) -> int:
 
     Flags that the others would leave without effect are refused too
     (:func:`mfsdp.trainer.refusals.check_combinations`), after the checks of values."""
-    from mfsdp.trainer.refusals import check_combinations
+    from mfsdp.trainer.refusals import check_combinations, check_with_model
 
     if args.distributed_timeout_minutes <= 0:  # (the parser's type refuses it first)
         raise SystemExit("--distributed-timeout-minutes must be positive")
@@ -383,6 +383,7 @@ def check_args(args, world: int, cfg) -> int:
     _check_experts_and_replicas(args, world, cfg)
     _check_checkpoints(args)
     check_combinations(args)
+    check_with_model(args, cfg)
     _check_paths(args)
     return args.global_batch_size // per
 

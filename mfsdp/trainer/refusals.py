@@ -17,7 +17,7 @@ from typing import Callable
 
 from mfsdp.config import not_implemented_reason
 
-__all__ = ["NEEDS", "Needs", "check_combinations", "flag_of"]
+__all__ = ["ALWAYS", "NEEDS", "Needs", "check_combinations", "check_with_model", "flag_of"]
 
 _DDP = "the DDP path replicates the model with PyTorch DDP"
 
@@ -33,6 +33,13 @@ class Needs:
 
 def _fsdp(a) -> bool:
     return bool(a.use_megatron_fsdp)
+
+
+def _indexed(a) -> bool:
+    """Whether ``--data-path`` names Megatron indexed datasets (a weighted list always does)."""
+    from mfsdp.data.batches import is_indexed_prefix
+
+    return bool(a.data_path) and (len(a.data_path) > 1 or is_indexed_prefix(a.data_path[0]))
 
 
 def _needs_fsdp(dest: str, reason: str) -> Needs:
@@ -68,6 +75,12 @@ NEEDS: tuple[Needs, ...] = (
     Needs(dest="mock_data", present=lambda a: not a.data_path,
           why="contradicts --data-path: --mock-data trains on synthetic sequences, --data-path "
               "on your data; pass one"),
+    Needs(dest="eval_interval", present=lambda a: _indexed(a),
+          why="needs an indexed --data-path (validation reads its valid split; mock and byte "
+              "data have none)"),
+    Needs(dest="eval_iters", present=lambda a: a.eval_iters == 0 or _indexed(a),
+          why="needs an indexed --data-path (validation reads its valid split; mock and byte "
+              "data have none)"),
     Needs(dest="make_vocab_size_divisible_by", present=lambda a: bool(a.tokenizer_type),
           why="needs --tokenizer-type (it pads the tokenizer's vocabulary; without one "
               "--vocab-size is used as given)"),
@@ -152,3 +165,20 @@ def check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParser
     if args.grad_reduce_in_bf16 and comm not in (None, "bf16"):
         raise SystemExit(f"--grad-reduce-in-bf16 and --megatron-fsdp-grad-comm-dtype {comm} ask "
                          "for different gradient-reduction dtypes: pass one")
+
+
+def check_with_model(args: argparse.Namespace, cfg, parser: argparse.ArgumentParser | None = None
+                     ) -> None:
+    """Refuse the flags that the model's configuration ``cfg`` (a preset's, a checkpoint's, or
+    the flags') would leave without effect: ``--moe-router-bias-update-rate`` without the
+    balancing bias it updates."""
+    if parser is None:
+        from mfsdp.trainer.arguments import build_parser
+
+        parser = build_parser()
+    rate = args.moe_router_bias_update_rate
+    if rate != parser.get_default("moe_router_bias_update_rate") and \
+            not cfg.moe_router_enable_expert_bias:
+        raise SystemExit(f"--moe-router-bias-update-rate {rate} needs the balancing bias it "
+                         "updates: add --moe-router-enable-expert-bias (or a preset that has it, "
+                         "such as deepseek-proxy)")
