@@ -6,7 +6,8 @@ are missing (``--fsdp-double-buffer`` without ``--use-megatron-fsdp``, ``--rope-
 without ``--use-rope-scaling``, ...), when two flags ask for different things (``--mock-data``
 with ``--data-path``), or, for ``--use-nccl-ub`` and ``--fsdp-manual-registration``, always:
 mfsdp does not register NCCL user buffers, and :func:`mfsdp.fully_shard` refuses
-``nccl_ub=True`` with the same reason. The guide's trainer page lists them.
+``nccl_ub=True`` with the same reason. :func:`check_with_model` refuses those that the model's
+configuration leaves without effect. The guide's trainer page lists them all.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Needs:
 
 
 def _fsdp(a) -> bool:
+    """Whether the run shards with mfsdp (else: PyTorch DDP)."""
     return bool(a.use_megatron_fsdp)
 
 
@@ -43,6 +45,7 @@ def _indexed(a) -> bool:
 
 
 def _needs_fsdp(dest: str, reason: str) -> Needs:
+    """The rule for an option of mfsdp's engine, which the DDP path does not have."""
     return Needs(dest=dest, present=_fsdp, why=f"needs --use-megatron-fsdp ({reason})")
 
 
