@@ -382,8 +382,9 @@ def check_args(args, world: int, cfg) -> int:
     _check_data(args, cfg)
     _check_experts_and_replicas(args, world, cfg)
     _check_checkpoints(args)
-    check_combinations(args)
-    check_with_model(args, cfg)
+    parser = build_parser()  # (the defaults and spellings of the flags)
+    check_combinations(args, parser)
+    check_with_model(args, cfg, parser)
     _check_paths(args)
     return args.global_batch_size // per
 

@@ -149,14 +149,10 @@ def _shown(parser, dest: str, value) -> str:
     return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
 
 
-def check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
-                       ) -> None:
+def check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Refuse (``SystemExit``, one line naming the flag and the fix) every flag in ``args`` that
-    the other flags would leave without effect; see :data:`NEEDS` and :data:`ALWAYS`."""
-    if parser is None:
-        from mfsdp.trainer.arguments import build_parser
-
-        parser = build_parser()
+    the other flags would leave without effect; see :data:`NEEDS` and :data:`ALWAYS`.
+    ``parser`` (the one that parsed ``args``) gives the defaults and the spellings."""
     for dest, why in ALWAYS.items():
         if getattr(args, dest):
             raise SystemExit(f"{flag_of(parser, dest)}: {why}")
@@ -170,15 +166,10 @@ def check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParser
                          "for different gradient-reduction dtypes: pass one")
 
 
-def check_with_model(args: argparse.Namespace, cfg, parser: argparse.ArgumentParser | None = None
-                     ) -> None:
+def check_with_model(args: argparse.Namespace, cfg, parser: argparse.ArgumentParser) -> None:
     """Refuse the flags that the model's configuration ``cfg`` (a preset's, a checkpoint's, or
     the flags') would leave without effect: ``--moe-router-bias-update-rate`` without the
     balancing bias it updates."""
-    if parser is None:
-        from mfsdp.trainer.arguments import build_parser
-
-        parser = build_parser()
     rate = args.moe_router_bias_update_rate
     if rate != parser.get_default("moe_router_bias_update_rate") and \
             not cfg.moe_router_enable_expert_bias:
