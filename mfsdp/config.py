@@ -207,6 +207,13 @@ CONFIG_ARGUMENTS = frozenset({
 })
 
 
+def not_implemented_reason(name: str) -> str:
+    """Why the CUDA-only upstream option ``name`` is refused (the API and ``mfsdp train`` say it
+    alike): ``"NCCL user-buffer registration is not implemented by mfsdp (...)"``."""
+    return (f"{_CUDA_ONLY[name][1]} is not implemented by mfsdp (it needs CUDA features that "
+            "mfsdp does not use)")
+
+
 @dataclass(frozen=True)
 class ShardingConfig:
     """The sharding choices of :func:`mfsdp.fully_shard_model`, parsed and checked together:
@@ -252,13 +259,12 @@ class ShardingConfig:
         unknown = sorted(set(given) - CONFIG_ARGUMENTS)
         if unknown:
             raise TypeError(f"fully_shard_model() got an unexpected keyword argument {unknown[0]!r}")
-        for name, (default, what) in _CUDA_ONLY.items():
+        for name, (default, _) in _CUDA_ONLY.items():
             value = given.get(name, default)
             if value != default and not (default is None and value in (False, "none")):
                 raise ValueError(
-                    f"{name}={value!r}: {what} is not implemented by mfsdp (it needs CUDA "
-                    f"features that mfsdp does not use); leave {name} at {default!r}, or use "
-                    "upstream megatron_fsdp on GPUs for it")
+                    f"{name}={value!r}: {not_implemented_reason(name)}; leave {name} at "
+                    f"{default!r}, or use upstream megatron_fsdp on GPUs for it")
         if given.get("fsdp_db_use_persist_buf_on_alloc_fail", False):
             raise ValueError(
                 "fsdp_db_use_persist_buf_on_alloc_fail=True: mfsdp's double buffer sizes both "

@@ -385,6 +385,7 @@ def test_values_render_as_literal_strings(tmp_path, trainer):
     ({"flex_backend": "hybridep", "num_experts": "8", "ep": "8", "dispatcher": "flex",
       "model_args": "--model-preset deepseek-proxy"}, "flex_backend='hybridep' is not one of"),
     ({"save_interval": "0"}, "save_interval=0 must be at least 1"),
+    ({"nccl_ub": "true"}, "nccl_ub=true: mfsdp train refuses --use-nccl-ub"),
 ])
 def test_values_slurm_or_the_trainer_would_refuse_fail_at_render_time(overrides, message):
     with pytest.raises(sbatch.RenderError, match=re.escape(message)) as err:

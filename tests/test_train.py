@@ -284,12 +284,15 @@ def test_dump_param_to_param_group_map(tmp_path):
     assert json.loads((tmp_path / "map.json").read_text()) == mapping
 
 
-def test_gpu_only_flags_are_explained_on_cpu(tmp_path):
-    proc = _torchrun(SHORT + ["--train-iters", "1", "--use-nccl-ub", "--fsdp-manual-registration"],
-                     nproc=1)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "--use-nccl-ub registers NCCL user buffers" in proc.stdout
-    assert "This run is on CPU (gloo), so it is accepted and ignored." in proc.stdout
+def test_nccl_user_buffer_flags_are_refused_under_torchrun(tmp_path):
+    """mfsdp registers no NCCL user buffers, so ``--use-nccl-ub`` is refused (as
+    ``fully_shard(nccl_ub=True)`` is) before anything is built: one line, exit status 2."""
+    proc = _torchrun(SHORT + ["--train-iters", "1", "--use-nccl-ub"], nproc=1)
+    assert proc.returncode != 0
+    line = ("mfsdp train: error: --use-nccl-ub: NCCL user-buffer registration is not implemented "
+            "by mfsdp")
+    assert (proc.stdout + proc.stderr).count(line) == 1, proc.stderr[-3000:]
+    assert "exitcode: 2" in proc.stderr and "iteration" not in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -37,11 +37,12 @@ def tokenizer_of(args):
 
 
 def read_data(args) -> "torch.Tensor | MegatronData | None":
-    """None (mock data), a byte tensor (one text file), or :class:`MegatronData`."""
+    """None (mock data: ``--mock-data``, or no ``--data-path``), a byte tensor (one text file),
+    or :class:`MegatronData`."""
     from mfsdp.data.indexed import MAGIC, is_indexed_prefix
 
     paths = args.data_path
-    if not paths:
+    if args.mock_data or not paths:  # (--mock-data with --data-path is refused at start)
         return None
     if len(paths) == 1 and not is_indexed_prefix(paths[0]):
         path = paths[0]

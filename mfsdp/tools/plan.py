@@ -17,6 +17,7 @@ import argparse
 import math
 from dataclasses import dataclass, field, replace
 
+from mfsdp.argtypes import fraction, positive_float, positive_int
 from mfsdp.tools.plan_time import step_time
 
 __all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes",
@@ -457,70 +458,49 @@ def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0
     return None
 
 
-def _checked(cast, ok, what: str):
-    """An argparse type: ``cast(value)`` where ``ok`` accepts it, else an error saying ``what``."""
-    def parse(value: str):
-        try:
-            x = cast(value)
-        except ValueError:
-            kind = "an integer" if cast is int else "a number"
-            raise argparse.ArgumentTypeError(f"{value!r} is not {kind}") from None
-        if not ok(x):
-            raise argparse.ArgumentTypeError(f"{value} is not {what}")
-        return x
-    return parse
-
-
-# a size or count; a memory, bandwidth or peak; the fraction of a GPU's peak the kernels reach
-_positive_int = _checked(int, lambda n: n >= 1, "a positive integer")
-_positive_float = _checked(float, lambda x: 0 < x < math.inf, "a finite number above 0")
-_fraction = _checked(float, lambda x: 0 < x <= 1, "in (0, 1]: it is the fraction of the peak "
-                     "the kernels reach (0.4 by default)")
-
-
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``mfsdp plan`` argument parser (every size positive, the efficiency in (0, 1])."""
     parser = parser or argparse.ArgumentParser(prog="mfsdp plan", description=__doc__.splitlines()[0])
     parser.add_argument("preset", choices=sorted(PRESETS), help="model")
-    parser.add_argument("--world-size", type=_positive_int, default=8)
+    parser.add_argument("--world-size", type=positive_int, default=8)
     # The trainer's (Megatron-LM's) names first; the short names stay as aliases.
     parser.add_argument("--data-parallel-sharding-strategy", "--strategy", dest="strategy",
                         default="optim_grads_params",
                         choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
     parser.add_argument("--num-distributed-optimizer-instances", "--dp-outer", dest="dp_outer",
-                        type=_positive_int, default=1, help="HSDP outer size")
+                        type=positive_int, default=1, help="HSDP outer size")
     parser.add_argument("--outer-dp-sharding-strategy", "--outer-strategy", dest="outer_strategy",
                         default="no_shard", choices=["no_shard", "optim"])
-    parser.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=_positive_int, default=1)
-    parser.add_argument("--tensor-model-parallel-size", dest="tp", type=_positive_int, default=1,
+    parser.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=positive_int, default=1)
+    parser.add_argument("--tensor-model-parallel-size", dest="tp", type=positive_int, default=1,
                         help="tensor-parallel size (Megatron-LM's split of every projection)")
-    parser.add_argument("--context-parallel-size", dest="cp", type=_positive_int, default=1,
+    parser.add_argument("--context-parallel-size", dest="cp", type=positive_int, default=1,
                         help="context-parallel size (each rank holds seq_length / cp tokens)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="sequence parallelism in the TP regions (needs TP > 1)")
-    parser.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=_positive_int,
+    parser.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=positive_int,
                         default=1, help="sequences per micro-batch (the trainer's name)")
-    parser.add_argument("--global-batch-size", type=_positive_int,
+    parser.add_argument("--global-batch-size", type=positive_int,
                         help="sequences per optimizer step over all data-parallel ranks (default: "
                              "one micro-batch per rank, no accumulation)")
-    parser.add_argument("--seq-length", type=_positive_int, default=4096)
+    parser.add_argument("--seq-length", type=positive_int, default=4096)
     parser.add_argument("--recompute-granularity", choices=("full", "selective"),
                         help="activation recomputation, as mfsdp train and Megatron-LM name it")
     parser.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
-    parser.add_argument("--recompute-num-layers", type=_positive_int, default=1)
+    parser.add_argument("--recompute-num-layers", type=positive_int, default=1)
     parser.add_argument("--recompute", action="store_true",
                         help="shorthand for --recompute-granularity full (uniform, 1 layer)")
-    parser.add_argument("--device-gib", type=_positive_float, default=80.0)
+    parser.add_argument("--device-gib", type=positive_float, default=80.0)
     gpu = parser.add_argument_group("time estimate (mfsdp/tools/plan_time.py)")
     gpu.add_argument("--gpu", choices=("h100", "gb200"), default="h100",
                      help="peak, NVLink and network figures of this GPU (defaults below)")
-    gpu.add_argument("--peak-tflops", type=_positive_float,
+    gpu.add_argument("--peak-tflops", type=positive_float,
                      help="dense peak at the training precision (h100: 989 bf16, 1979 FP8; "
                           "gb200: 2500 bf16, 5000 FP8)")
-    gpu.add_argument("--compute-efficiency", type=_fraction,
+    gpu.add_argument("--compute-efficiency", type=fraction,
                      help="fraction of the peak a step's kernels reach (default 0.4)")
-    gpu.add_argument("--nvlink-gbps", type=_positive_float, help="GB/s per GPU inside an NVLink domain")
-    gpu.add_argument("--network-gbps", type=_positive_float, help="GB/s per GPU between domains")
+    gpu.add_argument("--nvlink-gbps", type=positive_float, help="GB/s per GPU inside an NVLink domain")
+    gpu.add_argument("--network-gbps", type=positive_float, help="GB/s per GPU between domains")
     parser.add_argument("--smallest", action="store_true",
                         help="also find the smallest number of devices (whole 8-GPU nodes) that "
                              "fits: with this layout's TP/CP, and searching TP (with SP) and CP")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from mfsdp.argtypes import (MIN_TIMEOUT_MINUTES, adam_beta, non_negative_float,  # noqa: F401
+                            non_negative_int, positive_float, positive_int, timeout_minutes)
 from mfsdp.data.batches import half_pair, is_indexed_prefix
 from mfsdp.trainer.metrics import check_wandb_args
 
@@ -18,69 +20,6 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-GPU_ONLY = {
-    "use_nccl_ub": "--use-nccl-ub registers NCCL user buffers for zero-copy collectives",
-    "fsdp_manual_registration": "--fsdp-manual-registration registers FSDP buffers with NCCL "
-                                "by hand",
-}
-
-
-def positive_int(value: str) -> int:
-    """argparse type: an integer of at least 1."""
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return n
-
-
-def non_negative_float(value: str) -> float:
-    """argparse type: a finite number of at least 0."""
-    x = float(value)
-    if not (x >= 0 and x != float("inf")):
-        raise argparse.ArgumentTypeError(f"{value} is not a finite number of at least 0")
-    return x
-
-
-def positive_float(value: str) -> float:
-    """argparse type: a finite number above 0."""
-    x = float(value)
-    if not 0 < x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} is not a finite number above 0")
-    return x
-
-
-def non_negative_int(value: str) -> int:
-    """argparse type: an integer of at least 0."""
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not an integer of at least 0")
-    return n
-
-
-def adam_beta(value: str) -> float:
-    """argparse type: one of Adam's betas, in [0, 1) (torch.optim refuses others)."""
-    x = float(value)
-    if not 0 <= x < 1:
-        raise argparse.ArgumentTypeError(
-            f"{value} is not in [0, 1): a beta is the decay rate of one of Adam's moving "
-            "averages (Megatron-LM's defaults: --adam-beta1 0.9, --adam-beta2 0.999)")
-    return x
-
-
-MIN_TIMEOUT_MINUTES = 0.1
-
-
-def timeout_minutes(value: str) -> float:
-    """argparse type: ``--distributed-timeout-minutes``, at least 0.1 (6 s): a shorter wait
-    times out while a healthy rank is still reading its data or writing its shard."""
-    x = float(value)
-    if not MIN_TIMEOUT_MINUTES <= x < float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"{value} minutes is too short a wait: at least {MIN_TIMEOUT_MINUTES} (6 s), or a "
-            "healthy rank that is still reading data or saving times out (Megatron-LM's "
-            "default: 10)")
-    return x
-
 
 class OneRankParser(argparse.ArgumentParser):
     """An argument parser whose usage errors are printed by rank 0 only (``RANK`` of torchrun):
@@ -96,12 +35,26 @@ class OneRankParser(argparse.ArgumentParser):
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The trainer's argument parser (the flag reference of the guide is generated from it)."""
-    from mfsdp.models.gpt import GPT_PRESETS
-    from mfsdp.moe.dispatcher import DISPATCHERS, FLEX_BACKENDS
-
     if parser is None:
         parser = OneRankParser(prog="mfsdp train", description=__doc__.splitlines()[0])
-    m = parser.add_argument_group("model")
+    _model_flags(parser.add_argument_group("model"))
+    _moe_flags(parser.add_argument_group("mixture of experts"))
+    _parallel_flags(parser.add_argument_group("parallelism and sharding"))
+    _precision_flags(parser.add_argument_group("precision"))
+    training = parser.add_argument_group("training")
+    _training_flags(training)
+    _data_flags(training)  # (Megatron-LM lists them with the training flags)
+    _job_flags(parser.add_argument_group("job"))
+    _checkpoint_flags(parser.add_argument_group("checkpoints"))
+    _logging_flags(parser.add_argument_group("logging"))
+    _profiling_flags(parser.add_argument_group("profiling (Megatron-LM's flags)"))
+    return parser
+
+
+def _model_flags(m) -> None:
+    """Megatron-LM's model flags: sizes, norms, positions, attention, recomputation."""
+    from mfsdp.models.gpt import GPT_PRESETS
+
     m.add_argument("--model-preset", choices=sorted(GPT_PRESETS), default=None,
                    help="starting sizes; the flags below override them (default: the "
                         "configuration saved in the --load checkpoint, else gpt-tiny)")
@@ -122,7 +75,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     m.add_argument("--use-rope-scaling", action="store_true", default=None,
                    help="Llama-3 RoPE frequency scaling (factor: --rope-scaling-factor)")
     m.add_argument("--rope-scaling-factor", type=float, default=8.0,
-                   help="with --use-rope-scaling (default: %(default)s)")
+                   help="with --use-rope-scaling, refused without it (default: %(default)s)")
     m.add_argument("--rotary-interleaved", action="store_true", default=None,
                    help="rotate interleaved channel pairs (DeepSeek)")
     m.add_argument("--group-query-attention", action="store_true",
@@ -154,7 +107,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "or the first --recompute-num-layers layers (block)")
     m.add_argument("--recompute-num-layers", type=positive_int,
                    help="with full: layers per chunk (uniform) or layers recomputed (block)")
-    e = parser.add_argument_group("mixture of experts")
+
+
+def _moe_flags(e) -> None:
+    """The MoE flags: experts, router, capacity, dispatcher."""
+    from mfsdp.moe.dispatcher import DISPATCHERS, FLEX_BACKENDS
+
     e.add_argument("--num-experts", type=int, help="routed experts per MoE layer (0: dense)")
     e.add_argument("--moe-router-topk", type=positive_int, help="experts per token")
     e.add_argument("--moe-first-dense-layers", type=int,
@@ -189,7 +147,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="backend of the flex dispatcher (default: %(default)s)")
     e.add_argument("--moe-grouped-gemm", action="store_true", default=None,
                    help="fused experts (one batched matmul) instead of one module per expert")
-    p = parser.add_argument_group("parallelism and sharding")
+
+
+def _parallel_flags(p) -> None:
+    """The engine and the parallel layout: ZeRO level, HSDP, EP, TP, SP, CP, overlap."""
     p.add_argument("--use-megatron-fsdp", action="store_true",
                    help="shard with mfsdp (without it: PyTorch DDP, dense models only)")
     p.add_argument("--data-parallel-sharding-strategy", choices=STRATEGIES,
@@ -224,17 +185,26 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="prefetch the next unit's weights (default: on)")
     p.add_argument("--calculate-per-token-loss", action="store_true",
                    help="sum gradients over ranks; the loss is normalised by the global token count")
-    p.add_argument("--use-nccl-ub", action="store_true", help="GPU only: NCCL user buffers")
+    p.add_argument("--use-nccl-ub", action="store_true",
+                   help="Megatron-LM's NCCL user buffers: refused, mfsdp does not register them "
+                        "(fully_shard refuses nccl_ub=True alike)")
     p.add_argument("--fsdp-manual-registration", action="store_true",
-                   help="GPU only: register FSDP buffers with NCCL by hand")
-    x = parser.add_argument_group("precision")
+                   help="registers buffers for --use-nccl-ub: refused with it")
+
+
+def _precision_flags(x) -> None:
+    """bf16 compute and the dtypes of main weights, main gradients and their reduction."""
     x.add_argument("--bf16", action="store_true", help="bf16 weights and compute, fp32 main weights")
     x.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="reduce gradients in bf16 (shorthand for --megatron-fsdp-grad-comm-dtype bf16)")
+                   help="reduce gradients in bf16 (shorthand for --megatron-fsdp-grad-comm-dtype "
+                        "bf16; another --megatron-fsdp-grad-comm-dtype is refused)")
     for what in ("main-params", "main-grads", "grad-comm"):
         x.add_argument(f"--megatron-fsdp-{what}-dtype", choices=sorted(DTYPES),
                        help=f"dtype of the {what.replace('-', ' ')}")
-    t = parser.add_argument_group("training")
+
+
+def _training_flags(t) -> None:
+    """Batch sizes, iterations, the learning-rate schedule, the optimizer, data."""
     t.add_argument("--micro-batch-size", type=positive_int, default=2,
                    help="sequences per micro-batch per rank (default: %(default)s)")
     t.add_argument("--global-batch-size", type=positive_int, default=8,
@@ -280,8 +250,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     t.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="train on through NaN/Inf (not recommended)")
     t.add_argument("--seed", type=int, default=1234, help="model init and data order")
+
+
+def _data_flags(t) -> None:
+    """The data flags: mock data, indexed datasets or a text file, split, cache, tokenizer,
+    ``--train-samples``, and the evaluation's interval and size."""
     t.add_argument("--mock-data", action="store_true",
-                   help="synthetic sequences (the default when no --data-path is given)")
+                   help="synthetic sequences (the default when no --data-path is given; "
+                        "refused with --data-path)")
     t.add_argument("--data-path", nargs="+", metavar="PATH",
                    help="Megatron indexed dataset prefixes (PREFIX.bin/.idx), optionally "
                    "weighted: '0.3 a 0.7 b'; or one text file read as bytes (vocab 256); "
@@ -307,14 +283,20 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     t.add_argument("--sequence-packing", action="store_true",
                    help="variable-length sequences packed per micro-batch (THD); with indexed "
                    "datasets, each sample is cut into its documents at EOD tokens")
-    j = parser.add_argument_group("job")
+
+
+def _job_flags(j) -> None:
+    """The job's timeout and error form."""
     j.add_argument("--distributed-timeout-minutes", type=timeout_minutes, default=10.0,
                    help="how long a collective waits for the other ranks before the job stops "
                    "(Megatron-LM's flag and default: %(default)s); shortly before, the rank that "
                    "waits names the ranks that are behind and where they are")
     j.add_argument("--debug", action="store_true",
                    help="errors with their full traceback (by default a user error is one line)")
-    c = parser.add_argument_group("checkpoints")
+
+
+def _checkpoint_flags(c) -> None:
+    """Saving, loading, stopping, and the checkpoint's schedule and format."""
     c.add_argument("--save", help="checkpoint directory to write")
     c.add_argument("--load", help="checkpoint directory to resume from (latest); a new or empty "
                    "directory starts from iteration 0, anything else that is not a checkpoint "
@@ -350,7 +332,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "torch.distributed.checkpoint directory, with the JSON that "
                         "mfsdp convert --param-to-param-group-map-json reads inside; a path "
                         "ending in .json: that file alone) and go on training")
-    o = parser.add_argument_group("logging")
+
+
+def _logging_flags(o) -> None:
+    """The log lines, the JSON log, TensorBoard, W&B and throughput."""
     o.add_argument("--log-interval", type=positive_int, default=100,
                    help="print every N iterations and the last (default: %(default)s)")
     o.add_argument("--log-jsonl", metavar="PATH", help="one JSON object per iteration (rank 0)")
@@ -368,7 +353,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="W&B's local files (default: --save/wandb)")
     o.add_argument("--wandb-entity", default="", metavar="NAME",
                    help="the W&B team or user (default: the API key's)")
-    f = parser.add_argument_group("profiling (Megatron-LM's flags)")
+
+
+def _profiling_flags(f) -> None:
+    """Profiler traces and CUDA memory history."""
     f.add_argument("--profile", action="store_true",
                    help="profile iterations --profile-step-start to --profile-step-end (an nsys "
                    "capture range on GPUs; a torch.profiler trace with --use-pytorch-profiler)")
@@ -389,11 +377,32 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    "--memory-snapshot-path after each logged iteration (GPU only)")
     f.add_argument("--memory-snapshot-path", default="snapshot.pickle",
                    help="where --record-memory-history writes (default: %(default)s)")
-    return parser
 
 
 def check_args(args, world: int, cfg) -> int:
-    """Validate the combination of flags; return the micro-batches per iteration per rank."""
+    """Validate the combination of flags; return the micro-batches per iteration per rank.
+
+    Flags that the others would leave without effect are refused too
+    (:func:`mfsdp.trainer.refusals.check_combinations`), after the checks of values."""
+    from mfsdp.trainer.refusals import check_combinations, check_with_model
+
+    if args.distributed_timeout_minutes <= 0:  # (the parser's type refuses it first)
+        raise SystemExit("--distributed-timeout-minutes must be positive")
+    per = _check_layout(args, world, cfg)
+    _check_schedule(args)
+    _check_data(args, cfg)
+    _check_experts_and_replicas(args, world, cfg)
+    _check_checkpoints(args)
+    parser = build_parser()  # (the defaults and spellings of the flags)
+    check_combinations(args, parser)
+    check_with_model(args, cfg, parser)
+    _check_paths(args)
+    return args.global_batch_size // per
+
+
+def _check_layout(args, world: int, cfg) -> int:
+    """TP x CP x replicas divide the ranks, TP and CP have the engine, experts stay whole, the
+    global batch splits into micro-batches; return the sequences per micro-batch step."""
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     if world % (tp * cp * args.num_distributed_optimizer_instances):
         raise SystemExit(f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} x "
@@ -426,6 +435,11 @@ def check_args(args, world: int, cfg) -> int:
         raise SystemExit(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"--micro-batch-size x data-parallel size = {args.micro_batch_size} x "
                          f"{dp}; pick a multiple of {per}")
+    return per
+
+
+def _check_schedule(args) -> None:
+    """``--train-samples`` sets the iterations; the schedule's flags fit together."""
     if args.train_samples:
         args.train_iters = max(1, args.train_samples // args.global_batch_size)
     if args.lr_decay_style == "WSD" and not args.lr_wsd_decay_iters:
@@ -438,6 +452,13 @@ def check_args(args, world: int, cfg) -> int:
             decay <= args.lr_warmup_iters:
         raise SystemExit(f"--lr-decay-iters {decay} must exceed --lr-warmup-iters "
                          f"{args.lr_warmup_iters}")
+    if args.clip_grad < 0:
+        raise SystemExit(f"--clip-grad {args.clip_grad}: the largest gradient norm must be "
+                         "positive, or 0 to turn clipping off")
+
+
+def _check_data(args, cfg) -> None:
+    """``--data-path`` lists, byte files and the vocabulary, the tokenizer, ``--split``."""
     if args.data_path and len(args.data_path) > 1:
         from mfsdp.data.gpt_dataset import parse_data_path
 
@@ -451,6 +472,22 @@ def check_args(args, world: int, cfg) -> int:
             and cfg.vocab_size < 256:
         raise SystemExit(f"--data-path reads bytes: --vocab-size must be at least 256, "
                          f"not {cfg.vocab_size}")
+    if cfg.vocab_size < 2:
+        raise SystemExit(f"--vocab-size {cfg.vocab_size}: a language model needs at least 2 "
+                         "tokens")
+    if args.tokenizer_model and not args.tokenizer_type:
+        raise SystemExit(f"--tokenizer-model {args.tokenizer_model} needs --tokenizer-type "
+                         "HuggingFaceTokenizer (as in Megatron-LM, the type says how to read it)")
+    from mfsdp.data.gpt_dataset import parse_split
+
+    try:
+        parse_split(args.split)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def _check_experts_and_replicas(args, world: int, cfg) -> None:
+    """Expert parallelism and HSDP replicas fit the ranks, the experts and the engine."""
     if world % args.num_distributed_optimizer_instances:
         raise SystemExit(f"--num-distributed-optimizer-instances "
                          f"{args.num_distributed_optimizer_instances} does not divide the "
@@ -465,34 +502,25 @@ def check_args(args, world: int, cfg) -> int:
     if args.outer_dp_sharding_strategy == "optim" and args.num_distributed_optimizer_instances < 2:
         raise SystemExit("--outer-dp-sharding-strategy optim needs "
                          "--num-distributed-optimizer-instances of at least 2")
-    if not args.save and args.save_interval:
-        raise SystemExit("--save-interval needs --save DIR")
-    if (args.save or args.load) and not args.use_megatron_fsdp:
-        raise SystemExit("--save and --load need --use-megatron-fsdp (checkpoints are sharded "
-                         "DTensors)")
     if cfg.num_experts and cfg.num_experts % ep:
         raise SystemExit(f"--expert-model-parallel-size {ep} does not divide the "
                          f"{cfg.num_experts} experts (--num-experts); pick a divisor")
     if cfg.num_experts and cfg.moe_router_topk > cfg.num_experts:
         raise SystemExit(f"--moe-router-topk {cfg.moe_router_topk} exceeds the "
                          f"{cfg.num_experts} experts (--num-experts)")
-    if args.clip_grad < 0:
-        raise SystemExit(f"--clip-grad {args.clip_grad}: the largest gradient norm must be "
-                         "positive, or 0 to turn clipping off")
-    if cfg.vocab_size < 2:
-        raise SystemExit(f"--vocab-size {cfg.vocab_size}: a language model needs at least 2 "
-                         "tokens")
-    if args.distributed_timeout_minutes <= 0:
-        raise SystemExit("--distributed-timeout-minutes must be positive")
-    if args.tokenizer_model and not args.tokenizer_type:
-        raise SystemExit(f"--tokenizer-model {args.tokenizer_model} needs --tokenizer-type "
-                         "HuggingFaceTokenizer (as in Megatron-LM, the type says how to read it)")
-    from mfsdp.data.gpt_dataset import parse_split
 
-    try:
-        parse_split(args.split)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+
+def _check_checkpoints(args) -> None:
+    """``--save``/``--load`` need the engine; ``--save-interval`` needs ``--save``."""
+    if not args.save and args.save_interval:
+        raise SystemExit("--save-interval needs --save DIR")
+    if (args.save or args.load) and not args.use_megatron_fsdp:
+        raise SystemExit("--save and --load need --use-megatron-fsdp (checkpoints are sharded "
+                         "DTensors)")
+
+
+def _check_paths(args) -> None:
+    """Every path the run writes can be written, checked before the model is built."""
     if args.save:
         _check_save_dir(Path(args.save))
     check_wandb_args(args)
@@ -505,7 +533,6 @@ def check_args(args, world: int, cfg) -> int:
                               bool(dump) and dump.endswith(".json"))):
         if path:
             _check_writable(flag, Path(path), file)
-    return args.global_batch_size // per
 
 
 def _check_writable(flag: str, path: Path, file: bool) -> None:

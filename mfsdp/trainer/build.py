@@ -129,7 +129,9 @@ def model_family(args, cfg) -> str:
 
 
 def precision_policy(args):
-    """The :class:`~mfsdp.MixedPrecisionPolicy` of ``--bf16`` and the ``--megatron-fsdp-*-dtype`` flags."""
+    """The :class:`~mfsdp.MixedPrecisionPolicy` of ``--bf16``, ``--grad-reduce-in-bf16`` and the
+    ``--megatron-fsdp-*-dtype`` flags (the two gradient-communication flags agree: see
+    :mod:`mfsdp.trainer.refusals`)."""
     from mfsdp import MixedPrecisionPolicy
 
     main = DTYPES[args.megatron_fsdp_main_params_dtype] if args.megatron_fsdp_main_params_dtype \

@@ -17,7 +17,7 @@ from torch.profiler import record_function
 
 from mfsdp.data.batches import MegatronData, global_batch, read_data
 from mfsdp.models.tensor_parallel import loss_parallel_context
-from mfsdp.trainer.arguments import GPU_ONLY, build_parser, check_args
+from mfsdp.trainer.arguments import build_parser, check_args
 from mfsdp.trainer.build import (build_param_groups, flops_per_token, learning_rate, make_optimizer,
                                  model_config, model_family, precision_policy, routers_of, rss_mib)
 from mfsdp.trainer.checkpointing import check_load_exists, load_for_training, save_step
@@ -41,11 +41,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     num_micro = check_args(args, world, cfg)
     check_profile_args(args, is_cpu)
     log = print if rank == 0 else (lambda *a, **k: None)
-    for flag, what in GPU_ONLY.items():
-        if getattr(args, flag):
-            log(f"note: {what}. " + ("This run is on CPU (gloo), so it is accepted and ignored."
-                                     if is_cpu else "mfsdp does not register NCCL buffers yet; "
-                                     "the flag is accepted and has no effect."), flush=True)
     if args.load and args.exit_on_missing_checkpoint:  # before the lock creates --save
         check_load_exists(args.load)
     lock = SaveLock(args.save) if (args.save and args.use_megatron_fsdp) else None
@@ -91,7 +86,7 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
     watch.mark("building the model")
 
     torch.manual_seed(args.seed)  # every rank builds the same model
-    meta = args.init_model_with_meta_device and args.use_megatron_fsdp
+    meta = args.init_model_with_meta_device  # (refused without --use-megatron-fsdp)
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = GPT(cfg)
     model = model.to(dtype=dtype) if meta else model.to(device=device, dtype=dtype)
@@ -125,8 +120,6 @@ def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
     if args.dump_param_to_param_group_map:
         from mfsdp.checkpoint.state import dump_param_to_param_group_map
 
-        if not args.use_megatron_fsdp:
-            raise SystemExit("--dump-param-to-param-group-map needs --use-megatron-fsdp")
         dump_param_to_param_group_map(model, opt, args.dump_param_to_param_group_map)
         log(f"wrote the parameter-to-group map to {args.dump_param_to_param_group_map}", flush=True)
     watch.mark(f"loading --load {args.load}")

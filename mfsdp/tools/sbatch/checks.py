@@ -209,6 +209,10 @@ def _check_train(v: dict) -> None:
     if v["num_experts"] and v["dispatcher"] == "flex" and v["flex_backend"] not in backends:
         raise RenderError(f"flex_backend={v['flex_backend']!r} is not one of trainer="
                           f"{v['trainer']}'s: {', '.join(backends)}")
+    if v["nccl_ub"] and v["trainer"] == "mfsdp":
+        raise RenderError("nccl_ub=true: mfsdp train refuses --use-nccl-ub (mfsdp registers no "
+                          "NCCL user buffers); leave nccl_ub=false, or render with "
+                          "trainer=megatron-lm")
     if v["trainer"] == "megatron-lm":
         if not v["gpus_per_node"]:
             raise RenderError("trainer=megatron-lm needs GPUs (gpus_per_node > 0): Megatron-LM's "

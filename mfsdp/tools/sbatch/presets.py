@@ -127,7 +127,7 @@ _TRAIN = dict(_SLURM, launcher="torchrun", rdzv_port=0, requeue=True, strategy="
 _GPU_NODES = dict(gpus_per_node=8, ranks_per_node=8, cpus_per_task=64, output="%x-%j.log",
                   exclusive=True, grad_reduce_in_bf16=True)
 # What the upstream guide's Megatron-LM scripts add for Megatron-FSDP on GPUs: the persistent
-# double buffer and NCCL user buffers (mfsdp accepts --use-nccl-ub and does not register them yet).
+# double buffer and NCCL user buffers (Megatron-LM only: mfsdp train refuses --use-nccl-ub).
 _MEGATRON_LM_GPU = dict(double_buffer=True, nccl_ub=True)
 
 # The real architectures (RMSNorm, RoPE, grouped-query or multi-latent attention, SwiGLU) are
