@@ -143,7 +143,7 @@ class CheckReport:
             ax.set_xlabel("step")
             ax.set_xticks(range(1, self.steps + 1))
             ax.ticklabel_format(axis="y", useOffset=False)
-        axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+        axes[1].legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.02, 1.0))
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
