@@ -66,16 +66,18 @@ READERS: dict[str, tuple[str, ...]] = {
         "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "lr_warmup_init",
         "lr_wsd_decay_iters", "lr_wsd_decay_style", "weight_decay", "optimizer", "sgd_momentum",
         "adam_beta1", "adam_beta2", "adam_eps")},
-    # the sharding engine's options, handed to fully_shard by the loop
-    **{dest: (f"{T}/loop.py",) for dest in (
-        "use_megatron_fsdp", "data_parallel_sharding_strategy", "outer_dp_sharding_strategy",
+    # the sharding engine's options, handed to fully_shard by the Trainer, and the loop's own
+    **{dest: (f"{T}/trainer.py",) for dest in (
+        "data_parallel_sharding_strategy", "outer_dp_sharding_strategy",
         "fsdp_double_buffer", "init_model_with_meta_device", "overlap_grad_reduce",
         "overlap_param_gather", "calculate_per_token_loss", "micro_batch_size",
         "global_batch_size", "clip_grad", "check_for_nan_in_loss_and_grad", "seed",
         "moe_router_bias_update_rate", "eval_interval", "eval_iters", "exit_interval",
         "save_interval", "log_interval", "log_jsonl", "log_throughput",
-        "distributed_timeout_minutes", "debug", "dump_param_to_param_group_map", "train_iters",
-        "save")},
+        "dump_param_to_param_group_map", "train_iters")},
+    # the entry: the hang watch, error reports, and --save's lock (taken under mfsdp only)
+    **{dest: (f"{T}/loop.py",) for dest in ("distributed_timeout_minutes", "debug")},
+    **{dest: (f"{T}/loop.py", f"{T}/trainer.py") for dest in ("use_megatron_fsdp", "save")},
     **{dest: (f"{T}/parallel.py",) for dest in (
         "num_distributed_optimizer_instances", "expert_model_parallel_size",
         "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size",
