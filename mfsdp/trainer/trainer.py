@@ -23,6 +23,7 @@ from mfsdp.models.tensor_parallel import loss_parallel_context
 from mfsdp.trainer.build import (build_param_groups, flops_per_token, learning_rate, make_optimizer,
                                  model_family, precision_policy, routers_of, rss_mib)
 from mfsdp.trainer.checkpointing import load_for_training, save_step
+from mfsdp.trainer.config import LoggingConfig
 from mfsdp.trainer.guard import Watch
 from mfsdp.trainer.metrics import MetricSinks
 from mfsdp.trainer.parallel import build_parallel, micro_batch
@@ -39,6 +40,8 @@ class Trainer:
         # the checked flags (check_args has run) and the model's configuration they give
         self.args = args
         self.cfg = cfg
+        # what rank 0 reports and where (--log-*, TensorBoard, W&B), read from args once
+        self.logging = LoggingConfig.from_args(args)
         # micro-batches per rank and iteration (from check_args): gradient accumulation
         self.num_micro = num_micro
         # where this rank computes; the log prints on rank 0 only
@@ -157,11 +160,11 @@ class Trainer:
     def open_outputs(self) -> None:
         """Open what :meth:`close` closes: ``--log-jsonl`` (appended to when resuming), the
         metric sinks, the stop request and the profiler; start the clock."""
-        args = self.args
-        if args.log_jsonl and self.rank == 0:
-            self.jsonl = open(args.log_jsonl, "a" if self.start else "w")
-        self.sinks = MetricSinks.open(args, self.rank)
-        self.token_flops = (flops_per_token(self.cfg, args.seq_length) if args.log_throughput
+        args, logging = self.args, self.logging
+        if logging.log_jsonl and self.rank == 0:
+            self.jsonl = open(logging.log_jsonl, "a" if self.start else "w")
+        self.sinks = MetricSinks.open(logging, self.rank)
+        self.token_flops = (flops_per_token(self.cfg, args.seq_length) if logging.log_throughput
                             else None)
         self.stop = stop_request(args.exit_signal_handler)
         self.profiler = Profiler(args, self.device)
@@ -286,12 +289,12 @@ class Trainer:
     def report(self, iteration: int, rec: dict) -> None:
         """Keep the record, write it to ``--log-jsonl`` and the metric sinks, let the profiler
         step, and print the ``--log-interval`` line."""
-        args = self.args
+        args, logging = self.args, self.logging
         self.records.append(rec)
         if self.jsonl:
-            _write_log(self.jsonl, args.log_jsonl, rec)
+            _write_log(self.jsonl, logging.log_jsonl, rec)
         self.sinks.training(rec, iteration)
-        logged = iteration % args.log_interval == 0 or iteration == args.train_iters
+        logged = iteration % logging.log_interval == 0 or iteration == args.train_iters
         self.profiler.after(iteration, logged)
         if logged:
             extra = ""
@@ -315,9 +318,9 @@ class Trainer:
         valid_loss = self.validation_loss(iteration)
         rec.update(valid_loss=valid_loss, valid_ppl=math.exp(min(valid_loss, 700.0)))
         if self.jsonl:
-            _write_log(self.jsonl, args.log_jsonl, {"iteration": iteration,
-                                                    "valid_loss": valid_loss,
-                                                    "valid_ppl": rec["valid_ppl"]})
+            _write_log(self.jsonl, self.logging.log_jsonl, {"iteration": iteration,
+                                                            "valid_loss": valid_loss,
+                                                            "valid_ppl": rec["valid_ppl"]})
         self.log(f"validation after iteration {iteration} | loss {valid_loss:.4f} | "
                  f"perplexity {rec['valid_ppl']:.2f}", flush=True)
         self.sinks.write({"lm loss validation": valid_loss,
