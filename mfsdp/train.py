@@ -16,8 +16,8 @@ over the data-parallel ranks, and the loss is normalised by the global number of
 The same command under another layout therefore gives the same loss curve, up to floating-point
 summation order.
 
-The trainer lives in :mod:`mfsdp.trainer` (``arguments``, ``build``, ``loop``, ``checkpointing``,
-``metrics``, ``signals``) and its data path in :mod:`mfsdp.data.batches`; this module is the
+The trainer lives in :mod:`mfsdp.trainer` (``arguments``, ``build``, ``loop``, ``trainer``,
+``config``, ``checkpointing``, ``metrics``, ``signals``) and its data path in :mod:`mfsdp.data.batches`; this module is the
 entry point and keeps the names users import.
 """
 

@@ -66,16 +66,17 @@ READERS: dict[str, tuple[str, ...]] = {
         "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "lr_warmup_init",
         "lr_wsd_decay_iters", "lr_wsd_decay_style", "weight_decay", "optimizer", "sgd_momentum",
         "adam_beta1", "adam_beta2", "adam_eps")},
-    # the sharding engine's options, handed to fully_shard by the loop
-    **{dest: (f"{T}/loop.py",) for dest in (
-        "use_megatron_fsdp", "data_parallel_sharding_strategy", "outer_dp_sharding_strategy",
+    # the sharding engine's options, handed to fully_shard by the Trainer, and the loop's own
+    **{dest: (f"{T}/trainer.py",) for dest in (
+        "data_parallel_sharding_strategy", "outer_dp_sharding_strategy",
         "fsdp_double_buffer", "init_model_with_meta_device", "overlap_grad_reduce",
         "overlap_param_gather", "calculate_per_token_loss", "micro_batch_size",
         "global_batch_size", "clip_grad", "check_for_nan_in_loss_and_grad", "seed",
         "moe_router_bias_update_rate", "eval_interval", "eval_iters", "exit_interval",
-        "save_interval", "log_interval", "log_jsonl", "log_throughput",
-        "distributed_timeout_minutes", "debug", "dump_param_to_param_group_map", "train_iters",
-        "save")},
+        "save_interval", "dump_param_to_param_group_map", "train_iters")},
+    # the entry: the hang watch, error reports, and --save's lock (taken under mfsdp only)
+    **{dest: (f"{T}/loop.py",) for dest in ("distributed_timeout_minutes", "debug")},
+    **{dest: (f"{T}/loop.py", f"{T}/trainer.py") for dest in ("use_megatron_fsdp", "save")},
     **{dest: (f"{T}/parallel.py",) for dest in (
         "num_distributed_optimizer_instances", "expert_model_parallel_size",
         "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size",
@@ -86,8 +87,11 @@ READERS: dict[str, tuple[str, ...]] = {
         "load", "exit_on_missing_checkpoint", "override_opt_param_scheduler",
         "use_checkpoint_opt_param_scheduler", "ckpt_verify", "ckpt_format")},
     **{dest: (f"{T}/signals.py",) for dest in ("exit_signal_handler", "exit_duration_in_mins")},
-    **{dest: (f"{T}/metrics.py",) for dest in (
-        "tensorboard_dir", "wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity")},
+    # read once into LoggingConfig (config.py), which metrics.py and trainer.py are given
+    **{dest: (f"{T}/config.py",) for dest in (
+        "log_interval", "log_jsonl", "log_throughput", "wandb_project", "wandb_exp_name",
+        "wandb_save_dir", "wandb_entity")},
+    "tensorboard_dir": (f"{T}/config.py", f"{T}/profiling.py"),  # (--profile's trace goes there)
     **{dest: (f"{T}/profiling.py",) for dest in (
         "profile", "use_pytorch_profiler", "profile_step_start", "profile_step_end",
         "profile_ranks", "pytorch_profiler_collect_shapes", "pytorch_profiler_collect_callstack",
@@ -318,3 +322,27 @@ def test_the_expert_bias_rate_needs_the_expert_bias():
                   ["--model-preset", "deepseek-proxy"]):
         args = parser.parse_args(rate + words)
         check_with_model(args, model_config(args), parser)
+
+
+def test_the_logging_flags_become_a_logging_config():
+    """:class:`~mfsdp.trainer.config.LoggingConfig` holds the logging flags as parsed (W&B's
+    directory defaulting to ``--save``/wandb, as Megatron-LM's) and refuses what cannot log."""
+    from mfsdp.trainer.config import LoggingConfig
+
+    parser = build_parser()
+    config = LoggingConfig.from_args(parser.parse_args(
+        ["--log-interval", "7", "--log-jsonl", "run.jsonl", "--log-throughput",
+         "--wandb-project", "p", "--wandb-exp-name", "e", "--save", "ckpt"]))
+    assert (config.log_interval, config.log_jsonl, config.log_throughput) == (7, "run.jsonl", True)
+    assert (config.wandb_project, config.wandb_exp_name, config.wandb_dir) == (
+        "p", "e", str(Path("ckpt") / "wandb"))
+    assert config.run_config["save"] == "ckpt" and config.tensorboard_dir is None
+    assert LoggingConfig.from_args(parser.parse_args(
+        ["--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", "w",
+         "--save", "ckpt"])).wandb_dir == "w"
+    default = LoggingConfig.from_args(parser.parse_args([]))
+    assert (default.log_interval, default.log_jsonl, default.wandb_dir) == (100, None, "")
+    with pytest.raises(ValueError, match=r"^LoggingConfig: log_interval=0 must be at least 1"):
+        LoggingConfig(log_interval=0)
+    with pytest.raises(ValueError, match=r"^LoggingConfig: wandb_project='p' needs"):
+        LoggingConfig(wandb_project="p", wandb_exp_name="e")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from mfsdp.trainer.config import LoggingConfig
+
 # what the trainer's per-iteration record calls each scalar -> the name Megatron-LM logs it under
 TRAINING_SCALARS = (("lm loss", "loss"), ("learning-rate", "lr"), ("grad-norm", "grad_norm"),
                     ("throughput/tokens-per-s", "tokens_per_s"),
@@ -51,18 +53,18 @@ def check_wandb_args(args: argparse.Namespace) -> None:
         raise SystemExit("--wandb-project needs the wandb package (pip install wandb)") from None
 
 
-def wandb_run(args: argparse.Namespace):
+def wandb_run(config: LoggingConfig):
     """The W&B run of ``--wandb-project`` (None without it), made as Megatron-LM makes it: name
     ``--wandb-exp-name``, entity ``--wandb-entity``, local files in ``--wandb-save-dir`` (else
     ``--save``/wandb), every argument as the run's config. ``WANDB_MODE=offline`` keeps it local."""
-    if not args.wandb_project:
+    if not config.wandb_project:
         return None
     import wandb
 
-    directory = args.wandb_save_dir or os.path.join(args.save, "wandb")
-    os.makedirs(directory, exist_ok=True)
-    return wandb.init(dir=directory, name=args.wandb_exp_name, project=args.wandb_project,
-                      entity=args.wandb_entity or None, config=vars(args))
+    os.makedirs(config.wandb_dir, exist_ok=True)
+    return wandb.init(dir=config.wandb_dir, name=config.wandb_exp_name,
+                      project=config.wandb_project, entity=config.wandb_entity or None,
+                      config=config.run_config)
 
 
 class MetricSinks:
@@ -73,11 +75,11 @@ class MetricSinks:
         self.run = run  # wandb Run, or None
 
     @classmethod
-    def open(cls, args: argparse.Namespace, rank: int) -> MetricSinks:
-        """The sinks ``args`` ask for on rank 0; none on the other ranks."""
+    def open(cls, config: LoggingConfig, rank: int) -> MetricSinks:
+        """The sinks ``config`` asks for on rank 0; none on the other ranks."""
         if rank != 0:
             return cls(None, None)
-        return cls(tensorboard_writer(args.tensorboard_dir), wandb_run(args))
+        return cls(tensorboard_writer(config.tensorboard_dir), wandb_run(config))
 
     def write(self, scalars: dict[str, float], iteration: int) -> None:
         """Log ``scalars`` (Megatron-LM's names) at step ``iteration``."""
