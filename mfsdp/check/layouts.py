@@ -50,6 +50,9 @@ class Layout:
     """``zero_dp_strategy``."""
     dp_outer: int = 1
     """HSDP outer (replica) size; the shard group is ``nproc // dp_outer``."""
+    outer_strategy: str = "no_shard"
+    """``outer_dp_sharding_strategy`` across the outer dimension: ``no_shard`` (HSDP) or
+    ``optim`` (HFSDP: main weights and optimizer state also sharded over the outer ranks)."""
     compute_dtype: str = "fp32"
     """The model's dtype (``bf16``: the model is cast to bfloat16, main weights stay fp32)."""
     grad_comm_dtype: str | None = None
@@ -65,7 +68,10 @@ class Layout:
         """The ``fully_shard`` arguments, as a user would write them."""
         parts = [f"zero_dp_strategy={self.strategy!r}"]
         if self.dp_outer > 1:
-            parts.append(f"dp_outer={self.dp_outer} (HSDP)")
+            hybrid = "HFSDP" if self.outer_strategy == "optim" else "HSDP"
+            parts.append(f"dp_outer={self.dp_outer} ({hybrid})")
+            if self.outer_strategy != "no_shard":
+                parts.append(f"outer_dp_sharding_strategy={self.outer_strategy!r}")
         if self.compute_dtype == "bf16":
             parts.append("bf16 model, fp32 main weights and grads")
         if self.grad_comm_dtype:
