@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 from mfsdp.check.layouts import TOLERANCES, Layout
 
 __all__ = ["STRATEGIES", "OUTERS", "PRECISIONS", "NPROC", "Cell", "combinations", "layout_for",
-           "refusal", "measure_matrix", "render_table"]
+           "refusal", "measure_matrix", "cell_text", "render_table"]
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """The ``zero_dp_strategy`` axis."""
@@ -216,7 +216,9 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _cell_text(c: dict) -> str:
+def cell_text(c: dict) -> str:
+    """One cell as the page shows it: ``works (worst parameter error)``, ``refused: <the API's
+    message>`` or ``fails: <why>``."""
     if c["status"] == "refused":
         return f"refused: {c['message']}"
     if c["status"] == "works":
@@ -246,7 +248,7 @@ def render_table(data: dict[str, Any]) -> str:
     head = "| strategy | outer | " + " | ".join(PRECISION_TITLES[p] for p in precisions) + " |"
     lines = [head, "|" + " --- |" * (2 + len(precisions))]
     for (strategy, outer), by_precision in rows.items():
-        texts = [_cell_text(by_precision[p]).replace("|", "\\|") if p in by_precision else " "
+        texts = [cell_text(by_precision[p]).replace("|", "\\|") if p in by_precision else " "
                  for p in precisions]
         lines.append(f"| `{strategy}` | {outer} | " + " | ".join(texts) + " |")
     return "\n".join(lines)
