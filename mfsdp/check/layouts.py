@@ -1,7 +1,7 @@
 """The layouts ``mfsdp check`` runs and the tolerances each is judged by (the one place they live).
 
 A layout is one way a user shards their model with ``mfsdp.fully_shard``: a ZeRO strategy,
-HSDP, bf16 compute with fp32 main weights, bf16 gradient communication, or a resume from a
+HSDP, HFSDP, bf16 compute with fp32 main weights, bf16 gradient communication, or a resume from a
 checkpoint into another strategy. Each names the
 ``Tolerance`` it is held to, chosen by the dtypes it computes and communicates in.
 """
@@ -87,6 +87,7 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("optim_grads", "optim_grads"),
     Layout("optim_grads_params", "optim_grads_params"),
     Layout("hsdp", "optim_grads_params", dp_outer=2, min_ranks=4),
+    Layout("hfsdp", "optim_grads_params", dp_outer=2, outer_strategy="optim", min_ranks=4),
     Layout("bf16", "optim_grads_params", compute_dtype="bf16", tolerance="bf16"),
     Layout("bf16_comm", "optim_grads_params", grad_comm_dtype="bf16", tolerance="bf16_comm"),
     Layout("resume", "optim_grads_params", resume_as="optim"),
