@@ -138,14 +138,15 @@ def _judge(cell: Cell, layout: Layout, reference: dict, got: dict) -> None:
 
 def measure_matrix(model: Any = "mfsdp.check.faults:tiny", *, steps: int = 2, lr: float = 0.1,
                    cells: Iterable[tuple[str, str, str]] | None = None, seed: int = 0,
-                   timeout: float = 600.0,
+                   timeout: float = 300.0,
                    progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Measure the matrix (or only ``cells``) for ``model`` with SGD on :data:`NPROC` gloo ranks.
 
     Refused combinations are asked of the API (:func:`refusal`) and not run. The others train
-    ``steps`` steps each in one launch of :data:`NPROC` processes (if it raises or times out, each
-    of its combinations is rerun in a launch of its own, so one bad combination fails alone), and
-    are compared with a single-process reference as ``mfsdp check`` does.
+    ``steps`` steps each in one launch of :data:`NPROC` processes (``timeout`` seconds; if it
+    raises or times out, each of its combinations is rerun in a launch of its own, of at most
+    ``min(timeout, 120)`` seconds, so one bad combination fails alone), and are compared with a
+    single-process reference as ``mfsdp check`` does.
 
     Returns JSON-ready data: ``cells`` (one :class:`Cell` as a dict each), the settings, the
     tolerances, ``seconds`` (wall) and ``cpu_seconds`` (this process and its ranks), ``launches``.
@@ -186,7 +187,7 @@ def measure_matrix(model: Any = "mfsdp.check.faults:tiny", *, steps: int = 2, lr
                 launches += 1
                 try:
                     ranks0.append(launch(_RUN_MANY, NPROC, args=(s, [layout]),
-                                         timeout=timeout)[0][0])
+                                         timeout=min(timeout, 120.0))[0][0])
                 except (RankError, LaunchTimeout) as exc:
                     ranks0.append({"error": str(exc).strip().splitlines()[0]})
     references: dict[str, dict] = {}
