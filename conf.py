@@ -41,6 +41,7 @@ extensions = [
     "sphinx_copybutton",
     "sphinxcontrib.mermaid",
     "cli_reference",  # docs/_ext: CLI reference tables generated from the argparse parsers
+    "compat_matrix",  # docs/_ext: the compatibility matrix, measured and cached by a digest
 ]
 templates_path = ["docs/_templates"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}

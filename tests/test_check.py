@@ -42,8 +42,8 @@ def _matches(value, schema, where="report"):
 
 def test_layouts_that_need_more_ranks_are_skipped_by_default_and_refused_by_name():
     run, skipped = select_layouts(None, 2)
-    assert [layout.name for layout in run] == [n for n in LAYOUTS if n != "hsdp"]
-    assert skipped == ["hsdp"]
+    assert [layout.name for layout in run] == [n for n in LAYOUTS if n not in ("hsdp", "hfsdp")]
+    assert skipped == ["hsdp", "hfsdp"]
     with pytest.raises(ValueError, match="--layouts hsdp needs --nproc 4"):
         select_layouts(["hsdp"], 2)
     with pytest.raises(ValueError, match="'zero3' is not a layout"):
@@ -189,8 +189,8 @@ def test_cli_bad_input_is_one_line_with_status_2(capsys, args, message):
 
 
 @pytest.mark.extended  # `make test`'s budget; CI runs it
-def test_hsdp_on_four_ranks_passes():
-    report = mfsdp.check(f"{FAULTS}:tiny", nproc=4, steps=2, layouts=["hsdp"], **_quiet())
+def test_hsdp_and_hfsdp_on_four_ranks_pass():
+    report = mfsdp.check(f"{FAULTS}:tiny", nproc=4, steps=2, layouts=["hsdp", "hfsdp"], **_quiet())
     assert report.passed, report.table()
 
 

@@ -1,6 +1,6 @@
 """``mfsdp check``: a parity doctor for your own model.
 
-Trains the model for a few steps on every layout (each ZeRO strategy, HSDP, bf16 compute, bf16
+Trains the model for a few steps on every layout (each ZeRO strategy, HSDP, HFSDP, bf16 compute, bf16
 gradient communication, a resume into another strategy) on ``nproc`` gloo ranks and, next to it, in one process on the same
 global batch; then reports per layout and step the loss difference, the gradient-norm and
 update-norm ratios (sharded / reference), the parameter furthest off, and a verdict against the
@@ -41,7 +41,7 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
         model: ``"package.module:factory"``, a Hugging Face config directory, a trainer preset
             (``"llama-tiny"``), or a module-level zero-argument function returning the model.
             The model maps token ids ``[B, S]`` to logits ``[B, S, V]``.
-        nproc: ranks per layout (gloo processes on this machine); ``hsdp`` needs 4.
+        nproc: ranks per layout (gloo processes on this machine); ``hsdp`` and ``hfsdp`` need 4.
         steps: optimizer steps per layout.
         optimizer: ``"sgd"`` (shows a scale error as it is) or ``"adamw"`` (what you train
             with; it normalises gradient scale away, so run SGD too).

@@ -26,7 +26,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "model), a Hugging Face config directory, or a trainer preset "
                              "(e.g. llama-tiny)")
     parser.add_argument("--nproc", type=int, default=2,
-                        help="ranks per layout (gloo processes; the hsdp layout needs 4)")
+                        help="ranks per layout (gloo processes; the hsdp and hfsdp layouts need 4)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per layout")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
                         help="SGD shows a scale error as it is; AdamW normalises it away")

@@ -1,7 +1,7 @@
 """The layouts ``mfsdp check`` runs and the tolerances each is judged by (the one place they live).
 
 A layout is one way a user shards their model with ``mfsdp.fully_shard``: a ZeRO strategy,
-HSDP, bf16 compute with fp32 main weights, bf16 gradient communication, or a resume from a
+HSDP, HFSDP, bf16 compute with fp32 main weights, bf16 gradient communication, or a resume from a
 checkpoint into another strategy. Each names the
 ``Tolerance`` it is held to, chosen by the dtypes it computes and communicates in.
 """
@@ -50,6 +50,9 @@ class Layout:
     """``zero_dp_strategy``."""
     dp_outer: int = 1
     """HSDP outer (replica) size; the shard group is ``nproc // dp_outer``."""
+    outer_strategy: str = "no_shard"
+    """``outer_dp_sharding_strategy`` across the outer dimension: ``no_shard`` (HSDP) or
+    ``optim`` (HFSDP: main weights and optimizer state also sharded over the outer ranks)."""
     compute_dtype: str = "fp32"
     """The model's dtype (``bf16``: the model is cast to bfloat16, main weights stay fp32)."""
     grad_comm_dtype: str | None = None
@@ -65,7 +68,10 @@ class Layout:
         """The ``fully_shard`` arguments, as a user would write them."""
         parts = [f"zero_dp_strategy={self.strategy!r}"]
         if self.dp_outer > 1:
-            parts.append(f"dp_outer={self.dp_outer} (HSDP)")
+            hybrid = "HFSDP" if self.outer_strategy == "optim" else "HSDP"
+            parts.append(f"dp_outer={self.dp_outer} ({hybrid})")
+            if self.outer_strategy != "no_shard":
+                parts.append(f"outer_dp_sharding_strategy={self.outer_strategy!r}")
         if self.compute_dtype == "bf16":
             parts.append("bf16 model, fp32 main weights and grads")
         if self.grad_comm_dtype:
@@ -81,6 +87,7 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("optim_grads", "optim_grads"),
     Layout("optim_grads_params", "optim_grads_params"),
     Layout("hsdp", "optim_grads_params", dp_outer=2, min_ranks=4),
+    Layout("hfsdp", "optim_grads_params", dp_outer=2, outer_strategy="optim", min_ranks=4),
     Layout("bf16", "optim_grads_params", compute_dtype="bf16", tolerance="bf16"),
     Layout("bf16_comm", "optim_grads_params", grad_comm_dtype="bf16", tolerance="bf16_comm"),
     Layout("resume", "optim_grads_params", resume_as="optim"),

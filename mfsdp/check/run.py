@@ -16,7 +16,7 @@ from mfsdp.check.layouts import Layout
 from mfsdp.check.models import (build_model, load_callable, make_batches, next_token_loss,
                                 resolve_units, vocab_size)
 
-__all__ = ["Settings", "make_optimizer", "run_reference", "run_layout"]
+__all__ = ["Settings", "make_optimizer", "mixed_precision_policy", "run_reference", "run_layout"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
 
@@ -90,13 +90,23 @@ def _strip(name: str) -> str:
     return name[len("module."):] if name.startswith("module.") else name
 
 
+def mixed_precision_policy(layout: Layout):
+    """The ``MixedPrecisionPolicy`` ``layout`` shards with: fp32 main weights and gradients under
+    bf16 compute, else the layout's gradient communication dtype."""
+    from mfsdp.config import MixedPrecisionPolicy
+
+    if layout.compute_dtype == "bf16":
+        return MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                    main_grads_dtype=torch.float32)
+    return MixedPrecisionPolicy(grad_comm_dtype=_DTYPES[layout.grad_comm_dtype])
+
+
 def _sharded(s: Settings, layout: Layout, strategy: str):
     """The user's model and optimizer, sharded as ``layout`` with ``strategy``."""
     import torch.distributed as dist
 
     # mfsdp.fully_shard and mfsdp.MixedPrecisionPolicy, imported from where they are defined
     # (mfsdp/__init__.py imports this package: no cycle)
-    from mfsdp.config import MixedPrecisionPolicy
     from mfsdp.fsdp.api import fully_shard
     from mfsdp.layout import ParallelLayout
 
@@ -105,15 +115,12 @@ def _sharded(s: Settings, layout: Layout, strategy: str):
     recursive = resolve_units(model, s["recursive_gather"]) if s["recursive_gather"] else None
     if layout.compute_dtype == "bf16":
         model = model.to(torch.bfloat16)
-        policy = MixedPrecisionPolicy(main_params_dtype=torch.float32,
-                                      main_grads_dtype=torch.float32)
-    else:
-        policy = MixedPrecisionPolicy(grad_comm_dtype=_DTYPES[layout.grad_comm_dtype])
+    policy = mixed_precision_policy(layout)
     groups = (ParallelLayout(dist.get_world_size(), layout.dp_outer).create_groups()
               if layout.dp_outer > 1 else None)
     optimizer = _user_optimizer(s, model)  # upstream's order: built on the module, then sharded
     return fully_shard(model, optimizer, fsdp_unit_modules=units, zero_dp_strategy=strategy,
-                       process_groups=groups, mixed_precision_policy=policy,
+                       outer_dp_sharding_strategy=layout.outer_strategy, process_groups=groups, mixed_precision_policy=policy,
                        recursive_gather_modules=recursive)
 
 

@@ -1,0 +1,116 @@
+"""Sphinx directive ``mfsdp-compat-matrix``: the compatibility matrix of
+:mod:`mfsdp.check.matrix`, measured when the docs are built and cached like the recipes.
+
+Usage in MyST::
+
+    ```{mfsdp-compat-matrix}
+    ```
+
+At ``builder-inited`` the extension computes a digest of everything the measurement depends on
+(the ``mfsdp`` package source, which holds the matrix code, this file, the Python and torch
+versions). The same digest as the cached data in ``build/compatibility-matrix.json``: the data is
+reused; another digest or no cache: the matrix is measured (about 40 s of CPU, one launch of
+4 gloo ranks) and the cache rewritten. The directive renders the cached data as a table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from docutils import nodes
+from docutils.core import publish_doctree
+from sphinx.util import logging
+from sphinx.util.docutils import SphinxDirective
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = ROOT / "build" / "compatibility-matrix.json"
+
+logger = logging.getLogger(__name__)
+
+
+def inputs_digest(root: Path = ROOT) -> str:
+    """sha256 of the Python and torch versions, every file of the ``mfsdp`` package and this
+    extension: what the measured matrix depends on."""
+    import torch
+
+    h = hashlib.sha256(f"{sys.version}|{torch.__version__}".encode())
+    files = sorted(p for p in (root / "mfsdp").rglob("*")
+                   if p.is_file() and "__pycache__" not in p.parts)
+    for path in [*files, Path(__file__).resolve()]:
+        h.update(path.name.encode() if not path.is_relative_to(root)
+                 else path.relative_to(root).as_posix().encode())
+        h.update(b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def load_or_measure(cache: Path = CACHE, digest: str | None = None,
+                    measure: Callable[[], dict[str, Any]] | None = None) -> tuple[dict, bool]:
+    """``(data, measured)``: the cached matrix when ``cache`` holds one for ``digest`` (default:
+    :func:`inputs_digest`), else a fresh ``measure()`` (default
+    :func:`mfsdp.check.matrix.measure_matrix`), written to ``cache``."""
+    digest = digest or inputs_digest()
+    if cache.exists():
+        cached = json.loads(cache.read_text())
+        if cached.get("digest") == digest:
+            return cached["data"], False
+    if measure is None:
+        from mfsdp.check.matrix import measure_matrix as measure
+    data = measure()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"digest": digest, "data": data}, indent=1) + "\n")
+    return data, True
+
+
+def rst_table(data: dict[str, Any]) -> str:
+    """The matrix as a reStructuredText list-table (the page's table)."""
+    from mfsdp.check.matrix import PRECISION_TITLES, PRECISIONS, cell_text
+
+    precisions = [p for p in PRECISIONS if any(c["precision"] == p for c in data["cells"])]
+    rows: dict[tuple[str, str], dict[str, dict]] = {}
+    for c in data["cells"]:
+        rows.setdefault((c["strategy"], c["outer"]), {})[c["precision"]] = c
+    lines = [".. list-table::", "   :header-rows: 1", "",
+             "   * - strategy", "     - outer"]
+    lines += [f"     - {PRECISION_TITLES[p]}" for p in precisions]
+    for (strategy, outer), by_precision in rows.items():
+        lines += [f"   * - ``{strategy}``", f"     - {outer}"]
+        for p in precisions:
+            text = cell_text(by_precision[p]) if p in by_precision else ""
+            lines.append(f"     - {' '.join(text.split()) or ' '}")
+    lines += ["", f"Measured on {data['nproc']} gloo ranks, model ``{data['model']}``, "
+              f"{data['steps']} steps of SGD (lr {data['lr']}): {data['launches']} "
+              f"launch{'es' if data['launches'] != 1 else ''}, "
+              f"{data['seconds']} s wall, {data['cpu_seconds']} s of CPU."]
+    return "\n".join(lines)
+
+
+def _ensure_matrix(app) -> None:
+    start = time.perf_counter()
+    app._mfsdp_matrix, measured = load_or_measure()
+    logger.info("compatibility matrix: %s", f"measured in {time.perf_counter() - start:.0f} s"
+                if measured else "reused (nothing it depends on changed)")
+
+
+class CompatMatrixDirective(SphinxDirective):
+    """Render the measured (or cached) compatibility matrix."""
+
+    def run(self) -> list[nodes.Node]:
+        self.env.note_dependency(str(CACHE))  # re-read the page when the matrix is re-measured
+        data = getattr(self.env.app, "_mfsdp_matrix", None)
+        if data is None:
+            data, _ = load_or_measure()
+        tree = publish_doctree(rst_table(data),
+                               settings_overrides={"report_level": 2, "halt_level": 2})
+        return list(tree.children)
+
+
+def setup(app):
+    """Register the directive and measure (or reuse) the matrix when the builder starts."""
+    app.connect("builder-inited", _ensure_matrix)
+    app.add_directive("mfsdp-compat-matrix", CompatMatrixDirective)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
