@@ -52,9 +52,10 @@ RESHARD = [
     pytest.param(4, dict(BASE), 2, dict(BASE), id="4to2", marks=pytest.mark.extended),
     pytest.param(4, dict(BASE), 4, dict(BASE, dp_outer=2), id="fsdp_to_hsdp"),
     pytest.param(2, dict(BASE, strategy="optim"), 4,
-                 dict(BASE, dp_outer=2, outer_strategy="optim"), id="zero1_to_hfsdp"),
+                 dict(BASE, dp_outer=2, outer_strategy="optim"), id="zero1_to_hfsdp",
+                 marks=pytest.mark.extended),
     pytest.param(4, dict(BASE, model="moe", ep=2), 4, dict(BASE, model="moe", ep=1),
-                 id="ep2_to_ep1"),
+                 id="ep2_to_ep1", marks=pytest.mark.extended),
     pytest.param(4, dict(BASE, model="moe", ep=2), 4,
                  dict(BASE, model="moe", ep=2, dp_outer=2), id="ep2_fsdp_to_ep2_hsdp",
                  marks=pytest.mark.extended),
@@ -130,6 +131,7 @@ def test_mfsdp_full_with_two_groups_needs_the_map(tmp_path):
         full_to_fsdp(tmp_path / "A", tmp_path / "B")
 
 
+@pytest.mark.extended  # `make test`'s 25-minute budget
 def test_the_old_name_of_mfsdp_full_still_converts_with_a_notice(tmp_path):
     """``torch_dist`` names Megatron-LM's format now; mfsdp's full-tensor checkpoints, which had
     that name, still convert with ``--from torch_dist`` for one release (one line on stderr), and

@@ -169,6 +169,7 @@ def _argv(corpus, *extra) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # `make test`'s 25-minute budget
 def test_trainer_on_indexed_data_resumes_on_the_same_samples(corpus, tmp_path):
     from mfsdp.launch import launch
 

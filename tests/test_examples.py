@@ -27,6 +27,7 @@ def _losses(out: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # `make test`'s 25-minute budget
 def test_training_script_resumes_on_another_layout_with_the_same_losses(tmp_path):
     """The complete training script (accumulation, clipping, LR schedule, meta-device init, a
     bf16/fp32 policy): saved after step 3 under FSDP over 4 ranks, resumed as HSDP (2 x 2), it
