@@ -46,6 +46,11 @@ def _default(action: argparse.Action) -> str:
     return f"``{action.default}``"
 
 
+def _literal(value) -> str:
+    """A default as an inline literal; the empty string as ``''`` (an empty literal is invalid)."""
+    return f"``{value!r}``" if value == "" else f"``{value}``"
+
+
 def _help(action: argparse.Action) -> str:
     text = (action.help or "").replace("%(default)s", str(action.default))
     return "" if text == argparse.SUPPRESS else text
@@ -115,6 +120,19 @@ def default_differences(parser: argparse.ArgumentParser, snapshot: dict) -> tupl
     return rows, agree
 
 
+def defaults_rst(parser: argparse.ArgumentParser, snapshot: dict) -> list[str]:
+    """The reStructuredText of the table of defaults that differ from Megatron-LM's."""
+    rows, agree = default_differences(parser, snapshot)
+    lines = [f"Generated from ``mfsdp train``'s parser and a snapshot of Megatron-LM's defaults "
+             f"(commit ``{snapshot['commit'][:12]}``): {agree} shared flags have the same "
+             f"default, {len(rows)} differ.", "",
+             ".. list-table::", "   :header-rows: 1", "",
+             "   * - flag", "     - Megatron-LM", "     - mfsdp"]
+    for flag, theirs, ours in rows:
+        lines += [f"   * - ``{flag}``", f"     - {_literal(theirs)}", f"     - {_literal(ours)}"]
+    return lines
+
+
 class MegatronDefaultsDirective(SphinxDirective):
     """Table of the ``mfsdp train`` flags whose defaults differ from Megatron-LM's snapshot."""
 
@@ -128,15 +146,7 @@ class MegatronDefaultsDirective(SphinxDirective):
         path = Path(self.env.srcdir) / self.arguments[1]
         self.env.note_dependency(str(path))
         snapshot = json.loads(path.read_text())
-        rows, agree = default_differences(parser, snapshot)
-        lines = [f"Generated from ``mfsdp train``'s parser and a snapshot of Megatron-LM's defaults "
-                 f"(commit ``{snapshot['commit'][:12]}``): {agree} shared flags have the same "
-                 f"default, {len(rows)} differ.", "",
-                 ".. list-table::", "   :header-rows: 1", "",
-                 "   * - flag", "     - Megatron-LM", "     - mfsdp"]
-        for flag, theirs, ours in rows:
-            lines += [f"   * - ``{flag}``", f"     - ``{theirs}``", f"     - ``{ours}``"]
-        tree = publish_doctree("\n".join(lines),
+        tree = publish_doctree("\n".join(defaults_rst(parser, snapshot)),
                                settings_overrides={"report_level": 2, "halt_level": 2})
         return list(tree.children)
 

@@ -343,15 +343,15 @@ def _logging_flags(o) -> None:
                    help="TensorBoard event files (needs the tensorboard package)")
     o.add_argument("--log-throughput", action="store_true",
                    help="add TFLOP/s per rank (model FLOPs estimate) and peak memory to the log")
-    o.add_argument("--wandb-project", default="", metavar="NAME",
+    o.add_argument("--wandb-project", metavar="NAME",
                    help="log the same scalars as TensorBoard to this Weights & Biases project "
                         "(rank 0; needs --wandb-exp-name and the wandb package; WANDB_MODE="
                         "offline keeps the run local)")
-    o.add_argument("--wandb-exp-name", default="", metavar="NAME",
+    o.add_argument("--wandb-exp-name", metavar="NAME",
                    help="the run's name in W&B")
-    o.add_argument("--wandb-save-dir", default="", metavar="DIR",
+    o.add_argument("--wandb-save-dir", metavar="DIR",
                    help="W&B's local files (default: --save/wandb)")
-    o.add_argument("--wandb-entity", default="", metavar="NAME",
+    o.add_argument("--wandb-entity", metavar="NAME",
                    help="the W&B team or user (default: the API key's)")
 
 

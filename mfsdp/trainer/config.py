@@ -63,5 +63,7 @@ class LoggingConfig:
         return cls(log_interval=args.log_interval, log_jsonl=args.log_jsonl or None,
                    log_throughput=args.log_throughput,
                    tensorboard_dir=args.tensorboard_dir or None,
-                   wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
-                   wandb_entity=args.wandb_entity, wandb_dir=wandb_dir, run_config=vars(args))
+                   wandb_project=args.wandb_project or "",
+                   wandb_exp_name=args.wandb_exp_name or "",
+                   wandb_entity=args.wandb_entity or "", wandb_dir=wandb_dir,
+                   run_config=vars(args))
