@@ -254,7 +254,7 @@ class ShardingConfig:
     @classmethod
     def from_arguments(cls, **given: Any) -> "ShardingConfig":
         """Parse and check ``fully_shard_model``'s sharding arguments (the names in
-        :data:`CONFIG_ARGUMENTS`); any other name is a ``TypeError``, as Python raises for an
+        ``CONFIG_ARGUMENTS``); any other name is a ``TypeError``, as Python raises for an
         unknown keyword, so an argument can never be dropped on the way to the engine."""
         unknown = sorted(set(given) - CONFIG_ARGUMENTS)
         if unknown:

@@ -22,8 +22,8 @@ class Tolerance:
     ratio: float
     """Largest ``|ratio - 1|`` of the gradient-norm and update-norm ratios at any step."""
     param: float
-    """Largest relative error of one parameter: ``||p_sharded - p_reference||`` over
-    ``||p_reference - p_initial||`` (how far it moved in training), at any step."""
+    """Largest relative error of one parameter at any step, that is ``||p_sharded -
+    p_reference||`` over ``||p_reference - p_initial||`` (how far training moved it)."""
 
 
 # [Note: tolerances] fp32 layouts differ from the reference only by the order of floating-point

@@ -44,7 +44,8 @@ class LayoutResult:
     tolerance: str
     passed: bool
     reason: str = ""
-    """Why it failed: the first step, metric and parameter outside the tolerance, or the error."""
+    """Why the layout failed (the first step, metric and parameter outside the tolerance, or
+    the error); empty when it passed."""
     error: str | None = None
     """The exception a rank raised (the layout then fails), else ``None``."""
     steps: list[StepResult] = field(default_factory=list)

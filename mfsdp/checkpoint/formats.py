@@ -3,7 +3,7 @@
 Each format declares its name, how it is recognised by what is on disk, how a job loads it, and
 its two converters to and from the common form, mfsdp's ``fsdp_dtensor`` (the form every
 converter already reads or writes). Everything that needs to know the formats reads
-:data:`REGISTRY`: detection (:func:`detect`), ``load_checkpoint`` and ``mfsdp train --load``,
+:data:`REGISTRY`: detection (:func:`~mfsdp.checkpoint.formats.detect`), ``load_checkpoint`` and ``mfsdp train --load``,
 ``mfsdp convert`` (its ``--from``/``--to`` choices, and each conversion a lookup: source -> common
 form -> destination, see :func:`convert`), ``--ckpt-format`` (the formats a training job writes)
 and the format table of ``docs/conversion.md`` (:func:`guide_table`, checked by the tests).
@@ -130,7 +130,7 @@ checkpoint_format = detect  # the name mfsdp convert's messages and older caller
 
 def load(path: str | Path, model, optimizer=None, verify: bool = True) -> dict:
     """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``) with the loader of
-    the format :func:`detect` finds (mfsdp's own, ``fsdp_dtensor``, when none declares one). A
+    the format :func:`~mfsdp.checkpoint.formats.detect` finds (mfsdp's own, ``fsdp_dtensor``, when none declares one). A
     collective call."""
     name = detect(path)
     fmt = REGISTRY.get(name) if name is not None else None

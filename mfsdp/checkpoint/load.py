@@ -1,5 +1,5 @@
 """Loading any checkpoint format mfsdp reads into a sharded model: the format is recognised by
-what is on disk and read by the loader it declares (:mod:`mfsdp.checkpoint.formats`)."""
+what is on disk and read by the loader it declares (``mfsdp.checkpoint.formats``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, verify: bool
     ``mfsdp.checkpoint.upstream``) or a Megatron-LM ``torch_dist`` or ``fsdp_dtensor``
     checkpoint (root with ``latest_checkpointed_iteration.txt`` or one ``iter_XXXXXXX``; see
     ``mfsdp.checkpoint.megatron_lm``), recognised by what is on disk: the loader is the one the
-    format declares in the registry (:mod:`mfsdp.checkpoint.formats`).
+    format declares in the registry (``mfsdp.checkpoint.formats``).
 
     ``verify`` (mfsdp's checkpoints): check every file against the SHA-256 sum its manifest
     records before anything is loaded (the ranks share the reading); a damaged file is named.

@@ -40,8 +40,8 @@ class LoggingConfig:
     """The W&B team or user (``--wandb-entity``). Empty: the API key's."""
 
     wandb_dir: str = ""
-    """W&B's local files: ``--wandb-save-dir``, else ``--save``/wandb; needed with
-    :attr:`wandb_project`."""
+    """The directory for W&B's local files (``--wandb-save-dir``, else ``--save``/wandb),
+    needed with :attr:`wandb_project`."""
 
     run_config: dict = field(default_factory=dict)
     """Every argument of the run, recorded as the W&B run's config (as Megatron-LM does)."""

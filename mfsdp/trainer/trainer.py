@@ -33,7 +33,7 @@ from mfsdp.trainer.signals import StopRequest, stop_request
 
 class Trainer:
     """Build, load and train with parsed ``args`` in an initialised process group whose
-    ``--save`` directory is already ours; :meth:`run` returns rank 0's log records."""
+    ``--save`` directory is already ours; ``run()`` returns rank 0's log records."""
 
     def __init__(self, args: argparse.Namespace, cfg, num_micro: int, device: torch.device,
                  log, watch: Watch) -> None:
