@@ -77,11 +77,23 @@ def rst_table(data: dict[str, Any]) -> str:
     lines = [".. list-table::", "   :header-rows: 1", "",
              "   * - strategy", "     - outer"]
     lines += [f"     - {PRECISION_TITLES[p]}" for p in precisions]
+    # A refusal is long and the same across a row: the cell names it by number, the API's
+    # message is written once below the table.
+    refusals: list[str] = []
     for (strategy, outer), by_precision in rows.items():
         lines += [f"   * - ``{strategy}``", f"     - {outer}"]
         for p in precisions:
-            text = cell_text(by_precision[p]) if p in by_precision else ""
+            cell = by_precision.get(p)
+            if cell is not None and cell["status"] == "refused":
+                if cell["message"] not in refusals:
+                    refusals.append(cell["message"])
+                text = f"refused [{refusals.index(cell['message']) + 1}]"
+            else:
+                text = cell_text(cell) if cell is not None else ""
             lines.append(f"     - {' '.join(text.split()) or ' '}")
+    if refusals:
+        lines.append("")
+        lines += [f"| [{i}] refused: {' '.join(m.split())}" for i, m in enumerate(refusals, 1)]
     lines += ["", f"Measured on {data['nproc']} gloo ranks, model ``{data['model']}``, "
               f"{data['steps']} steps of SGD (lr {data['lr']}): {data['launches']} "
               f"launch{'es' if data['launches'] != 1 else ''}, "
