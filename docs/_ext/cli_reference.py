@@ -21,6 +21,13 @@ from docutils.parsers.rst import directives
 from sphinx.util.docutils import SphinxDirective
 
 
+def rst_nodes(text: str) -> list[nodes.Node]:
+    """Docutils nodes of plain reStructuredText, parsed on its own (so a directive works the same
+    in MyST and reST pages) at the build's strictness: an error stops the build."""
+    tree = publish_doctree(text, settings_overrides={"report_level": 2, "halt_level": 2})
+    return list(tree.children)
+
+
 def _load(spec: str) -> argparse.ArgumentParser:
     module, _, attr = spec.partition(":")
     return getattr(importlib.import_module(module), attr)()
@@ -93,9 +100,7 @@ class ArgparseDirective(SphinxDirective):
         prog = self.options.get("prog", parser.prog)
         # The tables are plain reStructuredText (rubric, list-table), parsed on their own so that
         # the directive works the same in MyST and reST pages.
-        tree = publish_doctree("\n".join(_rst(parser, prog)),
-                               settings_overrides={"report_level": 2, "halt_level": 2})
-        return list(tree.children)
+        return rst_nodes("\n".join(_rst(parser, prog)))
 
 
 def default_differences(parser: argparse.ArgumentParser, snapshot: dict) -> tuple[list, int]:
@@ -146,9 +151,7 @@ class MegatronDefaultsDirective(SphinxDirective):
         path = Path(self.env.srcdir) / self.arguments[1]
         self.env.note_dependency(str(path))
         snapshot = json.loads(path.read_text())
-        tree = publish_doctree("\n".join(defaults_rst(parser, snapshot)),
-                               settings_overrides={"report_level": 2, "halt_level": 2})
-        return list(tree.children)
+        return rst_nodes("\n".join(defaults_rst(parser, snapshot)))
 
 
 def setup(app):

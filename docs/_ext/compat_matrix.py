@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from docutils import nodes
-from docutils.core import publish_doctree
+from cli_reference import rst_nodes  # docs/_ext: the same strict rst parsing
 from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 
@@ -116,9 +116,7 @@ class CompatMatrixDirective(SphinxDirective):
         data = getattr(self.env.app, "_mfsdp_matrix", None)
         if data is None:
             data, _ = load_or_measure()
-        tree = publish_doctree(rst_table(data),
-                               settings_overrides={"report_level": 2, "halt_level": 2})
-        return list(tree.children)
+        return rst_nodes(rst_table(data))
 
 
 def setup(app):
