@@ -165,7 +165,10 @@ class EngineOptions:
     calculate_per_token_loss: bool = False  # gradients summed, the loss divides by tokens
     disable_bucketing: bool = False  # every parameter in the root unit (no per-module units)
     max_inflight_reduce: int = 2  # reductions in flight before backward waits for the oldest
-    fsdp_double_buffer: bool = False  # gathered weights in a fixed two-slot pool (ZeRO-3)
+    # gathered weights (ZeRO-3) and full gradients (ZeRO-2/3) in fixed two-slot pools
+    fsdp_double_buffer: bool = False
+    # a gradient that finds its double-buffer slot held gets its own storage instead of an error
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False
     prefetch_depth: int = 1  # units ahead whose all-gather is launched
     preproc_state_dict_for_dcp_ckpt: bool = True  # state_dict() hands out DTensors for DCP
     report_nan_in_param_grad: bool = False  # check reduced gradients for NaN and name them
@@ -180,6 +183,10 @@ class EngineOptions:
             raise ValueError("average_in_collective=True divides by the data-parallel size, but "
                              "calculate_per_token_loss=True needs summed gradients (the loss is "
                              "divided by the global token count); pass one or the other")
+        if self.fsdp_db_use_persist_buf_on_alloc_fail and not self.fsdp_double_buffer:
+            raise ValueError("fsdp_db_use_persist_buf_on_alloc_fail=True is the double buffer's "
+                             "fallback; pass fsdp_double_buffer=True (or maxpool_double_buffer="
+                             "True) with it, or leave it False")
         if self.param_init_fn is not None and not self.init_model_with_meta_device:
             raise ValueError("param_init_fn is used by meta-device initialisation; pass "
                              "init_model_with_meta_device=True (or initialise the model yourself)")
@@ -201,8 +208,7 @@ _CUDA_ONLY = {
 # in mfsdp/fsdp/api.py; tests/test_engine_arguments.py checks that the two sets cover its signature.
 CONFIG_ARGUMENTS = frozenset({
     "zero_dp_strategy", "outer_dp_sharding_strategy", "mixed_precision_policy",
-    "grad_reduce_in_fp32", "preserve_fp32_weights", "maxpool_double_buffer",
-    "fsdp_db_use_persist_buf_on_alloc_fail", *_CUDA_ONLY,
+    "grad_reduce_in_fp32", "preserve_fp32_weights", "maxpool_double_buffer", *_CUDA_ONLY,
     *(f.name for f in dataclasses.fields(EngineOptions)),
 })
 
@@ -247,9 +253,6 @@ class ShardingConfig:
         if outer is ShardingStrategy.OPTIM and strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
             raise ValueError(f"outer_dp_sharding_strategy='optim' needs "
                              f"zero_dp_strategy='optim_grads_params', got {strategy.value!r}")
-        if opts.fsdp_double_buffer and not strategy.shards_params:
-            raise ValueError("fsdp_double_buffer=True needs zero_dp_strategy='optim_grads_params' "
-                             f"(gathered weights only exist under ZeRO-3), got {strategy.value!r}")
 
     @classmethod
     def from_arguments(cls, **given: Any) -> "ShardingConfig":
@@ -265,11 +268,6 @@ class ShardingConfig:
                 raise ValueError(
                     f"{name}={value!r}: {not_implemented_reason(name)}; leave {name} at "
                     f"{default!r}, or use upstream megatron_fsdp on GPUs for it")
-        if given.get("fsdp_db_use_persist_buf_on_alloc_fail", False):
-            raise ValueError(
-                "fsdp_db_use_persist_buf_on_alloc_fail=True: mfsdp's double buffer sizes both "
-                "slots for the largest unit, so no unit ever fails to fit and there is nothing to "
-                "fall back from; leave it False")
         mixed_precision_policy = given.get("mixed_precision_policy")
         grad_reduce_in_fp32 = given.get("grad_reduce_in_fp32")
         preserve_fp32_weights = given.get("preserve_fp32_weights")
@@ -292,12 +290,8 @@ class ShardingConfig:
         options = {f.name: given[f.name] for f in dataclasses.fields(EngineOptions)
                    if f.name in given}
         if given.get("maxpool_double_buffer", False):
-            if not strategy.shards_params:
-                raise ValueError("maxpool_double_buffer=True lays out the double buffer of "
-                                 "gathered weights, which exists only under zero_dp_strategy="
-                                 f"'optim_grads_params', got {strategy.value!r}; leave it False")
             # upstream's max-pooled double buffer: two slots, each sized to the largest unit,
-            # which is how mfsdp's double buffer is laid out (DoubleBuffer in mfsdp/fsdp/bucket.py)
+            # which is how mfsdp's double buffers are laid out (mfsdp/fsdp/bucket.py)
             options["fsdp_double_buffer"] = True
         return cls(strategy, outer, mixed_precision_policy, EngineOptions(**options))
 

@@ -53,7 +53,8 @@ ARGUMENTS: dict[str, tuple] = {
     "sync_model_each_microbatch": ("acts", f"{HERE}::test_bookkeeping_arguments_take_effect"),
     "average_in_collective": ("acts", f"{HERE}::test_average_in_collective_sums_then_divides"),
     "calculate_per_token_loss": ("acts", "tests/test_engine.py::test_matches_single_process_reference"),
-    "fsdp_double_buffer": ("acts", "tests/test_hsdp_ep.py::test_double_buffer_holds_exactly_two_units"),
+    "fsdp_double_buffer": ("acts", "tests/test_double_buffer.py::"
+                                   "test_gradients_of_every_non_root_unit_live_in_the_two_slots"),
     "disable_bucketing": ("acts", "tests/test_engine.py::test_shared_frozen_unused_and_options"),
     "fsdp_group_ag": ("acts", f"{HERE}::test_bookkeeping_arguments_take_effect"),
     "expt_fsdp_group_ag": ("acts", f"{HERE}::test_bookkeeping_arguments_take_effect"),
@@ -70,9 +71,8 @@ ARGUMENTS: dict[str, tuple] = {
                                    "test_decoupled_grads_and_nan_reports"),
     "grad_reduce_in_fp32": ("acts", f"{HERE}::test_bookkeeping_arguments_take_effect"),
     "preserve_fp32_weights": ("acts", f"{HERE}::test_bookkeeping_arguments_take_effect"),
-    "fsdp_db_use_persist_buf_on_alloc_fail": (
-        "refused", True, "fsdp_db_use_persist_buf_on_alloc_fail=True: mfsdp's double buffer "
-                         "sizes both slots for the largest unit"),
+    "fsdp_db_use_persist_buf_on_alloc_fail": ("acts", "tests/test_double_buffer.py::"
+                                                      "test_held_slot_falls_back_only_when_asked"),
     "keep_fp8_transpose_cache": ("refused", True, "keep_fp8_transpose_cache=True: the FP8"),
     "nccl_ub": ("refused", True, "nccl_ub=True: NCCL user-buffer registration"),
     "disable_symmetric_registration": ("refused", True, "disable_symmetric_registration=True"),
@@ -83,9 +83,9 @@ ARGUMENTS: dict[str, tuple] = {
 }
 # Arguments that act in some settings and are refused in others (the refusal is tested here too).
 ALSO_REFUSED = {
-    "maxpool_double_buffer": (dict(maxpool_double_buffer=True, zero_dp_strategy="optim_grads"),
-                              "maxpool_double_buffer=True lays out the double buffer of "
-                              "gathered weights, which exists only under"),
+    "fsdp_db_use_persist_buf_on_alloc_fail": (
+        dict(fsdp_db_use_persist_buf_on_alloc_fail=True),
+        "fsdp_db_use_persist_buf_on_alloc_fail=True is the double buffer's fallback"),
     "average_in_collective": (dict(average_in_collective=True, calculate_per_token_loss=True),
                               "average_in_collective=True divides by the data-parallel size, "
                               "but calculate_per_token_loss=True needs summed gradients"),

@@ -47,7 +47,7 @@ def _bad_inputs() -> dict[str, str]:
         "outer_optim": lambda: mfsdp.fully_shard_model(
             ToyModel(), zero_dp_strategy="optim_grads", outer_dp_sharding_strategy="optim"),
         "double_buffer": lambda: mfsdp.fully_shard_model(
-            ToyModel(), zero_dp_strategy="optim", fsdp_double_buffer=True),
+            ToyModel(), fsdp_db_use_persist_buf_on_alloc_fail=True),
         "step_after_no_sync": lambda: _step_after_no_sync(),
         "no_reset_parameters": lambda: mfsdp.fully_shard_model(
             _meta_custom(), init_model_with_meta_device=True),
@@ -107,8 +107,8 @@ EXPECTED = {
                        "(32, 32)) is not managed by mfsdp; call fully_shard_model(model) first",
     "outer_optim": "ValueError: outer_dp_sharding_strategy='optim' needs "
                    "zero_dp_strategy='optim_grads_params', got 'optim_grads'",
-    "double_buffer": "ValueError: fsdp_double_buffer=True needs zero_dp_strategy="
-                     "'optim_grads_params'",
+    "double_buffer": "ValueError: fsdp_db_use_persist_buf_on_alloc_fail=True is the double "
+                     "buffer's fallback; pass fsdp_double_buffer=True",
     "step_after_no_sync": "RuntimeError: the last backward ran under no_sync()",
     "no_reset_parameters": "ValueError: module '_Scale' (_Scale) has parameters but no "
                            "reset_parameters()",

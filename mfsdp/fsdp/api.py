@@ -150,7 +150,10 @@ def fully_shard_model(
             Not with ``calculate_per_token_loss``.
         calculate_per_token_loss: sum gradients over ranks instead of averaging (the loss is
             normalised by the global token count by the caller).
-        fsdp_double_buffer: keep gathered weights in a fixed two-unit pool.
+        fsdp_double_buffer: keep gathered weights (ZeRO-3) and full gradients (ZeRO-2/3) of
+            non-root units in fixed pools of two slots, each slot sized for the largest unit.
+            Under ``no_shard`` and ``optim`` no buffer is temporary (weights are never gathered,
+            gradients accumulate in buffers that persist), so both pools stay empty.
         disable_bucketing: put every parameter in the root unit (one bucket per group).
         fsdp_group_ag: a second process group over the dense shard ranks for all-gathers.
         expt_device_mesh, expt_fsdp_group_ag: the expert meshes and all-gather group.
@@ -181,12 +184,12 @@ def fully_shard_model(
             ``MixedPrecisionPolicy(main_grads_dtype=torch.float32, grad_comm_dtype=torch.float32)``
             and of ``main_params_dtype=torch.float32`` (``False``: the model's dtype); not
             together with ``mixed_precision_policy``.
-        fsdp_db_use_persist_buf_on_alloc_fail: ``True`` is refused: mfsdp sizes the double
-            buffer's slots for the largest unit, so a unit never fails to fit.
+        fsdp_db_use_persist_buf_on_alloc_fail: with the double buffer, gradients whose slot is
+            still held by unreduced gradients of another unit (``overlap_grad_reduce=False``,
+            nested units) get their own storage instead of stopping the backward with an error.
         maxpool_double_buffer: the double buffer with both slots sized to the largest unit
             (upstream's max-pooled layout, which is mfsdp's double buffer): it turns
-            ``fsdp_double_buffer`` on; refused outside ``optim_grads_params``, where no weights
-            are gathered.
+            ``fsdp_double_buffer`` on.
         nccl_ub: upstream's CUDA-only features (also ``keep_fp8_transpose_cache``,
             ``disable_symmetric_registration``, ``enable_fine_grained_param_gather``,
             ``cuda_graph_mode``): a non-default value is an error that says so.

@@ -249,6 +249,10 @@ class Bucket:
     # Double buffer: the gathered weights live in a pool slot instead of their own storage.
     in_pool: bool = field(init=False, default=False)
     pool_held: bool = field(init=False, default=False)  # its slot holds this bucket's weights now
+    # Gradient double buffer (ZeRO-2/3 under fsdp_double_buffer): (slot, byte offset) of this
+    # bucket's full gradients in the pool, and whether grad_full is that view right now.
+    grad_home: tuple[int, int] | None = field(init=False, default=None)
+    grad_pooled: bool = field(init=False, default=False)
     # HSDP: inner-reduced gradients whose outer reduction is in flight (the reducer's handle).
     outer_pending: Any = field(init=False, default=None)
     # Parameters that take a gradient: the hooks count `ready` up to it.
@@ -374,8 +378,9 @@ class Bucket:
         if self.sharded_params:
             _free(self.full)
 
-    def ensure_grad_full(self) -> torch.Tensor:
-        """The bucket's full gradient buffer, allocated when first needed.
+    def ensure_grad_full(self, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The bucket's full gradient buffer, allocated when first needed (or ``into``, a
+        ``padded_numel`` view of the gradient double buffer, under ZeRO-2/3).
 
         ZeRO-2/3 allocate it uninitialised and zero only the padding between and after the
         parameters: each parameter's first gradient is copied in (``written`` tracks which), and
@@ -385,7 +390,9 @@ class Bucket:
         if self.grad_full is None:
             n = self.plan.padded_numel
             if self.sharded_grads:
-                self.grad_full = torch.empty(n, dtype=self.grad_dtype, device=self.device)
+                self.grad_pooled = into is not None
+                self.grad_full = into if self.grad_pooled else torch.empty(
+                    n, dtype=self.grad_dtype, device=self.device)
                 for start, end in self.plan_gaps():
                     self.grad_full[start:end].zero_()
                 self.written = [False] * len(self.plan.params)
@@ -425,12 +432,18 @@ class Bucket:
                 self.grad_full[slot.offset:slot.offset + slot.numel].zero_()
                 self.written[i] = True
 
+    def grad_full_bytes(self) -> int:
+        """Bytes of the full gradient buffer held now (its own storage or its pool place)."""
+        g = self.grad_full
+        return 0 if g is None else g.numel() * g.element_size()
+
     def release_grad_full(self) -> None:
         """Drop the full gradient buffer (ZeRO-2/3) or zero it for the next accumulation."""
         if self.grad_full is None or self.replicated:
             return
         if self.sharded_grads:
             self.grad_full = None
+            self.grad_pooled = False
         else:
             self.grad_full.zero_()
 
@@ -510,6 +523,75 @@ class DoubleBuffer:
             self.owner[j] = None
         for b in unit.buckets:
             b.pool_held = False
+
+
+class GradDoubleBuffer:
+    """Two slots for the full gradients of non-root units (``fsdp_double_buffer`` under ZeRO-2/3).
+
+    Under ZeRO-2/3 a unit's full gradients exist from its first gradient in backward until its
+    reduce-scatter ends. With the double buffer they live in one of two slots, each sized for the
+    largest unit and allocated once, unit ``i`` in slot ``i % 2`` (as the weights' pool does): the
+    addresses never change, which is what NCCL user-buffer registration and CUDA-graph replay need.
+    When a unit's slot is still held by the unit two places later in backward order, that unit's
+    reduction in flight is finished first. If it cannot be (its reduction was not launched yet:
+    ``overlap_grad_reduce=False``, nested units), the gradients either get their own storage
+    (``fsdp_db_use_persist_buf_on_alloc_fail=True``, counted in ``fallbacks``) or the backward
+    stops with an error that names both units.
+    """
+
+    ALIGN = 64  # bytes
+
+    def __init__(self, units: list, device: torch.device, fallback: bool):
+        self.fallback = fallback  # fsdp_db_use_persist_buf_on_alloc_fail
+        self.fallbacks = 0  # gradients that took their own storage instead of a slot
+        self.takes = 0  # gradients placed in a slot (a bucket per backward)
+        sizes = []
+        for i, u in enumerate(units):
+            offset = 0
+            for b in u.buckets:
+                if b.requires_grad and b.sharded_grads:
+                    b.grad_home = (i % 2, offset)
+                    offset += self._aligned(b)
+            sizes.append(offset)
+        self.slot_bytes = max(sizes, default=0)
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device)
+                      for _ in range(2)]
+        self.owner: list[str | None] = [None, None]  # the unit whose gradients fill the slot
+        self.held = [0, 0]  # buckets of that unit whose gradients are in the slot now
+
+    @classmethod
+    def _aligned(cls, b: Bucket) -> int:
+        nbytes = b.plan.padded_numel * torch.empty(0, dtype=b.grad_dtype).element_size()
+        return -(-nbytes // cls.ALIGN) * cls.ALIGN
+
+    def free_for(self, b: Bucket) -> bool:
+        """Whether ``b``'s slot is free or already holds gradients of ``b``'s unit."""
+        return self.owner[b.grad_home[0]] in (None, b.unit)
+
+    def take(self, b: Bucket) -> torch.Tensor:
+        """``b``'s place in its slot, as a flat ``grad_dtype`` tensor (the slot must be free)."""
+        j, offset = b.grad_home
+        self.owner[j] = b.unit
+        self.held[j] += 1
+        self.takes += 1
+        nbytes = b.plan.padded_numel * torch.empty(0, dtype=b.grad_dtype).element_size()
+        return self.slots[j][offset:offset + nbytes].view(b.grad_dtype)
+
+    def give(self, b: Bucket) -> None:
+        """``b`` released its gradients; the slot is free once its unit's last bucket did."""
+        j = b.grad_home[0]
+        self.held[j] -= 1
+        if self.held[j] == 0:
+            self.owner[j] = None
+
+    def refuse(self, b: Bucket) -> RuntimeError:
+        """The error for a unit whose slot is held by gradients not yet reduced."""
+        return RuntimeError(
+            f"fsdp_double_buffer: the gradients of unit {b.unit!r} need slot {b.grad_home[0]}, "
+            f"still held by the unreduced gradients of unit {self.owner[b.grad_home[0]]!r}; the "
+            "gradient double buffer needs reductions launched during backward "
+            "(overlap_grad_reduce=True) and units that run one after another; or pass "
+            "fsdp_db_use_persist_buf_on_alloc_fail=True to give such gradients their own storage")
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mfsdp.fsdp.agreement import agree_on_rng, agree_on_values, check_same_model
-from mfsdp.fsdp.bucket import Bucket, DoubleBuffer, plan_bucket
+from mfsdp.fsdp.bucket import Bucket, DoubleBuffer, GradDoubleBuffer, plan_bucket
 from mfsdp.config import ShardingStrategy
 from mfsdp.fsdp.dtensor import TPSpec
 from mfsdp.fsdp.param import ShardedParam
@@ -36,6 +36,7 @@ class Construction:
 
     units: list[FSDPUnit]  # the root unit first, then the others in module order
     pool: DoubleBuffer | None  # gathered weights of non-root units (fsdp_double_buffer)
+    grad_pool: GradDoubleBuffer | None  # their full gradients (fsdp_double_buffer, ZeRO-2/3)
     sparams: list[ShardedParam] = field(default_factory=list)  # in model order
     # id of any face of a parameter (the original, the full view, the DTensor, the local rows)
     by_id: dict[int, ShardedParam] = field(default_factory=dict)
@@ -198,13 +199,16 @@ def build_units(state: ShardingState, root: nn.Module, wrapper: nn.Module,
                 slot[id(e["param"])] = (bucket, i)
             unit.buckets.append(bucket)
         units.append(unit)
-    pool = None
+    pool = grad_pool = None
     if state.double_buffer and len(units) > 1:
         pool = DoubleBuffer(units[1:], state.device)
+    if state.grad_double_buffer and len(units) > 1:
+        grad_pool = GradDoubleBuffer(units[1:], state.device,
+                                     state.options.fsdp_db_use_persist_buf_on_alloc_fail)
     buckets = [b for u in units for b in u.buckets]
     _check_replicas(state, params, slot, meta_init)
     _load_values(state, root, buckets, params, slot, meta_init)
-    out = Construction(units, pool, originals=[e["param"] for e in params.values()])
+    out = Construction(units, pool, grad_pool, originals=[e["param"] for e in params.values()])
     # Replace every parameter by a ShardedParam: a view of its bucket during forward, a DTensor
     # over its main-weight rows outside (see mfsdp/fsdp/param.py).
     paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)}

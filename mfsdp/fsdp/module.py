@@ -80,6 +80,7 @@ class FullyShardedModule(nn.Module):
         state.units = built.units
         state.unit_by_name = {u.name: u for u in built.units}
         state.pool = built.pool
+        state.grad_pool = built.grad_pool
         state.sparams = built.sparams
         self._sparam_by_id = built.by_id  # any face of a parameter -> its ShardedParam
         self._original_params = built.originals  # read once by the API, then dropped
@@ -120,6 +121,8 @@ class FullyShardedModule(nn.Module):
     units = property(lambda self: self.state.units, doc="The FSDP units, root first.")
     unit_by_name = property(lambda self: self.state.unit_by_name, doc="Units by module path.")
     pool = property(lambda self: self.state.pool, doc="The double-buffer pool, or None.")
+    grad_pool = property(lambda self: self.state.grad_pool,
+                         doc="The gradient double buffer (ZeRO-2/3), or None.")
     reducer = property(lambda self: self.state.reducer, doc="The gradient reducer.")
     memory = property(lambda self: self.state.memory,
                       doc="The measured bytes of gathered weights and full gradient buffers, "

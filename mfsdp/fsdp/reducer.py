@@ -121,10 +121,34 @@ class GradReducer:
             # [Note: no_shard accumulation]
             bucket.grad_full = torch.zeros_like(bucket.grad_shard)
         if bucket.grad_full is None:
-            bucket.ensure_grad_full()
+            bucket.ensure_grad_full(self._pool_place(bucket))
             if bucket.sharded_grads:
-                self.state.count_grad_full(bucket.grad_full.untyped_storage().nbytes())
+                self.state.count_grad_full(bucket.grad_full_bytes())
         return bucket.grad_full
+
+    def _pool_place(self, bucket: Bucket) -> torch.Tensor | None:
+        """``bucket``'s place in the gradient double buffer (None: its own storage)."""
+        pool = self.state.grad_pool
+        if pool is None or bucket.grad_home is None:
+            return None
+        while not pool.free_for(bucket) and self.inflight:
+            self._finish_one()  # the slot's holder is reduced, oldest first
+        if pool.free_for(bucket):
+            return pool.take(bucket)
+        if not pool.fallback:
+            raise pool.refuse(bucket)
+        pool.fallbacks += 1
+        return None
+
+    def release_grad_full(self, b: Bucket) -> None:
+        """Drop ``b``'s full gradients after their reduction (ZeRO-2/3: storage or pool place
+        freed and uncounted; otherwise zeroed for the next accumulation)."""
+        nbytes = b.grad_full_bytes() if b.sharded_grads else 0
+        pooled = b.grad_pooled
+        b.release_grad_full()
+        self.state.count_grad_full(-nbytes)
+        if pooled:
+            self.state.grad_pool.give(b)
 
     # -- launching -------------------------------------------------------------------------------
     def bucket_ready(self, bucket: Bucket) -> None:
@@ -175,9 +199,7 @@ class GradReducer:
                     if b.outer_pending is None:
                         b.outer_pending = torch.zeros_like(value)
                     b.outer_pending.add_(value)
-                nbytes = b.grad_full.untyped_storage().nbytes() if b.sharded_grads else 0
-                b.release_grad_full()
-                self.state.count_grad_full(-nbytes)
+                self.release_grad_full(b)
                 if outer is not None and self.reducing_outer():
                     self._outer_reduce(b, b.outer_pending)
 

@@ -192,6 +192,9 @@ class ShardingState:
     units: list = field(default_factory=list)
     unit_by_name: dict = field(default_factory=dict)
     pool: Any = None  # mfsdp.fsdp.bucket.DoubleBuffer under fsdp_double_buffer, else None
+    # mfsdp.fsdp.bucket.GradDoubleBuffer: full gradients of non-root units under
+    # fsdp_double_buffer with ZeRO-2/3, else None.
+    grad_pool: Any = None
     sparams: list = field(default_factory=list)
     reducer: Any = None  # the GradReducer
     # Weights all-gathered after an optimizer step (ZeRO-1/2, HFSDP), waited for before next use.
@@ -206,6 +209,11 @@ class ShardingState:
     def double_buffer(self) -> bool:
         """Whether gathered weights of non-root units live in the two-slot pool (ZeRO-3 only)."""
         return self.options.fsdp_double_buffer and self.strategy.shards_params
+
+    @property
+    def grad_double_buffer(self) -> bool:
+        """Whether full gradients of non-root units live in a two-slot pool (ZeRO-2/3)."""
+        return self.options.fsdp_double_buffer and self.strategy.shards_grads
 
     def count_gathered(self, nbytes: int) -> None:
         """``nbytes`` of unit weights were gathered (negative: released)."""
@@ -239,7 +247,10 @@ class ShardingState:
                 b.grad_full = b.grad_shard  # drop the second buffer, if any
                 b.holds_reduced = False
             elif b.grad_full is not None:
+                pooled = b.grad_pooled
                 b.release_grad_full()
+                if pooled:
+                    self.grad_pool.give(b)
                 if b.sharded_grads:
                     self.memory["grad_full_bytes"] = 0
         for sp in self.sparams:

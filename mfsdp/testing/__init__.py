@@ -225,6 +225,14 @@ def train_sharded(cfg: dict) -> dict:
             "local_numel": [m.numel() for m, _, _ in opt._mains],
             "pool_bytes": sum(t.numel() for t in model.pool.slots) if model.pool else 0,
             "slot_bytes": model.pool.slot_bytes if model.pool else 0,
+            "grad_pool": ({"slot_bytes": model.grad_pool.slot_bytes,
+                           "takes": model.grad_pool.takes, "fallbacks": model.grad_pool.fallbacks}
+                          if model.grad_pool else None),
+            "grad_buckets": sum(1 for u in model.units[1:] for b in u.buckets
+                                if b.requires_grad and b.sharded_grads),
+            "unit_grad_bytes": max((sum(b.plan.padded_numel * b.grad_shard.element_size()
+                                        for b in u.buckets if b.requires_grad)
+                                    for u in model.units[1:]), default=0),
             "root_bytes": sum(b.plan.padded_numel * b.full.element_size()
                               for b in model.units[0].buckets),
             "unit_bytes": max((u.gathered_bytes for u in model.units if not u.is_root), default=0)}
