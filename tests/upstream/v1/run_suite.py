@@ -1,6 +1,6 @@
 """Run NVIDIA's own ``fully_shard`` test suite against mfsdp on CPU ranks (gloo).
 
-``fully_shard_suite.py`` is Megatron-LM's
+``third_party/fully_shard_suite.py`` is Megatron-LM's
 ``tests/unit_tests/distributed/megatron_fsdp/test_mfsdp_fully_shard.py`` (the suite of the
 ``megatron_fsdp`` 0.6.1 release), kept verbatim. This runner builds a scratch directory where
 that file runs unchanged in its logic:
@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
-SUITE = HERE / "fully_shard_suite.py"
+SUITE = HERE / "third_party" / "fully_shard_suite.py"
 
 SHIM_FULLY_SHARD = '''"""megatron_fsdp's fully_shard module, answered by mfsdp."""
 from mfsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
