@@ -1,8 +1,9 @@
 """NVIDIA's own ``fully_shard`` suite (``megatron_fsdp`` 0.6.1) against mfsdp on 8 gloo ranks.
 
-The suite is kept verbatim in ``tests/upstream/v1/third_party/fully_shard_suite.py``; the runner next to it
-says what it changes around it (an import shim, a gloo ``Utils``, a Transformer Engine stand-in
-that skips, ``"cuda"`` read as ``"cpu"``). Every test that does not need CUDA must pass.
+The suite is kept verbatim in ``tests/upstream/v1/third_party/fully_shard_suite.py``; the runner
+(``tests/upstream/v1/run_suite.py``) says what it changes around it (an import shim, a gloo
+``Utils``, a Transformer Engine stand-in that skips, ``"cuda"`` read as ``"cpu"``). Every test
+that does not need CUDA must pass.
 """
 import subprocess
 import sys
