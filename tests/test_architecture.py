@@ -142,3 +142,14 @@ def test_units_and_the_reducer_are_handed_state_not_the_model():
                              "after a no-grad forward": "idle"}
     for path in ("unit.py", "reducer.py", "construct.py"):
         assert "self.model" not in (PKG / "fsdp" / path).read_text(), path
+
+
+def test_production_start_up_stands_apart_from_the_test_launcher():
+    """``mfsdp.runtime`` (a rank's start-up and shutdown) is a base module: it imports nothing of
+    ours. The launcher of tests and recipes (``mfsdp.launch``) is for the top floor, harnesses and
+    tools only: the engine, formats, models, data, MoE and the trainer never import it."""
+    assert _floor("mfsdp.runtime", ("mfsdp",)) == []
+    below = ("mfsdp.fsdp", "mfsdp.config", "mfsdp.layout", "mfsdp.checkpoint", "mfsdp.models",
+             "mfsdp.data", "mfsdp.moe", "mfsdp.experimental", "mfsdp.trainer", "mfsdp.train",
+             "mfsdp.runtime")
+    assert [f for b in below for f in _floor(b, ("mfsdp.launch",))] == []
