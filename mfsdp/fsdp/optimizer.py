@@ -87,6 +87,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sparam_set.update(sparams)
 
     @property
+    def sharded_params(self) -> list:
+        """The :class:`~mfsdp.fsdp.param.ShardedParam` of every parameter stepped, in
+        ``param_groups`` order (``state_dict()``'s indices)."""
+        return list(self._sparams)
+
+    @property
     def main_shards(self) -> list[tuple[torch.Tensor, object, int]]:
         """(main-weight rows, bucket, index in the bucket) of every parameter stepped, in
         ``param_groups`` order: what checkpoints read the optimizer state by."""
