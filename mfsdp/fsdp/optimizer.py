@@ -34,7 +34,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` so that it steps on the main-weight shards of ``model``.
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's (the same objects), so
-    schedulers and hand edits reach it; other attributes fall through to it.
+    schedulers and hand edits reach it; other attributes fall through to it. It is built by
+    ``torch.optim.Optimizer.__init__``: ``step()`` runs the hooks registered on it (and the global
+    ones) as any optimizer's does, and ``add_param_group`` takes more of the model's parameters.
     """
 
     # torch.amp.GradScaler then calls step(grad_scaler=...) and lets us skip steps on all ranks
