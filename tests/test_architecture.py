@@ -263,3 +263,64 @@ def test_the_private_attribute_check_sees_what_it_must():
     assert [(a, s) for _, a, s in _private_uses(tree) if a not in own] == [
         ("_theirs", "model._theirs"), ("_state", "getattr(opt, '_state', None)"),
         ("_mains", "opt._mains")]
+
+
+# Methods that initialise an object in place of __init__ (the class is swapped onto an object
+# torch built), and fields a base class from torch creates outside its __init__.
+_INITIALISERS = {"__init__", "__post_init__", "_init_fsdp"}
+_BASE_FIELDS = {("LazyPlanner", "plan"): "torch's DefaultSavePlanner keeps its plan in self.plan"}
+
+
+def _fields_set_late(tree: ast.AST) -> list[str]:
+    """``Class.method: field`` for every field a method sets on ``self`` (also through
+    ``object.__setattr__`` or ``self.__dict__``) that neither an initialiser nor the class body declares."""
+    def stores(fn) -> list[tuple[int, str]]:
+        out = []
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) \
+                    and isinstance(n.value, ast.Name) and n.value.id == "self":
+                out.append((n.lineno, n.attr))
+            elif isinstance(n, ast.Call) and ast.unparse(n.func) == "object.__setattr__" \
+                    and len(n.args) >= 2 and ast.unparse(n.args[0]) == "self" \
+                    and isinstance(n.args[1], ast.Constant):
+                out.append((n.lineno, n.args[1].value))
+            elif isinstance(n, ast.Call) and ast.unparse(n.func) == "self.__dict__.setdefault" \
+                    and n.args and isinstance(n.args[0], ast.Constant):
+                out.append((n.lineno, n.args[0].value))
+            elif isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) \
+                    and ast.unparse(n.value) == "self.__dict__" \
+                    and isinstance(n.slice, ast.Constant):
+                out.append((n.lineno, n.slice.value))
+        return out
+
+    late = []
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        methods = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        declared = {f.name for f in methods}
+        for item in cls.body:
+            if isinstance(item, ast.Assign):
+                declared |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+            elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                declared.add(item.target.id)
+        for f in methods:
+            if f.name in _INITIALISERS:
+                declared |= {name for _, name in stores(f)}
+        for f in methods:
+            if f.name not in _INITIALISERS:
+                late += [f"{cls.name}.{f.name}:{line}: {name}" for line, name in stores(f)
+                         if name not in declared and (cls.name, name) not in _BASE_FIELDS]
+    return late
+
+
+def test_every_field_is_declared_where_its_class_is_initialised():
+    """#40: the engine, the checkpoint formats and the per-module API declare every field of an
+    object in ``__init__`` (or the initialiser of a class swapped onto an object torch made), so
+    a reader finds an object's whole state in one place; no method creates one later."""
+    found = []
+    for name, path in sorted(_modules().items()):
+        if name.startswith(("mfsdp.fsdp", "mfsdp.checkpoint", "mfsdp.experimental")):
+            found += [f"{name}: {f}" for f in _fields_set_late(ast.parse(path.read_text()))]
+    assert found == []
+    src = ("class A:\n    def __init__(self):\n        self.a = 1\n"
+           "    def later(self):\n        self.a = 2\n        self.b = 3\n")
+    assert _fields_set_late(ast.parse(src)) == ["A.later:6: b"]
