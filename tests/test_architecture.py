@@ -6,6 +6,7 @@ functions count."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "mfsdp"
@@ -19,6 +20,7 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def _imports() -> dict[str, set[str]]:
     mods = _modules()
     edges: dict[str, set[str]] = {m: set() for m in mods}
@@ -142,3 +144,183 @@ def test_units_and_the_reducer_are_handed_state_not_the_model():
                              "after a no-grad forward": "idle"}
     for path in ("unit.py", "reducer.py", "construct.py"):
         assert "self.model" not in (PKG / "fsdp" / path).read_text(), path
+
+
+def test_production_start_up_stands_apart_from_the_test_launcher():
+    """``mfsdp.runtime`` (a rank's start-up and shutdown) is a base module: it imports nothing of
+    ours. The launcher of tests and recipes (``mfsdp.launch``) is for the top floor, harnesses and
+    tools only: the engine, formats, models, data, MoE and the trainer never import it."""
+    assert _floor("mfsdp.runtime", ("mfsdp",)) == []
+    below = ("mfsdp.fsdp", "mfsdp.config", "mfsdp.layout", "mfsdp.checkpoint", "mfsdp.models",
+             "mfsdp.data", "mfsdp.moe", "mfsdp.experimental", "mfsdp.trainer", "mfsdp.train",
+             "mfsdp.runtime")
+    assert [f for b in below for f in _floor(b, ("mfsdp.launch",))] == []
+
+
+# Private attributes of objects the package does not own, read or written on purpose: the
+# name, and why no public way serves.
+_FOREIGN_PRIVATE = {
+    # torch.nn.Module: the engine swaps parameters in place and replays hooks of fused modules
+    "_parameters": "nn.Module's parameter table: the engine swaps parameter faces in place",
+    "_buffers": "nn.Module's buffer table: buffers move with the shards' device",
+    "_non_persistent_buffers_set": "nn.Module: which buffers a state dict leaves out",
+    "_forward_pre_hooks": "nn.Module: fused experts replay their children's FSDP hooks",
+    "_forward_pre_hooks_with_kwargs": "nn.Module: the same, hooks taking kwargs",
+    "_forward_hooks": "nn.Module: the same, post-forward hooks",
+    "_forward_hooks_with_kwargs": "nn.Module: the same, post-forward hooks taking kwargs",
+    "_reset_parameters": "torch modules' own initialiser (nn.MultiheadAttention...), for meta init",
+    # torch tensors, autograd, AMP
+    "_local_tensor": "DTensor's local tensor itself (to_local() goes through autograd)",
+    "_per_optimizer_states": "GradScaler's found-inf record, which ranks must agree on",
+    "_execution_engine": "autograd's queue_callback: the end-of-backward callback",
+    "_C": "torch._C: the current graph task id (is a backward running?)",
+    "_current_graph_task_id": "the same",
+    "_record_memory_history": "torch.cuda.memory's snapshot API (documented, underscored)",
+    "_dump_snapshot": "the same",
+    # the standard library and other libraries
+    "_exit": "os._exit: leave without the interpreter's teardown (mfsdp.runtime.shutdown)",
+    "_actions": "argparse: the parser's actions, to list the flags",
+    "_StoreConstAction": "argparse: the class of store_const/store_true actions",
+    "_init_weights": "transformers' per-module initialiser, as param_init_fn",
+}
+
+
+def _private_uses(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """(line, attribute, source) of every private attribute read or written on an object other
+    than ``self``, ``cls`` or ``super()``; ``getattr``/``setattr``/``hasattr``/``delattr`` with a
+    constant private name count too."""
+    out = []
+    for node in ast.walk(tree):
+        name, base = None, None
+        if isinstance(node, ast.Attribute):
+            name, base = node.attr, node.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str)):
+            name, base = node.args[1].value, node.args[0]
+        if name is None or not name.startswith("_") or name.startswith("__"):
+            continue
+        if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+            continue
+        if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) \
+                and base.func.id == "super":
+            continue
+        out.append((node.lineno, name, ast.unparse(node)))
+    return out
+
+
+def _own_private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines: its functions, methods and classes, class attributes,
+    and fields it assigns on ``self`` (also through ``object.__setattr__``/``__dict__``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id == "self":
+            names.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            pass
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "__setattr__" and len(node.args) >= 2 \
+                and isinstance(node.args[1], ast.Constant):
+            names.add(node.args[1].value)
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) \
+                and ast.unparse(node.value).endswith(".__dict__") \
+                and isinstance(node.slice, ast.Constant):
+            names.add(node.slice.value)
+    return {n for n in names if isinstance(n, str) and n.startswith("_")}
+
+
+def test_no_private_attribute_is_read_or_written_across_modules():
+    """#40: state is owned where it is declared. A module touches private attributes only of
+    ``self``/``cls``/``super()``, of objects of its own classes (a name the module itself
+    defines), or of torch, the standard library and transformers where no public way exists
+    (``_FOREIGN_PRIVATE``, each with its reason); anything else needs a public accessor."""
+    found = []
+    for name, path in sorted(_modules().items()):
+        tree = ast.parse(path.read_text())
+        own = _own_private_names(tree)
+        for line, attr, src in _private_uses(tree):
+            if attr not in own and attr not in _FOREIGN_PRIVATE:
+                found.append(f"{name}:{line}: {src}")
+    assert found == []
+
+
+def test_the_private_attribute_check_sees_what_it_must():
+    """The check above on small sources: a foreign private read, write and ``getattr`` are
+    found; ``self``, ``super()`` and a module's own class are not."""
+    src = ("class A:\n    def __init__(self):\n        self._mine = 1\n"
+           "    def f(self, other):\n        return other._mine + super()._g()\n"
+           "def g(model, opt):\n    model._theirs = 1\n    getattr(opt, '_state', None)\n"
+           "    return opt._mains\n")
+    tree = ast.parse(src)
+    own = _own_private_names(tree)
+    assert [(a, s) for _, a, s in _private_uses(tree) if a not in own] == [
+        ("_theirs", "model._theirs"), ("_state", "getattr(opt, '_state', None)"),
+        ("_mains", "opt._mains")]
+
+
+# Methods that initialise an object in place of __init__ (the class is swapped onto an object
+# torch built), and fields a base class from torch creates outside its __init__.
+_INITIALISERS = {"__init__", "__post_init__", "_init_fsdp"}
+_BASE_FIELDS = {("LazyPlanner", "plan"): "torch's DefaultSavePlanner keeps its plan in self.plan"}
+
+
+def _fields_set_late(tree: ast.AST) -> list[str]:
+    """``Class.method: field`` for every field a method sets on ``self`` (also through
+    ``object.__setattr__`` or ``self.__dict__``) that neither an initialiser nor the class body declares."""
+    def stores(fn) -> list[tuple[int, str]]:
+        out = []
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) \
+                    and isinstance(n.value, ast.Name) and n.value.id == "self":
+                out.append((n.lineno, n.attr))
+            elif isinstance(n, ast.Call) and ast.unparse(n.func) == "object.__setattr__" \
+                    and len(n.args) >= 2 and ast.unparse(n.args[0]) == "self" \
+                    and isinstance(n.args[1], ast.Constant):
+                out.append((n.lineno, n.args[1].value))
+            elif isinstance(n, ast.Call) and ast.unparse(n.func) == "self.__dict__.setdefault" \
+                    and n.args and isinstance(n.args[0], ast.Constant):
+                out.append((n.lineno, n.args[0].value))
+            elif isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) \
+                    and ast.unparse(n.value) == "self.__dict__" \
+                    and isinstance(n.slice, ast.Constant):
+                out.append((n.lineno, n.slice.value))
+        return out
+
+    late = []
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        methods = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        declared = {f.name for f in methods}
+        for item in cls.body:
+            if isinstance(item, ast.Assign):
+                declared |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+            elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                declared.add(item.target.id)
+        for f in methods:
+            if f.name in _INITIALISERS:
+                declared |= {name for _, name in stores(f)}
+        for f in methods:
+            if f.name not in _INITIALISERS:
+                late += [f"{cls.name}.{f.name}:{line}: {name}" for line, name in stores(f)
+                         if name not in declared and (cls.name, name) not in _BASE_FIELDS]
+    return late
+
+
+def test_every_field_is_declared_where_its_class_is_initialised():
+    """#40: the engine, the checkpoint formats and the per-module API declare every field of an
+    object in ``__init__`` (or the initialiser of a class swapped onto an object torch made), so
+    a reader finds an object's whole state in one place; no method creates one later."""
+    found = []
+    for name, path in sorted(_modules().items()):
+        if name.startswith(("mfsdp.fsdp", "mfsdp.checkpoint", "mfsdp.experimental")):
+            found += [f"{name}: {f}" for f in _fields_set_late(ast.parse(path.read_text()))]
+    assert found == []
+    src = ("class A:\n    def __init__(self):\n        self.a = 1\n"
+           "    def later(self):\n        self.a = 2\n        self.b = 3\n")
+    assert _fields_set_late(ast.parse(src)) == ["A.later:6: b"]

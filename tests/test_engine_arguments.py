@@ -222,7 +222,7 @@ def _hybrid(outer_strategy: str) -> dict:
     model.finish_grad_sync()
     flags = sorted({r["group"] for r in model.comm_log.records if r["op"] == "flags"})
     out = {"flags_on": flags,
-           "main_group_is_given": all(sp.group is hybrid for sp in model._sparams)}
+           "main_group_is_given": all(sp.group is hybrid for sp in model.sharded_params)}
     try:
         mfsdp.fully_shard_model(ToyModel(), hybrid_fsdp_group=mesh.get_group("dp_shard"), **kwargs)
         out["wrong_group"] = "no error"

@@ -447,7 +447,7 @@ def _v1_snapshot(fm, opt) -> dict:
     out = {f"w.{n}": v for n, v in fm.full_parameters().items()}
     for i, st in state.items():
         for k, v in st.items():
-            out[f"s.{opt._sparams[i].name}.{k}"] = _full(v)
+            out[f"s.{opt.sharded_params[i].name}.{k}"] = _full(v)
     return out
 
 
@@ -455,7 +455,7 @@ def _v2_snapshot(model, opt) -> dict:
     out = {}
     for n, p in model.named_parameters():
         out[f"w.{n}"] = p.full_tensor()
-        sp = model.engine._sparam_by_id[id(p)]
+        sp = model.engine.sharded_param(p)
         for k, v in opt.state.get(p, {}).items():
             # torch.optim's state of an uneven DTensor is a plain DTensor: gather its rows as
             # the parameter's

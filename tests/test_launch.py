@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mfsdp.launch import LaunchTimeout, RankError, launch, rank_info
+from mfsdp.launch import LaunchTimeout, RankError, launch
+from mfsdp.runtime import rank_info
 
 
 def _rank_and_gather(scale):
@@ -148,7 +149,7 @@ def test_shutdown_exit_code_ends_the_process_without_teardown(tmp_path):
     script = tmp_path / "s.py"
     # An atexit handler would run in a normal exit; os._exit skips it, and what was printed
     # before (without a newline, still buffered) is flushed.
-    script.write_text("import atexit\nfrom mfsdp.launch import shutdown\n"
+    script.write_text("import atexit\nfrom mfsdp.runtime import shutdown\n"
                       "atexit.register(lambda: print('teardown ran'))\n"
                       "print('done', end='')\nshutdown(exit_code=3)\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

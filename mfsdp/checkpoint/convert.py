@@ -289,7 +289,7 @@ def run_distributed(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from mfsdp.launch import init_from_env
+    from mfsdp.runtime import init_from_env
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or dist.is_initialized():
@@ -302,7 +302,7 @@ def run_distributed(args: argparse.Namespace) -> int:
                   "than 0 have nothing to do", flush=True)
             return run(args)
         return 0
-    from mfsdp.launch import shutdown
+    from mfsdp.runtime import shutdown
 
     init_from_env(backend="gloo")
     code = None

@@ -149,6 +149,9 @@ class spread_over_ranks:
     does under ``torchrun``). Outside it a conversion is one process's work even where a process
     group exists (as when rank 0 converts a checkpoint for a training job)."""
 
+    def __init__(self):
+        self._was = False  # the setting outside this context, restored on the way out
+
     def __enter__(self):
         self._was, _SPREAD[0] = _SPREAD[0], True
         return self
@@ -295,8 +298,14 @@ def write_streaming(path: str | Path, specs: dict[str, tuple[tuple[int, ...], to
 
 
 class _CachedReader(FileSystemReader):
+    """A reader that reads a checkpoint's metadata once."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._cached = None  # the metadata, once read (a conversion asks for it many times)
+
     def read_metadata(self):
-        if not hasattr(self, "_cached"):
+        if self._cached is None:
             self._cached = super().read_metadata()
         return self._cached
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from mfsdp.checkpoint.dcp import DCPSource
 from mfsdp.checkpoint.megatron_common import mfsdp_name
@@ -26,13 +25,6 @@ from mfsdp.fsdp.dtensor import uneven_dtensor
 __all__ = ["param_entries", "model_state", "optimizer_state", "param_groups_state",
            "param_to_param_group_map", "global_param_to_param_group_map",
            "dump_param_to_param_group_map", "read_param_to_param_group_map"]
-
-
-def _mesh(model) -> DeviceMesh:
-    # The chunk metadata is carried by each tensor (see mfsdp/fsdp/dtensor.py); the mesh only names the ranks.
-    if not hasattr(model, "_ckpt_mesh"):
-        model._ckpt_mesh = DeviceMesh.from_group(dist.group.WORLD, model.device.type)
-    return model._ckpt_mesh
 
 
 def _where(model, bucket, i: int) -> tuple[str, tuple, int, object]:
@@ -54,7 +46,7 @@ def param_entries(model) -> list[tuple[str, torch.Tensor, tuple, int, object]]:
 
 def model_state(model) -> dict:
     """``model.<name>`` -> uneven DTensor over the main weights (reads and writes in place)."""
-    mesh = _mesh(model)
+    mesh = model.world_mesh
     return {f"model.{name}": uneven_dtensor(local, mesh, shape, start, tp=tp)
             for name, local, shape, start, tp in param_entries(model)}
 
@@ -65,9 +57,9 @@ def optimizer_state(model, optimizer, template: dict[str, tuple] | None = None) 
     ``template`` (key -> (global shape, dtype), from a checkpoint's manifest) creates missing
     state so that a fresh optimizer can be loaded into.
     """
-    mesh = _mesh(model)
+    mesh = model.world_mesh
     out = {}
-    for main, bucket, i in optimizer._mains:
+    for main, bucket, i in optimizer.main_shards:
         name, shape, start, tp = _where(model, bucket, i)
         state = optimizer.optimizer.state.setdefault(main, {})
         if template is not None:
@@ -95,7 +87,7 @@ def param_groups_state(optimizer) -> list[dict]:
 
 def param_to_param_group_map(model, optimizer) -> dict[str, int]:
     """Checkpoint name of every optimized parameter -> index of its optimizer group."""
-    mains = iter(optimizer._mains)
+    mains = iter(optimizer.main_shards)
     out = {}
     for g, group in enumerate(optimizer.param_groups):
         for _ in group["params"]:

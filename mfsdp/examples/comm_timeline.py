@@ -63,7 +63,7 @@ def timeline(steps: int = 6, warmup: int = 2, dim: int = 256, hidden: int = 1024
 
 def main() -> None:
     """Print both variants' median step and exposed communication (rank 0)."""
-    from mfsdp.launch import shutdown
+    from mfsdp.runtime import shutdown
 
     dist.init_process_group("gloo")
     result = timeline()

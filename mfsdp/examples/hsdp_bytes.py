@@ -47,7 +47,7 @@ def bytes_per_group(dp_outer: int = 1, outer_strategy: str = "no_shard", dim: in
 
 def main() -> None:
     """Print the three layouts' bytes per group (rank 0)."""
-    from mfsdp.launch import shutdown
+    from mfsdp.runtime import shutdown
 
     dist.init_process_group("gloo")
     for name, kw in (("FSDP", {}), ("HSDP", dict(dp_outer=2)),

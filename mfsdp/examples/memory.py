@@ -36,7 +36,7 @@ def measure(strategy: str, dim: int = 128, hidden: int = 512, blocks: int = 4) -
 
 def main() -> None:
     """Print bytes per parameter on this world size for every strategy (rank 0)."""
-    from mfsdp.launch import shutdown
+    from mfsdp.runtime import shutdown
 
     dist.init_process_group("gloo")
     for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params"):

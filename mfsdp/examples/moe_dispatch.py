@@ -50,7 +50,7 @@ def run_layer(dispatcher: str, counts: list[int], flex_backend: str = "torch", d
 
 def main() -> None:
     """Print each dispatcher's bytes sent and time per call (rank 0)."""
-    from mfsdp.launch import shutdown
+    from mfsdp.runtime import shutdown
 
     dist.init_process_group("gloo")
     counts = [40, 64, 23, 90][:dist.get_world_size()]

@@ -57,7 +57,7 @@ def quickstart_train(steps: int = 5, strategy: str = "optim_grads_params") -> li
 
 def main() -> None:
     """``torchrun -m mfsdp.examples``: train on every rank, print rank 0's losses, exit cleanly."""
-    from mfsdp.launch import shutdown
+    from mfsdp.runtime import shutdown
 
     if torch.cuda.is_available():  # one GPU per rank: torchrun says which in LOCAL_RANK
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -68,5 +68,5 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"world size {dist.get_world_size()}, losses: {losses}")
     # Barrier, destroy the process groups, and end the process without the interpreter's
-    # teardown, in which gloo's threads can abort a finished run (see mfsdp.launch.shutdown).
+    # teardown, in which gloo's threads can abort a finished run (see mfsdp.runtime.shutdown).
     shutdown(exit_code=0)

@@ -93,7 +93,7 @@ def _mean_over(value: torch.Tensor, group) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     """``torchrun --nproc-per-node N -m mfsdp.examples.tensor_parallel [--tp 2]``."""
-    from mfsdp.launch import shutdown
+    from mfsdp.runtime import shutdown
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")

@@ -142,7 +142,7 @@ def train(steps: int = 12, micro_batches: int = 2, clip: float = 1.0, save: str 
 
 def main(argv: list[str] | None = None) -> None:
     """``torchrun ... -m mfsdp.examples.train_script [options]``."""
-    from mfsdp.launch import shutdown
+    from mfsdp.runtime import shutdown
 
     p = argparse.ArgumentParser(prog="python -m mfsdp.examples.train_script",
                                 description=__doc__.split("\n\n")[0])

@@ -50,7 +50,7 @@ class _Roots:
                 self.engines.append((f"{path}." if path else "", m.engine))
         if not self.engines:
             raise ValueError(f"{type(model).__name__} holds no module sharded by fully_shard")
-        managed = {id(sp.sharded) for _, e in self.engines for sp in e._sparams}
+        managed = {id(sp.sharded) for _, e in self.engines for sp in e.sharded_params}
         for name, p in model.named_parameters():
             if id(p) not in managed:
                 raise ValueError(f"parameter {name!r} is not sharded (it is outside every module "
@@ -63,6 +63,7 @@ class _Roots:
         first = self.engines[0][1]
         # What the manifest records of the layout (the first root's; all share the world)
         self.device, self.strategy, self.state = first.device, first.strategy, first.state
+        self.world_mesh = first.world_mesh  # (the mesh checkpoint DTensors name ranks by)
         self.outer_comm, self.ep_comm = first.outer_comm, first.ep_comm
 
     def named(self, bucket) -> _NamedBucket:
@@ -81,7 +82,7 @@ class _Roots:
     def sparam(self, p):
         """The engine's record of parameter ``p`` (any of its faces), or ``None``."""
         for _, engine in self.engines:
-            sp = engine._sparam_by_id.get(id(p))
+            sp = engine.sharded_param(p)
             if sp is not None:
                 return sp
         return None
@@ -104,7 +105,9 @@ class _OptimizerRows:
 
     def __init__(self, roots: _Roots, optimizer: torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
-        self._mains = []  # (main-weight rows, named bucket, index), in the optimizer's order
+        # (main-weight rows, named bucket, index), in the optimizer's order, as
+        # ShardedOptimizer.main_shards
+        self.main_shards = []
         self._pairs = []  # (parameter, its ShardedParam)
         self.state: dict = {}
         for group in optimizer.param_groups:
@@ -114,7 +117,7 @@ class _OptimizerRows:
                     raise ValueError(f"the optimizer steps a parameter of shape {tuple(p.shape)} "
                                      "that the model does not shard; build it from "
                                      "model.parameters()")
-                self._mains.append((sp.local, roots.named(sp.bucket), sp.index))
+                self.main_shards.append((sp.local, roots.named(sp.bucket), sp.index))
                 self._pairs.append((p, sp))
                 self.state[sp.local] = {k: (v._local_tensor.view(sp.local.shape)
                                             if isinstance(v, DTensor) else v)

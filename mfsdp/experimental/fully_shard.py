@@ -31,7 +31,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
-from mfsdp.experimental.module import FsdpContext, FsdpModule, Registration
+from mfsdp.experimental.module import FsdpContext, FsdpModule, Registration, make_fsdp_module
 
 __all__ = ["Placements", "fully_shard", "fully_shard_context", "microbatch", "strategies_of"]
 
@@ -219,9 +219,7 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, placements: Placements,
     policy = mixed_precision_policy or MixedPrecisionPolicy()
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision_policy={policy!r} must be an mfsdp.MixedPrecisionPolicy")
-    cls = type(module)
-    module.__class__ = type(f"Fsdp{cls.__name__}", (FsdpModule, cls), {})
-    FsdpModule._init_fsdp(module, context)
+    make_fsdp_module(module, context)
     context.register(Registration(module, mesh, placements, strategies, policy, grad_divisor))
 
 

@@ -29,7 +29,8 @@ from mfsdp.fsdp.state import UnitPhase
 from mfsdp.fsdp.unit import in_backward
 from mfsdp.layout import ProcessGroups
 
-__all__ = ["FsdpContext", "FsdpModule", "FsdpParameter", "FsdpParameterGroup", "Registration"]
+__all__ = ["FsdpContext", "FsdpModule", "FsdpParameter", "FsdpParameterGroup", "Registration",
+           "make_fsdp_module"]
 
 
 @dataclass
@@ -104,9 +105,6 @@ class FsdpContext:
             options=EngineOptions(init_model_with_meta_device=meta),
             outer_strategy=outer or ShardingStrategy.NO_SHARD, hooks_on_module=True)
         ref = weakref.ref(engine)
-        for sp in engine._sparams:  # (lets fully_shard_optimizer find the engine)
-            sp.sharded._mfsdp_model = ref
-        del engine._original_params
         for r in members:
             name = next(n for n, m in module.named_modules() if m is r.module)
             r.module._fsdp_attach(engine, name, r is root)
@@ -115,7 +113,7 @@ class FsdpContext:
                 for b in engine.unit_by_name[name].buckets:
                     b.grad_scale /= r.grad_divisor
         module.register_forward_pre_hook(_zero_cleared_grads(ref))
-        module._register_state_dict_hook(_state_dict_hook(ref))
+        module.register_state_dict_post_hook(_state_dict_hook(ref))
         return engine
 
 
@@ -132,7 +130,7 @@ def _zero_cleared_grads(ref):
         if engine is None or in_backward() or not torch.is_grad_enabled():
             return
         copies = []
-        for sp in engine._sparams:
+        for sp in engine.sharded_params:
             if sp.grad is None:
                 continue
             face = sp.sharded.grad
@@ -156,13 +154,12 @@ def _state_dict_hook(ref):
     def hook(module, state_dict, prefix, local_metadata):
         engine = ref()
         if engine is None:
-            return state_dict
+            return
         engine.wait_param_sync()
-        for sp in engine._sparams:
+        for sp in engine.sharded_params:
             for name in sp.names:
                 if prefix + name in state_dict:
                     state_dict[prefix + name] = sp.wrap(sp.local.detach())
-        return state_dict
 
     return hook
 
@@ -242,7 +239,8 @@ class FsdpModule:
         object.__setattr__(self, "_fsdp_context", context)  # the context it was sharded in
         object.__setattr__(self, "_fsdp_engine", None)  # the engine of its root, once built
         object.__setattr__(self, "_fsdp_name", None)  # its path under its root
-        object.__setattr__(self, "_fsdp_is_root", False)
+        object.__setattr__(self, "_fsdp_is_root", False)  # no other module of it contains it
+        object.__setattr__(self, "_fsdp_groups", ())  # views of its unit's buckets, once built
         # A forward before the context closed would run on parameters not yet sharded.
         self.register_forward_pre_hook(
             lambda module, args: module.context.ensure_finalized(), prepend=True)
@@ -265,7 +263,7 @@ class FsdpModule:
             return super()._apply(fn, recurse)
         mine = {id(m) for m in self.modules()}
         hidden = []
-        for sp in engine._sparams:
+        for sp in engine.sharded_params:
             for module, attr in sp.uses:
                 if id(module) in mine and attr in module._parameters:
                     hidden.append((module, attr, module._parameters.pop(attr)))
@@ -326,3 +324,11 @@ class FsdpModule:
         buckets; ``()`` for a module without parameters of its own."""
         self.context.ensure_finalized()
         return self._fsdp_groups
+
+
+def make_fsdp_module(module: nn.Module, context: FsdpContext) -> None:
+    """Make ``module`` an :class:`FsdpModule` in place, sharded in ``context``: its class becomes
+    ``Fsdp<its class>`` (``FsdpModule`` mixed in before its own class), as upstream's does."""
+    cls = type(module)
+    module.__class__ = type(f"Fsdp{cls.__name__}", (FsdpModule, cls), {})
+    module._init_fsdp(context)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from mfsdp.experimental.module import FsdpModule
+from mfsdp.fsdp import registry
+
 __all__ = ["engine_modules", "engines_of", "fully_shard_optimizer"]
 
 
@@ -15,8 +18,7 @@ def engines_of(optimizer: torch.optim.Optimizer) -> list:
     found: dict[int, object] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            ref = getattr(p, "_mfsdp_model", None)
-            engine = ref() if ref is not None else None
+            engine = registry.model_of(p)
             if engine is not None:
                 found.setdefault(id(engine), engine)
     return list(found.values())
@@ -25,7 +27,7 @@ def engines_of(optimizer: torch.optim.Optimizer) -> list:
 def engine_modules(engine) -> list:
     """The modules given to ``fully_shard`` that ``engine`` (one root's) drives."""
     root = engine.module
-    return [m for m in root.modules() if getattr(m, "_fsdp_engine", None) is engine]
+    return [m for m in root.modules() if isinstance(m, FsdpModule) and m.engine is engine]
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *,

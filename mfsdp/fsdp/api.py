@@ -22,6 +22,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from mfsdp.config import MixedPrecisionPolicy, ShardingConfig, resolve_unit_classes
+from mfsdp.fsdp import registry
 from mfsdp.fsdp.module import FullyShardedModule
 from mfsdp.fsdp.optimizer import ShardedOptimizer
 from mfsdp.layout import ProcessGroups
@@ -195,7 +196,7 @@ def fully_shard_model(
             ``cuda_graph_mode``): a non-default value is an error that says so.
     """
     given = dict(locals())  # the arguments as given
-    if isinstance(module, FullyShardedModule) or any(_owner(p) is not None
+    if isinstance(module, FullyShardedModule) or any(registry.owner(p) is not None
                                                      for p in module.parameters()):
         raise ValueError("fully_shard_model: this module is already sharded by an earlier "
                          "fully_shard call (its parameters belong to a FullyShardedModule); "
@@ -216,6 +217,7 @@ def fully_shard_model(
     device = device if device is not None else mesh_device
     device = torch.device(device) if device is not None else _default_device(module)
     # build
+    originals = list(module.parameters())  # the model takes them over (their values, their places)
     model = FullyShardedModule(module, groups=groups, strategy=config.strategy,
                                unit_classes=resolve_unit_classes(fsdp_unit_modules, module),
                                device=device, mixed_precision_policy=config.mixed_precision_policy,
@@ -225,12 +227,8 @@ def fully_shard_model(
     for m in module.modules():
         if recursive and isinstance(m, recursive):
             model.gather_recursively(m)
-    ref = weakref.ref(model)
-    for sp in model._sparams:
-        sp.sharded._mfsdp_model = ref
-    for old in model._original_params:
-        _OLD_OWNERS[id(old)] = (weakref.ref(old), ref)
-    del model._original_params  # the model must not keep the originals alive
+    # (weakly: neither the model nor the registry keeps the originals alive)
+    registry.register_taken_over(model, originals)
     return model
 
 
@@ -302,21 +300,6 @@ def _check_hybrid_groups(groups, outer_size: int, hybrid_fsdp_group,
     return hybrid_fsdp_group, hybrid_fsdp_expt_group
 
 
-# id(original parameter) -> (the parameter, the model that took it over), both weak, so that an
-# optimizer built on the original parameters can still be sharded.
-_OLD_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-
-
-def _owner(p: torch.Tensor):
-    ref = getattr(p, "_mfsdp_model", None)
-    if ref is None:
-        entry = _OLD_OWNERS.get(id(p))
-        if entry is None or entry[0]() is not p:
-            return None
-        ref = entry[1]
-    return ref()
-
-
 # Plain torch.optim optimizers built over a sharded model's parameters (FSDP2's pattern): the
 # models whose main weights each steps on, found once per optimizer (and again when its groups
 # change).
@@ -327,17 +310,17 @@ def _models_stepped_by(optimizer) -> tuple[list, str]:
     """The sharded models whose parameters ``optimizer`` holds, and ('' or) the position of a
     parameter it holds that a model took over (a parameter from before ``fully_shard``)."""
     # (what changes when groups are added or parameters swapped, or a model takes some over)
-    count = (len(_OLD_OWNERS), *((len(g["params"]), id(g["params"][0]) if g["params"] else 0)
-                                 for g in optimizer.param_groups))
+    count = (registry.changes(), *((len(g["params"]), id(g["params"][0]) if g["params"] else 0)
+                                   for g in optimizer.param_groups))
     known = _PLAIN_OPTIMIZERS.get(optimizer)
     if known is None or known[0] != count:
         refs, stale = {}, ""
         for g, group in enumerate(optimizer.param_groups):
             for j, p in enumerate(group["params"]):
-                ref = getattr(p, "_mfsdp_model", None)
-                if ref is not None:
-                    refs[id(ref)] = ref
-                elif not stale and _owner(p) is not None:
+                model = registry.model_of(p)
+                if model is not None:
+                    refs[id(model)] = weakref.ref(model)
+                elif not stale and registry.taken_over_by(p) is not None:
                     stale = f"param_groups[{g}]['params'][{j}] (shape {tuple(p.shape)})"
         known = (count, list(refs.values()), stale)
         _PLAIN_OPTIMIZERS[optimizer] = known
@@ -348,7 +331,7 @@ def _before_any_step(optimizer, args, kwargs) -> None:
     """Before the step of any ``torch.optim`` optimizer: refuse one that holds parameters a
     sharded model took over (built before ``fully_shard`` and not handed to it): its step would
     change tensors the model no longer reads, and training would silently stand still."""
-    if not _OLD_OWNERS:
+    if not registry.any_taken_over():
         return
     stale = _models_stepped_by(optimizer)[1]
     if stale:
@@ -385,7 +368,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
     model = None
     for g, group in enumerate(optimizer.param_groups):
         for j, p in enumerate(group["params"]):
-            owner = _owner(p)
+            owner = registry.owner(p)
             if owner is None:
                 raise ValueError(
                     f"fully_shard_optimizer: param_groups[{g}]['params'][{j}] (shape "

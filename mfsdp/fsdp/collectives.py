@@ -30,6 +30,7 @@ step after step: the pool grows only to the most reductions that were ever in fl
 from __future__ import annotations
 
 import time
+import weakref
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -96,12 +97,13 @@ class CommLog:
         return total
 
 
-# Tags of point-to-point all-gathers, one counter per process group (see the note).
-_TAGS: dict[int, int] = {}
+# Tags of point-to-point all-gathers, one counter per process group (see the note); weak keys: a
+# group made after another was destroyed starts at 0 on every rank, whatever id() it gets.
+_TAGS: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
 
 
 def _next_tag(group: dist.ProcessGroup | None) -> int:
-    key = id(group if group is not None else dist.group.WORLD)
+    key = group if group is not None else dist.group.WORLD
     _TAGS[key] = tag = (_TAGS.get(key, 0) + 1) % (1 << 30)
     return tag
 

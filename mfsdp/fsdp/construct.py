@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mfsdp.fsdp.agreement import agree_on_rng, agree_on_values, check_same_model
 from mfsdp.fsdp.bucket import Bucket, DoubleBuffer, GradDoubleBuffer, plan_bucket
@@ -38,9 +39,9 @@ class Construction:
     pool: DoubleBuffer | None  # gathered weights of non-root units (fsdp_double_buffer)
     grad_pool: GradDoubleBuffer | None  # their full gradients (fsdp_double_buffer, ZeRO-2/3)
     sparams: list[ShardedParam] = field(default_factory=list)  # in model order
-    # id of any face of a parameter (the original, the full view, the DTensor, the local rows)
-    by_id: dict[int, ShardedParam] = field(default_factory=dict)
-    originals: list[nn.Parameter] = field(default_factory=list)  # the module's own parameters
+    # any face of a parameter (the original, the full view, the DTensor, the local rows) -> its
+    # ShardedParam; weak keys: the original may die (and its id be reused) once the model is built
+    by_face: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
 
 def _hybrid_group(inner: dist.ProcessGroup, outer: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -208,7 +209,7 @@ def build_units(state: ShardingState, root: nn.Module, wrapper: nn.Module,
     buckets = [b for u in units for b in u.buckets]
     _check_replicas(state, params, slot, meta_init)
     _load_values(state, root, buckets, params, slot, meta_init)
-    out = Construction(units, pool, grad_pool, originals=[e["param"] for e in params.values()])
+    out = Construction(units, pool, grad_pool)
     # Replace every parameter by a ShardedParam: a view of its bucket during forward, a DTensor
     # over its main-weight rows outside (see mfsdp/fsdp/param.py).
     paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)}
@@ -226,7 +227,7 @@ def build_units(state: ShardingState, root: nn.Module, wrapper: nn.Module,
         unit_by_name[bucket.unit].params.append(sp)
         out.sparams.append(sp)
         for face in (e["param"], new, sp.sharded, sp.local):  # the optimizer may hold any
-            out.by_id[id(face)] = sp
+            out.by_face[face] = sp
     for b in buckets:
         b.n_grad_params = len(b.names) if b.requires_grad else 0
         b.used = [0.0] * len(b.names)

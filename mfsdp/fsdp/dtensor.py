@@ -35,9 +35,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["uneven_dtensor", "attach_uneven", "flat_boxes", "gather_pieces", "UnevenDTensor",
-           "TPSpec", "ViewDTensor", "view_dtensor"]
+__all__ = ["uneven_dtensor", "attach_uneven", "piece_origin", "flat_boxes", "gather_pieces",
+           "UnevenDTensor", "TPSpec", "ViewDTensor", "view_dtensor"]
 
 
 @dataclass(frozen=True)
@@ -222,14 +223,22 @@ def attach_uneven(dt: DTensor, global_shape: tuple[int, ...], start: int,
     inner.__create_chunk_list__ = types.MethodType(chunk_list, inner)
     inner.__create_write_items__ = types.MethodType(write_items, inner)
     inner.__get_tensor_shard__ = types.MethodType(tensor_shard, inner)
-    inner._mfsdp_start = start
-    inner._mfsdp_tp_segments = tp.segments if tp is not None else None
+    _PIECES[inner] = (start, tp.segments if tp is not None else None)
     if group is not None:
-        dt._mfsdp_start = start
-        dt._mfsdp_group = group
-        dt._mfsdp_tp = tp
-        dt.__class__ = UnevenDTensor
+        UnevenDTensor.adopt(dt, start, group, tp)
     return dt
+
+
+# the local tensor of a DTensor made by attach_uneven -> (its first element, the TP segments or
+# None): what piece_origin() answers; weak keys, so an entry lives as long as its tensor
+_PIECES = WeakIdKeyDictionary()
+
+
+def piece_origin(piece: torch.Tensor) -> tuple[int, tuple | None] | None:
+    """Where ``piece`` (the local tensor of a DTensor made by :func:`attach_uneven`) starts in its
+    parameter, and the TP segments of its block (``None`` without TP); ``None`` for a tensor
+    :func:`attach_uneven` did not make (a DTensor of ``torch.chunk``'s split, say)."""
+    return _PIECES.get(piece)
 
 
 class UnevenDTensor(DTensor):
@@ -240,21 +249,31 @@ class UnevenDTensor(DTensor):
     a plain DTensor, as with any DTensor subclass.
     """
 
+    @staticmethod
+    def adopt(dt: DTensor, start: int, group, tp: TPSpec | None) -> None:
+        """Make ``dt`` an UnevenDTensor whose local tensor holds its elements from ``start`` on
+        (its class changes in place: DTensor builds the object, so this is its initialiser)."""
+        dt.__class__ = UnevenDTensor
+        # Plain attributes in __dict__, read from there (a DTensor's attribute lookup is torch's):
+        dt.__dict__["_uneven_start"] = start  # the first element of the local piece (in the block)
+        dt.__dict__["_uneven_group"] = group  # the data-parallel group the pieces are spread over
+        dt.__dict__["_uneven_tp"] = tp  # the TP block the pieces are cut from, or None
+
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         """The whole tensor on every rank of the mesh (a collective call): the pieces gathered
         over the data-parallel group, then the TP blocks over the TP group."""
-        tp = self.__dict__.get("_mfsdp_tp")
-        block = gather_pieces(self._local_tensor.detach(), self.__dict__["_mfsdp_start"],
+        tp = self.__dict__["_uneven_tp"]
+        block = gather_pieces(self._local_tensor.detach(), self.__dict__["_uneven_start"],
                               tp.local_shape if tp is not None else tuple(self.shape),
-                              self.__dict__["_mfsdp_group"])
+                              self.__dict__["_uneven_group"])
         return tp.full_of(block) if tp is not None else block
 
     def __reduce_ex__(self, protocol):
         # torch.save of a DTensor whose local tensor is a view at a non-zero offset fails in
         # DTensor's own path ("invalid python storage"); rebuild from the local piece instead.
         return (_rebuild_uneven, (self._local_tensor.detach(), self.device_mesh, tuple(self.shape),
-                                  self.__dict__["_mfsdp_start"], self.requires_grad,
-                                  self.__dict__.get("_mfsdp_tp")))
+                                  self.__dict__["_uneven_start"], self.requires_grad,
+                                  self.__dict__["_uneven_tp"]))
 
     def redistribute(self, device_mesh=None, placements=None, **kwargs):
         """As DTensor's; to ``[Replicate()]`` it gathers the uneven pieces first."""

@@ -32,9 +32,12 @@ import contextlib
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from mfsdp.config import EngineOptions, MixedPrecisionPolicy, ShardingStrategy
+from mfsdp.fsdp import registry
 from mfsdp.fsdp.bucket import Bucket
 from mfsdp.fsdp.construct import build_units
 from mfsdp.fsdp.reducer import GradReducer
@@ -82,14 +85,20 @@ class FullyShardedModule(nn.Module):
         state.pool = built.pool
         state.grad_pool = built.grad_pool
         state.sparams = built.sparams
-        self._sparam_by_id = built.by_id  # any face of a parameter -> its ShardedParam
-        self._original_params = built.originals  # read once by the API, then dropped
+        self._sparam_of = built.by_face  # any face of a parameter -> its ShardedParam (weak keys)
+        # fully_shard_optimizer and plain optimizers find this model from its parameters
+        registry.register_parameters(self, [sp.sharded for sp in state.sparams])
         state.reducer = GradReducer(state, opts.max_inflight_reduce)
         for unit in state.units:
             unit.register_hooks()
-        # shard_experts() recorded the global names of the experts this rank kept
-        if getattr(self.module, "_mfsdp_expert_names", None):
-            self.set_global_names(self.module._mfsdp_expert_names)
+        # checkpoint name of a parameter where it differs from its own (experts: global index)
+        self._global_names: dict[str, str] = {}
+        # a model builder declared them for the module (mfsdp.moe.shard_experts does)
+        self.set_global_names(registry.checkpoint_names(module))
+        # the keys a load_state_dict() filled, from its pre-hook to its post-hook
+        self._loaded_keys: set[str] = set()
+        # the 1-D mesh over the world that checkpoint DTensors name their ranks by (built on use)
+        self._world_mesh: DeviceMesh | None = None
         # A call of the original module, not of this wrapper, would run the root unit's layers
         # on their shards (the root unit's hooks are the wrapper's): say what to call instead.
         self._calling = False  # inside forward(): the wrapper called the module
@@ -137,7 +146,23 @@ class FullyShardedModule(nn.Module):
     ep_comm = property(lambda self: self.state.comms.ep, doc="The EP communicator, or None.")
     tp_group = property(lambda self: self.state.comms.tp_group, doc="The TP group, or None.")
     tp_mesh = property(lambda self: self.state.comms.tp_mesh, doc="The 1-D TP mesh, or None.")
-    _sparams = property(lambda self: self.state.sparams)
+    sharded_params = property(lambda self: self.state.sparams,
+                              doc="Every parameter's ShardedParam, in model order.")
+
+    def sharded_param(self, param: torch.Tensor):
+        """The :class:`~mfsdp.fsdp.param.ShardedParam` of ``param``, any of its faces (the module's
+        parameter from before sharding, the full view, the DTensor, the main-weight rows), or
+        ``None`` if ``param`` is not one of this model's."""
+        return self._sparam_of.get(param)
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        """A 1-D mesh over every rank, on this model's device type: the mesh that checkpoint
+        DTensors name their ranks by (each carries its own chunk metadata, see
+        ``mfsdp/fsdp/dtensor.py``)."""
+        if self._world_mesh is None:
+            self._world_mesh = DeviceMesh.from_group(dist.group.WORLD, self.device.type)
+        return self._world_mesh
 
     @property
     def use_decoupled_grad(self) -> bool:
@@ -380,7 +405,7 @@ class FullyShardedModule(nn.Module):
         # Every entry of a parameter is a fresh DTensor over its main-weight rows that carries
         # its own chunk metadata (a detached parameter would not), so DCP saves it as it is.
         self.wait_param_sync()  # (ZeRO-1/2: the post-step all-gather writes the same memory)
-        for sp in self._sparams:
+        for sp in self.sharded_params:
             for key in self._state_keys(sp, prefix):
                 if key in state_dict:
                     state_dict[key] = sp.wrap(sp.local.detach())
@@ -392,7 +417,7 @@ class FullyShardedModule(nn.Module):
         # model weights), so a bf16 model with fp32 main weights keeps what it loaded.
         self.wait_param_sync()  # an all-gather still in flight would overwrite what we load
         loaded = set()
-        for sp in self._sparams:
+        for sp in self.sharded_params:
             for key in self._state_keys(sp, prefix):
                 if key in state_dict:
                     value = state_dict.pop(key)
@@ -413,10 +438,6 @@ class FullyShardedModule(nn.Module):
                                              if k not in keys]
         keys.clear()
 
-    @property
-    def _loaded_keys(self) -> set:
-        return self.__dict__.setdefault("_loaded_key_set", set())
-
     @torch.no_grad()
     def _after_load(self) -> None:
         """Make the model weights agree with freshly loaded main weights."""
@@ -434,7 +455,7 @@ class FullyShardedModule(nn.Module):
     def named_main_shards(self) -> list[tuple[str, torch.Tensor, Bucket, int]]:
         """(name, local main-weight rows, bucket, index) for every parameter, in model order."""
         return [(sp.name, sp.bucket.local_view(sp.bucket.main_shard, sp.index), sp.bucket, sp.index)
-                for sp in self._sparams]
+                for sp in self.sharded_params]
 
     def set_global_names(self, mapping: dict[str, str]) -> None:
         """Name parameters differently in checkpoints (local expert index -> global index)."""
@@ -442,7 +463,7 @@ class FullyShardedModule(nn.Module):
 
     def global_name(self, name: str) -> str:
         """The checkpoint name of parameter ``name`` (its own name unless remapped)."""
-        return getattr(self, "_global_names", {}).get(name, name)
+        return self._global_names.get(name, name)
 
     @torch.no_grad()
     def full_parameters(self, main: bool = True) -> dict[str, torch.Tensor]:
@@ -469,7 +490,7 @@ class FullyShardedModule(nn.Module):
                 full[name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         # Under TP each parameter so far is this rank's TP block: gather the blocks.
         return {sp.name: sp.tp.full_of(full[sp.name]) if sp.tp_sharded else full[sp.name]
-                for sp in self._sparams}
+                for sp in self.sharded_params}
 
     @property
     def param_and_grad_buffer(self):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` so that it steps on the main-weight shards of ``model``.
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's (the same objects), so
-    schedulers and hand edits reach it; other attributes fall through to it.
+    schedulers and hand edits reach it; other attributes fall through to it. It is built by
+    ``torch.optim.Optimizer.__init__``: ``step()`` runs the hooks registered on it (and the global
+    ones) as any optimizer's does, and ``add_param_group`` takes more of the model's parameters.
     """
 
     # torch.amp.GradScaler then calls step(grad_scaler=...) and lets us skip steps on all ranks
@@ -43,54 +44,61 @@ class ShardedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, model, dcp_state_dict: bool = True):
-        # Optimizer.__init__ is not called: it would rebuild the groups we share with `optimizer`.
         if optimizer.state:
             raise ValueError("fully_shard_optimizer: the optimizer already has state; shard it "
                              "before its first step (state is created for the local shard only)")
-        self.optimizer = optimizer
-        self.model = model
-        self.dcp_state_dict = dcp_state_dict
-        self.defaults = optimizer.defaults
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._sparams = []
-        self._mains: list[tuple[torch.Tensor, object, int]] = []  # (main rows, bucket, index)
-        for g, group in enumerate(optimizer.param_groups):
-            new_params = []
-            for j, p in enumerate(group["params"]):
-                sp = model._sparam_by_id.get(id(p))
-                if sp is None:
-                    raise ValueError(
-                        f"fully_shard_optimizer: param_groups[{g}]['params'][{j}] (shape "
-                        f"{tuple(p.shape)}) is not a parameter of the sharded model; call "
-                        "fully_shard_model(model) first and build the optimizer from its "
-                        "parameters, or pass the optimizer to fully_shard(model, optimizer)")
-                new_params.append(sp.local)
-                self._sparams.append(sp)
-                self._mains.append((sp.local, sp.bucket, sp.index))
-            group["params"] = new_params
+        self.optimizer = optimizer  # the torch.optim optimizer whose step() steps the shards
+        self.model = model  # the sharded model whose main-weight rows are stepped
+        self.dcp_state_dict = dcp_state_dict  # state_dict() hands out DTensors (for DCP)
+        # every parameter stepped, in param_groups order: state_dict()'s indices name them
+        self._sparams: list = []
+        self._sparam_set: set = set()  # the same, for grad_norm's test of who steps a parameter
+        # torch.optim.Optimizer's set-up (its hooks, the profiled and hooked step()), on the
+        # wrapped optimizer's groups: add_param_group swaps each parameter for its rows.
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        # One set of groups and one state, the wrapped optimizer's (its step() reads them): a
+        # scheduler or an edit of param_groups reaches it through either object.
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
 
     def __getattr__(self, name):
         if name == "optimizer":
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
     def add_param_group(self, param_group: dict) -> None:
-        """Not supported: every parameter of the sharded model is placed when it is wrapped."""
-        raise RuntimeError("add_param_group on a sharded optimizer: build the optimizer with all "
-                           "its parameter groups before fully_shard_optimizer")
+        """Add a group of the sharded model's parameters (any of their faces), as
+        ``torch.optim.Optimizer.add_param_group`` does: each parameter is swapped for its
+        main-weight rows, and the wrapped optimizer steps them too."""
+        g = len(self.param_groups)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        sparams = []
+        for j, p in enumerate(params):
+            sp = self.model.sharded_param(p)
+            if sp is None:
+                raise ValueError(
+                    f"fully_shard_optimizer: param_groups[{g}]['params'][{j}] (shape "
+                    f"{tuple(p.shape)}) is not a parameter of the sharded model; call "
+                    "fully_shard_model(model) first and build the optimizer from its "
+                    "parameters, or pass the optimizer to fully_shard(model, optimizer)")
+            sparams.append(sp)
+        param_group["params"] = [sp.local for sp in sparams]
+        super().add_param_group(param_group)
+        self._sparams.extend(sparams)
+        self._sparam_set.update(sparams)
+
+    @property
+    def sharded_params(self) -> list:
+        """The :class:`~mfsdp.fsdp.param.ShardedParam` of every parameter stepped, in
+        ``param_groups`` order (``state_dict()``'s indices)."""
+        return list(self._sparams)
+
+    @property
+    def main_shards(self) -> list[tuple[torch.Tensor, object, int]]:
+        """(main-weight rows, bucket, index in the bucket) of every parameter stepped, in
+        ``param_groups`` order: what checkpoints read the optimizer state by."""
+        return [(sp.local, sp.bucket, sp.index) for sp in self._sparams]
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer({self.optimizer!r})"
@@ -110,7 +118,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # are visited in parameter order, which is the same on every rank.
         # Parameters whose TP ranks hold different blocks are summed over the TP group too.
         sums: dict = {}
-        for sp in model._sparams:
+        for sp in model.sharded_params:
             tp = model.tp_group if sp.tp_sharded else None
             key = (id(sp.group), sp.bucket.is_expert, id(tp))
             if key not in sums:
@@ -128,12 +136,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 dist.all_reduce(sq, group=tp)
             total += sq.item()
         return math.sqrt(total)
-
-    @property
-    def _sparam_set(self) -> set:
-        if "_sparam_set_cache" not in self.__dict__:
-            self.__dict__["_sparam_set_cache"] = set(self._sparams)
-        return self.__dict__["_sparam_set_cache"]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -185,16 +187,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("closures are not supported: the loss is computed outside step()")
         if sync_grad_before_optimizer_step:
             self.model.finish_grad_sync()
-        for hook in list(self._optimizer_step_pre_hooks.values()):
-            hook(self, (), {})
         if grad_scaler is not None and grad_scaler.is_enabled():
             if not self._agree_no_inf(grad_scaler):
                 return None
         out = self.optimizer.step()
         if install_optimized_model_weights:
             self.model.install_main_weights()
-        for hook in list(self._optimizer_step_post_hooks.values()):
-            hook(self, (), {})
         return out
 
     @torch.no_grad()

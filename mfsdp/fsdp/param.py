@@ -35,8 +35,8 @@ from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from mfsdp.fsdp.dtensor import (TPSpec, attach_uneven, gather_pieces, uneven_dtensor,
-                                view_dtensor)
+from mfsdp.fsdp.dtensor import (TPSpec, attach_uneven, gather_pieces, piece_origin,
+                                uneven_dtensor, view_dtensor)
 
 __all__ = ["ShardedParam", "gather_pieces"]
 
@@ -114,10 +114,8 @@ class ShardedParam:
 
     def owns(self, piece: torch.Tensor) -> bool:
         """Whether ``piece`` (a DTensor's local tensor) is exactly this rank's piece."""
-        return (getattr(piece, "_mfsdp_start", None) == self.start
-                and piece.numel() == self.local.numel()
-                and getattr(piece, "_mfsdp_tp_segments", None) == (self.tp.segments if self.tp
-                                                                   else None))
+        mine = (self.start, self.tp.segments if self.tp else None)
+        return piece_origin(piece) == mine and piece.numel() == self.local.numel()
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient of ``unsharded`` as the plain block the bucket holds: a DTensor gradient

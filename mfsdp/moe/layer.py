@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mfsdp.fsdp.registry import declare_checkpoint_names
 from mfsdp.moe.dispatcher import make_dispatcher
 from mfsdp.moe.experts import ExpertMLP, FusedExperts, SequentialExperts
 from mfsdp.moe.router import TopKRouter
@@ -81,9 +82,9 @@ def shard_experts(model: nn.Module, ep_group: dist.ProcessGroup | None) -> dict[
     EP group. Call it on a model built identically on every rank (same seed), before sharding.
 
     Returns the renaming local parameter name -> global name for one-module-per-expert layers
-    (fused experts keep their stacked local names). The renaming is also recorded on ``model``,
+    (fused experts keep their stacked local names). The renaming is also declared for ``model``,
     and :func:`mfsdp.fully_shard` applies it to checkpoints (no need to call
-    ``set_global_names``).
+    ``set_global_names``; see :func:`mfsdp.fsdp.registry.declare_checkpoint_names`).
     """
     ep = dist.get_world_size(ep_group) if ep_group is not None else 1
     rank = dist.get_rank(ep_group) if ep_group is not None else 0
@@ -107,5 +108,5 @@ def shard_experts(model: nn.Module, ep_group: dist.ProcessGroup | None) -> dict[
                     prefix = f"{path}.experts.local_experts"
                     names[f"{prefix}.{local}.{pname}"] = f"{prefix}.{j}.{pname}"
         m.dispatcher = make_dispatcher(m.dispatcher_kind, m.num_experts, ep_group, m.flex_backend)
-    model.__dict__.setdefault("_mfsdp_expert_names", {}).update(names)
+    declare_checkpoint_names(model, names)
     return names

@@ -222,7 +222,7 @@ def train_sharded(cfg: dict) -> dict:
             "optimizer_steps": sorted({int(s["step"]) for s in states if "step" in s}),
             "state_numel": [v.numel() for s in states for v in s.values()
                             if torch.is_tensor(v) and v.dim() > 0],
-            "local_numel": [m.numel() for m, _, _ in opt._mains],
+            "local_numel": [m.numel() for m, _, _ in opt.main_shards],
             "pool_bytes": sum(t.numel() for t in model.pool.slots) if model.pool else 0,
             "slot_bytes": model.pool.slot_bytes if model.pool else 0,
             "grad_pool": ({"slot_bytes": model.grad_pool.slot_bytes,

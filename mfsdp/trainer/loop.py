@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_parsed(args: argparse.Namespace) -> int:
     """Run parsed ``mfsdp train`` arguments as a job: start the process group when none is, train,
-    and end the process cleanly (see :func:`mfsdp.launch.shutdown`)."""
+    and end the process cleanly (see :func:`mfsdp.runtime.shutdown`)."""
     started = False
     install_early(args.exit_signal_handler)  # a SIGTERM from here on is kept, not fatal
     if not dist.is_initialized():
@@ -90,12 +90,12 @@ def main_parsed(args: argparse.Namespace) -> int:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get(
                                   "MASTER_PORT", "29511"))
-        from mfsdp.launch import init_from_env
+        from mfsdp.runtime import init_from_env
 
         # NCCL on GPUs, gloo otherwise; survives torchrun restarts
         init_from_env(timeout_s=args.distributed_timeout_minutes * 60)
         started = True
-    from mfsdp.launch import shutdown
+    from mfsdp.runtime import shutdown
 
     try:
         run(args)
