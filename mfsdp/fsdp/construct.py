@@ -21,7 +21,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mfsdp.fsdp.agreement import agree_on_rng, agree_on_values, check_same_model
-from mfsdp.fsdp.bucket import Bucket, DoubleBuffer, GradDoubleBuffer, plan_bucket
+from mfsdp.fsdp.bucket import Bucket, plan_bucket
+from mfsdp.fsdp.pools import DoubleBuffer, GradDoubleBuffer
 from mfsdp.config import ShardingStrategy
 from mfsdp.fsdp.dtensor import TPSpec
 from mfsdp.fsdp.param import ShardedParam

@@ -191,8 +191,8 @@ class ShardingState:
     # Filled by construction: the units (root first), their pool, every parameter in model order.
     units: list = field(default_factory=list)
     unit_by_name: dict = field(default_factory=dict)
-    pool: Any = None  # mfsdp.fsdp.bucket.DoubleBuffer under fsdp_double_buffer, else None
-    # mfsdp.fsdp.bucket.GradDoubleBuffer: full gradients of non-root units under
+    pool: Any = None  # mfsdp.fsdp.pools.DoubleBuffer under fsdp_double_buffer, else None
+    # mfsdp.fsdp.pools.GradDoubleBuffer: full gradients of non-root units under
     # fsdp_double_buffer with ZeRO-2/3, else None.
     grad_pool: Any = None
     sparams: list = field(default_factory=list)
