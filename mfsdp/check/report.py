@@ -214,7 +214,8 @@ def _outside(s: StepResult, loss_ref: float, tol) -> str:
 # The fields of the JSON document (``--json``), for tools that read it.
 JSON_SCHEMA: dict[str, Any] = {
     "model": str, "nproc": int, "steps": int, "optimizer": str, "lr": float, "units": list,
-    "passed": bool, "skipped": list, "skip_reasons": dict, "bypassed_units": list, "recursive_gather": list,
+    "passed": bool, "skipped": list, "skip_reasons": dict, "bypassed_units": list,
+    "recursive_gather": list,
     "tolerances": dict,
     "layouts": [{
         "name": str, "description": str, "tolerance": str, "passed": bool, "reason": str,
