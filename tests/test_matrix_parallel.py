@@ -85,6 +85,11 @@ def _agree(cells: dict[tuple[str, str], str]) -> dict:
     return data
 
 
+@pytest.mark.extended  # two launches of 4 ranks: 26 s on a busy 2-core machine
+def test_the_tp_cell_agrees_with_plain_mfsdp_check():
+    _agree({("optim_grads_params", "TP2"): "tp"})
+
+
 @pytest.mark.extended  # two launches of 4 ranks and two runs of mfsdp check: about a minute
 def test_the_tp_and_ep_cells_agree_with_plain_mfsdp_check():
     _agree({("optim_grads_params", "TP2"): "tp", ("optim_grads_params", "EP2 alltoall"): "ep"})
