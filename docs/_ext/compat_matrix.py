@@ -8,6 +8,9 @@ Usage in MyST::
     ```{mfsdp-compat-matrix}
     ```
 
+    ```{mfsdp-compat-matrix-parallel}
+    ```
+
 At ``builder-inited`` the extension computes a digest of everything the measurement depends on
 (the ``mfsdp`` package source, which holds the matrix code, this file, the Python and torch
 versions). The same digest as the cached data in ``build/compatibility-matrix.json``: the data is
