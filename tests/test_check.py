@@ -198,7 +198,8 @@ def test_hsdp_and_hfsdp_on_four_ranks_pass():
 def test_a_trainer_preset_passes_every_layout_at_two_ranks():
     report = mfsdp.check("llama-tiny", nproc=2, steps=2, **_quiet())
     assert report.passed, report.table()
-    assert report.units == ["TransformerLayer"] and report.skipped == ["hsdp", "hfsdp"]
+    assert report.units == ["TransformerLayer"] and report.skipped == ["hsdp", "hfsdp", "ep"]
+    assert {"tp", "tp_sp", "cp"} <= {r.name for r in report.layouts}
 
 
 @pytest.mark.extended
@@ -223,5 +224,7 @@ def test_a_transformers_qwen2_moe_passes(tmp_path):
                    num_experts=4, num_experts_per_tok=2,
                    max_position_embeddings=64).save_pretrained(tmp_path)
     report = mfsdp.check(str(tmp_path), nproc=2, steps=2,
-                         layouts=["no_shard", "optim_grads_params", "bf16"], **_quiet())
+                         layouts=["no_shard", "optim_grads_params", "bf16", "ep"], **_quiet())
     assert report.passed, report.table()
+    # mfsdp's expert parallelism splits its own MoE layers: skipped, with the reason
+    assert report.skipped == ["ep"] and "Qwen2MoeForCausalLM has none" in report.skip_reasons["ep"]

@@ -1,16 +1,23 @@
-"""Sphinx directive ``mfsdp-compat-matrix``: the compatibility matrix of
-:mod:`mfsdp.check.matrix`, measured when the docs are built and cached like the recipes.
+"""Sphinx directives ``mfsdp-compat-matrix`` and ``mfsdp-compat-matrix-parallel``: the
+compatibility matrix of :mod:`mfsdp.check.matrix` and its table of tensor, sequence, context and
+expert parallelism (:mod:`mfsdp.check.matrix_parallel`), measured when the docs are built and
+cached like the recipes.
 
 Usage in MyST::
 
     ```{mfsdp-compat-matrix}
     ```
 
+    ```{mfsdp-compat-matrix-parallel}
+    ```
+
 At ``builder-inited`` the extension computes a digest of everything the measurement depends on
 (the ``mfsdp`` package source, which holds the matrix code, this file, the Python and torch
 versions). The same digest as the cached data in ``build/compatibility-matrix.json``: the data is
 reused; another digest or no cache: the matrix is measured (about 40 s of CPU, one launch of
-4 gloo ranks) and the cache rewritten. The directive renders the cached data as a table.
+4 gloo ranks) and the cache rewritten. The directive renders the cached data as a table. The
+parallelism table is cached the same way, by the same digest, in
+``build/compatibility-matrix-parallel.json``.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from sphinx.util.docutils import SphinxDirective
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "build" / "compatibility-matrix.json"
+CACHE_PARALLEL = ROOT / "build" / "compatibility-matrix-parallel.json"
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +74,53 @@ def load_or_measure(cache: Path = CACHE, digest: str | None = None,
     return data, True
 
 
+def _measure_parallel() -> dict[str, Any]:
+    from mfsdp.check.matrix_parallel import measure_parallel
+
+    return measure_parallel()
+
+
+def _cell_rst(cell: dict | None, refusals: list[str]) -> str:
+    """A cell's text; a refusal is named by number, its message kept in ``refusals``."""
+    from mfsdp.check.matrix import cell_text
+
+    if cell is not None and cell["status"] == "refused":
+        if cell["message"] not in refusals:
+            refusals.append(cell["message"])
+        return f"refused [{refusals.index(cell['message']) + 1}]"
+    return cell_text(cell) if cell is not None else ""
+
+
+def rst_parallel_table(data: dict[str, Any]) -> str:
+    """The parallelism table as a reStructuredText list-table (one row per strategy)."""
+    from mfsdp.check.matrix_parallel import PARALLEL
+
+    columns = [p for p in PARALLEL if any(c["parallel"] == p for c in data["cells"])]
+    rows: dict[str, dict[str, dict]] = {}
+    for c in data["cells"]:
+        rows.setdefault(c["strategy"], {})[c["parallel"]] = c
+    lines = [".. list-table::", "   :header-rows: 1", "", "   * - strategy"]
+    lines += [f"     - {p}" for p in columns]
+    refusals: list[str] = []
+    for strategy, by_column in rows.items():
+        lines.append(f"   * - ``{strategy}``")
+        for p in columns:
+            text = _cell_rst(by_column.get(p), refusals)
+            lines.append(f"     - {' '.join(text.split()) or ' '}")
+    if refusals:
+        lines.append("")
+        lines += [f"| [{i}] refused: {' '.join(m.split())}" for i, m in enumerate(refusals, 1)]
+    models = ", ".join(f"``{m}``" for m in data["models"].values())
+    lines += ["", f"Measured on {data['nproc']} gloo ranks, models {models}, {data['steps']} "
+              f"steps of SGD (lr {data['lr']}): {data['launches']} launch"
+              f"{'es' if data['launches'] != 1 else ''}, {data['seconds']} s wall, "
+              f"{data['cpu_seconds']} s of CPU."]
+    return "\n".join(lines)
+
+
 def rst_table(data: dict[str, Any]) -> str:
     """The matrix as a reStructuredText list-table (the page's table)."""
-    from mfsdp.check.matrix import PRECISION_TITLES, PRECISIONS, cell_text
+    from mfsdp.check.matrix import PRECISION_TITLES, PRECISIONS
 
     precisions = [p for p in PRECISIONS if any(c["precision"] == p for c in data["cells"])]
     rows: dict[tuple[str, str], dict[str, dict]] = {}
@@ -83,13 +135,7 @@ def rst_table(data: dict[str, Any]) -> str:
     for (strategy, outer), by_precision in rows.items():
         lines += [f"   * - ``{strategy}``", f"     - {outer}"]
         for p in precisions:
-            cell = by_precision.get(p)
-            if cell is not None and cell["status"] == "refused":
-                if cell["message"] not in refusals:
-                    refusals.append(cell["message"])
-                text = f"refused [{refusals.index(cell['message']) + 1}]"
-            else:
-                text = cell_text(cell) if cell is not None else ""
+            text = _cell_rst(by_precision.get(p), refusals)
             lines.append(f"     - {' '.join(text.split()) or ' '}")
     if refusals:
         lines.append("")
@@ -106,6 +152,12 @@ def _ensure_matrix(app) -> None:
     app._mfsdp_matrix, measured = load_or_measure()
     logger.info("compatibility matrix: %s", f"measured in {time.perf_counter() - start:.0f} s"
                 if measured else "reused (nothing it depends on changed)")
+    start = time.perf_counter()
+    app._mfsdp_matrix_parallel, measured = load_or_measure(CACHE_PARALLEL,
+                                                           measure=_measure_parallel)
+    logger.info("compatibility matrix, parallelism: %s",
+                f"measured in {time.perf_counter() - start:.0f} s" if measured
+                else "reused (nothing it depends on changed)")
 
 
 class CompatMatrixDirective(SphinxDirective):
@@ -119,8 +171,21 @@ class CompatMatrixDirective(SphinxDirective):
         return rst_nodes(rst_table(data))
 
 
+class CompatMatrixParallelDirective(SphinxDirective):
+    """Render the measured (or cached) table of tensor, sequence, context and expert
+    parallelism."""
+
+    def run(self) -> list[nodes.Node]:
+        self.env.note_dependency(str(CACHE_PARALLEL))
+        data = getattr(self.env.app, "_mfsdp_matrix_parallel", None)
+        if data is None:
+            data, _ = load_or_measure(CACHE_PARALLEL, measure=_measure_parallel)
+        return rst_nodes(rst_parallel_table(data))
+
+
 def setup(app):
-    """Register the directive and measure (or reuse) the matrix when the builder starts."""
+    """Register the directives and measure (or reuse) the tables when the builder starts."""
     app.connect("builder-inited", _ensure_matrix)
     app.add_directive("mfsdp-compat-matrix", CompatMatrixDirective)
+    app.add_directive("mfsdp-compat-matrix-parallel", CompatMatrixParallelDirective)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

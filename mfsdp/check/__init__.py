@@ -1,7 +1,8 @@
 """``mfsdp check``: a parity doctor for your own model.
 
 Trains the model for a few steps on every layout (each ZeRO strategy, HSDP, HFSDP, bf16 compute, bf16
-gradient communication, a resume into another strategy) on ``nproc`` gloo ranks and, next to it, in one process on the same
+gradient communication, a resume into another strategy, and where the model allows them TP 2, TP 2 +
+SP, CP 2 and EP 2) on ``nproc`` gloo ranks and, next to it, in one process on the same
 global batch; then reports per layout and step the loss difference, the gradient-norm and
 update-norm ratios (sharded / reference), the parameter furthest off, and a verdict against the
 tolerances of ``mfsdp.check.layouts.TOLERANCES``::
@@ -19,7 +20,7 @@ import time
 import types
 from typing import Any, Callable
 
-from mfsdp.check.layouts import LAYOUTS, TOLERANCES, select_layouts
+from mfsdp.check.layouts import LAYOUTS, TOLERANCES, ranks_reason, select_layouts
 from mfsdp.check.report import CheckReport, LayoutResult
 
 __all__ = ["check", "CheckReport", "LayoutResult", "LAYOUTS", "TOLERANCES"]
@@ -46,7 +47,9 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
         optimizer: ``"sgd"`` (shows a scale error as it is) or ``"adamw"`` (what you train
             with; it normalises gradient scale away, so run SGD too).
         lr: learning rate (default 0.1 for SGD, 1e-3 for AdamW).
-        layouts: names from ``mfsdp.check.LAYOUTS`` (default: all that fit ``nproc``).
+        layouts: names from ``mfsdp.check.LAYOUTS`` (default: all that fit ``nproc``). A TP,
+            CP or EP layout the model does not allow (not mfsdp's GPT, a dense model for
+            ``ep``, a size that does not divide) is skipped, with its reason in the report.
         units: FSDP unit class names (default: the class in the model's largest ``ModuleList``).
         optimizer_factory: ``fn(module, lr) -> torch.optim.Optimizer`` (or its
             ``"package.module:fn"``), the optimizer your script builds; called on the module
@@ -94,6 +97,15 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     tokens = make_batches(vocab_size(probe), 1, global_batch, seq_len, seed)[0]
     bypassed = bypassed_units(probe, unit_classes, tokens)
     parent = _fused_parent(probe, bypassed[0]) if bypassed else ""
+    skip_reasons = {name: ranks_reason(LAYOUTS[name], nproc, steps) for name in skipped}
+    from mfsdp.check.parallel import model_refuses
+
+    for layout in list(chosen):  # TP, CP and EP where the model allows them, else skipped
+        reason = model_refuses(layout, probe, nproc, global_batch, seq_len)
+        if reason is not None:
+            chosen.remove(layout)
+            skipped.append(layout.name)
+            skip_reasons[layout.name] = reason
     del probe
     s = Settings(model=model, optimizer=optimizer, lr=lr or DEFAULT_LR[optimizer], steps=steps,
                  global_batch=global_batch, seq_len=seq_len, seed=seed,
@@ -132,6 +144,7 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     report = CheckReport(model=model if isinstance(model, str) else _qualname(model),
                          nproc=nproc, steps=steps, optimizer=optimizer, lr=s["lr"],
                          units=s["units"], layouts=results, skipped=skipped,
+                         skip_reasons=skip_reasons,
                          bypassed_units=bypassed, recursive_gather=list(recursive_gather or []))
     if json_path:
         report.save_json(json_path)

@@ -33,7 +33,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--lr", type=float, default=None,
                         help="learning rate (default 0.1 for sgd, 1e-3 for adamw)")
     parser.add_argument("--layouts", nargs="+", metavar="LAYOUT", default=None,
-                        help=f"layouts to run (default: all that fit --nproc): "
+                        help=f"layouts to run (default: all that fit --nproc and the "
+                             f"model; tp, tp_sp, cp and ep need mfsdp's GPT, ep a MoE one): "
                              f"{', '.join(LAYOUTS)}")
     parser.add_argument("--units", nargs="+", metavar="CLASS", default=None,
                         help="FSDP unit classes (default: the class of the modules in the "

@@ -1,8 +1,9 @@
 """The layouts ``mfsdp check`` runs and the tolerances each is judged by (the one place they live).
 
 A layout is one way a user shards their model with ``mfsdp.fully_shard``: a ZeRO strategy,
-HSDP, HFSDP, bf16 compute with fp32 main weights, bf16 gradient communication, or a resume from a
-checkpoint into another strategy. Each names the
+HSDP, HFSDP, bf16 compute with fp32 main weights, bf16 gradient communication, a resume from a
+checkpoint into another strategy, or ZeRO-3 combined with tensor (and sequence), context or
+expert parallelism (``mfsdp.check.parallel``; mfsdp's GPT only). Each names the
 ``Tolerance`` it is held to, chosen by the dtypes it computes and communicates in.
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Tolerance", "TOLERANCES", "Layout", "LAYOUTS", "DEFAULT_LAYOUTS", "select_layouts"]
+__all__ = ["Tolerance", "TOLERANCES", "Layout", "LAYOUTS", "DEFAULT_LAYOUTS", "select_layouts",
+           "ranks_reason"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,27 @@ class Layout:
     resume_as: str | None = None
     """Save a checkpoint halfway, load it into a fresh model sharded with this strategy (the
     optimizer state is resharded) and train on: the steps after the load check the resume."""
+    tp: int = 1
+    """Tensor-parallel size (Megatron-LM's split, ``mfsdp.models.tensor_parallel``)."""
+    sequence_parallel: bool = False
+    """With ``tp``: norms on sequence shards (Megatron-LM's sequence parallelism)."""
+    cp: int = 1
+    """Context-parallel size (each sequence split over ``cp`` ranks)."""
+    ep: int = 1
+    """Expert-parallel size (``mfsdp.moe.shard_experts``; MoE models only)."""
+    dispatcher: str | None = None
+    """With ``ep``: the MoE token dispatcher (``allgather``, ``alltoall``, ``flex``; ``None``:
+    the model's own)."""
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the layout splits the model beyond data parallelism (TP, CP or EP)."""
+        return self.tp > 1 or self.cp > 1 or self.ep > 1
+
+    def parallel_kind(self) -> str:
+        """``tensor parallelism``, ``context parallelism`` or ``expert parallelism``."""
+        return ("tensor parallelism" if self.tp > 1 else "context parallelism" if self.cp > 1
+                else "expert parallelism")
 
     def describe(self) -> str:
         """The ``fully_shard`` arguments, as a user would write them."""
@@ -76,6 +99,14 @@ class Layout:
             parts.append("bf16 model, fp32 main weights and grads")
         if self.grad_comm_dtype:
             parts.append(f"grad_comm_dtype={self.grad_comm_dtype}")
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}" + (" + sequence parallel" if self.sequence_parallel
+                                            else ""))
+        if self.cp > 1:
+            parts.append(f"CP {self.cp}")
+        if self.ep > 1:
+            parts.append(f"EP {self.ep}" + (f" ({self.dispatcher} dispatcher)"
+                                            if self.dispatcher else ""))
         if self.resume_as:
             parts.append(f"saved halfway, loaded into zero_dp_strategy={self.resume_as!r}")
         return ", ".join(parts)
@@ -91,6 +122,10 @@ LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
     Layout("bf16", "optim_grads_params", compute_dtype="bf16", tolerance="bf16"),
     Layout("bf16_comm", "optim_grads_params", grad_comm_dtype="bf16", tolerance="bf16_comm"),
     Layout("resume", "optim_grads_params", resume_as="optim"),
+    Layout("tp", "optim_grads_params", tp=2),
+    Layout("tp_sp", "optim_grads_params", tp=2, sequence_parallel=True),
+    Layout("cp", "optim_grads_params", cp=2),
+    Layout("ep", "optim_grads_params", ep=2),
 )}
 
 DEFAULT_LAYOUTS = tuple(LAYOUTS)
@@ -117,11 +152,20 @@ def select_layouts(names: list[str] | None, nproc: int,
                                  f"got --steps {steps}")
             skipped.append(name)
             continue
-        if nproc < layout.min_ranks or nproc % layout.dp_outer:
+        split = layout.dp_outer * layout.tp * layout.cp
+        if nproc < layout.min_ranks or nproc % split:
             if names:
                 raise ValueError(f"--layouts {name} needs --nproc {layout.min_ranks} (or a "
-                                 f"multiple of {layout.dp_outer}), got --nproc {nproc}")
+                                 f"multiple of {split}), got --nproc {nproc}")
             skipped.append(name)
             continue
         run.append(layout)
     return run, skipped
+
+
+def ranks_reason(layout: Layout, nproc: int, steps: int) -> str:
+    """Why :func:`select_layouts` skipped the default layout ``layout`` (one line)."""
+    if layout.resume_as and steps < 2:
+        return "saves halfway: needs --steps 2 or more"
+    split = layout.dp_outer * layout.tp * layout.cp
+    return f"needs --nproc {max(layout.min_ranks, split)} (or a multiple of {split})"

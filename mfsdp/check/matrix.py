@@ -108,13 +108,18 @@ _RUN_MANY = "mfsdp.check.matrix:_run_many"  # by name: also when run as python -
 
 def _run_many(s: dict, layouts: list[Layout]) -> list[dict[str, Any]]:
     """Inside a launched rank: :func:`~mfsdp.check.run.run_layout` for each layout in turn (one
-    process start-up for all of them); an error is recorded and the next layout runs."""
+    process start-up for all of them); an error is recorded and the next layout runs. A
+    ``ValueError`` raised while building (``run_layout`` names the step of any later error) is
+    the API refusing the layout: it is kept whole as ``refused``."""
     from mfsdp.check.run import run_layout
 
     out = []
     for layout in layouts:
         try:
             out.append(run_layout(s, layout))
+        except ValueError as exc:
+            out.append({"error": f"ValueError: {str(exc).splitlines()[0]}",
+                        "refused": str(exc)})
         except Exception as exc:  # the cell fails with it; the ranks raised alike or time out
             out.append({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"})
         gc.collect()

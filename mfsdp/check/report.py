@@ -68,7 +68,10 @@ class CheckReport:
     units: list[str]
     layouts: list[LayoutResult]
     skipped: list[str] = field(default_factory=list)
-    """Default layouts that need more ranks than ``nproc``."""
+    """Layouts not run: default layouts that need more ranks than ``nproc``, and TP, CP or EP
+    layouts the model does not allow."""
+    skip_reasons: dict[str, str] = field(default_factory=dict)
+    """Why each skipped layout was skipped (one line each)."""
     bypassed_units: list[str] = field(default_factory=list)
     """Unit modules whose weights got gradients without their ``forward`` running."""
     recursive_gather: list[str] = field(default_factory=list)
@@ -112,7 +115,7 @@ class CheckReport:
                          f"{r.seconds:5.1f} s"
                          + (f"\n     {r.reason}" if r.reason else ""))
         for name in self.skipped:
-            lines.append(f"skip {name:<19} needs more ranks (see --nproc)")
+            lines.append(f"skip {name:<19} {self.skip_reasons.get(name, 'needs more ranks')}")
         if self.bypassed_units:
             shown = ", ".join(self.bypassed_units[:4]) + (
                 f" and {len(self.bypassed_units) - 4} more" if len(self.bypassed_units) > 4 else "")
@@ -211,7 +214,8 @@ def _outside(s: StepResult, loss_ref: float, tol) -> str:
 # The fields of the JSON document (``--json``), for tools that read it.
 JSON_SCHEMA: dict[str, Any] = {
     "model": str, "nproc": int, "steps": int, "optimizer": str, "lr": float, "units": list,
-    "passed": bool, "skipped": list, "bypassed_units": list, "recursive_gather": list,
+    "passed": bool, "skipped": list, "skip_reasons": dict, "bypassed_units": list,
+    "recursive_gather": list,
     "tolerances": dict,
     "layouts": [{
         "name": str, "description": str, "tolerance": str, "passed": bool, "reason": str,

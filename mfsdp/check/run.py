@@ -102,7 +102,8 @@ def mixed_precision_policy(layout: Layout):
 
 
 def _sharded(s: Settings, layout: Layout, strategy: str):
-    """The user's model and optimizer, sharded as ``layout`` with ``strategy``."""
+    """The user's model and optimizer, sharded as ``layout`` with ``strategy``, and the
+    :class:`~mfsdp.check.parallel.ParallelRun` of a TP, CP or EP layout (else ``None``)."""
     import torch.distributed as dist
 
     # mfsdp.fully_shard and mfsdp.MixedPrecisionPolicy, imported from where they are defined
@@ -116,12 +117,22 @@ def _sharded(s: Settings, layout: Layout, strategy: str):
     if layout.compute_dtype == "bf16":
         model = model.to(torch.bfloat16)
     policy = mixed_precision_policy(layout)
-    groups = (ParallelLayout(dist.get_world_size(), layout.dp_outer).create_groups()
-              if layout.dp_outer > 1 else None)
+    par = None
+    if layout.parallel:  # the trainer's groups, TP split and expert sharding
+        from mfsdp.check.parallel import ParallelRun
+
+        par = ParallelRun(layout, model, dist.get_world_size(), s["global_batch"], s["seq_len"])
+        model = par.split(model)
+        groups = par.groups
+    else:
+        groups = (ParallelLayout(dist.get_world_size(), layout.dp_outer).create_groups()
+                  if layout.dp_outer > 1 else None)
     optimizer = _user_optimizer(s, model)  # upstream's order: built on the module, then sharded
-    return fully_shard(model, optimizer, fsdp_unit_modules=units, zero_dp_strategy=strategy,
-                       outer_dp_sharding_strategy=layout.outer_strategy, process_groups=groups, mixed_precision_policy=policy,
-                       recursive_gather_modules=recursive)
+    model, optimizer = fully_shard(
+        model, optimizer, fsdp_unit_modules=units, zero_dp_strategy=strategy,
+        outer_dp_sharding_strategy=layout.outer_strategy, process_groups=groups,
+        mixed_precision_policy=policy, recursive_gather_modules=recursive)
+    return model, optimizer, par
 
 
 def _resume(s: Settings, layout: Layout, model, optimizer, step: int):
@@ -139,7 +150,7 @@ def _resume(s: Settings, layout: Layout, model, optimizer, step: int):
     dist.broadcast_object_list(where, src=0)
     try:
         path = save_checkpoint(where[0], model, optimizer, iteration=step)
-        model, optimizer = _sharded(s, layout, layout.resume_as)
+        model, optimizer, _ = _sharded(s, layout, layout.resume_as)
         load = s["resume_fn"] or load_checkpoint
         if isinstance(load, str):
             load = load_callable(load, "--resume-fn")
@@ -159,10 +170,16 @@ def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = _batches(s, build_model(s["model"], s["seed"]))
-    model, optimizer = _sharded(s, layout, layout.strategy)
+    model, optimizer, par = _sharded(s, layout, layout.strategy)
     local = s["global_batch"] // world
     losses, norms, params = [], [], []
-    initial = {_strip(n): p for n, p in model.full_parameters().items()}
+
+    def full_parameters():
+        if par is not None:
+            return par.full_parameters(model)
+        return {_strip(n): p for n, p in model.full_parameters().items()}
+
+    initial = full_parameters()
     resume_after = (len(batches) + 1) // 2 if layout.resume_as else None
     for step, tokens in enumerate(batches, start=1):
         phase = "forward/backward"
@@ -172,8 +189,11 @@ def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
                 model, optimizer = _resume(s, layout, model, optimizer, step - 1)
                 phase = "forward/backward"
             optimizer.zero_grad()
-            loss = next_token_loss(model, tokens[rank * local:(rank + 1) * local])
-            loss.backward()
+            if par is not None:  # the global mean on every rank (the mean below keeps it)
+                loss = par.loss_backward(model, tokens)
+            else:
+                loss = next_token_loss(model, tokens[rank * local:(rank + 1) * local])
+                loss.backward()
             phase = "optimizer step"
             norms.append(optimizer.grad_norm())
             optimizer.step()
@@ -182,9 +202,9 @@ def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
         t = loss.detach().float().reshape(1)
         dist.all_reduce(t)
         losses.append(t.item() / world)
-        full = model.full_parameters()
+        full = full_parameters()
         if rank == 0:
-            params.append({_strip(n): p for n, p in full.items()})
+            params.append(full)
     tracked = sum(model.memory_by_kind().values()) + optimizer.local_state_bytes()
     out = {"rank": rank, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "tracked_mib": tracked / 2**20}

@@ -70,7 +70,7 @@ def build_parallel(args, world: int, cfg, device: torch.device, log) -> TrainPar
     """Create the groups ``args`` ask for (a collective call) and say where this rank is."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from mfsdp import ParallelLayout
+    from mfsdp.layout import ParallelLayout  # (not `mfsdp`: mfsdp.check imports this module)
 
     tp = args.tensor_model_parallel_size
     cp = args.context_parallel_size
