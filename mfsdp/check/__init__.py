@@ -67,7 +67,7 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     """
     from mfsdp.check.models import build_model, bypassed_units, make_batches, resolve_units
     from mfsdp.check.models import check_model_spec, vocab_size
-    from mfsdp.check.report import compare
+    from mfsdp.check.report import compare, param_error
     from mfsdp.check.run import Settings, run_layout, run_reference
     from mfsdp.launch import LaunchTimeout, RankError, launch
 
@@ -128,6 +128,12 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
             result.steps, result.reason = compare(layout, references[dtype], ranks[0])
             result.passed = not result.reason
             result.max_rss_mib = [r["max_rss_mib"] for r in ranks]
+            if ranks[0].get("prediction"):
+                pred = ranks[0]["prediction"]
+                result.prediction = {
+                    "param": pred["param"], "error": pred["error"],
+                    "ring_error": pred["ring_error"],
+                    "measured": param_error(references[dtype], ranks[0], pred["param"])}
             result.tracked_mib = [r["tracked_mib"] for r in ranks]
         if not result.passed and bypassed and not recursive_gather:
             result.reason += (f"; FSDP unit {bypassed[0]} computes without its forward (its "

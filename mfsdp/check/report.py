@@ -54,6 +54,12 @@ class LayoutResult:
     tracked_mib: list[float] = field(default_factory=list)
     """Each rank's sharded buffers plus optimizer state after the last step (bytes mfsdp holds)."""
     seconds: float = 0.0
+    prediction: dict | None = None
+    """bf16 gradient communication only: the numerics simulator's prediction of the first step
+    (:mod:`mfsdp.check.predict`): ``param`` (the parameter it expects to suffer most),
+    ``error`` (relative error of its reduced gradient, as mfsdp reduces on gloo),
+    ``ring_error`` (as an NCCL bf16 ring would) and ``measured`` (that parameter's relative
+    error after step 1: the gradient's own under SGD)."""
 
 
 @dataclass
@@ -114,6 +120,11 @@ class CheckReport:
             lines.append(f"{verdict} {r.name:<19} tol {r.tolerance:<9} {memory}  "
                          f"{r.seconds:5.1f} s"
                          + (f"\n     {r.reason}" if r.reason else ""))
+            if r.prediction:
+                pr = r.prediction
+                lines.append(f"     numerics simulator, step 1: {pr['param']} predicted "
+                             f"{pr['error']:.2e} (an NCCL bf16 ring: {pr['ring_error']:.2e}), "
+                             f"measured {pr['measured']:.2e}")
         for name in self.skipped:
             lines.append(f"skip {name:<19} {self.skip_reasons.get(name, 'needs more ranks')}")
         if self.bypassed_units:
@@ -195,6 +206,13 @@ def compare(layout: Layout, ref: dict, got: dict) -> tuple[list[StepResult], str
     return steps, reason
 
 
+def param_error(ref: dict, got: dict, name: str, step: int = 1) -> float:
+    """``name``'s relative error after ``step`` (1-based), as :func:`compare` measures it."""
+    diff = float((got["params"][step - 1][name].float() - ref["params"][step - 1][name]).norm())
+    moved = float((ref["params"][step - 1][name] - ref["initial"][name]).norm())
+    return diff / moved if moved > 0 else (0.0 if diff == 0 else math.inf)
+
+
 def _outside(s: StepResult, loss_ref: float, tol) -> str:
     """'' when ``s`` is within ``tol``, else which metric is outside it (naming the parameter)."""
     where = f"step {s.step}: "
@@ -220,6 +238,7 @@ JSON_SCHEMA: dict[str, Any] = {
     "layouts": [{
         "name": str, "description": str, "tolerance": str, "passed": bool, "reason": str,
         "error": (str, type(None)), "max_rss_mib": list, "tracked_mib": list, "seconds": float,
+        "prediction": (dict, type(None)),
         "steps": [{"step": int, "loss": float, "loss_diff": float, "grad_norm_ratio": float,
                    "update_norm_ratio": float, "worst_param": str,
                    "worst_param_error": float}],

@@ -180,6 +180,11 @@ def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
         return {_strip(n): p for n, p in model.full_parameters().items()}
 
     initial = full_parameters()
+    prediction = None
+    if layout.grad_comm_dtype == "bf16" and layout.compute_dtype != "bf16" and par is None:
+        from mfsdp.check.predict import predict_bf16_reduction
+
+        prediction = predict_bf16_reduction(s, batches[0][rank * local:(rank + 1) * local])
     resume_after = (len(batches) + 1) // 2 if layout.resume_as else None
     for step, tokens in enumerate(batches, start=1):
         phase = "forward/backward"
@@ -209,5 +214,6 @@ def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
     out = {"rank": rank, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "tracked_mib": tracked / 2**20}
     if rank == 0:
-        out.update(losses=losses, grad_norms=norms, params=params, initial=initial)
+        out.update(losses=losses, grad_norms=norms, params=params, initial=initial,
+                   prediction=prediction)
     return out
