@@ -87,11 +87,11 @@ READERS: dict[str, tuple[str, ...]] = {
         "load", "exit_on_missing_checkpoint", "override_opt_param_scheduler",
         "use_checkpoint_opt_param_scheduler", "ckpt_verify", "ckpt_format")},
     **{dest: (f"{T}/signals.py",) for dest in ("exit_signal_handler", "exit_duration_in_mins")},
-    # read once into LoggingConfig (config.py), which metrics.py and trainer.py are given
-    **{dest: (f"{T}/config.py",) for dest in (
-        "log_interval", "log_jsonl", "log_throughput", "wandb_project", "wandb_exp_name",
-        "wandb_save_dir", "wandb_entity")},
-    "tensorboard_dir": (f"{T}/config.py", f"{T}/profiling.py"),  # (--profile's trace goes there)
+    # fields of LoggingConfig (config/job.py), which metrics.py and trainer.py are given
+    **{dest: (f"{T}/metrics.py",) for dest in ("wandb_project", "wandb_exp_name", "wandb_entity")},
+    **{dest: (f"{T}/trainer.py",) for dest in ("log_interval", "log_jsonl", "log_throughput")},
+    "wandb_save_dir": (f"{T}/config/job.py",),  # (LoggingConfig.wandb_dir: it or --save/wandb)
+    "tensorboard_dir": (f"{T}/metrics.py", f"{T}/profiling.py"),  # (--profile's trace too)
     **{dest: (f"{T}/profiling.py",) for dest in (
         "profile", "use_pytorch_profiler", "profile_step_start", "profile_step_end",
         "profile_ranks", "pytorch_profiler_collect_shapes", "pytorch_profiler_collect_callstack",
