@@ -11,7 +11,6 @@ from pathlib import Path
 from mfsdp.argtypes import MIN_TIMEOUT_MINUTES  # noqa: F401
 from mfsdp.data.batches import half_pair, is_indexed_prefix
 from mfsdp.trainer.config import DTYPES, GROUPS, STRATEGIES, TrainConfig, add_flags  # noqa: F401
-from mfsdp.trainer.metrics import check_wandb_args
 
 
 class OneRankParser(argparse.ArgumentParser):
@@ -46,8 +45,7 @@ def check_args(args, world: int, cfg) -> int:
     (:func:`mfsdp.trainer.refusals.check_combinations`), after the checks of values."""
     from mfsdp.trainer.refusals import check_combinations, check_with_model
 
-    check_wandb_args(args)  # (before LoggingConfig's own check: its message names the flags)
-    TrainConfig.from_args(args)  # each group's own checks (its __post_init__)
+    TrainConfig.from_args(args)  # the W&B flags, then each group's own checks (__post_init__)
     per = _check_layout(args, world, cfg)
     if args.train_samples:  # (as TrainConfig.from_args does)
         args.train_iters = max(1, args.train_samples // args.global_batch_size)

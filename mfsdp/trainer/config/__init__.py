@@ -21,7 +21,8 @@ import argparse
 from dataclasses import dataclass, field
 
 from mfsdp.trainer.config.flags import add_flags, flag, flag_fields, from_namespace
-from mfsdp.trainer.config.job import CheckpointConfig, JobConfig, LoggingConfig, ProfilingConfig
+from mfsdp.trainer.config.job import (CheckpointConfig, JobConfig, LoggingConfig, ProfilingConfig,
+                                     check_wandb_args)
 from mfsdp.trainer.config.model import ModelConfig, MoEConfig
 from mfsdp.trainer.config.parallel import DTYPES, STRATEGIES, ParallelConfig, PrecisionConfig
 from mfsdp.trainer.config.training import DataConfig, TrainingConfig
@@ -58,19 +59,22 @@ class TrainConfig:
     """Profiler traces and CUDA memory history."""
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> TrainConfig:
+    def from_args(cls, args: argparse.Namespace, *, logging: bool = True) -> TrainConfig:
         """The typed groups of parsed ``mfsdp train`` arguments; a group's check that fails is
         a ``SystemExit`` with its one line (the command line's error form).
 
         ``--train-samples`` sets ``--train-iters`` here (samples / global batch), as in
-        Megatron-LM."""
+        Megatron-LM. The W&B flags are checked first, for their flag-named messages;
+        ``logging=False`` leaves them and the logging group (its defaults) out."""
+        if logging:
+            check_wandb_args(args)
         train_iters = (max(1, args.train_samples // args.global_batch_size)
                        if args.train_samples else args.train_iters)
         try:
             groups = {name: from_namespace(kind, args) for name, kind in _PLAIN.items()
                       if kind is not TrainingConfig}
             groups["training"] = from_namespace(TrainingConfig, args, train_iters=train_iters)
-            return cls(**groups, logging=LoggingConfig.from_args(args))
+            return cls(**groups, **({"logging": LoggingConfig.from_args(args)} if logging else {}))
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
 

@@ -99,6 +99,28 @@ class CheckpointConfig:
             raise ValueError("--save-interval needs --save DIR")
 
 
+def check_wandb_args(args: argparse.Namespace) -> None:
+    """Refuse at start what Megatron-LM would fail on later: ``--wandb-project`` without
+    ``--wandb-exp-name``, or without a directory (``--wandb-save-dir``, else ``--save``/wandb);
+    the other ``--wandb-*`` flags without ``--wandb-project``; a missing ``wandb`` package."""
+    if not args.wandb_project:
+        for flag in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
+            if getattr(args, flag):
+                raise SystemExit(f"--{flag.replace('_', '-')} has no effect without "
+                                 f"--wandb-project: add --wandb-project NAME to log to W&B")
+        return
+    if not args.wandb_exp_name:
+        raise SystemExit("--wandb-project needs --wandb-exp-name NAME (the run's name in W&B), "
+                         "as in Megatron-LM")
+    if not (args.wandb_save_dir or args.save):
+        raise SystemExit("--wandb-project needs --wandb-save-dir DIR (or --save, whose wandb/ "
+                         "subdirectory is then used): W&B keeps its local files there")
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise SystemExit("--wandb-project needs the wandb package (pip install wandb)") from None
+
+
 @dataclass(kw_only=True, frozen=True)
 class LoggingConfig:
     """What rank 0 reports, and where (``--log-*``, ``--tensorboard-dir``, ``--wandb-*``):
