@@ -104,9 +104,9 @@ def check_wandb_args(args: argparse.Namespace) -> None:
     ``--wandb-exp-name``, or without a directory (``--wandb-save-dir``, else ``--save``/wandb);
     the other ``--wandb-*`` flags without ``--wandb-project``; a missing ``wandb`` package."""
     if not args.wandb_project:
-        for flag in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
-            if getattr(args, flag):
-                raise SystemExit(f"--{flag.replace('_', '-')} has no effect without "
+        for dest in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
+            if getattr(args, dest):
+                raise SystemExit(f"--{dest.replace('_', '-')} has no effect without "
                                  f"--wandb-project: add --wandb-project NAME to log to W&B")
         return
     if not args.wandb_exp_name:
