@@ -225,6 +225,7 @@ def test_a_resumed_schedule_follows_megatron_lm_rules(tmp_path):
     checkpoint's stops with the value named, unless told which one wins; SGD so that the learning
     rate shows in the losses one to one."""
     from mfsdp.train import check_args, restore_scheduler, scheduler_state, build_parser
+    from mfsdp.trainer.config import TrainConfig
 
     ckpt = str(tmp_path / "ckpt")
     base = SHORT + ["--optimizer", "sgd", "--train-iters", "4"]
@@ -233,8 +234,9 @@ def test_a_resumed_schedule_follows_megatron_lm_rules(tmp_path):
                             r"the checkpoint; pass the checkpoint's value, --use-checkpoint-opt_"),
                            (["--train-iters", "6"], r"total number of iterations \(--lr-decay-it"),
                            (["--lr-decay-style", "cosine"], "decay style")]:
+        config = TrainConfig.from_args(build_parser().parse_args(base + extra))
         with pytest.raises(SystemExit, match=message):
-            restore_scheduler(build_parser().parse_args(base + extra), saved)
+            restore_scheduler(config.training, config.checkpoint, saved)
     both = build_parser().parse_args(base + ["--override-opt_param-scheduler",
                                              "--use-checkpoint-opt-param-scheduler"])
     with pytest.raises(SystemExit, match="contradict"):
@@ -542,10 +544,12 @@ def test_profile_writes_a_trace_with_mfsdps_labels(tmp_path):
 ], ids=["memory-history-on-cpu", "nsys-on-cpu", "no-trace-dir", "empty-window"])
 def test_profiling_flags_that_cannot_work_are_refused_at_start(flags, message):
     from mfsdp.train import build_parser
+    from mfsdp.trainer.config import TrainConfig
     from mfsdp.trainer.profiling import check_profile_args
 
+    config = TrainConfig.from_args(build_parser().parse_args(flags))
     with pytest.raises(SystemExit, match=re.escape(message)):
-        check_profile_args(build_parser().parse_args(flags), is_cpu=True)
+        check_profile_args(config.profiling, config.logging.tensorboard_dir, is_cpu=True)
 
 
 @pytest.mark.extended  # four trainer launches (about a minute on an idle 2-core machine)

@@ -59,7 +59,7 @@ READERS: dict[str, tuple[str, ...]] = {
     # model flags whose value means something else than the field of that name (build.py)
     **{dest: (f"{T}/build.py",) for dest in (
         "model_preset", "max_position_embeddings", "use_rope_scaling", "rope_scaling_factor",
-        "group_query_attention", "num_query_groups", "disable_bias_linear",
+        "num_query_groups", "disable_bias_linear",
         "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "bf16",
         "grad_reduce_in_bf16", "megatron_fsdp_main_params_dtype",
         "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype", "lr", "min_lr",
@@ -81,17 +81,19 @@ READERS: dict[str, tuple[str, ...]] = {
         "num_distributed_optimizer_instances", "expert_model_parallel_size",
         "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size",
         "create_all_gather_group")},
+    # only with --num-query-groups, which it asks for: checked by ModelConfig
+    "group_query_attention": (f"{T}/config/model.py",),
     "expert_tensor_parallel_size": (f"{T}/arguments.py",),  # only ever 1: checked, see there
     "train_samples": (f"{T}/arguments.py",),  # sets train_iters in check_args
     **{dest: (f"{T}/checkpointing.py",) for dest in (
         "load", "exit_on_missing_checkpoint", "override_opt_param_scheduler",
         "use_checkpoint_opt_param_scheduler", "ckpt_verify", "ckpt_format")},
     **{dest: (f"{T}/signals.py",) for dest in ("exit_signal_handler", "exit_duration_in_mins")},
-    # read once into LoggingConfig (config.py), which metrics.py and trainer.py are given
-    **{dest: (f"{T}/config.py",) for dest in (
-        "log_interval", "log_jsonl", "log_throughput", "wandb_project", "wandb_exp_name",
-        "wandb_save_dir", "wandb_entity")},
-    "tensorboard_dir": (f"{T}/config.py", f"{T}/profiling.py"),  # (--profile's trace goes there)
+    # fields of LoggingConfig (config/job.py), which metrics.py and trainer.py are given
+    **{dest: (f"{T}/metrics.py",) for dest in ("wandb_project", "wandb_exp_name", "wandb_entity")},
+    **{dest: (f"{T}/trainer.py",) for dest in ("log_interval", "log_jsonl", "log_throughput")},
+    "wandb_save_dir": (f"{T}/config/job.py",),  # (LoggingConfig.wandb_dir: it or --save/wandb)
+    "tensorboard_dir": (f"{T}/metrics.py", f"{T}/profiling.py"),  # (--profile's trace too)
     **{dest: (f"{T}/profiling.py",) for dest in (
         "profile", "use_pytorch_profiler", "profile_step_start", "profile_step_end",
         "profile_ranks", "pytorch_profiler_collect_shapes", "pytorch_profiler_collect_callstack",
@@ -267,10 +269,13 @@ def test_rope_scaling_factor_reaches_the_model_with_use_rope_scaling():
 
 def test_mock_data_selects_synthetic_data_and_contradicts_data_path():
     from mfsdp.data.batches import read_data
+    from mfsdp.trainer.config import TrainConfig
 
     parser = build_parser()
-    assert read_data(parser.parse_args(["--mock-data"])) is None  # synthetic sequences
-    text = read_data(parser.parse_args(["--data-path", "bundled"]))
+    mock = TrainConfig.from_args(parser.parse_args(["--mock-data"]))
+    assert read_data(mock.data, mock.training) is None  # synthetic sequences
+    bundled = TrainConfig.from_args(parser.parse_args(["--data-path", "bundled"]))
+    text = read_data(bundled.data, bundled.training)
     assert text is not None and text.dtype.is_floating_point is False and len(text) > 1000
     with pytest.raises(SystemExit, match="^--mock-data contradicts --data-path"):
         check_combinations(parser.parse_args(["--mock-data", "--data-path", "bundled"]), parser)
@@ -346,3 +351,31 @@ def test_the_logging_flags_become_a_logging_config():
         LoggingConfig(log_interval=0)
     with pytest.raises(ValueError, match=r"^LoggingConfig: wandb_project='p' needs"):
         LoggingConfig(wandb_project="p", wandb_exp_name="e")
+
+
+def test_the_parser_is_generated_from_the_config_groups():
+    """Each argument group of the parser lists the flag fields of its config classes, in their
+    order and with their defaults; ``TrainConfig.from_args`` hands each group its flags' values
+    (``--train-samples`` setting the iterations) and a group's own check is the command's
+    refusal."""
+    from dataclasses import MISSING
+
+    from mfsdp.trainer.config import GROUPS, TrainConfig, flag_fields
+
+    parser = build_parser()
+    for title, kinds in GROUPS:
+        group = next(g for g in parser._action_groups if g.title == title)
+        fields_ = [f for kind in kinds for f in flag_fields(kind)]
+        assert list(dict.fromkeys(a.dest for a in group._group_actions)) == [f.name for f in fields_]
+        for f in fields_:
+            default = f.default_factory() if f.default is MISSING else f.default
+            assert parser.get_default(f.name) == default, f.name
+    config = TrainConfig.from_args(parser.parse_args(
+        ["--seq-length", "32", "--use-megatron-fsdp", "--log-interval", "3", "--num-experts", "4",
+         "--train-samples", "80", "--global-batch-size", "8", "--split", "90,10,0"]))
+    assert (config.training.seq_length, config.parallel.use_megatron_fsdp,
+            config.logging.log_interval, config.moe.num_experts, config.data.split) == (
+        32, True, 3, 4, "90,10,0")
+    assert config.training.train_iters == 10  # 80 samples / 8 per iteration
+    with pytest.raises(SystemExit, match="^--save-interval needs --save DIR$"):
+        TrainConfig.from_args(parser.parse_args(["--save-interval", "2"]))

@@ -1,9 +1,13 @@
 """The trainer's data path: Megatron indexed datasets (or the bundled text, or mock data) read
-once, and the global batch of an iteration split over the data-parallel ranks (``global_batch``)."""
+once, and the global batch of an iteration split over the data-parallel ranks (``global_batch``).
+
+The functions take the trainer's typed groups (``data``: a
+:class:`~mfsdp.trainer.config.DataConfig`, ``training``: a
+:class:`~mfsdp.trainer.config.TrainingConfig`), or anything with their fields: this package sits
+below the trainer and does not import it."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -24,25 +28,28 @@ class MegatronData:
         return torch.from_numpy(split[i][1])
 
 
-def tokenizer_of(args):
-    """The tokenizer ``--tokenizer-type`` names (None: bytes), for its EOD token."""
-    if not args.tokenizer_type:
+def tokenizer_of(data, vocab_size: int | None = None):
+    """The tokenizer ``data.tokenizer_type`` names (None: bytes), for its EOD token
+    (``vocab_size``: ``--vocab-size``, which the NullTokenizer needs)."""
+    if not data.tokenizer_type:
         return None
     from mfsdp.data.tokenizers import build_tokenizer
 
     try:
-        return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        return build_tokenizer(data.tokenizer_type, data.tokenizer_model, vocab_size)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"mfsdp train: {e}") from None
 
 
-def read_data(args) -> "torch.Tensor | MegatronData | None":
+def read_data(data, training, vocab_size: int | None = None
+              ) -> "torch.Tensor | MegatronData | None":
     """None (mock data: ``--mock-data``, or no ``--data-path``), a byte tensor (one text file),
-    or :class:`MegatronData`."""
+    or :class:`MegatronData` (its samples sized by the ``training`` group's batch, iterations
+    and sequence length)."""
     from mfsdp.data.indexed import MAGIC, is_indexed_prefix
 
-    paths = args.data_path
-    if args.mock_data or not paths:  # (--mock-data with --data-path is refused at start)
+    paths = data.data_path
+    if data.mock_data or not paths:  # (--mock-data with --data-path is refused at start)
         return None
     if len(paths) == 1 and not is_indexed_prefix(paths[0]):
         path = paths[0]
@@ -63,19 +70,18 @@ def read_data(args) -> "torch.Tensor | MegatronData | None":
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
     from mfsdp.data.gpt_dataset import build_gpt_datasets
 
-    gbs = args.global_batch_size
-    sizes = [args.train_iters * gbs,
-             (args.train_iters // args.eval_interval + 1) * args.eval_iters * gbs,
-             args.eval_iters * gbs]
+    gbs, iters = training.global_batch_size, training.train_iters
+    sizes = [iters * gbs, (iters // data.eval_interval + 1) * data.eval_iters * gbs,
+             data.eval_iters * gbs]
     try:
-        splits = build_gpt_datasets(paths, args.split, sizes, args.seq_length, args.seed,
-                                    args.data_cache_path)
+        splits = build_gpt_datasets(paths, data.split, sizes, training.seq_length, training.seed,
+                                    data.data_cache_path)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"mfsdp train: {e}") from None
     if splits[0] is None:
-        raise SystemExit(f"--split {args.split} leaves no training documents")
-    tok = tokenizer_of(args)
-    if args.sequence_packing and tok is None:
+        raise SystemExit(f"--split {data.split} leaves no training documents")
+    tok = tokenizer_of(data, vocab_size)
+    if data.sequence_packing and tok is None:
         raise SystemExit("--sequence-packing with indexed datasets cuts samples at EOD tokens: "
                          "name the tokenizer (--tokenizer-type) so its EOD id is known")
     return MegatronData(splits, tok.eod if tok is not None else None)
@@ -109,9 +115,11 @@ def documents(sample: torch.Tensor, eod: int) -> list[torch.Tensor]:
     return [p for p in pieces if len(p) > 1]
 
 
-def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
-                 data: torch.Tensor | None = None, rows: range | None = None) -> list[torch.Tensor]:
-    """The ``--global-batch-size`` sequences of ``iteration`` (1-based): a function of the seed only.
+def global_batch(training, iteration: int, vocab_size: int,
+                 data: torch.Tensor | MegatronData | None = None, rows: range | None = None, *,
+                 packing: bool = False) -> list[torch.Tensor]:
+    """The ``--global-batch-size`` sequences of ``iteration`` (1-based): a function of the seed only
+    (``training``: the batch size, seed and sequence length; ``packing``: ``--sequence-packing``).
 
     Mock sequences are arithmetic progressions modulo the vocabulary (learnable from two tokens of
     context); with ``--sequence-packing`` lengths vary between a quarter of and the full
@@ -119,18 +127,18 @@ def global_batch(args: argparse.Namespace, iteration: int, vocab_size: int,
     them; generated ones are drawn in order and sliced, so they are the same either way).
     """
     if isinstance(data, MegatronData):  # Megatron-LM's order: consumed samples = (iteration-1) x GBS
-        base = (iteration - 1) * args.global_batch_size
-        wanted = range(args.global_batch_size) if rows is None else rows
+        base = (iteration - 1) * training.global_batch_size
+        wanted = range(training.global_batch_size) if rows is None else rows
         seqs = [data.sample(data.train, base + j) for j in wanted]
         _check_token_ids(seqs, wanted, base, iteration, vocab_size)
-        if args.sequence_packing:
+        if packing:
             return [documents(t, data.eod) for t in seqs]
         return seqs
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
-    vocab, S = vocab_size, args.seq_length
+    g = torch.Generator().manual_seed(training.seed * 1_000_003 + iteration)
+    vocab, S = vocab_size, training.seq_length
     seqs = []
-    for _ in range(args.global_batch_size):
-        n = int(torch.randint(max(2, S // 4), S + 1, (1,), generator=g)) if args.sequence_packing else S
+    for _ in range(training.global_batch_size):
+        n = int(torch.randint(max(2, S // 4), S + 1, (1,), generator=g)) if packing else S
         if data is None:
             start = int(torch.randint(vocab, (1,), generator=g))
             step = int(torch.randint(1, 8, (1,), generator=g))

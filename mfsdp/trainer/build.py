@@ -4,15 +4,16 @@ the figures the logs report (FLOPs per token, resident memory)."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+import argparse
 import math
+from dataclasses import fields
 
 import torch
 
 from mfsdp.data.batches import is_indexed_prefix, tokenizer_of
 from mfsdp.models.config import GPTConfig
 
-from mfsdp.trainer.arguments import DTYPES
+from mfsdp.trainer.config import DTYPES, TrainConfig
 
 
 def saved_config(load: str | None) -> dict | None:
@@ -35,30 +36,36 @@ def saved_config(load: str | None) -> dict | None:
         raise SystemExit(f"mfsdp train: --load: {exc}") from None
 
 
-def model_config(args):
+def model_config(config: TrainConfig | argparse.Namespace):
     """The model's :class:`~mfsdp.models.gpt.GPTConfig`: the checkpoint's or the preset's, with
-    every model flag given on the command line applied."""
+    every model flag of ``config`` applied (parsed arguments are read into a
+    :class:`~mfsdp.trainer.config.TrainConfig` first, its logging group left out)."""
     from mfsdp.models.gpt import GPT_PRESETS, GPTConfig, with_overrides
 
-    saved = saved_config(getattr(args, "load", None))
-    if args.model_preset:
-        base = GPT_PRESETS[args.model_preset]
+    if isinstance(config, argparse.Namespace):
+        config = TrainConfig.from_args(config, logging=False)
+    model, data = config.model, config.data
+    saved = saved_config(config.checkpoint.load)
+    if model.model_preset:
+        base = GPT_PRESETS[model.model_preset]
     elif saved is not None:
         base = GPTConfig.from_dict(saved)
     else:
         base = GPT_PRESETS["gpt-tiny"]
     try:
-        cfg = overridden_config(base, args, args.max_position_embeddings)
-        if args.max_position_embeddings is None and cfg.position_embedding_type == "learned_absolute":
+        cfg = overridden_config(base, model, config.moe)
+        if model.max_position_embeddings is None and \
+                cfg.position_embedding_type == "learned_absolute":
             # indexed-dataset samples hold seq_length + 1 tokens (inputs and the last label)
-            indexed = bool(args.data_path) and any(is_indexed_prefix(p) for p in args.data_path)
-            cfg = with_overrides(cfg, max_position_embeddings=max(args.seq_length, 1) + indexed)
-        tok = tokenizer_of(args)
-        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+            indexed = bool(data.data_path) and any(is_indexed_prefix(p) for p in data.data_path)
+            cfg = with_overrides(cfg, max_position_embeddings=max(config.training.seq_length, 1)
+                                 + indexed)
+        tok = tokenizer_of(data, model.vocab_size)
+        tp = config.parallel.tensor_model_parallel_size
         if tok is not None:
             kept = (saved or {}).get("vocab_size", 0)  # a resumed job keeps its padded size
             size = (kept if kept >= tok.vocab_size and kept % tp == 0
-                    else padded_vocab_size(tok.vocab_size, args.make_vocab_size_divisible_by, tp))
+                    else padded_vocab_size(tok.vocab_size, data.make_vocab_size_divisible_by, tp))
             _note_padding(tok.vocab_size, size)
             cfg = with_overrides(cfg, vocab_size=size)
         elif cfg.vocab_size % tp:  # the vocabulary-parallel layers need a multiple of TP
@@ -91,84 +98,88 @@ def _note_padding(vocab: int, size: int) -> None:
               f"(new size: {size})", flush=True)
 
 
-def overridden_config(base, args, max_pos):
-    """``base`` (a preset's or a checkpoint's config) with every model flag given on the command
-    line applied; a flag not given keeps ``base``'s value."""
+def overridden_config(base, model, moe):
+    """``base`` (a preset's or a checkpoint's config) with every flag of the ``model`` and ``moe``
+    groups (:class:`~mfsdp.trainer.config.ModelConfig`, :class:`~mfsdp.trainer.config.MoEConfig`)
+    that was given applied; a flag not given keeps ``base``'s value."""
     from mfsdp.models.gpt import with_overrides
 
     # Flags whose value means something else than the field of the same name.
-    special = {"max_position_embeddings": max_pos,
-               "rope_scaling_factor": args.rope_scaling_factor if args.use_rope_scaling else None,
-               "add_bias_linear": False if args.disable_bias_linear else None,
+    special = {"max_position_embeddings": model.max_position_embeddings,
+               "rope_scaling_factor": (model.rope_scaling_factor if model.use_rope_scaling
+                                       else None),
+               "add_bias_linear": False if model.disable_bias_linear else None,
                "share_embeddings_and_output_weights": (
-                   False if args.untie_embeddings_and_output_weights else None),
-               "num_query_groups": None}  # checked with --group-query-attention below
+                   False if model.untie_embeddings_and_output_weights else None),
+               "num_query_groups": None}  # with --group-query-attention (ModelConfig checks)
     # Every other GPTConfig field is a Megatron-LM flag of the same name; a flag not given (None)
     # keeps the preset's value.
-    flags = {f.name: getattr(args, f.name) for f in fields(GPTConfig)
-             if f.name not in special and hasattr(args, f.name)}
+    flags = {f.name: getattr(group, f.name) for f in fields(GPTConfig)
+             for group in (model, moe) if f.name not in special and hasattr(group, f.name)}
     cfg = with_overrides(base, **flags, **special)
-    if args.group_query_attention != bool(args.num_query_groups):
-        raise ValueError("--group-query-attention and --num-query-groups go together (as in "
-                         "Megatron-LM): pass both, or neither for multi-head attention")
-    if args.num_query_groups:
-        cfg = with_overrides(cfg, num_query_groups=args.num_query_groups)
+    if model.num_query_groups:
+        cfg = with_overrides(cfg, num_query_groups=model.num_query_groups)
     return cfg
 
 
-def model_family(args, cfg) -> str:
+def model_family(model_preset: str | None, cfg) -> str:
     """What the log calls the model: its preset, or its Hugging Face family."""
     from mfsdp.models.hf import UnsupportedModel, hf_model_type
 
-    if args.model_preset:
-        return args.model_preset
+    if model_preset:
+        return model_preset
     try:
         return hf_model_type(cfg)
     except UnsupportedModel:
         return "gpt"
 
 
-def precision_policy(args):
-    """The :class:`~mfsdp.MixedPrecisionPolicy` of ``--bf16``, ``--grad-reduce-in-bf16`` and the
-    ``--megatron-fsdp-*-dtype`` flags (the two gradient-communication flags agree: see
+def precision_policy(precision):
+    """The :class:`~mfsdp.MixedPrecisionPolicy` of the precision group
+    (:class:`~mfsdp.trainer.config.PrecisionConfig`: ``--bf16``, ``--grad-reduce-in-bf16`` and
+    the ``--megatron-fsdp-*-dtype`` flags; the two gradient-communication flags agree: see
     :mod:`mfsdp.trainer.refusals`)."""
     from mfsdp import MixedPrecisionPolicy
 
-    main = DTYPES[args.megatron_fsdp_main_params_dtype] if args.megatron_fsdp_main_params_dtype \
-        else (torch.float32 if args.bf16 else None)
-    grads = DTYPES[args.megatron_fsdp_main_grads_dtype] if args.megatron_fsdp_main_grads_dtype \
-        else (torch.float32 if args.bf16 else None)
-    comm = DTYPES[args.megatron_fsdp_grad_comm_dtype] if args.megatron_fsdp_grad_comm_dtype \
-        else (torch.bfloat16 if args.grad_reduce_in_bf16 else None)
+    p = precision
+    main = DTYPES[p.megatron_fsdp_main_params_dtype] if p.megatron_fsdp_main_params_dtype \
+        else (torch.float32 if p.bf16 else None)
+    grads = DTYPES[p.megatron_fsdp_main_grads_dtype] if p.megatron_fsdp_main_grads_dtype \
+        else (torch.float32 if p.bf16 else None)
+    comm = DTYPES[p.megatron_fsdp_grad_comm_dtype] if p.megatron_fsdp_grad_comm_dtype \
+        else (torch.bfloat16 if p.grad_reduce_in_bf16 else None)
     return MixedPrecisionPolicy(main_params_dtype=main, main_grads_dtype=grads, grad_comm_dtype=comm)
 
 
-def build_param_groups(model, args) -> list[dict]:
-    """The optimizer's two parameter groups (weight decay on matrices, none on norms and biases)."""
+def build_param_groups(model, training) -> list[dict]:
+    """The optimizer's two parameter groups (``training.weight_decay`` on matrices, none on norms
+    and biases); ``training``: a :class:`~mfsdp.trainer.config.TrainingConfig`."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         (no_decay if p.dim() < 2 or name.endswith(".bias") else decay).append(p)
-    return [{"params": decay, "weight_decay": args.weight_decay},
+    return [{"params": decay, "weight_decay": training.weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(groups: list[dict], args) -> torch.optim.Optimizer:
+def make_optimizer(groups: list[dict], training) -> torch.optim.Optimizer:
     """The optimizer ``--optimizer`` names, with ``--lr``, ``--weight-decay``, Adam's betas and
-    ``--adam-eps``."""
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                             eps=args.adam_eps)
+    ``--adam-eps`` (``training``: the :class:`~mfsdp.trainer.config.TrainingConfig`)."""
+    if training.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=training.lr, momentum=training.sgd_momentum)
+    return torch.optim.AdamW(groups, lr=training.lr,
+                             betas=(training.adam_beta1, training.adam_beta2),
+                             eps=training.adam_eps)
 
 
-def learning_rate(args, iteration: int) -> float:
+def learning_rate(training, iteration: int) -> float:
     """The learning rate iteration ``iteration`` (1-based) trains with, as Megatron-LM's
     ``OptimizerParamScheduler`` gives it: the rate after ``iteration - 1`` steps (so with warm-up
     the first step uses ``--lr-warmup-init``), linear warm-up over ``--lr-warmup-iters``, then
     ``--lr-decay-style`` down to ``--min-lr`` at ``--lr-decay-iters`` (default ``--train-iters``),
-    ``--min-lr`` after it.
+    ``--min-lr`` after it. ``training``: the :class:`~mfsdp.trainer.config.TrainingConfig` (or
+    anything with its fields).
 
     >>> from types import SimpleNamespace as NS
     >>> a = NS(lr=1e-3, min_lr=0.0, lr_warmup_iters=2, lr_warmup_init=0.0, lr_decay_iters=None,
@@ -177,24 +188,24 @@ def learning_rate(args, iteration: int) -> float:
     >>> [round(learning_rate(a, i), 6) for i in range(1, 8)]
     [0.0, 0.0005, 0.001, 0.00075, 0.0005, 0.00025, 0.0]
     """
-    steps, warmup = iteration - 1, args.lr_warmup_iters
-    decay = args.lr_decay_iters or args.train_iters
-    max_lr, min_lr = args.lr, args.min_lr
+    steps, warmup = iteration - 1, training.lr_warmup_iters
+    decay = training.lr_decay_iters or training.train_iters
+    max_lr, min_lr = training.lr, training.min_lr
     if warmup > 0 and steps <= warmup:
-        return args.lr_warmup_init + (max_lr - args.lr_warmup_init) * steps / warmup
-    if args.lr_decay_style == "constant":
+        return training.lr_warmup_init + (max_lr - training.lr_warmup_init) * steps / warmup
+    if training.lr_decay_style == "constant":
         return max_lr
     if steps > decay:
         return min_lr
-    if args.lr_decay_style == "inverse-square-root":
+    if training.lr_decay_style == "inverse-square-root":
         return max(min_lr, max_lr * max(warmup, 1) ** 0.5 / max(steps, 1) ** 0.5)
     ratio = (steps - warmup) / (decay - warmup)
-    if args.lr_decay_style == "linear":
+    if training.lr_decay_style == "linear":
         coeff = 1.0 - ratio
-    elif args.lr_decay_style == "cosine":
+    elif training.lr_decay_style == "cosine":
         coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
     else:  # WSD: constant, then the last --lr-wsd-decay-iters anneal
-        wsd = args.lr_wsd_decay_iters
+        wsd = training.lr_wsd_decay_iters
         start = decay - wsd
         if steps <= start:
             coeff = 1.0
@@ -202,7 +213,7 @@ def learning_rate(args, iteration: int) -> float:
             r = (steps - start) / wsd
             coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
                      "exponential": 2.0 * 0.5 ** r - 1.0,
-                     "minus_sqrt": 1.0 - math.sqrt(r)}[args.lr_wsd_decay_style]
+                     "minus_sqrt": 1.0 - math.sqrt(r)}[training.lr_wsd_decay_style]
     return min_lr + coeff * (max_lr - min_lr)
 
 

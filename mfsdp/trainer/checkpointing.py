@@ -1,5 +1,9 @@
 """The trainer's checkpoints: ``--save`` in each ``--ckpt-format``, ``--load`` of every format mfsdp
-reads, and the learning-rate schedule saved and restored by Megatron-LM's rules."""
+reads, and the learning-rate schedule saved and restored by Megatron-LM's rules.
+
+:class:`Checkpointer` is the component the :class:`~mfsdp.trainer.trainer.Trainer` holds: it is
+given the ``checkpoint`` and ``training`` groups (:class:`~mfsdp.trainer.config.CheckpointConfig`,
+:class:`~mfsdp.trainer.config.TrainingConfig`) and the EP size."""
 
 from __future__ import annotations
 
@@ -16,21 +20,49 @@ from mfsdp.checkpoint.manifest import (RankZeroOSError, describe_os_error, os_er
 from mfsdp.trainer.signals import slow_save_for_tests
 
 
-def save_step(args, model, opt, iteration: int, routers, cfg) -> None:
-    """Save iteration ``iteration`` into ``--save`` in ``--ckpt-format`` (a collective call).
+class Checkpointer:
+    """Saves to ``--save`` and resumes from ``--load`` for a run whose model configuration is
+    ``cfg`` (collective calls: every rank calls them)."""
 
-    A save the file system refuses (full, read-only, no permission: an ``OSError`` on any rank,
-    also inside ``torch.distributed.checkpoint``'s per-rank report) stops the job with one line
-    naming the path and the previous checkpoint, which the save never touched."""
-    try:
-        _save_step(args, model, opt, iteration, routers, cfg)
-    except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
-        cause = os_error_in(exc)
-        if cause is None:
-            raise
-        raise SystemExit(f"mfsdp train: saving iteration {iteration} into --save {args.save} "
-                         f"failed: {describe_os_error(cause)}; {previous_checkpoint(args.save)}; "
-                         f"{os_error_remedy(cause)} or choose another --save, then resume") from None
+    def __init__(self, checkpoint, training, expert_model_parallel_size: int, cfg) -> None:
+        # the checkpoint group: --save, --load, the format, verification, the schedule's rule
+        self.checkpoint = checkpoint
+        # the training group: its learning-rate schedule is saved, and restored by --load
+        # under --use-checkpoint-opt_param-scheduler
+        self.training = training
+        # the EP size a torch_dist export lays experts out for
+        self.expert_model_parallel_size = expert_model_parallel_size
+        # the model's configuration, saved beside the weights (model_config.json)
+        self.cfg = cfg
+
+    def save(self, model, opt, iteration: int, routers) -> None:
+        """Save iteration ``iteration`` into ``--save`` in ``--ckpt-format``.
+
+        A save the file system refuses (full, read-only, no permission: an ``OSError`` on any
+        rank, also inside ``torch.distributed.checkpoint``'s per-rank report) stops the job with
+        one line naming the path and the previous checkpoint, which the save never touched."""
+        save = self.checkpoint.save
+        try:
+            self._save(model, opt, iteration, routers)
+        except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+            cause = os_error_in(exc)
+            if cause is None:
+                raise
+            raise SystemExit(f"mfsdp train: saving iteration {iteration} into --save {save} "
+                             f"failed: {describe_os_error(cause)}; {previous_checkpoint(save)}; "
+                             f"{os_error_remedy(cause)} or choose another --save, then "
+                             "resume") from None
+
+    def _save(self, model, opt, iteration: int, routers) -> None:
+        """:meth:`save` without its error message."""
+        _save_step(self.checkpoint, self.training, self.expert_model_parallel_size, model, opt,
+                   iteration, routers, self.cfg)
+
+    def load(self, model, opt, routers) -> int:
+        """Resume from ``--load`` (see :func:`load_for_training`); 0 without ``--load``."""
+        if not self.checkpoint.load:
+            return 0
+        return load_for_training(self.checkpoint, self.training, model, opt, routers, self.cfg)
 
 
 def previous_checkpoint(root) -> str:
@@ -52,17 +84,21 @@ def previous_checkpoint(root) -> str:
     return "no earlier checkpoint is in it"
 
 
-def _save_step(args, model, opt, iteration: int, routers, cfg) -> None:
+def _save_step(checkpoint, training, ep: int, model, opt, iteration: int, routers,
+               cfg) -> None:
+    """Write iteration ``iteration`` into ``checkpoint.save`` in ``checkpoint.ckpt_format``: a
+    sharded save, converted on rank 0 for the other formats."""
     from mfsdp.checkpoint import save_checkpoint
     from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE
     from mfsdp.checkpoint.full import fsdp_to_full
 
     extra = {"expert_bias": {n: m.expert_bias.detach().cpu().clone() for n, m in routers},
-             "data_position": iteration, "opt_param_scheduler": scheduler_state(args, iteration)}
+             "data_position": iteration,
+             "opt_param_scheduler": scheduler_state(training, iteration)}
     files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
-    root = Path(args.save)
+    root = Path(checkpoint.save)
     slow_save_for_tests()
-    if args.ckpt_format == "fsdp_dtensor":
+    if checkpoint.ckpt_format == "fsdp_dtensor":
         save_checkpoint(root, model, opt, iteration=iteration, extra=extra, files=files)
         return
     staging = root / ".staging-fsdp_dtensor"
@@ -70,8 +106,8 @@ def _save_step(args, model, opt, iteration: int, routers, cfg) -> None:
     error = [None]
     if dist.get_rank() == 0:  # rank 0 converts the sharded save into the asked format
         try:
-            if args.ckpt_format == "torch_dist":
-                export_megatron_lm(args, written, root, iteration, cfg)
+            if checkpoint.ckpt_format == "torch_dist":
+                export_megatron_lm(ep, written, root, iteration, cfg)
             else:
                 final = root / written.name
                 if final.exists():
@@ -88,14 +124,15 @@ def _save_step(args, model, opt, iteration: int, routers, cfg) -> None:
     if isinstance(error[0], OSError):
         raise RankZeroOSError(error[0])
     if error[0]:
-        raise RuntimeError(f"--ckpt-format {args.ckpt_format}: writing iteration {iteration} to "
+        raise RuntimeError(f"--ckpt-format {checkpoint.ckpt_format}: writing iteration "
+                           f"{iteration} to "
                            f"{root} failed: {error[0]}")
 
 
-def export_megatron_lm(args, written: Path, root: Path, iteration: int, cfg) -> None:
-    """Megatron-LM's ``torch_dist`` into the save root, as Megatron-LM lays it out: the iteration
-    directory moved in whole, then the tracker replaced (a crash in between leaves the previous
-    iteration the one that loads)."""
+def export_megatron_lm(ep: int, written: Path, root: Path, iteration: int, cfg) -> None:
+    """Megatron-LM's ``torch_dist`` into the save root, as Megatron-LM lays it out (experts for
+    EP size ``ep``): the iteration directory moved in whole, then the tracker replaced (a crash
+    in between leaves the previous iteration the one that loads)."""
     from mfsdp.checkpoint.detect import TRACKER
     from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm
 
@@ -103,7 +140,7 @@ def export_megatron_lm(args, written: Path, root: Path, iteration: int, cfg) -> 
     shutil.rmtree(tmp_root, ignore_errors=True)
     try:
         fsdp_to_megatron_lm(written, tmp_root, cfg.to_dict(), progress=False, verify=False,
-                            expert_model_parallel_size=args.expert_model_parallel_size)
+                            expert_model_parallel_size=ep)
         name = f"iter_{iteration:07d}"
         final = root / name
         if final.exists():
@@ -123,24 +160,26 @@ SCHEDULER_FIELDS = (("max_lr", "lr", "learning rate"), ("min_lr", "min_lr", "min
               ("lr_decay_style", "lr_decay_style", "learning rate decay style"))
 
 
-def scheduler_state(args, iteration: int) -> dict:
-    """The learning-rate schedule a checkpoint records (Megatron-LM's opt_param_scheduler fields)."""
-    state = {key: getattr(args, attr) for key, attr, _ in SCHEDULER_FIELDS}
-    state["lr_decay_steps"] = args.lr_decay_iters or args.train_iters
+def scheduler_state(training, iteration: int) -> dict:
+    """The learning-rate schedule a checkpoint records (Megatron-LM's opt_param_scheduler fields)
+    of the ``training`` group (:class:`~mfsdp.trainer.config.TrainingConfig`)."""
+    state = {key: getattr(training, attr) for key, attr, _ in SCHEDULER_FIELDS}
+    state["lr_decay_steps"] = training.lr_decay_iters or training.train_iters
     state["num_steps"] = iteration
     return state
 
 
-def restore_scheduler(args, saved: dict | None) -> None:
-    """Megatron-LM's rule for the schedule of a resumed run: the command's values must equal the
-    checkpoint's, unless ``--override-opt_param-scheduler`` (the command's win) or
-    ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's win)."""
-    if not saved or args.override_opt_param_scheduler:
+def restore_scheduler(training, checkpoint, saved: dict | None) -> None:
+    """Megatron-LM's rule for the schedule of a resumed run: the ``training`` group's values must
+    equal the checkpoint's, unless ``--override-opt_param-scheduler`` (the command's win) or
+    ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's win: written into ``training``),
+    both in the ``checkpoint`` group."""
+    if not saved or checkpoint.override_opt_param_scheduler:
         return
-    mine = scheduler_state(args, 0)
-    if args.use_checkpoint_opt_param_scheduler:
+    mine = scheduler_state(training, 0)
+    if checkpoint.use_checkpoint_opt_param_scheduler:
         for key, attr, _ in SCHEDULER_FIELDS:
-            setattr(args, attr, saved[key])
+            setattr(training, attr, saved[key])
         return
     for key, attr, name in SCHEDULER_FIELDS:
         if mine[key] != saved[key]:
@@ -179,9 +218,10 @@ def check_load_exists(root) -> None:
                          "--exit-on-missing-checkpoint asks to stop")
 
 
-def load_for_training(args, model, opt, routers, cfg) -> int:
-    """Resume from ``--load`` in any format mfsdp reads; return the iteration to continue after
-    (0 for a new or empty directory). Refuses what is not a checkpoint (see the trainer page)."""
+def load_for_training(checkpoint, training, model, opt, routers, cfg) -> int:
+    """Resume from ``checkpoint.load`` in any format mfsdp reads; return the iteration to
+    continue after (0 for a new or empty directory). Refuses what is not a checkpoint (see the
+    trainer page); the schedule follows :func:`restore_scheduler`."""
     from mfsdp.checkpoint import load_checkpoint, read_manifest
     from mfsdp.checkpoint.full import full_to_fsdp
     from mfsdp.checkpoint.manifest import is_full_format
@@ -193,7 +233,7 @@ def load_for_training(args, model, opt, routers, cfg) -> int:
                                          is_empty_directory)
     from mfsdp.checkpoint.formats import detect
 
-    root = Path(args.load)
+    root = Path(checkpoint.load)
     found = detect(root)  # the format registry's answer (mfsdp/checkpoint/formats.py)
     if found == "megatron_fsdp":
         load_checkpoint(root, model, opt)
@@ -213,7 +253,7 @@ def load_for_training(args, model, opt, routers, cfg) -> int:
         if unreadable:  # never a silent fresh start over a checkpoint we cannot read
             raise SystemExit(f"--load: {unreadable}")
         if not root.exists() or is_empty_directory(root):
-            if args.exit_on_missing_checkpoint:
+            if checkpoint.exit_on_missing_checkpoint:
                 check_load_exists(root)
             if dist.get_rank() == 0:
                 print(f"--load {root}: no checkpoint there yet, starting from iteration 0",
@@ -226,10 +266,10 @@ def load_for_training(args, model, opt, routers, cfg) -> int:
         path = resolve_checkpoint(root)
     if tmp is None and is_full_format(read_manifest(path)):
         tmp = root / f".from-mfsdp_full-{path.name}"
-        convert_on_rank0(tmp, lambda out: full_to_fsdp(path, out, verify=args.ckpt_verify))
+        convert_on_rank0(tmp, lambda out: full_to_fsdp(path, out, verify=checkpoint.ckpt_verify))
         path = tmp
     # --no-ckpt-verify skips the check; a conversion this job just wrote is not checked again
-    extra = load_checkpoint(path, model, opt, verify=args.ckpt_verify and tmp is None)
+    extra = load_checkpoint(path, model, opt, verify=checkpoint.ckpt_verify and tmp is None)
     if int(extra["iteration"]) == 0 and dist.get_rank() == 0:
         print(f"--load {root}: loaded the weights of {path} (iteration 0, e.g. imported from "
               "Hugging Face); training starts from them", flush=True)
@@ -240,5 +280,5 @@ def load_for_training(args, model, opt, routers, cfg) -> int:
         for name, m in routers:
             if name in extra.get("expert_bias", {}):
                 m.expert_bias.copy_(extra["expert_bias"][name])
-    restore_scheduler(args, extra.get("opt_param_scheduler"))
+    restore_scheduler(training, checkpoint, extra.get("opt_param_scheduler"))
     return int(extra["iteration"])

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from mfsdp.trainer.arguments import build_parser, check_args
 from mfsdp.trainer.build import model_config
 from mfsdp.trainer.checkpointing import check_load_exists
+from mfsdp.trainer.config import TrainConfig
 from mfsdp.trainer.guard import SaveLock, Watch, report_error
 from mfsdp.trainer.profiling import check_profile_args
 from mfsdp.trainer.signals import install_early
@@ -23,23 +24,27 @@ from mfsdp.trainer.trainer import Trainer
 def run(args: argparse.Namespace) -> list[dict]:
     """Train with parsed ``args`` in an initialised process group; return rank 0's log records.
 
+    The arguments are checked (:func:`~mfsdp.trainer.arguments.check_args`) and become a
+    :class:`~mfsdp.trainer.config.TrainConfig`, which is all the run reads from then on.
     ``--save``'s directory is locked for the run (:class:`~mfsdp.trainer.guard.SaveLock`) and a
     :class:`~mfsdp.trainer.guard.Watch` reports hangs (and, under torchrun, a dead launcher)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend() == "nccl" else torch.device("cpu"))
     is_cpu = device.type == "cpu"
-    cfg = model_config(args)
+    config = TrainConfig.from_args(args)  # (the Namespace stops here)
+    cfg = model_config(config)
     num_micro = check_args(args, world, cfg)
-    check_profile_args(args, is_cpu)
+    check_profile_args(config.profiling, config.logging.tensorboard_dir, is_cpu)
     log = print if rank == 0 else (lambda *a, **k: None)
-    if args.load and args.exit_on_missing_checkpoint:  # before the lock creates --save
-        check_load_exists(args.load)
-    lock = SaveLock(args.save) if (args.save and args.use_megatron_fsdp) else None
+    ckpt = config.checkpoint
+    if ckpt.load and ckpt.exit_on_missing_checkpoint:  # before the lock creates --save
+        check_load_exists(ckpt.load)
+    lock = SaveLock(ckpt.save) if (ckpt.save and config.parallel.use_megatron_fsdp) else None
     take_save_lock(lock, log)
-    watch = Watch(args.distributed_timeout_minutes * 60, lock if rank == 0 else None)
+    watch = Watch(config.job.distributed_timeout_minutes * 60, lock if rank == 0 else None)
     try:
-        return train(args, cfg, num_micro, device, log, watch)
+        return train(config, cfg, num_micro, device, log, watch)
     finally:  # (nothing here may raise: it would hide what ended the run)
         watch.stop()
         note = lock.release() if lock is not None else ""
@@ -63,10 +68,10 @@ def take_save_lock(lock: SaveLock | None, log) -> None:
         log(f"note: {note}", flush=True)
 
 
-def train(args, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
+def train(config: TrainConfig, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
     """Build, load and train (the body of :func:`run`, once the save directory is ours) with a
     :class:`~mfsdp.trainer.trainer.Trainer`; ``watch`` hears where this rank is."""
-    return Trainer(args, cfg, num_micro, device, log, watch).run()
+    return Trainer(config, cfg, num_micro, device, log, watch).run()
 
 
 def run_in_rank(argv: list[str]) -> list[dict]:

@@ -8,10 +8,10 @@ values there are the same reduced ones.)
 
 from __future__ import annotations
 
-import argparse
 import os
 
 from mfsdp.trainer.config import LoggingConfig
+from mfsdp.trainer.config.job import check_wandb_args  # noqa: F401 (its home was here)
 
 # what the trainer's per-iteration record calls each scalar -> the name Megatron-LM logs it under
 TRAINING_SCALARS = (("lm loss", "loss"), ("learning-rate", "lr"), ("grad-norm", "grad_norm"),
@@ -29,28 +29,6 @@ def tensorboard_writer(directory: str | None):
         raise SystemExit("--tensorboard-dir needs the tensorboard package "
                          "(pip install tensorboard)") from None
     return SummaryWriter(log_dir=directory)
-
-
-def check_wandb_args(args: argparse.Namespace) -> None:
-    """Refuse at start what Megatron-LM would fail on later: ``--wandb-project`` without
-    ``--wandb-exp-name``, or without a directory (``--wandb-save-dir``, else ``--save``/wandb);
-    the other ``--wandb-*`` flags without ``--wandb-project``; a missing ``wandb`` package."""
-    if not args.wandb_project:
-        for flag in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
-            if getattr(args, flag):
-                raise SystemExit(f"--{flag.replace('_', '-')} has no effect without "
-                                 f"--wandb-project: add --wandb-project NAME to log to W&B")
-        return
-    if not args.wandb_exp_name:
-        raise SystemExit("--wandb-project needs --wandb-exp-name NAME (the run's name in W&B), "
-                         "as in Megatron-LM")
-    if not (args.wandb_save_dir or args.save):
-        raise SystemExit("--wandb-project needs --wandb-save-dir DIR (or --save, whose wandb/ "
-                         "subdirectory is then used): W&B keeps its local files there")
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise SystemExit("--wandb-project needs the wandb package (pip install wandb)") from None
 
 
 def wandb_run(config: LoggingConfig):

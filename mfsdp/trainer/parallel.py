@@ -66,21 +66,23 @@ class TrainParallel:
             dist.all_reduce(t, group=self.cp_group)
 
 
-def build_parallel(args, world: int, cfg, device: torch.device, log) -> TrainParallel:
-    """Create the groups ``args`` ask for (a collective call) and say where this rank is."""
+def build_parallel(parallel, world: int, cfg, device: torch.device, log) -> TrainParallel:
+    """Create the groups the ``parallel`` group asks for (a
+    :class:`~mfsdp.trainer.config.ParallelConfig`; a collective call) and say where this rank
+    is."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from mfsdp.layout import ParallelLayout  # (not `mfsdp`: mfsdp.check imports this module)
 
-    tp = args.tensor_model_parallel_size
-    cp = args.context_parallel_size
-    ep = args.expert_model_parallel_size
-    outer = args.num_distributed_optimizer_instances
-    sp = args.sequence_parallel
+    tp = parallel.tensor_model_parallel_size
+    cp = parallel.context_parallel_size
+    ep = parallel.expert_model_parallel_size
+    outer = parallel.num_distributed_optimizer_instances
+    sp = parallel.sequence_parallel
     if sp and tp == 1:  # Megatron-LM's rule
         log("note: disabling sequence parallelism because tensor model parallelism is disabled "
             "(--tensor-model-parallel-size 1)", flush=True)
-        sp = args.sequence_parallel = False
+        sp = False
     try:
         layout = ParallelLayout(world, outer, ep, cfg.num_experts or None, tp=tp, cp=cp)
     except ValueError as exc:  # a layout these flags cannot make: the flags are the fix
@@ -88,9 +90,9 @@ def build_parallel(args, world: int, cfg, device: torch.device, log) -> TrainPar
                          f"--context-parallel-size {cp}, --num-distributed-optimizer-instances "
                          f"{outer} on {world} ranks: {exc}") from None
     groups = None
-    if args.use_megatron_fsdp and (ep > 1 or outer > 1 or tp > 1 or cp > 1
-                                   or args.create_all_gather_group):
-        groups = layout.create_groups(all_gather_groups=args.create_all_gather_group)
+    if parallel.use_megatron_fsdp and (ep > 1 or outer > 1 or tp > 1 or cp > 1
+                                   or parallel.create_all_gather_group):
+        groups = layout.create_groups(all_gather_groups=parallel.create_all_gather_group)
     rank = dist.get_rank()
     dp_ranks = layout.group_of("dp", rank)
     dp_group = groups["dp"] if groups is not None and tp * cp > 1 else None

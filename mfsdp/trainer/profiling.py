@@ -22,21 +22,23 @@ import torch.distributed as dist
 __all__ = ["Profiler", "check_profile_args"]
 
 
-def check_profile_args(args, is_cpu: bool) -> None:
-    """Refuse, at start, profiling flags that cannot work here or together (SystemExit)."""
-    if args.profile and args.profile_step_end <= args.profile_step_start:
-        raise SystemExit(f"--profile-step-end {args.profile_step_end} must exceed "
-                         f"--profile-step-start {args.profile_step_start}")
-    if args.profile and args.use_pytorch_profiler and not args.tensorboard_dir:
+def check_profile_args(profiling, tensorboard_dir: str | None, is_cpu: bool) -> None:
+    """Refuse, at start, profiling flags (``profiling``: the
+    :class:`~mfsdp.trainer.config.ProfilingConfig`) that cannot work here, together or without
+    ``--tensorboard-dir`` (SystemExit)."""
+    if profiling.profile and profiling.profile_step_end <= profiling.profile_step_start:
+        raise SystemExit(f"--profile-step-end {profiling.profile_step_end} must exceed "
+                         f"--profile-step-start {profiling.profile_step_start}")
+    if profiling.profile and profiling.use_pytorch_profiler and not tensorboard_dir:
         raise SystemExit("--profile --use-pytorch-profiler writes its trace into "
                          "--tensorboard-dir, as Megatron-LM does: pass --tensorboard-dir DIR")
-    if args.profile and not args.use_pytorch_profiler and is_cpu:
+    if profiling.profile and not profiling.use_pytorch_profiler and is_cpu:
         raise SystemExit("--profile without --use-pytorch-profiler marks an nsys capture range "
                          "(cudaProfilerStart/Stop), which needs CUDA; on CPU add "
                          "--use-pytorch-profiler for a torch.profiler trace")
-    if args.use_pytorch_profiler and not args.profile:
+    if profiling.use_pytorch_profiler and not profiling.profile:
         raise SystemExit("--use-pytorch-profiler chooses how --profile profiles: add --profile")
-    if args.record_memory_history and is_cpu:
+    if profiling.record_memory_history and is_cpu:
         raise SystemExit("--record-memory-history records the CUDA caching allocator, which a "
                          "CPU run does not use; on CPU the log's rss and state_mib columns "
                          "(--log-jsonl) show memory per iteration")
@@ -46,29 +48,31 @@ class Profiler:
     """Starts and stops the profiler of ``--profile`` around the chosen iterations, and dumps
     ``--record-memory-history`` snapshots; every method is a no-op when the flags are off."""
 
-    def __init__(self, args, device: torch.device):
-        self.args = args
+    def __init__(self, profiling, tensorboard_dir: str | None, device: torch.device):
+        # the profiling group (ProfilingConfig) and --tensorboard-dir, which the trace goes into
+        self.profiling = profiling
+        self.tensorboard_dir = tensorboard_dir
         self.device = device
-        self.on = bool(args.profile) and dist.get_rank() in args.profile_ranks
+        self.on = bool(profiling.profile) and dist.get_rank() in profiling.profile_ranks
         self.torch_profiler = None
         self.trace_dir = None
-        if args.record_memory_history:
+        if profiling.record_memory_history:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
 
     def before(self, iteration: int) -> None:
         """Call before iteration ``iteration``: starts the capture at ``--profile-step-start``."""
-        if not self.on or iteration != self.args.profile_step_start:
+        if not self.on or iteration != self.profiling.profile_step_start:
             return
-        if self.args.use_pytorch_profiler:
+        if self.profiling.use_pytorch_profiler:
             from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
             activities = [ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(ProfilerActivity.CUDA)
-            self.trace_dir = os.path.join(self.args.tensorboard_dir, "profile")
+            self.trace_dir = os.path.join(self.tensorboard_dir, "profile")
             self.torch_profiler = profile(
-                activities=activities, record_shapes=self.args.pytorch_profiler_collect_shapes,
-                with_stack=self.args.pytorch_profiler_collect_callstack,
+                activities=activities, record_shapes=self.profiling.pytorch_profiler_collect_shapes,
+                with_stack=self.profiling.pytorch_profiler_collect_callstack,
                 on_trace_ready=tensorboard_trace_handler(self.trace_dir,
                                                          worker_name=f"rank{dist.get_rank()}"))
             self.torch_profiler.start()
@@ -78,16 +82,16 @@ class Profiler:
     def after(self, iteration: int, logged: bool) -> None:
         """Call after iteration ``iteration``: stops the capture before ``--profile-step-end``;
         after a logged iteration, dumps the memory snapshot."""
-        if self.on and iteration == self.args.profile_step_end - 1:
+        if self.on and iteration == self.profiling.profile_step_end - 1:
             self.stop()
-        if logged and self.args.record_memory_history:
-            torch.cuda.memory._dump_snapshot(self.args.memory_snapshot_path)
+        if logged and self.profiling.record_memory_history:
+            torch.cuda.memory._dump_snapshot(self.profiling.memory_snapshot_path)
 
     def stop(self) -> None:
         """End a capture still running (the run stopped inside the window)."""
         if self.torch_profiler is not None:
             self.torch_profiler.stop()
             self.torch_profiler = None
-        elif self.on and not self.args.use_pytorch_profiler and torch.cuda.is_available():
+        elif self.on and not self.profiling.use_pytorch_profiler and torch.cuda.is_available():
             torch.cuda.cudart().cudaProfilerStop()
         self.on = False

@@ -28,19 +28,21 @@ class StopRequest:
     def _handler(self, signum, frame) -> None:
         self.received = signum
 
-    def reason(self, args, t_start: float, device) -> str | None:
-        """Why to stop now ('' to go on), the same on every rank."""
-        if not (args.exit_signal_handler or args.exit_duration_in_mins):
+    def reason(self, checkpoint, t_start: float, device) -> str | None:
+        """Why to stop now ('' to go on), the same on every rank (``checkpoint``: the
+        :class:`~mfsdp.trainer.config.CheckpointConfig`, which holds the exit flags)."""
+        if not (checkpoint.exit_signal_handler or checkpoint.exit_duration_in_mins):
             return ""
         minutes = (time.perf_counter() - t_start) / 60
         flags = torch.tensor([float(self.received is not None),
-                              float(bool(args.exit_duration_in_mins)
-                                    and minutes >= args.exit_duration_in_mins)], device=device)
+                              float(bool(checkpoint.exit_duration_in_mins)
+                                    and minutes >= checkpoint.exit_duration_in_mins)],
+                             device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] > 0:
             return "SIGTERM received (--exit-signal-handler)"
         if flags[1] > 0:
-            return f"--exit-duration-in-mins {args.exit_duration_in_mins} reached"
+            return f"--exit-duration-in-mins {checkpoint.exit_duration_in_mins} reached"
         return ""
 
     def restore(self) -> None:

@@ -7,7 +7,6 @@ for the commands."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -22,8 +21,8 @@ from mfsdp.data.batches import MegatronData, global_batch, read_data
 from mfsdp.models.tensor_parallel import loss_parallel_context
 from mfsdp.trainer.build import (build_param_groups, flops_per_token, learning_rate, make_optimizer,
                                  model_family, precision_policy, routers_of, rss_mib)
-from mfsdp.trainer.checkpointing import load_for_training, save_step
-from mfsdp.trainer.config import LoggingConfig
+from mfsdp.trainer.checkpointing import Checkpointer
+from mfsdp.trainer.config import TrainConfig
 from mfsdp.trainer.guard import Watch
 from mfsdp.trainer.metrics import MetricSinks
 from mfsdp.trainer.parallel import build_parallel, micro_batch
@@ -32,23 +31,29 @@ from mfsdp.trainer.signals import StopRequest, stop_request
 
 
 class Trainer:
-    """Build, load and train with parsed ``args`` in an initialised process group whose
-    ``--save`` directory is already ours; ``run()`` returns rank 0's log records."""
+    """Build, load and train with a :class:`~mfsdp.trainer.config.TrainConfig` in an initialised
+    process group whose ``--save`` directory is already ours; ``run()`` returns rank 0's log
+    records. From code: :meth:`from_config`."""
 
-    def __init__(self, args: argparse.Namespace, cfg, num_micro: int, device: torch.device,
+    def __init__(self, config: TrainConfig, cfg, num_micro: int, device: torch.device,
                  log, watch: Watch) -> None:
-        # the checked flags (check_args has run) and the model's configuration they give
-        self.args = args
+        # the run's typed configuration (checked) and the model's configuration it gives
+        self.config = config
         self.cfg = cfg
-        # what rank 0 reports and where (--log-*, TensorBoard, W&B), read from args once
-        self.logging = LoggingConfig.from_args(args)
+        # what rank 0 reports and where (--log-*, TensorBoard, W&B)
+        self.logging = config.logging
+        # saves to --save and resumes from --load (the checkpoint and training groups)
+        self.checkpointer = Checkpointer(config.checkpoint, config.training,
+                                         config.parallel.expert_model_parallel_size, cfg)
         # micro-batches per rank and iteration (from check_args): gradient accumulation
         self.num_micro = num_micro
         # where this rank computes; the log prints on rank 0 only
         self.device = device
         self.log = log
-        # hears where this rank is, to report a hang (guard.Watch)
+        # hears where this rank is, to report a hang (guard.Watch); stopped by close() when
+        # from_config made it (else its maker stops it)
         self.watch = watch
+        self.owns_watch = False
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # built by build(): the data (mock or Megatron indexed), this rank's TP/CP/DP place,
         # the wrapped model (mfsdp or DDP), the unwrapped one (aux losses, routers, clipping),
@@ -73,27 +78,49 @@ class Trainer:
         self.records: list[dict] = []
         self.t_start = 0.0
 
+    @classmethod
+    def from_config(cls, config: TrainConfig, log=print, watch: Watch | None = None) -> Trainer:
+        """A Trainer for ``config`` in an initialised process group (every rank calls it): the
+        model's configuration and the micro-batches per rank follow from ``config``; the device
+        is the process group's (CUDA under NCCL, else the CPU). ``watch``: the hang report
+        (default: one with ``--distributed-timeout-minutes``, not started by anything here)."""
+        from mfsdp.trainer.build import model_config
+
+        world = dist.get_world_size()
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend() == "nccl" else torch.device("cpu"))
+        p, t = config.parallel, config.training
+        dp = world // (p.tensor_model_parallel_size * p.context_parallel_size)
+        num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+        owns = watch is None
+        if owns:
+            watch = Watch(config.job.distributed_timeout_minutes * 60)
+        log = log if dist.get_rank() == 0 else (lambda *a, **k: None)
+        trainer = cls(config, model_config(config), num_micro, device, log, watch)
+        trainer.owns_watch = owns
+        return trainer
+
     # -- building --------------------------------------------------------------------------
 
     def build(self) -> None:
         """Read the data, build and shard the model with its optimizer, dump the parameter map,
         load ``--load`` and say what runs."""
         self.watch.mark("reading the data")
-        self.data = read_data(self.args)
+        c = self.config
+        self.data = read_data(c.data, c.training, c.model.vocab_size)
         self.watch.mark("building the model")
         self._build_model()
-        args = self.args
-        if args.dump_param_to_param_group_map:
+        if c.checkpoint.dump_param_to_param_group_map:
             from mfsdp.checkpoint.state import dump_param_to_param_group_map
 
-            dump_param_to_param_group_map(self.model, self.opt, args.dump_param_to_param_group_map)
-            self.log(f"wrote the parameter-to-group map to {args.dump_param_to_param_group_map}",
+            dump = c.checkpoint.dump_param_to_param_group_map
+            dump_param_to_param_group_map(self.model, self.opt, dump)
+            self.log(f"wrote the parameter-to-group map to {dump}",
                      flush=True)
-        self.watch.mark(f"loading --load {args.load}")
-        self.start = (load_for_training(args, self.model, self.opt, self.routers, self.cfg)
-                      if args.load else 0)
+        self.watch.mark(f"loading --load {c.checkpoint.load}")
+        self.start = self.checkpointer.load(self.model, self.opt, self.routers)
         if self.start:
-            self.log(f"resumed from iteration {self.start} of {args.load}", flush=True)
+            self.log(f"resumed from iteration {self.start} of {c.checkpoint.load}", flush=True)
         self._announce()
 
     def _build_model(self) -> None:
@@ -104,31 +131,31 @@ class Trainer:
         from mfsdp.models.tensor_parallel import apply_tensor_parallel
         from mfsdp.moe import shard_experts
 
-        args, device = self.args, self.device
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
-        torch.manual_seed(args.seed)  # every rank builds the same model
-        meta = args.init_model_with_meta_device  # (refused without --use-megatron-fsdp)
+        c, device = self.config, self.device
+        dtype = torch.bfloat16 if c.precision.bf16 else torch.float32
+        torch.manual_seed(c.training.seed)  # every rank builds the same model
+        meta = c.parallel.init_model_with_meta_device  # (refused without --use-megatron-fsdp)
         with torch.device("meta") if meta else contextlib.nullcontext():
             model = GPT(self.cfg)
         model = model.to(dtype=dtype) if meta else model.to(device=device, dtype=dtype)
-        self.par = par = build_parallel(args, self.world, self.cfg, device, self.log)
+        self.par = par = build_parallel(c.parallel, self.world, self.cfg, device, self.log)
         groups = par.groups
         if par.tp_mesh is not None:  # Megatron-LM's split, before the data-parallel sharding
             apply_tensor_parallel(model, par.tp_mesh, par.sequence_parallel,
                                   vocab_parallel_loss=True)
-        if args.use_megatron_fsdp:
+        if c.parallel.use_megatron_fsdp:
             global_names = shard_experts(model, groups["ep"] if groups else None)
-            opt = make_optimizer(build_param_groups(model, args), args)
+            opt = make_optimizer(build_param_groups(model, c.training), c.training)
             model, opt = fully_shard(
                 model, opt, fsdp_unit_modules=[TransformerLayer],
-                zero_dp_strategy=args.data_parallel_sharding_strategy,
-                outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
+                zero_dp_strategy=c.parallel.data_parallel_sharding_strategy,
+                outer_dp_sharding_strategy=c.parallel.outer_dp_sharding_strategy,
                 process_groups=groups, device=device, init_model_with_meta_device=meta,
-                mixed_precision_policy=precision_policy(args),
-                overlap_grad_reduce=args.overlap_grad_reduce,
-                overlap_param_gather=args.overlap_param_gather,
-                calculate_per_token_loss=args.calculate_per_token_loss,
-                fsdp_double_buffer=args.fsdp_double_buffer)
+                mixed_precision_policy=precision_policy(c.precision),
+                overlap_grad_reduce=c.parallel.overlap_grad_reduce,
+                overlap_param_gather=c.parallel.overlap_param_gather,
+                calculate_per_token_loss=c.parallel.calculate_per_token_loss,
+                fsdp_double_buffer=c.parallel.fsdp_double_buffer)
             if global_names:
                 model.set_global_names(global_names)
             inner = model.module
@@ -137,37 +164,37 @@ class Trainer:
 
             inner = model
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-            opt = make_optimizer(build_param_groups(inner, args), args)
+            opt = make_optimizer(build_param_groups(inner, c.training), c.training)
         self.model, self.inner, self.opt = model, inner, opt
         self.routers = routers_of(inner)
 
     def _announce(self) -> None:
         """Rank 0's one line saying the layout, the model and the batch."""
-        args, cfg, par = self.args, self.cfg, self.par
-        layout_name = (f"{args.data_parallel_sharding_strategy}" if args.use_megatron_fsdp
-                       else "ddp")
+        c, cfg, par = self.config, self.cfg, self.par
+        layout_name = (c.parallel.data_parallel_sharding_strategy
+                       if c.parallel.use_megatron_fsdp else "ddp")
         tp_note = ((f", TP {par.tp}{' + SP' if par.sequence_parallel else ''}" if par.tp > 1
                     else "") + (f", CP {par.cp}" if par.cp > 1 else ""))
         self.log(f"mfsdp train: {self.world} ranks ({dist.get_backend()}), {layout_name}, outer "
-                 f"{args.num_distributed_optimizer_instances}, EP "
-                 f"{args.expert_model_parallel_size}{tp_note}, model "
-                 f"{model_family(args, cfg)} "
+                 f"{c.parallel.num_distributed_optimizer_instances}, EP "
+                 f"{c.parallel.expert_model_parallel_size}{tp_note}, model "
+                 f"{model_family(c.model.model_preset, cfg)} "
                  f"({cfg.num_layers} layers, hidden {cfg.hidden_size}, experts "
                  f"{cfg.num_experts}), "
-                 f"{self.num_micro} micro-batches of {args.micro_batch_size} per rank",
+                 f"{self.num_micro} micro-batches of {c.training.micro_batch_size} per rank",
                  flush=True)
 
     def open_outputs(self) -> None:
         """Open what :meth:`close` closes: ``--log-jsonl`` (appended to when resuming), the
         metric sinks, the stop request and the profiler; start the clock."""
-        args, logging = self.args, self.logging
+        c, logging = self.config, self.logging
         if logging.log_jsonl and self.rank == 0:
             self.jsonl = open(logging.log_jsonl, "a" if self.start else "w")
         self.sinks = MetricSinks.open(logging, self.rank)
-        self.token_flops = (flops_per_token(self.cfg, args.seq_length) if logging.log_throughput
-                            else None)
-        self.stop = stop_request(args.exit_signal_handler)
-        self.profiler = Profiler(args, self.device)
+        self.token_flops = (flops_per_token(self.cfg, c.training.seq_length)
+                            if logging.log_throughput else None)
+        self.stop = stop_request(c.checkpoint.exit_signal_handler)
+        self.profiler = Profiler(c.profiling, logging.tensorboard_dir, self.device)
         self.t_start = time.perf_counter()
 
     # -- the loop --------------------------------------------------------------------------
@@ -178,7 +205,7 @@ class Trainer:
         self.build()
         try:
             self.open_outputs()
-            for iteration in range(self.start + 1, self.args.train_iters + 1):
+            for iteration in range(self.start + 1, self.config.training.train_iters + 1):
                 self.profiler.before(iteration)
                 rec = self.train_step(iteration)
                 self.report(iteration, rec)
@@ -195,11 +222,12 @@ class Trainer:
     def _read_batch(self, iteration: int) -> tuple[list, int, int]:
         """This rank's samples of iteration ``iteration``'s global batch, and the global batch's
         predicted tokens and sequences."""
-        args, par = self.args, self.par
-        per_rank = args.global_batch_size // par.dp_size
+        c, par = self.config, self.par
+        per_rank = c.training.global_batch_size // par.dp_size
         rows = range(par.dp_rank * per_rank, (par.dp_rank + 1) * per_rank)
-        mine = par.read_once(lambda: global_batch(args, iteration, self.cfg.vocab_size,
-                                                  self.data, rows))
+        mine = par.read_once(lambda: global_batch(c.training, iteration, self.cfg.vocab_size,
+                                                  self.data, rows,
+                                                  packing=c.data.sequence_packing))
         # with packing of indexed samples, each sample is a list of its documents
         pieces = [t for s in mine for t in (s if isinstance(s, list) else [s])]
         # predicted tokens and sequences of the global batch
@@ -214,16 +242,16 @@ class Trainer:
         return this rank's summed loss."""
         from mfsdp.moe import collect_aux_losses
 
-        args, par, model = self.args, self.par, self.model
+        c, par, model = self.config, self.par, self.model
         # The engine averages gradients over the data-parallel ranks (never over TP) unless
         # per-token loss asks it to sum; PyTorch's DDP always averages.
         n_dp = par.grad_ranks
-        sums = args.calculate_per_token_loss and args.use_megatron_fsdp
+        sums = c.parallel.calculate_per_token_loss and c.parallel.use_megatron_fsdp
         scale = (1.0 if sums else n_dp) / global_tokens
         aux_scale = (1.0 / n_dp if sums else 1.0) / self.num_micro
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(self.num_micro):
-            chunk = mine[i * args.micro_batch_size:(i + 1) * args.micro_batch_size]
+            chunk = mine[i * c.training.micro_batch_size:(i + 1) * c.training.micro_batch_size]
             chunk = [t for s in chunk for t in (s if isinstance(s, list) else [s])]
             batch = micro_batch(chunk, par, self.device)
             self.watch.mark(f"iteration {iteration}: forward and backward of micro-batch {i + 1}")
@@ -241,23 +269,23 @@ class Trainer:
     def _step_optimizer(self, iteration: int, loss_sum: torch.Tensor, global_tokens: int):
         """Clip (or measure) the gradient norm, stop on a non-finite loss or norm, step, and
         update the routers' bias; return the gradient norm."""
-        args = self.args
+        c = self.config
         self.watch.mark(f"iteration {iteration}: gradient norm and optimizer step")
-        if args.use_megatron_fsdp:
-            grad_norm = (self.opt.clip_grad_norm_(args.clip_grad) if args.clip_grad > 0
+        if c.parallel.use_megatron_fsdp:
+            grad_norm = (self.opt.clip_grad_norm_(c.training.clip_grad) if c.training.clip_grad > 0
                          else self.opt.grad_norm())
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.inner.parameters(), args.clip_grad if args.clip_grad > 0 else float("inf"))
+                self.inner.parameters(), c.training.clip_grad if c.training.clip_grad > 0 else float("inf"))
         self.par.sum_over_tokens(loss_sum)  # every rank: the global loss
-        if args.check_for_nan_in_loss_and_grad:
+        if c.training.check_for_nan_in_loss_and_grad:
             check_finite(iteration, loss_sum.item() / global_tokens, float(grad_norm), self.rank)
         with record_function("mfsdp::optimizer_step"):
             self.opt.step()
         for _, router in self.routers:  # balance from the global token counts: layout-invariant
             load = router.load.to(self.device)
             self.par.sum_over_tokens(load)  # (TP ranks route the same tokens)
-            router.update_expert_bias(load, args.moe_router_bias_update_rate)
+            router.update_expert_bias(load, c.moe.moe_router_bias_update_rate)
         return grad_norm
 
     def train_step(self, iteration: int) -> dict:
@@ -265,7 +293,7 @@ class Trainer:
         the micro-batches, step; return the iteration's record."""
         t0 = time.perf_counter()
         mine, global_tokens, global_pieces = self._read_batch(iteration)
-        lr = learning_rate(self.args, iteration)
+        lr = learning_rate(self.config.training, iteration)
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.zero_grad()
@@ -277,7 +305,7 @@ class Trainer:
                "tokens_per_s": (global_tokens + global_pieces) / (now - t0),
                "elapsed_s": now - self.t_start, "tokens": global_tokens + global_pieces,
                "rss_mib": rss_mib()}
-        if self.args.use_megatron_fsdp:
+        if self.config.parallel.use_megatron_fsdp:
             rec["state_mib"] = (sum(self.model.memory_by_kind().values())
                                 + self.opt.local_state_bytes()) / 2**20
         if self.token_flops is not None:
@@ -289,12 +317,12 @@ class Trainer:
     def report(self, iteration: int, rec: dict) -> None:
         """Keep the record, write it to ``--log-jsonl`` and the metric sinks, let the profiler
         step, and print the ``--log-interval`` line."""
-        args, logging = self.args, self.logging
+        c, logging = self.config, self.logging
         self.records.append(rec)
         if self.jsonl:
             _write_log(self.jsonl, logging.log_jsonl, rec)
         self.sinks.training(rec, iteration)
-        logged = iteration % logging.log_interval == 0 or iteration == args.train_iters
+        logged = iteration % logging.log_interval == 0 or iteration == c.training.train_iters
         self.profiler.after(iteration, logged)
         if logged:
             extra = ""
@@ -302,7 +330,7 @@ class Trainer:
                 extra = f" | TFLOP/s per rank {rec['tflops_per_rank']:.3g}"
                 if "max_allocated_mib" in rec:
                     extra += f" | max allocated {rec['max_allocated_mib']:.0f} MiB"
-            self.log(f"iteration {iteration:>5}/{args.train_iters} | loss {rec['loss']:.4f} | "
+            self.log(f"iteration {iteration:>5}/{c.training.train_iters} | loss {rec['loss']:.4f} | "
                      f"grad norm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | tokens/s "
                      f"{rec['tokens_per_s']:,.0f} | rss {rec['rss_mib']:.0f} MiB{extra}",
                      flush=True)
@@ -310,9 +338,9 @@ class Trainer:
     def evaluate(self, iteration: int, rec: dict) -> None:
         """Every ``--eval-interval`` iterations and at the last, with a validation split: the
         validation loss and perplexity, added to ``rec`` and reported."""
-        args, data = self.args, self.data
-        if not (isinstance(data, MegatronData) and data.valid is not None and args.eval_iters > 0
-                and (iteration % args.eval_interval == 0 or iteration == args.train_iters)):
+        c, data = self.config, self.data
+        if not (isinstance(data, MegatronData) and data.valid is not None and c.data.eval_iters > 0
+                and (iteration % c.data.eval_interval == 0 or iteration == c.training.train_iters)):
             return
         self.watch.mark(f"iteration {iteration}: validation")
         valid_loss = self.validation_loss(iteration)
@@ -333,19 +361,19 @@ class Trainer:
         The validation after iteration ``i`` reads run ``i // eval_interval`` of ``eval_iters x
         global batch`` validation samples (wrapping around); the routers' token counts are left
         as training made them."""
-        args, par, data, device = self.args, self.par, self.data, self.device
+        c, par, data, device = self.config, self.par, self.data, self.device
         rank, world = par.dp_rank, par.dp_size  # the ranks that read different samples
-        k = iteration // args.eval_interval
-        n = args.eval_iters * args.global_batch_size
-        per_rank = args.global_batch_size // world
+        k = iteration // c.data.eval_interval
+        n = c.data.eval_iters * c.training.global_batch_size
+        per_rank = c.training.global_batch_size // world
         loads = [router.load.clone() for _, router in self.routers]
         sums = torch.zeros(2, dtype=torch.float64, device=device)
-        for b in range(args.eval_iters):
-            base = k * n + b * args.global_batch_size
+        for b in range(c.data.eval_iters):
+            base = k * n + b * c.training.global_batch_size
             mine = par.read_once(lambda: [data.sample(data.valid, (base + j) % len(data.valid))
                                           for j in range(rank * per_rank, (rank + 1) * per_rank)])
-            for i in range(0, per_rank, args.micro_batch_size):
-                loss, count = micro_batch(mine[i:i + args.micro_batch_size], par,
+            for i in range(0, per_rank, c.training.micro_batch_size):
+                loss, count = micro_batch(mine[i:i + c.training.micro_batch_size], par,
                                           device).loss(self.model, self.routers)
                 sums += torch.stack([loss.detach().double(),
                                      torch.tensor(float(count), dtype=torch.float64,
@@ -358,14 +386,14 @@ class Trainer:
     def should_leave(self, iteration: int) -> bool:
         """Whether the run ends after ``iteration`` before ``--train-iters``: ``--exit-interval``,
         or a stop every rank agrees on (a signal, ``--exit-duration-in-mins``), said once."""
-        args = self.args
-        leaving = bool(args.exit_interval) and iteration % args.exit_interval == 0
+        c = self.config
+        leaving = bool(c.checkpoint.exit_interval) and iteration % c.checkpoint.exit_interval == 0
         self.watch.mark(f"iteration {iteration}: end")
         # every rank agrees (one all-reduce)
-        why = self.stop.reason(args, self.t_start, self.device)
-        if why and iteration < args.train_iters:
+        why = self.stop.reason(c.checkpoint, self.t_start, self.device)
+        if why and iteration < c.training.train_iters:
             leaving = True
-            if not args.save:
+            if not c.checkpoint.save:
                 self.log(f"warning: {why} but no --save: nothing is kept", flush=True)
             self.log(f"{why}: stopping after iteration {iteration}", flush=True)
         return leaving
@@ -373,13 +401,13 @@ class Trainer:
     def maybe_save(self, iteration: int, leaving: bool) -> None:
         """Save to ``--save`` every ``--save-interval`` iterations, at the last and when
         leaving (mfsdp only: ``--save`` under DDP locks nothing and saves nothing)."""
-        args = self.args
-        if args.save and args.use_megatron_fsdp and (
-                (args.save_interval and iteration % args.save_interval == 0)
-                or iteration == args.train_iters or leaving):
+        c = self.config
+        if c.checkpoint.save and c.parallel.use_megatron_fsdp and (
+                (c.checkpoint.save_interval and iteration % c.checkpoint.save_interval == 0)
+                or iteration == c.training.train_iters or leaving):
             self.watch.mark(f"iteration {iteration}: saving")
-            save_step(args, self.model, self.opt, iteration, self.routers, self.cfg)
-            self.log(f"saved iteration {iteration} to {args.save} ({args.ckpt_format})",
+            self.checkpointer.save(self.model, self.opt, iteration, self.routers)
+            self.log(f"saved iteration {iteration} to {c.checkpoint.save} ({c.checkpoint.ckpt_format})",
                      flush=True)
 
     def close(self) -> None:
@@ -388,7 +416,8 @@ class Trainer:
         closers = (self.profiler.stop if self.profiler else None,
                    self.stop.restore if self.stop else None,
                    self.jsonl.close if self.jsonl else None,
-                   self.sinks.close if self.sinks else None)
+                   self.sinks.close if self.sinks else None,
+                   self.watch.stop if self.owns_watch else None)
         for close in closers:
             try:
                 if close is not None:
