@@ -159,6 +159,43 @@ def test_a_bf16_reduction_that_loses_the_gradient_is_named():
     assert not bf16.passed
     assert bf16.reason.startswith("step 1: parameter blocks.0.fc1.weight relative error")
     assert bf16.steps[0].worst_param_error > 0.1
+    # the numerics simulator names the same parameter and predicts the measured error
+    pred = bf16.prediction
+    assert pred["param"] == "blocks.0.fc1.weight" and fp32.prediction is None
+    assert pred["measured"] == pytest.approx(bf16.steps[0].worst_param_error)
+    assert pred["error"] == pytest.approx(pred["measured"], rel=0.02)
+    assert "numerics simulator, step 1: blocks.0.fc1.weight predicted" in report.table()
+
+
+def test_the_simulated_bf16_reduction_matches_the_engines():
+    """``reduction_errors``' replay of the engine's bf16 reduce-scatter equals what the engine
+    computes on two gloo ranks (one parameter's gradients, exact mean in fp64 as the reference)."""
+    import torch
+
+    from mfsdp.check.predict import reduction_errors
+    from mfsdp.launch import launch
+
+    grads = torch.randn(2, 4096, generator=torch.Generator().manual_seed(0))
+    grads[:, :2048] += torch.tensor([[3.0], [-3.0]])  # a cancelling term, as the fault model's
+    chunks = launch(_engine_mean, 2, args=(grads,))
+    engine = torch.cat(chunks).double()
+    exact = grads.double().mean(0)
+    measured = ((engine - exact).norm() / exact.norm()).item()
+    predicted, ring = reduction_errors(grads)
+    assert predicted == pytest.approx(measured, rel=1e-6)
+    assert measured > 1e-3  # bf16 loses a visible part of this gradient
+    assert ring >= predicted * 0.5  # the ring rounds at every hop: never far better
+
+
+def _engine_mean(grads):
+    import torch
+    import torch.distributed as dist
+
+    from mfsdp.fsdp.collectives import Communicator
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = (grads[rank].to(torch.bfloat16) * (1.0 / world)).contiguous()
+    return Communicator(None, "dp").reduce_scatter(mine).wait().float()
 
 
 @pytest.mark.extended  # `make test`'s budget; CI runs it
