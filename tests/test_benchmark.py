@@ -61,6 +61,20 @@ def test_a_presets_shape_yields_to_the_size_flags_given():
     assert (cfg["dim"], cfg["blocks"], cfg["seq_length"]) == (96, DEFAULTS["blocks"], 64)
 
 
+def test_a_bare_gpt_bench_builds_its_model():
+    """``mfsdp bench --model gpt`` with no size flags: heads of 64 channels divide the default
+    width (6 fixed heads did not divide 512, and the model refused to build)."""
+    from mfsdp.models.gpt import GPT
+    from mfsdp.tools.benchmark import build_parser, config_of
+    from mfsdp.tools.benchmark_systems import _gpt_config
+
+    cfg = config_of(build_parser().parse_args(["--model", "gpt"]))
+    assert cfg["heads"] == cfg["dim"] // 64 == 8
+    GPT(_gpt_config(cfg))
+    cfg = config_of(build_parser().parse_args(["--model", "gpt", "--hidden-size", "384"]))
+    assert cfg["heads"] == 6
+
+
 def test_fused_adam_on_cpu_is_refused_in_one_line():
     out = subprocess.run([sys.executable, "-m", "mfsdp.cli", "bench", "--fused-adam"],
                          capture_output=True, text=True)

@@ -280,7 +280,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="vocabulary (gpt)")
     parser.add_argument("--num-attention-heads", "--heads", dest="heads", type=int,
                         default=None,
-                        help="attention heads (gpt)")
+                        help="attention heads (gpt; default: one per 64 channels of "
+                             "--hidden-size)")
     parser.add_argument("--hidden-size", "--dim", dest="dim", type=int, default=None,
                         help="model width")
     parser.add_argument("--ffn-hidden-size", "--hidden", dest="hidden", type=int,
@@ -388,6 +389,8 @@ def config_of(args: argparse.Namespace) -> dict:
     preset = MODEL_PRESETS.get(args.model, {})
     cfg.update({k: DEFAULTS[k] for k in sizes}, **preset)  # a preset's shape, else the defaults
     cfg.update({k: v for k, v in sizes.items() if v is not None})  # the flags given win
+    if cfg["heads"] is None:  # heads of 64 channels, as the presets have
+        cfg["heads"] = max(1, cfg["dim"] // 64)
     return cfg
 
 

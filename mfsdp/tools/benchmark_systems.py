@@ -31,7 +31,7 @@ FLOOR_SYSTEMS = ("no-comm",)
 
 
 DEFAULTS = dict(dim=512, hidden=1408, blocks=6, local_batch=16, warmup=2, rounds=8, lr=1e-3,
-                seed=0, model="toy", seq_length=64, vocab_size=2048, heads=6, kv_heads=None,
+                seed=0, model="toy", seq_length=64, vocab_size=2048, heads=None, kv_heads=None,
                 device="cpu", bf16=False, peak_tflops=989.0, tp=1, recompute=False,
                 compile=False, fused_adam=False)
 
