@@ -1,7 +1,8 @@
-"""Sphinx directives ``mfsdp-compat-matrix`` and ``mfsdp-compat-matrix-parallel``: the
-compatibility matrix of :mod:`mfsdp.check.matrix` and its table of tensor, sequence, context and
-expert parallelism (:mod:`mfsdp.check.matrix_parallel`), measured when the docs are built and
-cached like the recipes.
+"""Sphinx directives ``mfsdp-compat-matrix``, ``mfsdp-compat-matrix-parallel`` and
+``mfsdp-compat-matrix-checkpoint``: the compatibility matrix of :mod:`mfsdp.check.matrix`, its
+table of tensor, sequence, context and expert parallelism (:mod:`mfsdp.check.matrix_parallel`)
+and its table of checkpoint reloads and conversions (:mod:`mfsdp.check.matrix_checkpoint`),
+measured when the docs are built and cached like the recipes.
 
 Usage in MyST::
 
@@ -11,14 +12,16 @@ Usage in MyST::
     ```{mfsdp-compat-matrix-parallel}
     ```
 
+    ```{mfsdp-compat-matrix-checkpoint}
+    ```
+
 At ``builder-inited`` the extension computes a digest of everything the measurement depends on
 (the ``mfsdp`` package source, which holds the matrix code, this file, the Python and torch
 versions). The same digest as the cached data in ``build/compatibility-matrix.json``: the data is
 reused; another digest or no cache: the matrix is measured (about 40 s of CPU, one launch of
 4 gloo ranks) and the cache rewritten. The directive renders the cached data as a table. The
-parallelism table is cached the same way, by the same digest, in
-``build/compatibility-matrix-parallel.json``.
-"""
+parallelism and checkpoint tables are cached the same way, by the same digest, in
+``build/compatibility-matrix-parallel.json`` and ``build/compatibility-matrix-checkpoint.json``."""
 
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from sphinx.util.docutils import SphinxDirective
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "build" / "compatibility-matrix.json"
 CACHE_PARALLEL = ROOT / "build" / "compatibility-matrix-parallel.json"
+CACHE_CHECKPOINT = ROOT / "build" / "compatibility-matrix-checkpoint.json"
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +84,12 @@ def _measure_parallel() -> dict[str, Any]:
     return measure_parallel()
 
 
+def _measure_checkpoints() -> dict[str, Any]:
+    from mfsdp.check.matrix_checkpoint import measure_checkpoints
+
+    return measure_checkpoints()
+
+
 def _cell_rst(cell: dict | None, refusals: list[str]) -> str:
     """A cell's text; a refusal is named by number, its message kept in ``refusals``."""
     from mfsdp.check.matrix import cell_text
@@ -91,14 +101,13 @@ def _cell_rst(cell: dict | None, refusals: list[str]) -> str:
     return cell_text(cell) if cell is not None else ""
 
 
-def rst_parallel_table(data: dict[str, Any]) -> str:
-    """The parallelism table as a reStructuredText list-table (one row per strategy)."""
-    from mfsdp.check.matrix_parallel import PARALLEL
-
-    columns = [p for p in PARALLEL if any(c["parallel"] == p for c in data["cells"])]
+def _rst_by_strategy(data: dict[str, Any], key: str, order, footer: str) -> str:
+    """A table of ``data["cells"]`` as a reStructuredText list-table: one row per strategy, one
+    column per value of ``key`` (in ``order``), ``footer`` below (and any refusals)."""
+    columns = [p for p in order if any(c[key] == p for c in data["cells"])]
     rows: dict[str, dict[str, dict]] = {}
     for c in data["cells"]:
-        rows.setdefault(c["strategy"], {})[c["parallel"]] = c
+        rows.setdefault(c["strategy"], {})[c[key]] = c
     lines = [".. list-table::", "   :header-rows: 1", "", "   * - strategy"]
     lines += [f"     - {p}" for p in columns]
     refusals: list[str] = []
@@ -110,12 +119,30 @@ def rst_parallel_table(data: dict[str, Any]) -> str:
     if refusals:
         lines.append("")
         lines += [f"| [{i}] refused: {' '.join(m.split())}" for i, m in enumerate(refusals, 1)]
+    cost = (f"{data['launches']} launch{'es' if data['launches'] != 1 else ''}, "
+            f"{data['seconds']} s wall, {data['cpu_seconds']} s of CPU.")
+    return "\n".join(lines + ["", f"{footer}: {cost}"])
+
+
+def rst_parallel_table(data: dict[str, Any]) -> str:
+    """The parallelism table as a reStructuredText list-table (one row per strategy)."""
+    from mfsdp.check.matrix_parallel import PARALLEL
+
     models = ", ".join(f"``{m}``" for m in data["models"].values())
-    lines += ["", f"Measured on {data['nproc']} gloo ranks, models {models}, {data['steps']} "
-              f"steps of SGD (lr {data['lr']}): {data['launches']} launch"
-              f"{'es' if data['launches'] != 1 else ''}, {data['seconds']} s wall, "
-              f"{data['cpu_seconds']} s of CPU."]
-    return "\n".join(lines)
+    return _rst_by_strategy(data, "parallel", PARALLEL,
+                            f"Measured on {data['nproc']} gloo ranks, models {models}, "
+                            f"{data['steps']} steps of SGD (lr {data['lr']})")
+
+
+def rst_checkpoint_table(data: dict[str, Any]) -> str:
+    """The checkpoint table as a reStructuredText list-table (one row per strategy)."""
+    from mfsdp.check.matrix_checkpoint import ROUTES
+
+    optimizers = "; ".join(f"{route}: {'AdamW' if opt == 'adamw' else 'SGD'}"
+                           for route, opt in data["optimizers"].items())
+    return _rst_by_strategy(data, "route", ROUTES,
+                            f"Measured on {data['nproc']} gloo ranks, model ``{data['model']}``, "
+                            f"one step, the trip, one step (lr {data['lr']}; {optimizers})")
 
 
 def rst_table(data: dict[str, Any]) -> str:
@@ -158,6 +185,12 @@ def _ensure_matrix(app) -> None:
     logger.info("compatibility matrix, parallelism: %s",
                 f"measured in {time.perf_counter() - start:.0f} s" if measured
                 else "reused (nothing it depends on changed)")
+    start = time.perf_counter()
+    app._mfsdp_matrix_checkpoint, measured = load_or_measure(CACHE_CHECKPOINT,
+                                                             measure=_measure_checkpoints)
+    logger.info("compatibility matrix, checkpoints: %s",
+                f"measured in {time.perf_counter() - start:.0f} s" if measured
+                else "reused (nothing it depends on changed)")
 
 
 class CompatMatrixDirective(SphinxDirective):
@@ -183,9 +216,21 @@ class CompatMatrixParallelDirective(SphinxDirective):
         return rst_nodes(rst_parallel_table(data))
 
 
+class CompatMatrixCheckpointDirective(SphinxDirective):
+    """Render the measured (or cached) table of checkpoint reloads and conversions."""
+
+    def run(self) -> list[nodes.Node]:
+        self.env.note_dependency(str(CACHE_CHECKPOINT))
+        data = getattr(self.env.app, "_mfsdp_matrix_checkpoint", None)
+        if data is None:
+            data, _ = load_or_measure(CACHE_CHECKPOINT, measure=_measure_checkpoints)
+        return rst_nodes(rst_checkpoint_table(data))
+
+
 def setup(app):
     """Register the directives and measure (or reuse) the tables when the builder starts."""
     app.connect("builder-inited", _ensure_matrix)
     app.add_directive("mfsdp-compat-matrix", CompatMatrixDirective)
     app.add_directive("mfsdp-compat-matrix-parallel", CompatMatrixParallelDirective)
+    app.add_directive("mfsdp-compat-matrix-checkpoint", CompatMatrixCheckpointDirective)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
