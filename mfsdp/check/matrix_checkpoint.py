@@ -108,9 +108,10 @@ def round_trip(path, model, optimizer, fmt: str, preset: str = MODEL) -> None:
 def _importable_round_trip() -> Callable:
     """:func:`round_trip` as the ranks can unpickle it (also when this file runs as
     ``__main__``)."""
-    from mfsdp.check import matrix_checkpoint
+    import importlib
 
-    return matrix_checkpoint.round_trip
+    return importlib.import_module(__spec__.name if __name__ == "__main__" and __spec__
+                                   else __name__).round_trip
 
 
 def _layout(strategy: str, route: str) -> Layout:
