@@ -260,13 +260,33 @@ def render_table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    """Measure the whole matrix and print it with its cost."""
-    data = measure_matrix(progress=print)
-    print(render_table(data))
+def render_by_strategy(data: dict[str, Any], key: str, order) -> str:
+    """A Markdown table of ``data["cells"]``: one row per strategy, one column per value of the
+    cell field ``key`` (the values of ``order`` that occur, in its order)."""
+    columns = [p for p in order if any(c[key] == p for c in data["cells"])]
+    rows: dict[str, dict[str, dict]] = {}
+    for c in data["cells"]:
+        rows.setdefault(c["strategy"], {})[c[key]] = c
+    lines = ["| strategy | " + " | ".join(columns) + " |", "|" + " --- |" * (1 + len(columns))]
+    for strategy, by_column in rows.items():
+        texts = [cell_text(by_column[p]).replace("|", "\\|") if p in by_column else " "
+                 for p in columns]
+        lines.append(f"| `{strategy}` | " + " | ".join(texts) + " |")
+    return "\n".join(lines)
+
+
+def print_measured(measure: Callable[..., dict], render: Callable[[dict], str]) -> int:
+    """``python -m`` of a table: measure it (printing each cell), print it and its cost."""
+    data = measure(progress=print)
+    print(render(data))
     print(f"{data['launches']} launch(es), {data['seconds']} s wall, "
           f"{data['cpu_seconds']} s CPU")
     return 0
+
+
+def main() -> int:
+    """Measure the whole matrix and print it with its cost."""
+    return print_measured(measure_matrix, render_table)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from mfsdp.check.layouts import TOLERANCES, Layout
-from mfsdp.check.matrix import NPROC, STRATEGIES, _cpu_seconds, _judge, cell_text
+from mfsdp.check.matrix import (NPROC, STRATEGIES, _cpu_seconds, _judge, print_measured,
+                                render_by_strategy)
 
 __all__ = ["ROUTES", "RELOAD_AS", "MODEL", "OPTIMIZER", "CheckpointCell", "checkpoint_combinations",
            "round_trip", "measure_checkpoints", "render_checkpoint_table"]
@@ -182,25 +183,12 @@ def render_checkpoint_table(data: dict[str, Any]) -> str:
     | --- | --- |
     | `optim` | works (3e-07) |
     """
-    columns = [r for r in ROUTES if any(c["route"] == r for c in data["cells"])]
-    rows: dict[str, dict[str, dict]] = {}
-    for c in data["cells"]:
-        rows.setdefault(c["strategy"], {})[c["route"]] = c
-    lines = ["| strategy | " + " | ".join(columns) + " |", "|" + " --- |" * (1 + len(columns))]
-    for strategy, by_column in rows.items():
-        texts = [cell_text(by_column[r]).replace("|", "\\|") if r in by_column else " "
-                 for r in columns]
-        lines.append(f"| `{strategy}` | " + " | ".join(texts) + " |")
-    return "\n".join(lines)
+    return render_by_strategy(data, "route", ROUTES)
 
 
 def main() -> int:
     """Measure the whole table and print it with its cost."""
-    data = measure_checkpoints(progress=print)
-    print(render_checkpoint_table(data))
-    print(f"{data['launches']} launch(es), {data['seconds']} s wall, "
-          f"{data['cpu_seconds']} s CPU")
-    return 0
+    return print_measured(measure_checkpoints, render_checkpoint_table)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
 from mfsdp.check.layouts import TOLERANCES, Layout
-from mfsdp.check.matrix import NPROC, STRATEGIES, _cpu_seconds, _judge, cell_text
+from mfsdp.check.matrix import (NPROC, STRATEGIES, _cpu_seconds, _judge, print_measured,
+                                render_by_strategy)
 
 __all__ = ["PARALLEL", "MODELS", "ParallelCell", "parallel_combinations", "parallel_layout",
            "measure_parallel", "render_parallel_table"]
@@ -147,25 +148,12 @@ def render_parallel_table(data: dict[str, Any]) -> str:
     | --- | --- |
     | `optim` | works (2e-06) |
     """
-    columns = [p for p in PARALLEL if any(c["parallel"] == p for c in data["cells"])]
-    rows: dict[str, dict[str, dict]] = {}
-    for c in data["cells"]:
-        rows.setdefault(c["strategy"], {})[c["parallel"]] = c
-    lines = ["| strategy | " + " | ".join(columns) + " |", "|" + " --- |" * (1 + len(columns))]
-    for strategy, by_column in rows.items():
-        texts = [cell_text(by_column[p]).replace("|", "\\|") if p in by_column else " "
-                 for p in columns]
-        lines.append(f"| `{strategy}` | " + " | ".join(texts) + " |")
-    return "\n".join(lines)
+    return render_by_strategy(data, "parallel", PARALLEL)
 
 
 def main() -> int:
     """Measure the whole table and print it with its cost."""
-    data = measure_parallel(progress=print)
-    print(render_parallel_table(data))
-    print(f"{data['launches']} launch(es), {data['seconds']} s wall, "
-          f"{data['cpu_seconds']} s CPU")
-    return 0
+    return print_measured(measure_parallel, render_parallel_table)
 
 
 if __name__ == "__main__":
