@@ -48,9 +48,10 @@ from mfsdp.checkpoint.io import load_converted
 from mfsdp.checkpoint.detect import TRACKER, is_megatron_lm, megatron_lm_backend, resolve_megatron_lm
 from mfsdp.checkpoint.manifest import CheckpointError
 from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, config_from_megatron_args,
-                                              is_decayed, megatron_args, mfsdp_groups, mfsdp_name,
-                                              optimizer_common, read_common_state, source_key,
-                                              target_key, write_iteration)
+                                              fsdp_model_config, is_decayed, megatron_args,
+                                              mfsdp_groups, mfsdp_name, optimizer_common,
+                                              read_common_state, source_key, target_key,
+                                              write_iteration)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "load_megatron_lm",
            "megatron_lm_to_fsdp", "mfsdp_name", "read_common_state", "resolve_megatron_lm",
@@ -269,19 +270,11 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     groups, the FFN and the vocabulary divisible by it, else a ``CheckpointError`` names which.
     ``verify``: check ``src``'s files against their SHA-256 sums first.
     """
-    from mfsdp.models.gpt import GPT, GPTConfig
+    from mfsdp.models.gpt import GPT
 
     src, dst = fsdp_source(src, dst)
-    if model_config is None:
-        if not (src / MODEL_CONFIG_FILE).is_file():
-            raise CheckpointError(f"{src} has no {MODEL_CONFIG_FILE}; name the model with "
-                                  "--model-preset or --model-config")
-        model_config = json.loads((src / MODEL_CONFIG_FILE).read_text())
-    cfg = GPTConfig.from_dict(model_config)
+    cfg = fsdp_model_config(src, model_config, transformer_impl)
     _check_tensor_parallel_split(cfg, tensor_model_parallel_size)
-    if transformer_impl not in ("transformer_engine", "local"):
-        raise ValueError(f"transformer_impl={transformer_impl!r}: choose transformer_engine or "
-                         "local")
     with torch.device("meta"):
         model = GPT(cfg)
     ref = model.state_dict()

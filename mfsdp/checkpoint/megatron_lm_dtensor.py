@@ -45,8 +45,9 @@ from mfsdp.checkpoint.dcp import (MAP_FILE, MODEL_CONFIG_FILE, DCPSource, Progre
 from mfsdp.checkpoint.detect import MODULE_PREFIX, is_fsdp_dtensor_keys
 from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.manifest import CheckpointError
-from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, is_decayed, megatron_args, mfsdp_groups,
-                                              mfsdp_name, source_key, write_iteration)
+from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, fsdp_model_config, is_decayed,
+                                              megatron_args, mfsdp_groups, mfsdp_name, source_key,
+                                              write_iteration)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm_dtensor", "is_fsdp_dtensor_keys",
            "megatron_lm_dtensor_to_fsdp", "megatron_key", "split_key"]
@@ -291,20 +292,12 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
     The same checkpoint serves any expert parallelism: expert keys carry global indices and
     Megatron-FSDP's one optimizer marks no group expert-parallel, at EP 1 as at EP 2.
     """
-    from mfsdp.models.gpt import GPT, GPTConfig
+    from mfsdp.models.gpt import GPT
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: choose one of {sorted(PRECISIONS)}")
-    if transformer_impl not in ("transformer_engine", "local"):
-        raise ValueError(f"transformer_impl={transformer_impl!r}: choose transformer_engine or "
-                         "local")
     src, dst = fsdp_source(src, dst)
-    if model_config is None:
-        if not (src / MODEL_CONFIG_FILE).is_file():
-            raise CheckpointError(f"{src} has no {MODEL_CONFIG_FILE}; name the model with "
-                                  "--model-preset or --model-config")
-        model_config = json.loads((src / MODEL_CONFIG_FILE).read_text())
-    cfg = GPTConfig.from_dict(model_config)
+    cfg = fsdp_model_config(src, model_config, transformer_impl)
     with torch.device("meta"):
         model = GPT(cfg)
     ref = model.state_dict()
