@@ -131,23 +131,7 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
     params = {n for n, _ in model.named_parameters()}
     source = DCPSource(directory)
     keys = set(source.tensors)
-    weights = _collect(keys, "model.")
-    plan: dict[str, list[str]] = {}
-    for name, t in ref.items():
-        if name not in weights:
-            raise CheckpointError(f"{directory} has no tensor for {name} (model.module.*); is the "
-                                  "model config the one it was trained with?")
-        plan[name] = _ordered(weights[name], name, directory)
-        shapes = [source.tensors[k][0] for k in plan[name]]
-        got = (tuple(shapes[0]) if len(shapes) == 1
-               else (sum(s[0] for s in shapes), *shapes[0][1:]))
-        if got != tuple(t.shape):
-            raise CheckpointError(f"{plan[name][0]} gives {name} the shape {got}; the model "
-                                  f"config implies {tuple(t.shape)}")
-    unused = sorted(set(weights) - set(plan))
-    if unused:
-        raise CheckpointError(f"{directory} holds model tensors this config does not have, e.g. "
-                              f"{sorted(weights[unused[0]].values())[0]!r}")
+    plan = _dtensor_plan(directory, source, ref)
     blobs_present = set(source.blob_keys)
 
     def value(key: str, default=None):
@@ -175,47 +159,8 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
             param, part = split_key(param_key)
             by_field.setdefault(field, {}).setdefault(param, {})[part] = key
     if not weights_only and by_field:
-        strange = sorted(set().union(*(set(v) for v in by_field.values())) - params)
-        if strange:
-            raise CheckpointError(f"{directory} has optimizer state for {strange[0]!r}, which the "
-                                  "model config does not have")
-        for field, have in sorted(by_field.items()):
-            missing = sorted(params - set(have))
-            if missing:
-                raise CheckpointError(f"{directory} has optimizer state {field!r} for some "
-                                      f"weights but not for {missing[0]}")
-            for param in sorted(params):
-                out = f"optimizer.state.{param}.{field}"
-                if field == _STEP:  # one scalar per parameter (both halves hold the same)
-                    specs[out] = ((), torch.float32)
-                    origin[out] = _ordered(have[param], param, directory)[:1]
-                else:
-                    specs[out] = (tuple(ref[param].shape), torch.float32)
-                    origin[out] = _ordered(have[param], param, directory)
-        metas: dict[str, dict[str, object]] = {}
-        head = "optimizer.param_to_group_meta."
-        for key in blobs_present:
-            if key.startswith(head):
-                param_key, _, hyper = key[len(head):].rpartition(".")
-                name, _ = split_key(param_key)
-                metas.setdefault(name, {})[hyper] = value(key)
-        if set(metas) != params:
-            gap = sorted(params ^ set(metas))
-            raise CheckpointError(f"{directory}: optimizer.param_to_group_meta does not match the "
-                                  f"model's parameters (e.g. {gap[0]})")
-        distinct: list[dict[str, object]] = []
-        for meta in metas.values():
-            if meta not in distinct:
-                distinct.append(meta)
-        groups = mfsdp_groups(distinct, directory)
-        group_of = {}
-        for n, p in model.named_parameters():
-            group_of[n] = 0 if is_decayed(n, p) else 1
-            decays = metas[n].get("wd_mult", 1.0) != 0.0
-            if decays != (group_of[n] == 0):
-                raise CheckpointError(f"{directory}: {n} has wd_mult {metas[n].get('wd_mult')}; "
-                                      "mfsdp decays exactly the weights of two or more dimensions "
-                                      "that are not biases")
+        _dtensor_optimizer_state(directory, by_field, params, ref, specs, origin)
+        groups, group_of = _dtensor_param_groups(directory, value, blobs_present, model)
         blobs["optimizer.param_groups"] = groups
         files[MAP_FILE] = json.dumps(group_of, indent=1)
     blobs["extra"] = extra
@@ -233,6 +178,88 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
     specs = {k: specs[k] for k in order}
     return write_streaming(dst, specs, produce, blobs, "fsdp_dtensor",
                            {"source": FORMAT, "backend": "fsdp_dtensor"}, files)
+
+
+def _dtensor_plan(directory: Path, source: DCPSource, ref: dict) -> dict[str, list[str]]:
+    """Each weight of the model's state dict ``ref`` -> the Megatron-LM ``fsdp_dtensor`` keys
+    it is read from (two for SwiGLU halves, in order); a ``CheckpointError`` names a tensor
+    missing, of the wrong shape or left over."""
+    keys = set(source.tensors)
+    weights = _collect(keys, "model.")
+    plan: dict[str, list[str]] = {}
+    for name, t in ref.items():
+        if name not in weights:
+            raise CheckpointError(f"{directory} has no tensor for {name} (model.module.*); is the "
+                                  "model config the one it was trained with?")
+        plan[name] = _ordered(weights[name], name, directory)
+        shapes = [source.tensors[k][0] for k in plan[name]]
+        got = (tuple(shapes[0]) if len(shapes) == 1
+               else (sum(s[0] for s in shapes), *shapes[0][1:]))
+        if got != tuple(t.shape):
+            raise CheckpointError(f"{plan[name][0]} gives {name} the shape {got}; the model "
+                                  f"config implies {tuple(t.shape)}")
+    unused = sorted(set(weights) - set(plan))
+    if unused:
+        raise CheckpointError(f"{directory} holds model tensors this config does not have, e.g. "
+                              f"{sorted(weights[unused[0]].values())[0]!r}")
+    return plan
+
+
+def _dtensor_optimizer_state(directory: Path, by_field: dict, params: set[str], ref: dict,
+                             specs: dict, origin: dict) -> None:
+    """Add the optimizer state ``by_field`` (field -> parameter -> half -> key) to ``specs`` and
+    ``origin`` by parameter name; a ``CheckpointError`` names state for a parameter the model
+    lacks or a parameter without it."""
+    strange = sorted(set().union(*(set(v) for v in by_field.values())) - params)
+    if strange:
+        raise CheckpointError(f"{directory} has optimizer state for {strange[0]!r}, which the "
+                              "model config does not have")
+    for field, have in sorted(by_field.items()):
+        missing = sorted(params - set(have))
+        if missing:
+            raise CheckpointError(f"{directory} has optimizer state {field!r} for some "
+                                  f"weights but not for {missing[0]}")
+        for param in sorted(params):
+            out = f"optimizer.state.{param}.{field}"
+            if field == _STEP:  # one scalar per parameter (both halves hold the same)
+                specs[out] = ((), torch.float32)
+                origin[out] = _ordered(have[param], param, directory)[:1]
+            else:
+                specs[out] = (tuple(ref[param].shape), torch.float32)
+                origin[out] = _ordered(have[param], param, directory)
+
+
+def _dtensor_param_groups(directory: Path, value, blobs_present: set[str],
+                          model) -> tuple[list[dict], dict[str, int]]:
+    """mfsdp's param groups and parameter -> group map from the checkpoint's
+    ``optimizer.param_to_group_meta`` (read with ``value``); a ``CheckpointError`` names a
+    parameter without a meta or whose ``wd_mult`` disagrees with mfsdp's weight decay."""
+    params = {n for n, _ in model.named_parameters()}
+    metas: dict[str, dict[str, object]] = {}
+    head = "optimizer.param_to_group_meta."
+    for key in blobs_present:
+        if key.startswith(head):
+            param_key, _, hyper = key[len(head):].rpartition(".")
+            name, _ = split_key(param_key)
+            metas.setdefault(name, {})[hyper] = value(key)
+    if set(metas) != params:
+        gap = sorted(params ^ set(metas))
+        raise CheckpointError(f"{directory}: optimizer.param_to_group_meta does not match the "
+                              f"model's parameters (e.g. {gap[0]})")
+    distinct: list[dict[str, object]] = []
+    for meta in metas.values():
+        if meta not in distinct:
+            distinct.append(meta)
+    groups = mfsdp_groups(distinct, directory)
+    group_of = {}
+    for n, p in model.named_parameters():
+        group_of[n] = 0 if is_decayed(n, p) else 1
+        decays = metas[n].get("wd_mult", 1.0) != 0.0
+        if decays != (group_of[n] == 0):
+            raise CheckpointError(f"{directory}: {n} has wd_mult {metas[n].get('wd_mult')}; "
+                                  "mfsdp decays exactly the weights of two or more dimensions "
+                                  "that are not biases")
+    return groups, group_of
 
 
 _LOCAL_NORMS = {"self_attention.linear_qkv.layer_norm": "input_layernorm",
