@@ -339,15 +339,7 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
 
     params = {n for n, _ in model.named_parameters()}
     prefix = PRECISIONS[precision]
-    fields: list[str] = []
-    if groups is not None:
-        first = next(n for n in ref if n in params)
-        fields = sorted(k[len(f"optimizer.state.{first}."):] for k in source.tensors
-                        if k.startswith(f"optimizer.state.{first}."))
-        if "exp_avg" not in fields:
-            raise CheckpointError(f"{src}: its optimizer state ({fields}) is not Adam's; "
-                                  "Megatron-FSDP's distributed optimizer is Adam only: write the "
-                                  "weights alone with --weights-only")
+    fields = [] if groups is None else _adam_fields(src, source, ref, params)
     for name, t in ref.items():
         if f"model.{name}" not in source.tensors:
             raise CheckpointError(f"{src} has no weight {name!r} of the model config")
@@ -381,30 +373,53 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
     state: dict[str, object] = {k: torch.empty(s, dtype=torch.float32, device="meta")
                                 for k, s in shapes.items() if k in share}
     if rank == 0:
-        scheduler = dict(extra.get("opt_param_scheduler") or {})
-        state.update({"iteration": iteration, "checkpoint_version": 3.0,
-                      "num_floating_point_operations_so_far": 0})
-        args = megatron_args(cfg, None if groups is None else "adam", groups is not None, iteration)
-        args.ckpt_format, args.use_megatron_fsdp = "fsdp_dtensor", True
-        args.bf16, args.fp16 = precision == "bf16", precision == "fp16"
-        args.transformer_impl = transformer_impl
-        state["args"] = args
-        for field, value in scheduler.items():
-            state[f"opt_param_scheduler.{field}"] = value
-        if groups is not None:
-            for name, p in model.named_parameters():
-                g = groups[0 if is_decayed(name, p) else 1]
-                meta = dict(_ADAMW_FLAGS)
-                meta.update({k: v for k, v in g.items() if k not in ("params", "initial_lr")})
-                meta.update(is_expert_parallel=False, default_config=True,
-                            wd_mult=1.0 if is_decayed(name, p) else 0.0, lr_mult=1.0,
-                            is_decoupled_lr=False, max_lr=scheduler.get("max_lr", g["lr"]),
-                            min_lr=scheduler.get("min_lr", g["lr"]))
-                mkey = megatron_key(name, transformer_impl)
-                halves = ([f"{mkey}_{p}" for p in _PARTS]
-                          if cfg.swiglu and _SWIGLU_NAME.search(mkey) else [mkey])
-                for out in halves:
-                    for hyper, value in meta.items():
-                        state[f"optimizer.param_to_group_meta.{prefix}{out}.{hyper}"] = value
+        _megatron_fsdp_common_state(state, cfg, model, groups, extra, iteration, precision,
+                                    transformer_impl)
     write_iteration(dst, iteration, state, produce)
     return dst
+
+
+def _adam_fields(src: Path, source: DCPSource, ref: dict, params: set[str]) -> list[str]:
+    """The optimizer state fields of the mfsdp checkpoint ``source`` (those of its first
+    parameter); a ``CheckpointError`` refuses any but Adam's, which Megatron-FSDP requires."""
+    first = next(n for n in ref if n in params)
+    fields = sorted(k[len(f"optimizer.state.{first}."):] for k in source.tensors
+                    if k.startswith(f"optimizer.state.{first}."))
+    if "exp_avg" not in fields:
+        raise CheckpointError(f"{src}: its optimizer state ({fields}) is not Adam's; "
+                              "Megatron-FSDP's distributed optimizer is Adam only: write the "
+                              "weights alone with --weights-only")
+    return fields
+
+
+def _megatron_fsdp_common_state(state: dict, cfg, model, groups: list[dict] | None, extra: dict,
+                                iteration: int, precision: str, transformer_impl: str) -> None:
+    """Add what rank 0 of Megatron-LM's ``save_checkpoint`` stores besides the tensors to
+    ``state``: ``iteration``, ``checkpoint_version``, ``args``, ``opt_param_scheduler`` and,
+    with the optimizer's ``groups``, each parameter's ``optimizer.param_to_group_meta``."""
+    prefix = PRECISIONS[precision]
+    scheduler = dict(extra.get("opt_param_scheduler") or {})
+    state.update({"iteration": iteration, "checkpoint_version": 3.0,
+                  "num_floating_point_operations_so_far": 0})
+    args = megatron_args(cfg, None if groups is None else "adam", groups is not None, iteration)
+    args.ckpt_format, args.use_megatron_fsdp = "fsdp_dtensor", True
+    args.bf16, args.fp16 = precision == "bf16", precision == "fp16"
+    args.transformer_impl = transformer_impl
+    state["args"] = args
+    for field, value in scheduler.items():
+        state[f"opt_param_scheduler.{field}"] = value
+    if groups is not None:
+        for name, p in model.named_parameters():
+            g = groups[0 if is_decayed(name, p) else 1]
+            meta = dict(_ADAMW_FLAGS)
+            meta.update({k: v for k, v in g.items() if k not in ("params", "initial_lr")})
+            meta.update(is_expert_parallel=False, default_config=True,
+                        wd_mult=1.0 if is_decayed(name, p) else 0.0, lr_mult=1.0,
+                        is_decoupled_lr=False, max_lr=scheduler.get("max_lr", g["lr"]),
+                        min_lr=scheduler.get("min_lr", g["lr"]))
+            mkey = megatron_key(name, transformer_impl)
+            halves = ([f"{mkey}_{p}" for p in _PARTS]
+                      if cfg.swiglu and _SWIGLU_NAME.search(mkey) else [mkey])
+            for out in halves:
+                for hyper, value in meta.items():
+                    state[f"optimizer.param_to_group_meta.{prefix}{out}.{hyper}"] = value
