@@ -328,10 +328,7 @@ def test_every_field_is_declared_where_its_class_is_initialised():
 
 # Conversion functions of checkpoint/ still over the limit: the list may only shrink (issue #40).
 _LONG_FUNCTIONS_LEFT = {
-    "mfsdp/checkpoint/megatron_lm.py::megatron_lm_to_fsdp",
     "mfsdp/checkpoint/megatron_lm.py::fsdp_to_megatron_lm",
-    "mfsdp/checkpoint/megatron_lm_dtensor.py::megatron_lm_dtensor_to_fsdp",
-    "mfsdp/checkpoint/megatron_lm_dtensor.py::fsdp_to_megatron_lm_dtensor",
 }
 
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from mfsdp.checkpoint.dcp import DCPSource, LazyPlanner, commit_dir, ranks, shared_temp_name
+from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE, DCPSource, LazyPlanner, commit_dir, ranks, shared_temp_name
 from mfsdp.checkpoint.detect import TRACKER
 from mfsdp.checkpoint.manifest import CheckpointError
 
 __all__ = ["COMMON", "SAFE_TYPES", "HYPER", "MAIN_FIELDS", "FUSED_NORMS", "WRITTEN_FUSED",
            "source_key", "target_key", "read_common_state", "optimizer_common", "mfsdp_groups",
            "mfsdp_name", "is_decayed", "megatron_args", "write_iteration",
-           "config_from_megatron_args"]
+           "config_from_megatron_args", "fsdp_model_config"]
 
 FUSED_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm",
                 "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm",
@@ -359,3 +359,26 @@ def config_from_megatron_args(args, where: str = "the checkpoint") -> dict:
     elif given.get("num_experts") and freq != 1:
         raise CheckpointError(f"{where}: moe_layer_freq={freq!r}: mfsdp reads 1 or a list")
     return GPTConfig.from_dict(cfg).to_dict()
+
+
+def fsdp_model_config(src: Path, model_config: dict | None, transformer_impl: str):
+    """The ``GPTConfig`` of the mfsdp checkpoint at ``src`` (resolved by
+    :func:`~mfsdp.checkpoint.full.fsdp_source`) for an export to Megatron-LM.
+
+    ``model_config``: the model's config dict for checkpoints without ``model_config.json``
+    (else read from it; a ``CheckpointError`` names ``--model-preset``/``--model-config`` when
+    neither is there). ``transformer_impl``: ``transformer_engine`` or ``local``, else
+    ``ValueError``.
+    """
+    from mfsdp.models.gpt import GPTConfig
+
+    if model_config is None:
+        if not (src / MODEL_CONFIG_FILE).is_file():
+            raise CheckpointError(f"{src} has no {MODEL_CONFIG_FILE}; name the model with "
+                                  "--model-preset or --model-config")
+        model_config = json.loads((src / MODEL_CONFIG_FILE).read_text())
+    cfg = GPTConfig.from_dict(model_config)
+    if transformer_impl not in ("transformer_engine", "local"):
+        raise ValueError(f"transformer_impl={transformer_impl!r}: choose transformer_engine or "
+                         "local")
+    return cfg

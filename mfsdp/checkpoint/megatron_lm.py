@@ -48,9 +48,10 @@ from mfsdp.checkpoint.io import load_converted
 from mfsdp.checkpoint.detect import TRACKER, is_megatron_lm, megatron_lm_backend, resolve_megatron_lm
 from mfsdp.checkpoint.manifest import CheckpointError
 from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, config_from_megatron_args,
-                                              is_decayed, megatron_args, mfsdp_groups, mfsdp_name,
-                                              optimizer_common, read_common_state, source_key,
-                                              target_key, write_iteration)
+                                              fsdp_model_config, is_decayed, megatron_args,
+                                              mfsdp_groups, mfsdp_name, optimizer_common,
+                                              read_common_state, source_key, target_key,
+                                              write_iteration)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "load_megatron_lm",
            "megatron_lm_to_fsdp", "mfsdp_name", "read_common_state", "resolve_megatron_lm",
@@ -86,16 +87,7 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
                               "metadata.json beside a .metadata)")
     directory, iteration = found
     backend = megatron_lm_backend(directory)
-    if model_config is None and backend == "torch_dist":
-        args = read_common_state(directory).get("args")
-        if args is None:
-            raise CheckpointError(f"{directory} carries no Megatron-LM arguments; name its model "
-                                  "with --model-preset or --model-config")
-        model_config = config_from_megatron_args(args, str(directory))
-    if model_config is None:
-        raise CheckpointError(f"{directory} is a Megatron-LM {backend} checkpoint, which keeps no "
-                              "arguments mfsdp can read; name its model with --model-preset or "
-                              "--model-config")
+    model_config = _megatron_lm_model_config(directory, backend, model_config)
     if backend == "fsdp_dtensor":
         from mfsdp.checkpoint.megatron_lm_dtensor import megatron_lm_dtensor_to_fsdp
 
@@ -109,6 +101,63 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
         model = GPT(cfg)
     ref = model.state_dict()
     source = DCPSource(directory)
+    keys = set(source.tensors)
+    plan = _megatron_lm_plan(directory, source, ref)
+    common = read_common_state(directory)
+    if iteration is None:
+        iteration = int(common.get("iteration") or 0)
+    state_keys = [k for k in keys if k.startswith("optimizer.state.")]
+    bucket_keys = [k for k in keys if k.startswith("optimizer.distributed.")]
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    origin: dict[str, tuple[str, tuple[int, ...]]] = {}
+    blobs: dict[str, object] = {}
+    files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
+    fields: dict[str, set[str]] = {}  # optimizer field -> the model keys it has state for
+    for key in state_keys:
+        field, _, model_key = key[len("optimizer.state."):].partition(".")
+        fields.setdefault(field, set()).add(model_key)
+    main_field = next((f for f in MAIN_FIELDS if f in fields), None)
+    for name, (key, index) in plan.items():
+        src_key = f"optimizer.state.{main_field}.{key}" if main_field else key
+        if main_field and key not in fields[main_field]:
+            src_key = key
+        specs[f"model.{name}"] = (tuple(ref[name].shape), torch.float32)
+        origin[f"model.{name}"] = (src_key, index)
+    extra: dict[str, object] = {"iteration": iteration, "data_position": iteration,
+                                "source": FORMAT}
+    if common.get("opt_param_scheduler"):
+        extra["opt_param_scheduler"] = dict(common["opt_param_scheduler"])
+    step = None
+    if not weights_only and (state_keys or bucket_keys or common.get("optimizer")):
+        step = _megatron_lm_optimizer(directory, common, bool(bucket_keys), fields, plan, model,
+                                      ref, specs, origin, blobs, files)
+    blobs["extra"] = extra
+    return _write_from_megatron_lm(dst, source, specs, origin, step, blobs, files, backend,
+                                   directory, progress)
+
+
+def _megatron_lm_model_config(directory: Path, backend: str, model_config: dict | None) -> dict:
+    """``model_config``, or where it is ``None`` the one the Megatron-LM arguments of the
+    ``torch_dist`` checkpoint at ``directory`` describe; a ``CheckpointError`` names
+    ``--model-preset``/``--model-config`` where neither is there."""
+    if model_config is None and backend == "torch_dist":
+        args = read_common_state(directory).get("args")
+        if args is None:
+            raise CheckpointError(f"{directory} carries no Megatron-LM arguments; name its model "
+                                  "with --model-preset or --model-config")
+        model_config = config_from_megatron_args(args, str(directory))
+    if model_config is None:
+        raise CheckpointError(f"{directory} is a Megatron-LM {backend} checkpoint, which keeps no "
+                              "arguments mfsdp can read; name its model with --model-preset or "
+                              "--model-config")
+    return model_config
+
+
+def _megatron_lm_plan(directory: Path, source: DCPSource,
+                      ref: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each weight of the model's state dict ``ref`` -> (the ``torch_dist`` tensor it is read
+    from, its layer/expert index in that stack); a ``CheckpointError`` names a tensor missing,
+    stacking too few, of the wrong shape or left over."""
     keys = set(source.tensors)
     plan: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, t in ref.items():
@@ -131,67 +180,60 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     if unused:
         raise CheckpointError(f"{directory} holds {len(unused)} model tensors this config does not "
                               f"have, e.g. {unused[0]!r}")
-    common = read_common_state(directory)
-    if iteration is None:
-        iteration = int(common.get("iteration") or 0)
-    state_keys = [k for k in keys if k.startswith("optimizer.state.")]
-    bucket_keys = [k for k in keys if k.startswith("optimizer.distributed.")]
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    origin: dict[str, tuple[str, tuple[int, ...]]] = {}
-    blobs: dict[str, object] = {}
-    files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
-    fields: dict[str, set[str]] = {}  # optimizer field -> the model keys it has state for
-    for key in state_keys:
-        field, _, model_key = key[len("optimizer.state."):].partition(".")
-        fields.setdefault(field, set()).add(model_key)
-    main_field = next((f for f in MAIN_FIELDS if f in fields), None)
+    return plan
+
+
+def _megatron_lm_optimizer(directory: Path, common: dict, has_buckets: bool,
+                           fields: dict[str, set[str]], plan: dict, model, ref: dict,
+                           specs: dict, origin: dict, blobs: dict, files: dict) -> float | None:
+    """Add the optimizer state of the ``torch_dist`` checkpoint at ``directory`` to ``specs``,
+    ``origin`` (by parameter name), ``blobs`` (the param groups) and ``files`` (the parameter ->
+    group map); return its ``step`` (``None`` where the groups keep none). A
+    ``CheckpointError`` refuses the distributed optimizer's bucket layouts and partial state."""
     params = {n for n, _ in model.named_parameters()}  # the rest are buffers (expert bias)
-    for name, (key, index) in plan.items():
-        src_key = f"optimizer.state.{main_field}.{key}" if main_field else key
-        if main_field and key not in fields[main_field]:
-            src_key = key
-        specs[f"model.{name}"] = (tuple(ref[name].shape), torch.float32)
-        origin[f"model.{name}"] = (src_key, index)
-    extra: dict[str, object] = {"iteration": iteration, "data_position": iteration,
-                                "source": FORMAT}
-    if common.get("opt_param_scheduler"):
-        extra["opt_param_scheduler"] = dict(common["opt_param_scheduler"])
-    if not weights_only and (state_keys or bucket_keys or common.get("optimizer")):
-        opt_common = common.get("optimizer") or {}
-        layout = (common.get("content_metadata") or {}).get(
-            "distrib_optim_sharding_type", opt_common.get("param_state_sharding_type"))
-        if bucket_keys or (layout and layout not in ("fully_reshardable",
-                                                     "fully_sharded_model_space")):
-            raise CheckpointError(
-                f"{directory} holds the distributed optimizer's state in its {layout!r} layout "
-                "(the optimizer's flat bucket buffers, which only a Megatron-LM job with the same "
-                "data-parallel layout reads). Save it from Megatron-LM with "
-                "--dist-ckpt-optim-fully-reshardable (the state by weight), or convert the "
-                "weights alone with --weights-only")
-        groups, _ = optimizer_common(common)
-        mine = mfsdp_groups(groups, directory)
-        step = next((float(g["step"]) for g in groups if "step" in g), None)
-        for field, have in sorted(fields.items()):
-            if field in MAIN_FIELDS:
-                continue
-            missing = sorted({plan[n][0] for n in params} - have)
-            if missing:
-                raise CheckpointError(f"{directory} has optimizer state {field!r} for some "
-                                      f"weights but not for {missing[0]!r}")
-            for name in params:
-                key, index = plan[name]
-                out = f"optimizer.state.{name}.{field}"
-                specs[out] = (tuple(ref[name].shape), torch.float32)
-                origin[out] = (f"optimizer.state.{field}.{key}", index)
-        if step is not None and "exp_avg" in fields:  # torch.optim.Adam keeps it per parameter
-            for name in params:
-                specs[f"optimizer.state.{name}.step"] = ((), torch.float32)
-                origin[f"optimizer.state.{name}.step"] = ("", ())
-        blobs["optimizer.param_groups"] = mine
-        group_of = {n: 0 for n, p in model.named_parameters() if is_decayed(n, p)}
-        group_of.update({n: 1 for n, p in model.named_parameters() if not is_decayed(n, p)})
-        files[MAP_FILE] = json.dumps(group_of, indent=1)
-    blobs["extra"] = extra
+    opt_common = common.get("optimizer") or {}
+    layout = (common.get("content_metadata") or {}).get(
+        "distrib_optim_sharding_type", opt_common.get("param_state_sharding_type"))
+    if has_buckets or (layout and layout not in ("fully_reshardable",
+                                                 "fully_sharded_model_space")):
+        raise CheckpointError(
+            f"{directory} holds the distributed optimizer's state in its {layout!r} layout "
+            "(the optimizer's flat bucket buffers, which only a Megatron-LM job with the same "
+            "data-parallel layout reads). Save it from Megatron-LM with "
+            "--dist-ckpt-optim-fully-reshardable (the state by weight), or convert the "
+            "weights alone with --weights-only")
+    groups, _ = optimizer_common(common)
+    mine = mfsdp_groups(groups, directory)
+    step = next((float(g["step"]) for g in groups if "step" in g), None)
+    for field, have in sorted(fields.items()):
+        if field in MAIN_FIELDS:
+            continue
+        missing = sorted({plan[n][0] for n in params} - have)
+        if missing:
+            raise CheckpointError(f"{directory} has optimizer state {field!r} for some "
+                                  f"weights but not for {missing[0]!r}")
+        for name in params:
+            key, index = plan[name]
+            out = f"optimizer.state.{name}.{field}"
+            specs[out] = (tuple(ref[name].shape), torch.float32)
+            origin[out] = (f"optimizer.state.{field}.{key}", index)
+    if step is not None and "exp_avg" in fields:  # torch.optim.Adam keeps it per parameter
+        for name in params:
+            specs[f"optimizer.state.{name}.step"] = ((), torch.float32)
+            origin[f"optimizer.state.{name}.step"] = ("", ())
+    blobs["optimizer.param_groups"] = mine
+    group_of = {n: 0 for n, p in model.named_parameters() if is_decayed(n, p)}
+    group_of.update({n: 1 for n, p in model.named_parameters() if not is_decayed(n, p)})
+    files[MAP_FILE] = json.dumps(group_of, indent=1)
+    return step
+
+
+def _write_from_megatron_lm(dst: Path, source: DCPSource, specs: dict, origin: dict,
+                            step: float | None, blobs: dict, files: dict, backend: str,
+                            directory: Path, progress: bool) -> Path:
+    """Write ``dst`` (``fsdp_dtensor``), streaming each tensor of ``specs`` from where ``origin``
+    says in ``source`` (an empty source key: the optimizer's ``step``), in the checkpoint's
+    order."""
     share = owned_keys({k: tensor_nbytes(*v) for k, v in specs.items()})  # all, without torchrun
     report = Progress(f"reading {directory.name}", sum(tensor_nbytes(*specs[k]) for k in share),
                        progress)
@@ -269,19 +311,11 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     groups, the FFN and the vocabulary divisible by it, else a ``CheckpointError`` names which.
     ``verify``: check ``src``'s files against their SHA-256 sums first.
     """
-    from mfsdp.models.gpt import GPT, GPTConfig
+    from mfsdp.models.gpt import GPT
 
     src, dst = fsdp_source(src, dst)
-    if model_config is None:
-        if not (src / MODEL_CONFIG_FILE).is_file():
-            raise CheckpointError(f"{src} has no {MODEL_CONFIG_FILE}; name the model with "
-                                  "--model-preset or --model-config")
-        model_config = json.loads((src / MODEL_CONFIG_FILE).read_text())
-    cfg = GPTConfig.from_dict(model_config)
+    cfg = fsdp_model_config(src, model_config, transformer_impl)
     _check_tensor_parallel_split(cfg, tensor_model_parallel_size)
-    if transformer_impl not in ("transformer_engine", "local"):
-        raise ValueError(f"transformer_impl={transformer_impl!r}: choose transformer_engine or "
-                         "local")
     with torch.device("meta"):
         model = GPT(cfg)
     ref = model.state_dict()

@@ -45,8 +45,9 @@ from mfsdp.checkpoint.dcp import (MAP_FILE, MODEL_CONFIG_FILE, DCPSource, Progre
 from mfsdp.checkpoint.detect import MODULE_PREFIX, is_fsdp_dtensor_keys
 from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.manifest import CheckpointError
-from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, is_decayed, megatron_args, mfsdp_groups,
-                                              mfsdp_name, source_key, write_iteration)
+from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, fsdp_model_config, is_decayed,
+                                              megatron_args, mfsdp_groups, mfsdp_name, source_key,
+                                              write_iteration)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm_dtensor", "is_fsdp_dtensor_keys",
            "megatron_lm_dtensor_to_fsdp", "megatron_key", "split_key"]
@@ -130,23 +131,7 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
     params = {n for n, _ in model.named_parameters()}
     source = DCPSource(directory)
     keys = set(source.tensors)
-    weights = _collect(keys, "model.")
-    plan: dict[str, list[str]] = {}
-    for name, t in ref.items():
-        if name not in weights:
-            raise CheckpointError(f"{directory} has no tensor for {name} (model.module.*); is the "
-                                  "model config the one it was trained with?")
-        plan[name] = _ordered(weights[name], name, directory)
-        shapes = [source.tensors[k][0] for k in plan[name]]
-        got = (tuple(shapes[0]) if len(shapes) == 1
-               else (sum(s[0] for s in shapes), *shapes[0][1:]))
-        if got != tuple(t.shape):
-            raise CheckpointError(f"{plan[name][0]} gives {name} the shape {got}; the model "
-                                  f"config implies {tuple(t.shape)}")
-    unused = sorted(set(weights) - set(plan))
-    if unused:
-        raise CheckpointError(f"{directory} holds model tensors this config does not have, e.g. "
-                              f"{sorted(weights[unused[0]].values())[0]!r}")
+    plan = _dtensor_plan(directory, source, ref)
     blobs_present = set(source.blob_keys)
 
     def value(key: str, default=None):
@@ -174,47 +159,8 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
             param, part = split_key(param_key)
             by_field.setdefault(field, {}).setdefault(param, {})[part] = key
     if not weights_only and by_field:
-        strange = sorted(set().union(*(set(v) for v in by_field.values())) - params)
-        if strange:
-            raise CheckpointError(f"{directory} has optimizer state for {strange[0]!r}, which the "
-                                  "model config does not have")
-        for field, have in sorted(by_field.items()):
-            missing = sorted(params - set(have))
-            if missing:
-                raise CheckpointError(f"{directory} has optimizer state {field!r} for some "
-                                      f"weights but not for {missing[0]}")
-            for param in sorted(params):
-                out = f"optimizer.state.{param}.{field}"
-                if field == _STEP:  # one scalar per parameter (both halves hold the same)
-                    specs[out] = ((), torch.float32)
-                    origin[out] = _ordered(have[param], param, directory)[:1]
-                else:
-                    specs[out] = (tuple(ref[param].shape), torch.float32)
-                    origin[out] = _ordered(have[param], param, directory)
-        metas: dict[str, dict[str, object]] = {}
-        head = "optimizer.param_to_group_meta."
-        for key in blobs_present:
-            if key.startswith(head):
-                param_key, _, hyper = key[len(head):].rpartition(".")
-                name, _ = split_key(param_key)
-                metas.setdefault(name, {})[hyper] = value(key)
-        if set(metas) != params:
-            gap = sorted(params ^ set(metas))
-            raise CheckpointError(f"{directory}: optimizer.param_to_group_meta does not match the "
-                                  f"model's parameters (e.g. {gap[0]})")
-        distinct: list[dict[str, object]] = []
-        for meta in metas.values():
-            if meta not in distinct:
-                distinct.append(meta)
-        groups = mfsdp_groups(distinct, directory)
-        group_of = {}
-        for n, p in model.named_parameters():
-            group_of[n] = 0 if is_decayed(n, p) else 1
-            decays = metas[n].get("wd_mult", 1.0) != 0.0
-            if decays != (group_of[n] == 0):
-                raise CheckpointError(f"{directory}: {n} has wd_mult {metas[n].get('wd_mult')}; "
-                                      "mfsdp decays exactly the weights of two or more dimensions "
-                                      "that are not biases")
+        _dtensor_optimizer_state(directory, by_field, params, ref, specs, origin)
+        groups, group_of = _dtensor_param_groups(directory, value, blobs_present, model)
         blobs["optimizer.param_groups"] = groups
         files[MAP_FILE] = json.dumps(group_of, indent=1)
     blobs["extra"] = extra
@@ -232,6 +178,88 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
     specs = {k: specs[k] for k in order}
     return write_streaming(dst, specs, produce, blobs, "fsdp_dtensor",
                            {"source": FORMAT, "backend": "fsdp_dtensor"}, files)
+
+
+def _dtensor_plan(directory: Path, source: DCPSource, ref: dict) -> dict[str, list[str]]:
+    """Each weight of the model's state dict ``ref`` -> the Megatron-LM ``fsdp_dtensor`` keys
+    it is read from (two for SwiGLU halves, in order); a ``CheckpointError`` names a tensor
+    missing, of the wrong shape or left over."""
+    keys = set(source.tensors)
+    weights = _collect(keys, "model.")
+    plan: dict[str, list[str]] = {}
+    for name, t in ref.items():
+        if name not in weights:
+            raise CheckpointError(f"{directory} has no tensor for {name} (model.module.*); is the "
+                                  "model config the one it was trained with?")
+        plan[name] = _ordered(weights[name], name, directory)
+        shapes = [source.tensors[k][0] for k in plan[name]]
+        got = (tuple(shapes[0]) if len(shapes) == 1
+               else (sum(s[0] for s in shapes), *shapes[0][1:]))
+        if got != tuple(t.shape):
+            raise CheckpointError(f"{plan[name][0]} gives {name} the shape {got}; the model "
+                                  f"config implies {tuple(t.shape)}")
+    unused = sorted(set(weights) - set(plan))
+    if unused:
+        raise CheckpointError(f"{directory} holds model tensors this config does not have, e.g. "
+                              f"{sorted(weights[unused[0]].values())[0]!r}")
+    return plan
+
+
+def _dtensor_optimizer_state(directory: Path, by_field: dict, params: set[str], ref: dict,
+                             specs: dict, origin: dict) -> None:
+    """Add the optimizer state ``by_field`` (field -> parameter -> half -> key) to ``specs`` and
+    ``origin`` by parameter name; a ``CheckpointError`` names state for a parameter the model
+    lacks or a parameter without it."""
+    strange = sorted(set().union(*(set(v) for v in by_field.values())) - params)
+    if strange:
+        raise CheckpointError(f"{directory} has optimizer state for {strange[0]!r}, which the "
+                              "model config does not have")
+    for field, have in sorted(by_field.items()):
+        missing = sorted(params - set(have))
+        if missing:
+            raise CheckpointError(f"{directory} has optimizer state {field!r} for some "
+                                  f"weights but not for {missing[0]}")
+        for param in sorted(params):
+            out = f"optimizer.state.{param}.{field}"
+            if field == _STEP:  # one scalar per parameter (both halves hold the same)
+                specs[out] = ((), torch.float32)
+                origin[out] = _ordered(have[param], param, directory)[:1]
+            else:
+                specs[out] = (tuple(ref[param].shape), torch.float32)
+                origin[out] = _ordered(have[param], param, directory)
+
+
+def _dtensor_param_groups(directory: Path, value, blobs_present: set[str],
+                          model) -> tuple[list[dict], dict[str, int]]:
+    """mfsdp's param groups and parameter -> group map from the checkpoint's
+    ``optimizer.param_to_group_meta`` (read with ``value``); a ``CheckpointError`` names a
+    parameter without a meta or whose ``wd_mult`` disagrees with mfsdp's weight decay."""
+    params = {n for n, _ in model.named_parameters()}
+    metas: dict[str, dict[str, object]] = {}
+    head = "optimizer.param_to_group_meta."
+    for key in blobs_present:
+        if key.startswith(head):
+            param_key, _, hyper = key[len(head):].rpartition(".")
+            name, _ = split_key(param_key)
+            metas.setdefault(name, {})[hyper] = value(key)
+    if set(metas) != params:
+        gap = sorted(params ^ set(metas))
+        raise CheckpointError(f"{directory}: optimizer.param_to_group_meta does not match the "
+                              f"model's parameters (e.g. {gap[0]})")
+    distinct: list[dict[str, object]] = []
+    for meta in metas.values():
+        if meta not in distinct:
+            distinct.append(meta)
+    groups = mfsdp_groups(distinct, directory)
+    group_of = {}
+    for n, p in model.named_parameters():
+        group_of[n] = 0 if is_decayed(n, p) else 1
+        decays = metas[n].get("wd_mult", 1.0) != 0.0
+        if decays != (group_of[n] == 0):
+            raise CheckpointError(f"{directory}: {n} has wd_mult {metas[n].get('wd_mult')}; "
+                                  "mfsdp decays exactly the weights of two or more dimensions "
+                                  "that are not biases")
+    return groups, group_of
 
 
 _LOCAL_NORMS = {"self_attention.linear_qkv.layer_norm": "input_layernorm",
@@ -291,20 +319,12 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
     The same checkpoint serves any expert parallelism: expert keys carry global indices and
     Megatron-FSDP's one optimizer marks no group expert-parallel, at EP 1 as at EP 2.
     """
-    from mfsdp.models.gpt import GPT, GPTConfig
+    from mfsdp.models.gpt import GPT
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: choose one of {sorted(PRECISIONS)}")
-    if transformer_impl not in ("transformer_engine", "local"):
-        raise ValueError(f"transformer_impl={transformer_impl!r}: choose transformer_engine or "
-                         "local")
     src, dst = fsdp_source(src, dst)
-    if model_config is None:
-        if not (src / MODEL_CONFIG_FILE).is_file():
-            raise CheckpointError(f"{src} has no {MODEL_CONFIG_FILE}; name the model with "
-                                  "--model-preset or --model-config")
-        model_config = json.loads((src / MODEL_CONFIG_FILE).read_text())
-    cfg = GPTConfig.from_dict(model_config)
+    cfg = fsdp_model_config(src, model_config, transformer_impl)
     with torch.device("meta"):
         model = GPT(cfg)
     ref = model.state_dict()
@@ -319,15 +339,7 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
 
     params = {n for n, _ in model.named_parameters()}
     prefix = PRECISIONS[precision]
-    fields: list[str] = []
-    if groups is not None:
-        first = next(n for n in ref if n in params)
-        fields = sorted(k[len(f"optimizer.state.{first}."):] for k in source.tensors
-                        if k.startswith(f"optimizer.state.{first}."))
-        if "exp_avg" not in fields:
-            raise CheckpointError(f"{src}: its optimizer state ({fields}) is not Adam's; "
-                                  "Megatron-FSDP's distributed optimizer is Adam only: write the "
-                                  "weights alone with --weights-only")
+    fields = [] if groups is None else _adam_fields(src, source, ref, params)
     for name, t in ref.items():
         if f"model.{name}" not in source.tensors:
             raise CheckpointError(f"{src} has no weight {name!r} of the model config")
@@ -361,30 +373,53 @@ def fsdp_to_megatron_lm_dtensor(src: str | Path, dst: str | Path, model_config: 
     state: dict[str, object] = {k: torch.empty(s, dtype=torch.float32, device="meta")
                                 for k, s in shapes.items() if k in share}
     if rank == 0:
-        scheduler = dict(extra.get("opt_param_scheduler") or {})
-        state.update({"iteration": iteration, "checkpoint_version": 3.0,
-                      "num_floating_point_operations_so_far": 0})
-        args = megatron_args(cfg, None if groups is None else "adam", groups is not None, iteration)
-        args.ckpt_format, args.use_megatron_fsdp = "fsdp_dtensor", True
-        args.bf16, args.fp16 = precision == "bf16", precision == "fp16"
-        args.transformer_impl = transformer_impl
-        state["args"] = args
-        for field, value in scheduler.items():
-            state[f"opt_param_scheduler.{field}"] = value
-        if groups is not None:
-            for name, p in model.named_parameters():
-                g = groups[0 if is_decayed(name, p) else 1]
-                meta = dict(_ADAMW_FLAGS)
-                meta.update({k: v for k, v in g.items() if k not in ("params", "initial_lr")})
-                meta.update(is_expert_parallel=False, default_config=True,
-                            wd_mult=1.0 if is_decayed(name, p) else 0.0, lr_mult=1.0,
-                            is_decoupled_lr=False, max_lr=scheduler.get("max_lr", g["lr"]),
-                            min_lr=scheduler.get("min_lr", g["lr"]))
-                mkey = megatron_key(name, transformer_impl)
-                halves = ([f"{mkey}_{p}" for p in _PARTS]
-                          if cfg.swiglu and _SWIGLU_NAME.search(mkey) else [mkey])
-                for out in halves:
-                    for hyper, value in meta.items():
-                        state[f"optimizer.param_to_group_meta.{prefix}{out}.{hyper}"] = value
+        _megatron_fsdp_common_state(state, cfg, model, groups, extra, iteration, precision,
+                                    transformer_impl)
     write_iteration(dst, iteration, state, produce)
     return dst
+
+
+def _adam_fields(src: Path, source: DCPSource, ref: dict, params: set[str]) -> list[str]:
+    """The optimizer state fields of the mfsdp checkpoint ``source`` (those of its first
+    parameter); a ``CheckpointError`` refuses any but Adam's, which Megatron-FSDP requires."""
+    first = next(n for n in ref if n in params)
+    fields = sorted(k[len(f"optimizer.state.{first}."):] for k in source.tensors
+                    if k.startswith(f"optimizer.state.{first}."))
+    if "exp_avg" not in fields:
+        raise CheckpointError(f"{src}: its optimizer state ({fields}) is not Adam's; "
+                              "Megatron-FSDP's distributed optimizer is Adam only: write the "
+                              "weights alone with --weights-only")
+    return fields
+
+
+def _megatron_fsdp_common_state(state: dict, cfg, model, groups: list[dict] | None, extra: dict,
+                                iteration: int, precision: str, transformer_impl: str) -> None:
+    """Add what rank 0 of Megatron-LM's ``save_checkpoint`` stores besides the tensors to
+    ``state``: ``iteration``, ``checkpoint_version``, ``args``, ``opt_param_scheduler`` and,
+    with the optimizer's ``groups``, each parameter's ``optimizer.param_to_group_meta``."""
+    prefix = PRECISIONS[precision]
+    scheduler = dict(extra.get("opt_param_scheduler") or {})
+    state.update({"iteration": iteration, "checkpoint_version": 3.0,
+                  "num_floating_point_operations_so_far": 0})
+    args = megatron_args(cfg, None if groups is None else "adam", groups is not None, iteration)
+    args.ckpt_format, args.use_megatron_fsdp = "fsdp_dtensor", True
+    args.bf16, args.fp16 = precision == "bf16", precision == "fp16"
+    args.transformer_impl = transformer_impl
+    state["args"] = args
+    for field, value in scheduler.items():
+        state[f"opt_param_scheduler.{field}"] = value
+    if groups is not None:
+        for name, p in model.named_parameters():
+            g = groups[0 if is_decayed(name, p) else 1]
+            meta = dict(_ADAMW_FLAGS)
+            meta.update({k: v for k, v in g.items() if k not in ("params", "initial_lr")})
+            meta.update(is_expert_parallel=False, default_config=True,
+                        wd_mult=1.0 if is_decayed(name, p) else 0.0, lr_mult=1.0,
+                        is_decoupled_lr=False, max_lr=scheduler.get("max_lr", g["lr"]),
+                        min_lr=scheduler.get("min_lr", g["lr"]))
+            mkey = megatron_key(name, transformer_impl)
+            halves = ([f"{mkey}_{p}" for p in _PARTS]
+                      if cfg.swiglu and _SWIGLU_NAME.search(mkey) else [mkey])
+            for out in halves:
+                for hyper, value in meta.items():
+                    state[f"optimizer.param_to_group_meta.{prefix}{out}.{hyper}"] = value
