@@ -277,52 +277,13 @@ def _check_tensor_parallel_split(cfg, tp: int) -> None:
                               f"model: {'; '.join(problems)}")
 
 
-def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | None = None,
-                        weights_only: bool = False, progress: bool = True,
-                        transformer_impl: str = "transformer_engine",
-                        expert_model_parallel_size: int = 1, verify: bool = True,
-                        tensor_model_parallel_size: int = 1) -> Path:
-    """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``torch_dist`` checkpoint (``dst`` is the root:
-    ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed: stacked tensors are
-    written one chunk per layer (or expert), as megatron-core writes them, so one weight is in
-    memory at a time; ``progress`` reports on stderr. Within
-    :class:`mfsdp.checkpoint.dcp.spread_over_ranks` every rank calls it and writes its share
-    of the tensors.
-
-    Weights are stacked per layer with megatron-core's key names; optimizer state is written in
-    model space: Adam's (``param``, ``exp_avg``, ``exp_avg_sq``) as the distributed optimizer's
-    ``fully_reshardable`` layout, SGD's ``momentum_buffer`` as Megatron-LM's non-distributed
-    optimizer (megatron-core's distributed optimizer takes Adam only). Load it in Megatron-LM with
-    ``--ckpt-format torch_dist`` and, for Adam, ``--use-distributed-optimizer``. ``common_state``
-    carries ``args`` (the architecture, ``no_save_rng``), the iteration, the param groups with
-    ``step`` and the learning-rate schedule when the checkpoint has one (``mfsdp train`` writes
-    it). ``model_config``: for checkpoints without ``model_config.json``.
-
-    ``transformer_impl`` names the loading job's layer spec where the names differ, which is for
-    multi-latent attention only (``local``: every norm by its own name; ``transformer_engine``:
-    the latents' norms as ``linear_q_up_proj.layer_norm_weight`` and
-    ``linear_kv_up_proj.layer_norm_weight``, the dense MLP's fused into ``linear_fc1``).
-    ``expert_model_parallel_size``: the loading job's; above 1 the optimizer's groups are
-    written as megatron-core's chained optimizer holds them (the routed experts' own optimizer
-    after the dense one), the tensors as they are at any expert parallelism.
-    ``tensor_model_parallel_size``: the loading job's, written into ``args`` (which
-    ``--use-checkpoint-args`` reads); the tensors are global at any TP size (megatron-core's
-    sharded state dict places each rank's piece), so only the model must split: heads, query
-    groups, the FFN and the vocabulary divisible by it, else a ``CheckpointError`` names which.
-    ``verify``: check ``src``'s files against their SHA-256 sums first.
-    """
-    from mfsdp.models.gpt import GPT
-
-    src, dst = fsdp_source(src, dst)
-    cfg = fsdp_model_config(src, model_config, transformer_impl)
-    _check_tensor_parallel_split(cfg, tensor_model_parallel_size)
-    with torch.device("meta"):
-        model = GPT(cfg)
+def _export_plan(src: Path, source, model, cfg, transformer_impl: str, weights_only: bool):
+    """What each output tensor of a ``torch_dist`` export is made of: the stacked (per layer or
+    expert) and whole weights by megatron-core key, the optimizer's groups and state fields (none
+    with ``weights_only``), ``origin`` (key -> (field or None for the weights, mfsdp names)) and
+    every key's shape."""
     ref = model.state_dict()
     params = {n for n, _ in model.named_parameters()}
-    source = DCPSource(src, verify=verify)
-    extra = source.blob("extra") if "extra" in source.blob_keys else {}
-    iteration = int(extra.get("iteration", 0))
     per_layer = bool(cfg.num_experts)  # as Megatron-LM builds MoE models (one spec per layer)
     indexed: dict[str, dict[int, str]] = {}
     whole: dict[str, str] = {}
@@ -360,31 +321,26 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
             origin[f"optimizer.state.{field}.{key}"] = (field, names)
     shapes = {k: (tuple(ref[n].shape) if isinstance(n, str) else
                   (len(n), *ref[n[0]].shape)) for k, (_, n) in origin.items()}
+    return stacks, whole, groups, fields, origin, shapes
 
-    share = owned_keys({k: tensor_nbytes(s, torch.float32) for k, s in shapes.items()})
-    report = Progress(f"writing {dst.name}",
-                       sum(tensor_nbytes(shapes[k], torch.float32) for k in share), progress)
 
-    def read(field, name):
-        t = source.get(f"optimizer.state.{name}.{field}" if field else f"model.{name}").float()
-        report(tensor_nbytes(tuple(t.shape), torch.float32))
-        return t
-
-    def produce(key: str, i: int | None = None) -> torch.Tensor:
-        field, names = origin[key]
-        return read(field, names if isinstance(names, str) else names[i])
-
-    rank, world = ranks()
-    state: dict[str, object] = {k: torch.empty(s, dtype=torch.float32, device="meta")
-                                for k, s in shapes.items() if k in share}
-    for key, names in {**stacks, **whole}.items():  # each linear's (empty) extra state
-        if rank != 0:
-            break
+def _linear_extra_states(state: dict, weights: dict) -> None:
+    """Add each linear's (empty) TransformerEngine extra state, as megatron-core writes it."""
+    for key, names in weights.items():
         module = key.rpartition(".")[0]
         if key.endswith(".weight") and module.rpartition(".")[2].startswith("linear_"):
             n = 1 if isinstance(names, str) else len(names)
             for i in range(n):
                 state[f"{module}._extra_state/shard_{i}_{n}"] = [None]
+
+
+def _export_common(source, extra: dict, groups, fields: list[str], model, cfg, iteration: int,
+                   expert_model_parallel_size: int, tensor_model_parallel_size: int) -> dict:
+    """The common state of a ``torch_dist`` export: version, iteration, the optimizer's groups
+    (as megatron-core's distributed or plain optimizer holds them, chained per expert parallelism
+    above 1), the schedule, ``args`` and the content metadata."""
+    distributed = "exp_avg" in fields
+    first = next(iter(model.state_dict()))
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     common: dict[str, object] = {"checkpoint_version": 3.0, "iteration": iteration,
                                  "num_floating_point_operations_so_far": 0}
@@ -430,6 +386,75 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
                                    distributed, iteration, tensor_model_parallel_size)
     common["args"].expert_model_parallel_size = expert_model_parallel_size
     common["content_metadata"] = metadata
+    return common
+
+
+def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | None = None,
+                        weights_only: bool = False, progress: bool = True,
+                        transformer_impl: str = "transformer_engine",
+                        expert_model_parallel_size: int = 1, verify: bool = True,
+                        tensor_model_parallel_size: int = 1) -> Path:
+    """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``torch_dist`` checkpoint (``dst`` is the root:
+    ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed: stacked tensors are
+    written one chunk per layer (or expert), as megatron-core writes them, so one weight is in
+    memory at a time; ``progress`` reports on stderr. Within
+    :class:`mfsdp.checkpoint.dcp.spread_over_ranks` every rank calls it and writes its share
+    of the tensors.
+
+    Weights are stacked per layer with megatron-core's key names; optimizer state is written in
+    model space: Adam's (``param``, ``exp_avg``, ``exp_avg_sq``) as the distributed optimizer's
+    ``fully_reshardable`` layout, SGD's ``momentum_buffer`` as Megatron-LM's non-distributed
+    optimizer (megatron-core's distributed optimizer takes Adam only). Load it in Megatron-LM with
+    ``--ckpt-format torch_dist`` and, for Adam, ``--use-distributed-optimizer``. ``common_state``
+    carries ``args`` (the architecture, ``no_save_rng``), the iteration, the param groups with
+    ``step`` and the learning-rate schedule when the checkpoint has one (``mfsdp train`` writes
+    it). ``model_config``: for checkpoints without ``model_config.json``.
+
+    ``transformer_impl`` names the loading job's layer spec where the names differ, which is for
+    multi-latent attention only (``local``: every norm by its own name; ``transformer_engine``:
+    the latents' norms as ``linear_q_up_proj.layer_norm_weight`` and
+    ``linear_kv_up_proj.layer_norm_weight``, the dense MLP's fused into ``linear_fc1``).
+    ``expert_model_parallel_size``: the loading job's; above 1 the optimizer's groups are
+    written as megatron-core's chained optimizer holds them (the routed experts' own optimizer
+    after the dense one), the tensors as they are at any expert parallelism.
+    ``tensor_model_parallel_size``: the loading job's, written into ``args`` (which
+    ``--use-checkpoint-args`` reads); the tensors are global at any TP size (megatron-core's
+    sharded state dict places each rank's piece), so only the model must split: heads, query
+    groups, the FFN and the vocabulary divisible by it, else a ``CheckpointError`` names which.
+    ``verify``: check ``src``'s files against their SHA-256 sums first.
+    """
+    from mfsdp.models.gpt import GPT
+
+    src, dst = fsdp_source(src, dst)
+    cfg = fsdp_model_config(src, model_config, transformer_impl)
+    _check_tensor_parallel_split(cfg, tensor_model_parallel_size)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    source = DCPSource(src, verify=verify)
+    extra = source.blob("extra") if "extra" in source.blob_keys else {}
+    iteration = int(extra.get("iteration", 0))
+    stacks, whole, groups, fields, origin, shapes = _export_plan(
+        src, source, model, cfg, transformer_impl, weights_only)
+    share = owned_keys({k: tensor_nbytes(s, torch.float32) for k, s in shapes.items()})
+    report = Progress(f"writing {dst.name}",
+                       sum(tensor_nbytes(shapes[k], torch.float32) for k in share), progress)
+
+    def read(field, name):
+        t = source.get(f"optimizer.state.{name}.{field}" if field else f"model.{name}").float()
+        report(tensor_nbytes(tuple(t.shape), torch.float32))
+        return t
+
+    def produce(key: str, i: int | None = None) -> torch.Tensor:
+        field, names = origin[key]
+        return read(field, names if isinstance(names, str) else names[i])
+
+    rank = ranks()[0]
+    state: dict[str, object] = {k: torch.empty(s, dtype=torch.float32, device="meta")
+                                for k, s in shapes.items() if k in share}
+    if rank == 0:
+        _linear_extra_states(state, {**stacks, **whole})
+    common = _export_common(source, extra, groups, fields, model, cfg, iteration,
+                            expert_model_parallel_size, tensor_model_parallel_size)
     # as megatron-core stores a ShardedObject: torch.save of [object], not flattened into keys
     state[COMMON] = [common]
     if rank != 0:
