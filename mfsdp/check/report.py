@@ -55,11 +55,11 @@ class LayoutResult:
     """Each rank's sharded buffers plus optimizer state after the last step (bytes mfsdp holds)."""
     seconds: float = 0.0
     prediction: dict | None = None
-    """bf16 gradient communication only: the numerics simulator's prediction of the first step
-    (:mod:`mfsdp.check.predict`): ``param`` (the parameter it expects to suffer most),
-    ``error`` (relative error of its reduced gradient, as mfsdp reduces on gloo),
-    ``ring_error`` (as an NCCL bf16 ring would) and ``measured`` (that parameter's relative
-    error after step 1: the gradient's own under SGD)."""
+    """The numerics simulator's prediction of the first step, for bf16 gradient communication
+    (:func:`~mfsdp.check.predict.predict_bf16_reduction`), else ``None``. Its keys: ``param``
+    (the parameter it expects to suffer most), ``error`` (relative error of its reduced
+    gradient, as mfsdp reduces on gloo), ``ring_error`` (as an NCCL bf16 ring would) and
+    ``measured`` (that parameter's relative error after step 1: the gradient's own under SGD)."""
 
 
 @dataclass
@@ -74,8 +74,8 @@ class CheckReport:
     units: list[str]
     layouts: list[LayoutResult]
     skipped: list[str] = field(default_factory=list)
-    """Layouts not run: default layouts that need more ranks than ``nproc``, and TP, CP or EP
-    layouts the model does not allow."""
+    """The layouts not run (default layouts that need more ranks than ``nproc``, and TP, CP or EP
+    layouts the model does not allow)."""
     skip_reasons: dict[str, str] = field(default_factory=dict)
     """Why each skipped layout was skipped (one line each)."""
     bypassed_units: list[str] = field(default_factory=list)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ParamSlot", "BucketPlan", "plan_bucket", "Bucket", "DoubleBuffer"]
+__all__ = ["ParamSlot", "BucketPlan", "plan_bucket", "Bucket"]
 
 
 @dataclass(frozen=True)
@@ -356,7 +356,7 @@ class Bucket:
 
         Called once, before the parameters are created: parameters and everything autograd saves
         from them are views of one storage for the whole run, which is why a unit always uses the
-        same slot (see :class:`DoubleBuffer`).
+        same slot (see :class:`~mfsdp.fsdp.pools.DoubleBuffer`).
         """
         n = self.plan.padded_numel
         _free(self.full)

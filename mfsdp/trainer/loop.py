@@ -24,7 +24,7 @@ from mfsdp.trainer.trainer import Trainer
 def run(args: argparse.Namespace) -> list[dict]:
     """Train with parsed ``args`` in an initialised process group; return rank 0's log records.
 
-    The arguments are checked (:func:`~mfsdp.trainer.arguments.check_args`) and become a
+    The arguments are checked (``mfsdp.trainer.arguments.check_args``) and become a
     :class:`~mfsdp.trainer.config.TrainConfig`, which is all the run reads from then on.
     ``--save``'s directory is locked for the run (:class:`~mfsdp.trainer.guard.SaveLock`) and a
     :class:`~mfsdp.trainer.guard.Watch` reports hangs (and, under torchrun, a dead launcher)."""
