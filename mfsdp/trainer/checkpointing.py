@@ -221,7 +221,7 @@ def check_load_exists(root) -> None:
 def load_for_training(checkpoint, training, model, opt, routers, cfg) -> int:
     """Resume from ``checkpoint.load`` in any format mfsdp reads; return the iteration to
     continue after (0 for a new or empty directory). Refuses what is not a checkpoint (see the
-    trainer page); the schedule follows :func:`restore_scheduler`."""
+    trainer page); the schedule follows ``restore_scheduler``."""
     from mfsdp.checkpoint import load_checkpoint, read_manifest
     from mfsdp.checkpoint.full import full_to_fsdp
     from mfsdp.checkpoint.manifest import is_full_format

@@ -38,8 +38,8 @@ class TrainConfig:
     """Everything a training run is configured with, one typed group per flag group."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    """The model's sizes, norms, positions, attention and recomputation (None: the preset's
-    value)."""
+    """The model's sizes, norms, positions, attention and recomputation; a field left at None
+    takes the preset's value."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Experts, router, capacity, dispatcher."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

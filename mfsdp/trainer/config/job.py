@@ -175,7 +175,7 @@ class LoggingConfig:
 @dataclass(kw_only=True)
 class ProfilingConfig:
     """Profiler traces and CUDA memory history (checked with the device and
-    ``--tensorboard-dir`` by :func:`mfsdp.trainer.profiling.check_profile_args`)."""
+    ``--tensorboard-dir`` by ``mfsdp.trainer.profiling.check_profile_args``)."""
 
     profile: bool = flag("--profile", default=False, action="store_true",
                          help="profile iterations --profile-step-start to --profile-step-end (an "
