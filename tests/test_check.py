@@ -251,6 +251,24 @@ def test_a_transformers_llama_passes_every_layout_at_two_ranks(tmp_path):
     assert report.units == ["LlamaDecoderLayer"]
 
 
+@pytest.mark.extended  # 4 ranks, every layout an HF model allows (HSDP and HFSDP included)
+def test_transformers_llama_and_qwen2_moe_pass_at_four_ranks(tmp_path):
+    from transformers import LlamaConfig, Qwen2MoeConfig
+
+    LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=64).save_pretrained(tmp_path / "llama")
+    Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                   moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   num_experts=4, num_experts_per_tok=2,
+                   max_position_embeddings=64).save_pretrained(tmp_path / "qwen2_moe")
+    for name in ("llama", "qwen2_moe"):
+        report = mfsdp.check(str(tmp_path / name), nproc=4, steps=2, **_quiet())
+        assert report.passed, report.table()
+        assert {"hsdp", "hfsdp"} <= {r.name for r in report.layouts}
+
+
 @pytest.mark.extended
 def test_a_transformers_qwen2_moe_passes(tmp_path):
     from transformers import Qwen2MoeConfig
