@@ -126,6 +126,26 @@ def _run_many(s: dict, layouts: list[Layout]) -> list[dict[str, Any]]:
     return out
 
 
+def run_layouts(s: dict, layouts: list[Layout], timeout: float) -> tuple[list[dict], int]:
+    """Rank 0's result of each layout, run one after another in one launch of :data:`NPROC`
+    ranks; if that launch raises or times out, each layout is rerun in a launch of its own, so a
+    bad one fails alone (its result is then ``{"error": ...}``). Returns the results and the
+    number of launches."""
+    from mfsdp.launch import LaunchTimeout, RankError, launch
+
+    try:
+        return launch(_RUN_MANY, NPROC, args=(s, layouts), timeout=timeout)[0], 1
+    except (RankError, LaunchTimeout):
+        results = []
+        for layout in layouts:
+            try:
+                results.append(launch(_RUN_MANY, NPROC, args=(s, [layout]),
+                                      timeout=min(timeout, 120.0))[0][0])
+            except (RankError, LaunchTimeout) as exc:
+                results.append({"error": str(exc).strip().splitlines()[0]})
+        return results, 1 + len(layouts)
+
+
 def _judge(cell: Cell, layout: Layout, reference: dict, got: dict) -> None:
     from mfsdp.check.report import compare
 
@@ -158,7 +178,6 @@ def measure_matrix(model: Any = "mfsdp.check.faults:tiny", *, steps: int = 2, lr
     """
     from mfsdp.check.models import build_model, resolve_units
     from mfsdp.check.run import Settings, run_reference
-    from mfsdp.launch import LaunchTimeout, RankError, launch
 
     wall, cpu = time.perf_counter(), _cpu_seconds()
     chosen = list(cells) if cells is not None else combinations()
@@ -180,21 +199,7 @@ def measure_matrix(model: Any = "mfsdp.check.faults:tiny", *, steps: int = 2, lr
         else:
             runnable.append(combo)
     layouts = [layout_for(*c) for c in runnable]
-    launches = 0
-    ranks0: list[dict] = []
-    if layouts:
-        launches += 1
-        try:
-            ranks0 = launch(_RUN_MANY, NPROC, args=(s, layouts), timeout=timeout)[0]
-        except (RankError, LaunchTimeout):
-            ranks0 = []
-            for layout in layouts:
-                launches += 1
-                try:
-                    ranks0.append(launch(_RUN_MANY, NPROC, args=(s, [layout]),
-                                         timeout=min(timeout, 120.0))[0][0])
-                except (RankError, LaunchTimeout) as exc:
-                    ranks0.append({"error": str(exc).strip().splitlines()[0]})
+    ranks0, launches = run_layouts(s, layouts, timeout) if layouts else ([], 0)
     references: dict[str, dict] = {}
     for combo, layout, got in zip(runnable, layouts, ranks0):
         if layout.compute_dtype not in references:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 
 from mfsdp.check.layouts import TOLERANCES, Layout
 from mfsdp.check.matrix import (NPROC, STRATEGIES, _cpu_seconds, _judge, print_measured,
-                                render_by_strategy)
+                                render_by_strategy, run_layouts)
 
 __all__ = ["ROUTES", "RELOAD_AS", "MODEL", "OPTIMIZER", "CheckpointCell", "checkpoint_combinations",
            "round_trip", "measure_checkpoints", "render_checkpoint_table"]
@@ -125,10 +125,8 @@ def measure_checkpoints(*, lr: float = 0.1, cells: Iterable[tuple[str, str]] | N
                         progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Measure the table (or only ``cells``) on :data:`NPROC` gloo ranks, one launch
     per column. Returns JSON-ready data as :func:`mfsdp.check.matrix.measure_matrix` does."""
-    from mfsdp.check.matrix import _RUN_MANY
     from mfsdp.check.models import build_model, resolve_units
     from mfsdp.check.run import Settings, run_reference
-    from mfsdp.launch import LaunchTimeout, RankError, launch
 
     wall, cpu = time.perf_counter(), _cpu_seconds()
     chosen = list(cells) if cells is not None else checkpoint_combinations()
@@ -152,11 +150,8 @@ def measure_checkpoints(*, lr: float = 0.1, cells: Iterable[tuple[str, str]] | N
                      resume_fn=functools.partial(_importable_round_trip(), fmt=fmt,
                                                  preset=model) if fmt else None)
         layouts = [_layout(*c) for c in combos]
-        launches += 1
-        try:
-            ranks0 = launch(_RUN_MANY, NPROC, args=(s, layouts), timeout=timeout)[0]
-        except (RankError, LaunchTimeout) as exc:
-            ranks0 = [{"error": str(exc).strip().splitlines()[0]}] * len(layouts)
+        ranks0, n = run_layouts(s, layouts, timeout)
+        launches += n
         for combo, layout, got in zip(combos, layouts, ranks0):
             cell = CheckpointCell(*combo, status="fails")
             _judge(cell, layout, references[OPTIMIZER[route]], got)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 from mfsdp.check.layouts import TOLERANCES, Layout
 from mfsdp.check.matrix import (NPROC, STRATEGIES, _cpu_seconds, _judge, print_measured,
-                                render_by_strategy)
+                                render_by_strategy, run_layouts)
 
 __all__ = ["PARALLEL", "MODELS", "ParallelCell", "parallel_combinations", "parallel_layout",
            "measure_parallel", "render_parallel_table"]
@@ -82,10 +82,8 @@ def measure_parallel(*, steps: int = 2, lr: float = 0.1,
     ``models`` replaces :data:`MODELS` (``{"dense": ..., "moe": ...}``). Returns JSON-ready data
     as :func:`mfsdp.check.matrix.measure_matrix` does.
     """
-    from mfsdp.check.matrix import _RUN_MANY
     from mfsdp.check.models import build_model, resolve_units
     from mfsdp.check.run import Settings, run_reference
-    from mfsdp.launch import LaunchTimeout, RankError, launch
 
     wall, cpu = time.perf_counter(), _cpu_seconds()
     chosen = list(cells) if cells is not None else parallel_combinations()
@@ -106,18 +104,8 @@ def measure_parallel(*, steps: int = 2, lr: float = 0.1,
                      seq_len=16, seed=seed, units=[c.__name__ for c in units],
                      optimizer_factory=None, recursive_gather=None, resume_fn=None)
         layouts = [parallel_layout(*c) for c in combos]
-        launches += 1
-        try:
-            ranks0 = launch(_RUN_MANY, NPROC, args=(s, layouts), timeout=timeout)[0]
-        except (RankError, LaunchTimeout):  # one launch per combination: a bad one fails alone
-            ranks0 = []
-            for layout in layouts:
-                launches += 1
-                try:
-                    ranks0.append(launch(_RUN_MANY, NPROC, args=(s, [layout]),
-                                         timeout=min(timeout, 120.0))[0][0])
-                except (RankError, LaunchTimeout) as exc:
-                    ranks0.append({"error": str(exc).strip().splitlines()[0]})
+        ranks0, n = run_layouts(s, layouts, timeout)
+        launches += n
         reference = run_reference(s)
         for combo, layout, got in zip(combos, layouts, ranks0):
             cell = ParallelCell(*combo, status="fails")
