@@ -190,7 +190,16 @@ def _record_recipe_digest(app, exception):
         _RECIPE_DIGEST.write_text(digest + "\n")
 
 
+def _no_type_in_attribute_docstrings(app, what, name, obj, options, lines):
+    """Our attribute docstrings never start with a type (the annotation gives it): keep napoleon
+    from reading the words before a colon on their first line ("MLA: rank of ...") as one."""
+    if what in ("attribute", "data", "property") and lines and ":" in lines[0]:
+        lines.insert(0, "")
+
+
 def setup(app):
+    # before napoleon's own handler (priority 500)
+    app.connect("autodoc-process-docstring", _no_type_in_attribute_docstrings, priority=400)
     app.connect("build-finished", _redirect_root)
     app.connect("config-inited", _recipe_cache)
     app.connect("build-finished", _record_recipe_digest)

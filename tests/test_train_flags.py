@@ -379,3 +379,28 @@ def test_the_parser_is_generated_from_the_config_groups():
     assert config.training.train_iters == 10  # 80 samples / 8 per iteration
     with pytest.raises(SystemExit, match="^--save-interval needs --save DIR$"):
         TrainConfig.from_args(parser.parse_args(["--save-interval", "2"]))
+
+
+def test_a_flag_is_declared_once_its_docstring_is_its_help():
+    """A flag field names neither its flag nor its help: the flag is the field's name with dashes
+    (or the names it gives), the ``--help`` line its docstring, with the default added where the
+    flag takes a value."""
+    from mfsdp.trainer.config import GROUPS, flag_fields
+    from mfsdp.trainer.config.flags import field_docs
+
+    parser = build_parser()
+    by_dest = {}
+    for action in parser._actions:
+        by_dest.setdefault(action.dest, action)
+    for _, kinds in GROUPS:
+        for kind in kinds:
+            docs = field_docs(kind)
+            for f in flag_fields(kind):
+                action = by_dest[f.name]
+                assert f.name in docs, f"{kind.__name__}.{f.name} has no docstring"
+                assert action.help.startswith(docs[f.name]), f.name
+                if not f.metadata["names"]:
+                    assert action.option_strings[0] == "--" + f.name.replace("_", "-")
+    assert by_dest["micro_batch_size"].help.endswith("(default: %(default)s)")
+    assert by_dest["use_megatron_fsdp"].nargs == 0 and "default" not in by_dest[
+        "use_megatron_fsdp"].help  # a bool field is a switch, its help shows no default

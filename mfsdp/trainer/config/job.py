@@ -16,16 +16,11 @@ from mfsdp.trainer.config.flags import flag, from_namespace
 class JobConfig:
     """The job's timeout and error form."""
 
-    distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", default=10.0,
-                                              type=timeout_minutes,
-                                              help="how long a collective waits for the other "
-                                                   "ranks before the job stops (Megatron-LM's "
-                                                   "flag and default: %(default)s); shortly "
-                                                   "before, the rank that waits names the ranks "
-                                                   "that are behind and where they are")
-    debug: bool = flag("--debug", default=False, action="store_true",
-                       help="errors with their full traceback (by default a user error is one "
-                            "line)")
+    distributed_timeout_minutes: float = flag(default=10.0, type=timeout_minutes)
+    """how long a collective waits for the other ranks before the job stops, as in Megatron-LM;
+    shortly before, the rank that waits names the ranks that are behind and where they are"""
+    debug: bool = flag(default=False)
+    """errors with their full traceback (by default a user error is one line)"""
 
     def __post_init__(self) -> None:
         if self.distributed_timeout_minutes <= 0:  # (the parser's type refuses it first)
@@ -36,60 +31,42 @@ class JobConfig:
 class CheckpointConfig:
     """Saving, loading, stopping, and the checkpoint's schedule and format."""
 
-    save: str | None = flag("--save",
-                            help="checkpoint directory to write")
-    load: str | None = flag("--load",
-                            help="checkpoint directory to resume from (latest); a new or empty "
-                                 "directory starts from iteration 0, anything else that is not a "
-                                 "checkpoint is refused")
-    exit_on_missing_checkpoint: bool = flag("--exit-on-missing-checkpoint", default=False,
-                                            action="store_true",
-                                            help="--load of a new or empty directory stops "
-                                                 "instead of starting from iteration 0 "
-                                                 "(Megatron-LM's flag)")
-    exit_signal_handler: bool = flag("--exit-signal-handler", default=False, action="store_true",
-                                     help="on SIGTERM (Slurm's --signal before the time limit): "
-                                          "save and exit 0")
-    exit_duration_in_mins: float | None = flag("--exit-duration-in-mins", type=positive_float,
-                                               help="save and exit once the run has lasted this "
-                                                    "many minutes")
-    exit_interval: int | None = flag("--exit-interval", type=positive_int,
-                                     help="stop (after saving, with --save) when the iteration "
-                                          "is a multiple of N")
-    save_interval: int | None = flag("--save-interval", type=positive_int,
-                                     help="save every N iterations (and at the end)")
+    save: str | None = flag()
+    """checkpoint directory to write"""
+    load: str | None = flag()
+    """checkpoint directory to resume from (latest); a new or empty directory starts from iteration
+    0, anything else that is not a checkpoint is refused"""
+    exit_on_missing_checkpoint: bool = flag(default=False)
+    """--load of a new or empty directory stops instead of starting from iteration 0 (Megatron-LM's
+    flag)"""
+    exit_signal_handler: bool = flag(default=False)
+    """on SIGTERM (Slurm's --signal before the time limit): save and exit 0"""
+    exit_duration_in_mins: float | None = flag(type=positive_float)
+    """save and exit once the run has lasted this many minutes"""
+    exit_interval: int | None = flag(type=positive_int)
+    """stop (after saving, with --save) when the iteration is a multiple of N"""
+    save_interval: int | None = flag(type=positive_int)
+    """save every N iterations (and at the end)"""
     override_opt_param_scheduler: bool = flag("--override-opt_param-scheduler",
-                                              "--override-opt-param-scheduler", default=False,
-                                              action="store_true",
-                                              help="--load: use this command's learning-rate "
-                                                   "schedule, not the checkpoint's")
+                                              "--override-opt-param-scheduler", default=False)
+    """--load: use this command's learning-rate schedule, not the checkpoint's"""
     use_checkpoint_opt_param_scheduler: bool = flag("--use-checkpoint-opt_param-scheduler",
                                                     "--use-checkpoint-opt-param-scheduler",
-                                                    default=False, action="store_true",
-                                                    help="--load: continue the checkpoint's "
-                                                         "learning-rate schedule (--lr, "
-                                                         "--min-lr, warm-up, decay iterations "
-                                                         "and style)")
-    ckpt_verify: bool = flag("--no-ckpt-verify", default=True, action="store_false",
-                             help="--load: skip checking every file of an mfsdp checkpoint "
-                                  "against the SHA-256 sums its manifest records (the check "
-                                  "reads the checkpoint once more)")
-    ckpt_format: str = flag("--ckpt-format", default="fsdp_dtensor",
-                            choices=("fsdp_dtensor", "torch_dist", "mfsdp_full"),
-                            help="format of --save: mfsdp's sharded fsdp_dtensor, Megatron-LM's "
-                                 "torch_dist (a root with latest_checkpointed_iteration.txt that "
-                                 "Megatron-LM loads), or mfsdp's full-tensor mfsdp_full; --load "
-                                 "reads each (default: %(default)s)")
-    dump_param_to_param_group_map: str | None = flag("--dump-param-to-param-group-map",
-                                                     metavar="DIR",
-                                                     help="write the parameter -> optimizer "
-                                                          "group map (as upstream: a "
-                                                          "torch.distributed.checkpoint "
-                                                          "directory, with the JSON that mfsdp "
-                                                          "convert "
-                                                          "--param-to-param-group-map-json reads "
-                                                          "inside; a path ending in .json: that "
-                                                          "file alone) and go on training")
+                                                    default=False)
+    """--load: continue the checkpoint's learning-rate schedule (--lr, --min-lr, warm-up, decay
+    iterations and style)"""
+    ckpt_verify: bool = flag("--no-ckpt-verify", default=True, action="store_false")
+    """--load: skip checking every file of an mfsdp checkpoint against the SHA-256 sums its manifest
+    records (the check reads the checkpoint once more)"""
+    ckpt_format: str = flag(default="fsdp_dtensor",
+                            choices=("fsdp_dtensor", "torch_dist", "mfsdp_full"))
+    """format of --save: mfsdp's sharded fsdp_dtensor, Megatron-LM's torch_dist (a root with
+    latest_checkpointed_iteration.txt that Megatron-LM loads), or mfsdp's full-tensor mfsdp_full;
+    --load reads each"""
+    dump_param_to_param_group_map: str | None = flag(metavar="DIR")
+    """write the parameter -> optimizer group map (as upstream: a torch.distributed.checkpoint
+    directory, with the JSON that mfsdp convert --param-to-param-group-map-json reads inside; a
+    path ending in .json: that file alone) and go on training"""
 
     def __post_init__(self) -> None:
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
@@ -126,30 +103,26 @@ class LoggingConfig:
     """What rank 0 reports, and where (``--log-*``, ``--tensorboard-dir``, ``--wandb-*``):
     :class:`~mfsdp.trainer.metrics.MetricSinks` and the Trainer's reporting take it."""
 
-    log_interval: int = flag("--log-interval", default=100, type=positive_int,
-                             help="print every N iterations and the last (default: %(default)s)")
-    log_jsonl: str | None = flag("--log-jsonl", metavar="PATH",
-                                 help="one JSON object per iteration (rank 0)")
-    tensorboard_dir: str | None = flag("--tensorboard-dir", metavar="DIR",
-                                       help="TensorBoard event files (needs the tensorboard "
-                                            "package)")
-    log_throughput: bool = flag("--log-throughput", default=False, action="store_true",
-                                help="add TFLOP/s per rank (model FLOPs estimate) and peak "
-                                     "memory to the log")
-    wandb_project: str | None = flag("--wandb-project", metavar="NAME",
-                                     help="log the same scalars as TensorBoard to this Weights & "
-                                          "Biases project (rank 0; needs --wandb-exp-name and "
-                                          "the wandb package; WANDB_MODE=offline keeps the run "
-                                          "local)")
-    wandb_exp_name: str | None = flag("--wandb-exp-name", metavar="NAME",
-                                      help="the run's name in W&B")
-    wandb_save_dir: str | None = flag("--wandb-save-dir", metavar="DIR",
-                                      help="W&B's local files (default: --save/wandb)")
-    wandb_entity: str | None = flag("--wandb-entity", metavar="NAME",
-                                    help="the W&B team or user (default: the API key's)")
+    log_interval: int = flag(default=100, type=positive_int)
+    """print every N iterations and the last"""
+    log_jsonl: str | None = flag(metavar="PATH")
+    """one JSON object per iteration (rank 0)"""
+    tensorboard_dir: str | None = flag(metavar="DIR")
+    """TensorBoard event files (needs the tensorboard package)"""
+    log_throughput: bool = flag(default=False)
+    """add TFLOP/s per rank (model FLOPs estimate) and peak memory to the log"""
+    wandb_project: str | None = flag(metavar="NAME")
+    """log the same scalars as TensorBoard to this Weights & Biases project (rank 0; needs
+    --wandb-exp-name and the wandb package; WANDB_MODE=offline keeps the run local)"""
+    wandb_exp_name: str | None = flag(metavar="NAME")
+    """the run's name in W&B"""
+    wandb_save_dir: str | None = flag(metavar="DIR")
+    """W&B's local files (default: --save/wandb)"""
+    wandb_entity: str | None = flag(metavar="NAME")
+    """the W&B team or user (default: the API key's)"""
     wandb_dir: str = ""
-    """The directory for W&B's local files (``--wandb-save-dir``, else ``--save``/wandb),
-    needed with :attr:`wandb_project`; set by :meth:`from_args`."""
+    """The directory for W&B's local files (``--wandb-save-dir``, else ``--save``/wandb), needed
+    with :attr:`wandb_project`; set by :meth:`from_args`."""
 
     run_config: dict = field(default_factory=dict)
     """Every argument of the run, recorded as the W&B run's config (as Megatron-LM does)."""
@@ -177,32 +150,23 @@ class ProfilingConfig:
     """Profiler traces and CUDA memory history (checked with the device and
     ``--tensorboard-dir`` by ``mfsdp.trainer.profiling.check_profile_args``)."""
 
-    profile: bool = flag("--profile", default=False, action="store_true",
-                         help="profile iterations --profile-step-start to --profile-step-end (an "
-                              "nsys capture range on GPUs; a torch.profiler trace with "
-                              "--use-pytorch-profiler)")
-    use_pytorch_profiler: bool = flag("--use-pytorch-profiler", default=False, action="store_true",
-                                      help="--profile writes a torch.profiler trace into "
-                                           "--tensorboard-dir/profile")
-    profile_step_start: int = flag("--profile-step-start", default=10, type=int,
-                                   help="first profiled iteration (default: %(default)s)")
-    profile_step_end: int = flag("--profile-step-end", default=12, type=int,
-                                 help="profiling stops before this iteration (default: "
-                                      "%(default)s)")
-    profile_ranks: list[int] = flag("--profile-ranks", default_factory=lambda: [0], type=int,
-                                    nargs='+',
-                                    help="the ranks that profile (default: 0)")
-    pytorch_profiler_collect_shapes: bool = flag("--pytorch-profiler-collect-shapes", default=False,
-                                                 action="store_true",
-                                                 help="record operator input shapes in the trace")
-    pytorch_profiler_collect_callstack: bool = flag("--pytorch-profiler-collect-callstack",
-                                                    default=False, action="store_true",
-                                                    help="record Python call stacks in the trace")
-    record_memory_history: bool = flag("--record-memory-history", default=False,
-                                       action="store_true",
-                                       help="record the CUDA caching allocator's history and "
-                                            "dump it to --memory-snapshot-path after each logged "
-                                            "iteration (GPU only)")
-    memory_snapshot_path: str = flag("--memory-snapshot-path", default="snapshot.pickle",
-                                     help="where --record-memory-history writes (default: "
-                                          "%(default)s)")
+    profile: bool = flag(default=False)
+    """profile iterations --profile-step-start to --profile-step-end (an nsys capture range on GPUs;
+    a torch.profiler trace with --use-pytorch-profiler)"""
+    use_pytorch_profiler: bool = flag(default=False)
+    """--profile writes a torch.profiler trace into --tensorboard-dir/profile"""
+    profile_step_start: int = flag(default=10, type=int)
+    """first profiled iteration"""
+    profile_step_end: int = flag(default=12, type=int)
+    """profiling stops before this iteration"""
+    profile_ranks: list[int] = flag(default_factory=lambda: [0], type=int, nargs='+')
+    """the ranks that profile (default: 0)"""
+    pytorch_profiler_collect_shapes: bool = flag(default=False)
+    """record operator input shapes in the trace"""
+    pytorch_profiler_collect_callstack: bool = flag(default=False)
+    """record Python call stacks in the trace"""
+    record_memory_history: bool = flag(default=False)
+    """record the CUDA caching allocator's history and dump it to --memory-snapshot-path after each
+    logged iteration (GPU only)"""
+    memory_snapshot_path: str = flag(default="snapshot.pickle")
+    """where --record-memory-history writes"""
