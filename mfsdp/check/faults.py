@@ -27,36 +27,18 @@ __all__ = ["TinyLM", "tiny", "grad_scaled_on_one_rank", "loss_averaged_twice",
 VOCAB, DIM, HIDDEN, BLOCKS, EXPERTS = 64, 32, 64, 2, 4
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; multiplies the gradient by ``factor`` on the way back."""
-
-    @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
+def _map_grad(x: torch.Tensor, fn) -> torch.Tensor:
+    """``x`` forward; its gradient passes through ``fn`` on the way back."""
+    y = x.view_as(x)
+    if y.requires_grad:
+        y.register_hook(fn)
+    return y
 
 
 def _rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-class _OffsetGrad(torch.autograd.Function):
-    """Identity forward; adds ``offset`` to every element of the gradient on the way back."""
-
-    @staticmethod
-    def forward(ctx, x, offset):
-        ctx.offset = offset
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad + ctx.offset, None
 
 
 class Block(nn.Module):
@@ -74,11 +56,13 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w1 = self.fc1.weight
         if self.grad_offset is not None:
-            w1 = _OffsetGrad.apply(w1, self.grad_offset())
+            offset = self.grad_offset()
+            w1 = _map_grad(w1, lambda g: g + offset)
         h = F.gelu(F.linear(self.norm(x), w1, self.fc1.bias))
         w = self.fc2.weight
         if self.grad_factor is not None:
-            w = _ScaleGrad.apply(w, self.grad_factor())
+            factor = self.grad_factor()
+            w = _map_grad(w, lambda g: g * factor)
         return x + F.linear(h, w, self.fc2.bias)
 
 
@@ -99,7 +83,8 @@ class TinyLM(nn.Module):
             x = block(x)
         logits = self.head(self.norm(x))
         if self.logit_grad_factor is not None:
-            logits = _ScaleGrad.apply(logits, self.logit_grad_factor())
+            factor = self.logit_grad_factor()
+            logits = _map_grad(logits, lambda g: g * factor)
         return logits
 
 

@@ -34,22 +34,22 @@ _CHECKPOINT_NAMES = WeakIdKeyDictionary()
 _changes = 0
 
 
-def register_parameters(model: nn.Module, params) -> None:
-    """Record ``params`` as the parameters of the sharded ``model``."""
+def _record(table: WeakIdKeyDictionary, model: nn.Module, params) -> None:
     global _changes
     ref = weakref.ref(model)
     for p in params:
-        _MODEL_OF[p] = ref
+        table[p] = ref
     _changes += 1
+
+
+def register_parameters(model: nn.Module, params) -> None:
+    """Record ``params`` as the parameters of the sharded ``model``."""
+    _record(_MODEL_OF, model, params)
 
 
 def register_taken_over(model: nn.Module, params) -> None:
     """Record ``params`` (a module's parameters from before sharding) as taken over by ``model``."""
-    global _changes
-    ref = weakref.ref(model)
-    for p in params:
-        _TAKEN_OVER[p] = ref
-    _changes += 1
+    _record(_TAKEN_OVER, model, params)
 
 
 def model_of(p: torch.Tensor) -> nn.Module | None:

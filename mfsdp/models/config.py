@@ -149,53 +149,48 @@ class GPTConfig:
 
 _LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
               add_bias_linear=False, init_method_std=0.02)
+# Llama 3's RoPE: base 500,000 with its frequency scaling
+_LLAMA3 = dict(rotary_base=500000.0, rope_scaling_factor=8.0, **_LLAMA)
+# DeepSeek-V3's attention and router: multi-head latent attention with interleaved rotary
+# channels, a sigmoid router with the score-correction bias and the routed scaling factor
+_DEEPSEEK = dict(norm_epsilon=1e-6, rotary_interleaved=True, multi_latent_attention=True,
+                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                 moe_router_topk_scaling_factor=2.5, **_LLAMA)
 
 GPT_PRESETS = {
     # GPT-2-like: LayerNorm with bias, learned positions, multi-head attention, GELU.
     "gpt-tiny": GPTConfig(),
     # Llama 3 in miniature (the same code as llama3-8b, at a CPU size).
     "llama-tiny": GPTConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
-                            num_query_groups=2, rotary_base=500000.0, rope_scaling_factor=8.0,
-                            **_LLAMA),
+                            num_query_groups=2, **_LLAMA3),
     "llama3-8b": GPTConfig(vocab_size=128256, max_position_embeddings=8192, num_layers=32,
                            hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
-                           num_query_groups=8, rotary_base=500000.0, rope_scaling_factor=8.0,
-                           **_LLAMA),
+                           num_query_groups=8, **_LLAMA3),
     "llama3-70b": GPTConfig(vocab_size=128256, max_position_embeddings=8192, num_layers=80,
                             hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
-                            num_query_groups=8, rotary_base=500000.0, rope_scaling_factor=8.0,
-                            **_LLAMA),
+                            num_query_groups=8, **_LLAMA3),
     "llama3.1-405b": GPTConfig(vocab_size=128256, max_position_embeddings=8192, num_layers=126,
                                hidden_size=16384, ffn_hidden_size=53248, num_attention_heads=128,
-                               num_query_groups=8, rotary_base=500000.0, rope_scaling_factor=8.0,
-                               **_LLAMA),
+                               num_query_groups=8, **_LLAMA3),
     # DeepSeek-V3 in miniature: multi-head latent attention, a dense first layer, then MoE layers
     # with a shared expert and routed experts behind a sigmoid router with group-limited top-k, the
     # score-correction bias and the routed scaling factor.
     "deepseek-proxy": GPTConfig(num_layers=3, hidden_size=64, ffn_hidden_size=128,
-                                num_attention_heads=4, norm_epsilon=1e-6, rotary_interleaved=True,
-                                multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
+                                num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16,
                                 qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
                                 num_experts=8, moe_first_dense_layers=1, moe_ffn_hidden_size=32,
-                                moe_router_topk=2, moe_router_score_function="sigmoid",
-                                moe_router_num_groups=4, moe_router_group_topk=2,
-                                moe_router_enable_expert_bias=True,
-                                moe_router_topk_scaling_factor=2.5,
-                                moe_shared_expert_intermediate_size=32, moe_aux_loss_coeff=1e-3,
-                                **_LLAMA),
+                                moe_router_topk=2, moe_router_num_groups=4,
+                                moe_router_group_topk=2, moe_shared_expert_intermediate_size=32,
+                                moe_aux_loss_coeff=1e-3, **_DEEPSEEK),
     # DeepSeek-V3 (671B) at full size, for the planner and the sbatch preset. Its released
     # checkpoint also uses YaRN rotary scaling, which mfsdp does not implement yet.
     "deepseek-v3": GPTConfig(vocab_size=129280, max_position_embeddings=4096, num_layers=61,
                              hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
-                             norm_epsilon=1e-6, rotary_interleaved=True,
-                             multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512,
-                             qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
-                             num_experts=256, moe_first_dense_layers=3, moe_ffn_hidden_size=2048,
-                             moe_router_topk=8, moe_router_score_function="sigmoid",
-                             moe_router_num_groups=8, moe_router_group_topk=4,
-                             moe_router_enable_expert_bias=True,
-                             moe_router_topk_scaling_factor=2.5,
-                             moe_shared_expert_intermediate_size=2048, **_LLAMA),
+                             q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+                             qk_pos_emb_head_dim=64, v_head_dim=128, num_experts=256,
+                             moe_first_dense_layers=3, moe_ffn_hidden_size=2048,
+                             moe_router_topk=8, moe_router_num_groups=8, moe_router_group_topk=4,
+                             moe_shared_expert_intermediate_size=2048, **_DEEPSEEK),
 }
 
 

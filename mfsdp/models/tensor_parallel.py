@@ -165,21 +165,19 @@ def tp_plan(model, sequence_parallel: bool = False, vocab_parallel_loss: bool = 
     return plan
 
 
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over the TP group (Megatron-LM's "copy
-    to the tensor-parallel region"): for a whole tensor every TP rank uses with only its own
-    heads, whose gradient each rank therefore holds a part of."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
+def _sum_grad_over_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` forward; the backward sums its gradient over the TP group (Megatron-LM's "copy to
+    the tensor-parallel region"): for a whole tensor every TP rank uses with only its own heads,
+    whose gradient each rank therefore holds a part of."""
+    def summed(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    y = x.view_as(x)
+    if y.requires_grad:
+        y.register_hook(summed)
+    return y
 
 
 def _shared_rope_key_hook(kv_lora_rank: int, group):
@@ -188,7 +186,7 @@ def _shared_rope_key_hook(kv_lora_rank: int, group):
 
     def hook(module, args, out):
         latent, k_rot = out.split([kv_lora_rank, out.shape[-1] - kv_lora_rank], dim=-1)
-        return torch.cat([latent, _SumGradOverTP.apply(k_rot, group)], dim=-1)
+        return torch.cat([latent, _sum_grad_over_tp(k_rot, group)], dim=-1)
 
     return hook
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mfsdp.models.toy import Block
+from mfsdp.moe.dispatcher import local_experts
 
 __all__ = ["Expert", "MoEBlock", "ToyMoE", "keep_local_experts"]
 
@@ -107,14 +108,11 @@ def keep_local_experts(model: nn.Module, ep_group: dist.ProcessGroup | None) -> 
 
     Call it on a model built identically on every rank (same seed), before sharding it.
     """
-    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
-    rank = dist.get_rank(ep_group) if ep_group is not None else 0
     names: dict[str, str] = {}
     for path, m in model.named_modules():
         if not isinstance(m, MoEBlock):
             continue
-        per_rank = m.num_experts // ep
-        keep = list(range(rank * per_rank, (rank + 1) * per_rank))
+        keep = local_experts(m.num_experts, ep_group, where=f"{path}: ")
         m.experts = nn.ModuleList(m.experts[j] for j in keep)
         m.ep_group = ep_group
         for local, j in enumerate(keep):

@@ -43,26 +43,21 @@ def _reduce_scatter_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     return out[:sizes[rank]]
 
 
-class _AllGatherV(torch.autograd.Function):
+# each uneven collective and its transpose, the collective of its backward
+_TRANSPOSE = {_all_gather_v: _reduce_scatter_v, _reduce_scatter_v: _all_gather_v}
+
+
+class _UnevenCollective(torch.autograd.Function):
+    """``op`` (an uneven all-gather or reduce-scatter) forward, its transpose backward."""
+
     @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _all_gather_v(x, sizes, group)
+    def forward(ctx, x, sizes, group, op):
+        ctx.sizes, ctx.group, ctx.op = sizes, group, op
+        return op(x, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_v(grad.contiguous(), ctx.sizes, ctx.group), None, None
-
-
-class _ReduceScatterV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _reduce_scatter_v(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_v(grad.contiguous(), ctx.sizes, ctx.group), None, None
+        return _TRANSPOSE[ctx.op](grad.contiguous(), ctx.sizes, ctx.group), None, None, None
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -83,12 +78,12 @@ class _AllToAllV(torch.autograd.Function):
 
 def all_gather_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """Concatenate every rank's ``x`` (rank ``r`` holds ``sizes[r]`` rows); differentiable."""
-    return _AllGatherV.apply(x, sizes, group)
+    return _UnevenCollective.apply(x, sizes, group, _all_gather_v)
 
 
 def reduce_scatter_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's ``sizes[rank]`` rows; differentiable."""
-    return _ReduceScatterV.apply(x, sizes, group)
+    return _UnevenCollective.apply(x, sizes, group, _reduce_scatter_v)
 
 
 def all_to_all_v(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:

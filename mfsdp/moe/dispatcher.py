@@ -44,6 +44,19 @@ PAD_MULTIPLE = 64
 Experts = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 
+def local_experts(num_experts: int, ep_group: dist.ProcessGroup | None,
+                  where: str = "") -> range:
+    """The experts (global indices) this rank owns when ``ep_group`` splits ``num_experts``
+    (all of them without a group); refuses a count the EP size does not divide."""
+    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+    rank = dist.get_rank(ep_group) if ep_group is not None else 0
+    if num_experts % ep:
+        raise ValueError(f"{where}num_experts={num_experts} is not divisible by the EP size {ep} "
+                         "(expert_model_parallel_size)")
+    per_rank = num_experts // ep
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
 class TokenDispatcher:
     """The staged interface shared by every dispatcher.
 
@@ -63,18 +76,18 @@ class TokenDispatcher:
         self.ep_group = ep_group
         self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
         self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
-        if num_experts % self.ep:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the EP size {self.ep}")
-        self.num_local_experts = num_experts // self.ep
-        self.local_slice = slice(self.ep_rank * self.num_local_experts,
-                                 (self.ep_rank + 1) * self.num_local_experts)
+        mine = local_experts(num_experts, ep_group)
+        self.num_local_experts = len(mine)
+        self.local_slice = slice(mine.start, mine.stop)
         self.bytes_sent = {"dispatch": 0, "combine": 0}
         self.tokens_per_expert: list[int] = []
 
     # The seven stages. Subclasses keep what later stages need on ``self``.
     def dispatch_preprocess(self, hidden, probs, routing_map):
-        """Local work before communication (permutation, counting)."""
-        raise NotImplementedError
+        """Local work before communication (permutation, counting). By default none: keep the
+        local token count and pass the inputs on."""
+        self.num_tokens = hidden.shape[0]
+        return hidden, probs, routing_map
 
     def token_dispatch(self, state):
         """Send tokens to their experts' ranks."""
@@ -120,10 +133,6 @@ class AllGatherDispatcher(TokenDispatcher):
     """Gather every token of the EP group on every rank; reduce-scatter the results."""
 
     name = "allgather"
-
-    def dispatch_preprocess(self, hidden, probs, routing_map):
-        self.num_tokens = hidden.shape[0]
-        return hidden, probs, routing_map
 
     def token_dispatch(self, state):
         hidden, probs, routing_map = state
@@ -230,10 +239,6 @@ class TorchFlexDispatcher(TokenDispatcher):
     """
 
     name = "flex/torch"
-
-    def dispatch_preprocess(self, hidden, probs, routing_map):
-        self.num_tokens = hidden.shape[0]
-        return hidden, probs, routing_map
 
     def token_dispatch(self, state):
         hidden, probs, routing_map = state

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mfsdp.fsdp.registry import declare_checkpoint_names
-from mfsdp.moe.dispatcher import make_dispatcher
+from mfsdp.moe.dispatcher import local_experts, make_dispatcher
 from mfsdp.moe.experts import ExpertMLP, FusedExperts, SequentialExperts
 from mfsdp.moe.router import TopKRouter
 
@@ -86,21 +86,15 @@ def shard_experts(model: nn.Module, ep_group: dist.ProcessGroup | None) -> dict[
     and :func:`mfsdp.fully_shard` applies it to checkpoints (no need to call
     ``set_global_names``; see :func:`mfsdp.fsdp.registry.declare_checkpoint_names`).
     """
-    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
-    rank = dist.get_rank(ep_group) if ep_group is not None else 0
     names: dict[str, str] = {}
     for path, m in model.named_modules():
         if not isinstance(m, MoELayer):
             continue
-        if m.num_experts % ep:
-            raise ValueError(f"{path}: num_experts={m.num_experts} is not divisible by "
-                             f"expert_model_parallel_size={ep}")
-        per = m.num_experts // ep
-        keep = range(rank * per, (rank + 1) * per)
+        keep = local_experts(m.num_experts, ep_group, where=f"{path}: ")
         if isinstance(m.experts, FusedExperts):
             with torch.no_grad():
                 for child in (m.experts.linear_fc1, m.experts.linear_fc2):
-                    child.weight = nn.Parameter(child.weight[rank * per:(rank + 1) * per].clone())
+                    child.weight = nn.Parameter(child.weight[keep.start:keep.stop].clone())
         else:
             m.experts.local_experts = nn.ModuleList(m.experts.local_experts[j] for j in keep)
             for local, j in enumerate(keep):
