@@ -47,8 +47,8 @@ report = mfsdp.check(str(work / "tiny-llama"), nproc=2, steps=3,
 print(report.table())
 
 # %%
-# The FSDP units are the model's repeated blocks, found as the class of its largest
-# ``nn.ModuleList`` (``--units`` chooses others).
+# The FSDP units are the model's repeated blocks, found as the class of the modules in the
+# ``nn.ModuleList`` that holds most of its parameters (``--units`` chooses others).
 print("units:", report.units, "| passed:", report.passed)
 assert report.passed and report.units == ["LlamaDecoderLayer"]
 

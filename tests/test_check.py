@@ -51,11 +51,16 @@ def test_layouts_that_need_more_ranks_are_skipped_by_default_and_refused_by_name
     assert {layout.tolerance for layout in LAYOUTS.values()} <= set(TOLERANCES)
 
 
-def test_default_units_are_the_class_of_the_largest_module_list():
+def test_default_units_are_the_layers_the_module_list_with_most_parameters():
     from mfsdp.check import faults
+    from mfsdp.check.models import build_model
 
     assert default_unit_classes(faults.tiny()) == [faults.Block]
-    assert default_unit_classes(faults.fused_experts()) == [faults.Expert]  # 4 experts > 2 blocks
+    # the blocks hold the experts: the heaviest list wins over the longer one (4 experts > 2 blocks)
+    assert default_unit_classes(faults.fused_experts()) == [faults.FusedMoE]
+    # a MoE preset: 3 layers, each with a list of 8 experts; the trainer's units are the layers
+    assert [c.__name__ for c in default_unit_classes(build_model("deepseek-proxy"))] == [
+        "TransformerLayer"]
 
 
 def test_a_healthy_model_passes_and_the_json_has_every_field(tmp_path):
@@ -114,7 +119,7 @@ def test_a_parameter_left_out_of_the_optimizer_is_named():
 @pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_a_fused_parent_bypassing_its_units_is_named():
     broken = mfsdp.check(f"{FAULTS}:fused_experts", steps=2, layouts=["optim_grads_params"],
-                         **_quiet())
+                         units=["Expert"], **_quiet())
     (r,) = broken.layouts
     assert not r.passed and r.error is not None and not r.steps
     assert "step 1 (forward/backward)" in r.error
@@ -125,7 +130,7 @@ def test_a_fused_parent_bypassing_its_units_is_named():
 @pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_recursive_gather_fixes_the_fused_parent():
     fixed = mfsdp.check(f"{FAULTS}:fused_experts", steps=2, layouts=["optim_grads_params"],
-                        recursive_gather=["FusedMoE"], **_quiet())
+                        units=["Expert"], recursive_gather=["FusedMoE"], **_quiet())
     assert fixed.passed, fixed.table()
 
 

@@ -50,7 +50,8 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
         layouts: names from ``mfsdp.check.LAYOUTS`` (default: all that fit ``nproc``). A TP,
             CP or EP layout the model does not allow (not mfsdp's GPT, a dense model for
             ``ep``, a size that does not divide) is skipped, with its reason in the report.
-        units: FSDP unit class names (default: the class in the model's largest ``ModuleList``).
+        units: FSDP unit class names (default: the class of the modules in the ``ModuleList``
+            that holds most of the parameters: the layers).
         optimizer_factory: ``fn(module, lr) -> torch.optim.Optimizer`` (or its
             ``"package.module:fn"``), the optimizer your script builds; called on the module
             before ``mfsdp.fully_shard``, in every layout. The reference always trains every

@@ -38,7 +38,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              f"{', '.join(LAYOUTS)}")
     parser.add_argument("--units", nargs="+", metavar="CLASS", default=None,
                         help="FSDP unit classes (default: the class of the modules in the "
-                             "model's largest nn.ModuleList)")
+                             "nn.ModuleList that holds most of the parameters: the layers)")
     parser.add_argument("--recursive-gather", nargs="+", metavar="CLASS", default=None,
                         help="classes whose forward bypasses their children's "
                              "(recursive_gather_modules)")

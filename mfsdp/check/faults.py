@@ -8,7 +8,7 @@ run the doctor on them and show that it names the layout, the parameter and the 
     mfsdp check mfsdp.check.faults:grad_scaled_on_one_rank                # exit 1
     mfsdp check mfsdp.check.faults:loss_averaged_twice
     mfsdp check mfsdp.check.faults:tiny --optimizer-factory mfsdp.check.faults:optimizer_without_final_norm
-    mfsdp check mfsdp.check.faults:fused_experts --layouts optim_grads_params
+    mfsdp check mfsdp.check.faults:fused_experts --units Expert --layouts optim_grads_params
     mfsdp check mfsdp.check.faults:tiny --optimizer adamw --resume-fn mfsdp.check.faults:load_weights_only
     mfsdp check mfsdp.check.faults:cancelling_gradients --layouts optim_grads_params bf16_comm
 """
@@ -164,8 +164,8 @@ class FusedMoE(nn.Module):
 
 
 def fused_experts() -> TinyLM:
-    """Two :class:`FusedMoE` blocks: the largest ``ModuleList`` holds experts, so the experts are
-    the FSDP units, and the fused parent bypasses their ``forward``. Passes with
+    """Two :class:`FusedMoE` blocks. With the experts as FSDP units (``--units Expert``), the
+    fused parent bypasses their ``forward``. Passes with
     ``--recursive-gather FusedMoE`` (docs/fused-experts.md)."""
     return TinyLM([FusedMoE() for _ in range(BLOCKS)])
 

@@ -110,13 +110,15 @@ def vocab_size(model: nn.Module) -> int:
 
 
 def default_unit_classes(model: nn.Module) -> list[type]:
-    """The model's repeated block class: the class of the modules in its largest
-    ``nn.ModuleList`` (none: no units, everything in the root unit)."""
+    """The model's repeated block class: the class of the modules in the ``nn.ModuleList`` that
+    holds most of its parameters (none: no units, everything in the root unit). That is the
+    transformer layers, as the trainer and Megatron-LM choose, even in a MoE model whose layers
+    each hold a longer list of experts."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         return []
-    largest = max(lists, key=len)
-    return sorted({type(m) for m in largest}, key=lambda c: c.__name__)
+    heaviest = max(lists, key=lambda m: (sum(p.numel() for p in m.parameters()), len(m)))
+    return sorted({type(m) for m in heaviest}, key=lambda c: c.__name__)
 
 
 def resolve_units(model: nn.Module, names: list[str] | None) -> list[type]:
