@@ -194,7 +194,7 @@ def _no_type_in_attribute_docstrings(app, what, name, obj, options, lines):
     """Our attribute docstrings never start with a type (the annotation gives it): keep napoleon
     from reading the words before a colon on their first line ("MLA: rank of ...") as one."""
     if what in ("attribute", "data", "property") and lines and ":" in lines[0]:
-        lines.insert(0, "")
+        lines[0] = ": " + lines[0]  # napoleon reads an empty type before the first colon
 
 
 def setup(app):

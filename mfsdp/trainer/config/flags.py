@@ -38,6 +38,10 @@ def flag(*names: str, default: Any = None, default_factory=None,
     argparse's ``add_argument`` keywords in ``argparse_kw`` (``choices`` may be a function, called
     when the parser is built); ``also``: a second spelling with its own keywords writing the same
     field (an "off" switch)."""
+    for key in ("help", "doc"):
+        if key in argparse_kw:
+            raise TypeError(f"flag() takes no {key}=: write the help as the field's docstring, "
+                            "on the line under the field")
     meta = {"names": names, "kw": argparse_kw, "also": also}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
