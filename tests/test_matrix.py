@@ -130,10 +130,6 @@ def _agree(cells: dict[tuple[str, str, str], str]) -> None:
                     matrix[combo]["worst_param_error"], rel=1e-3), combo
 
 
-def test_the_hfsdp_cell_agrees_with_plain_mfsdp_check():
-    _agree({("optim_grads_params", "HFSDP", "fp32"): "hfsdp"})
-
-
 @pytest.mark.extended  # three layouts at 4 ranks, twice: about 50 s on a busy 2-core machine
 def test_measured_cells_agree_with_plain_mfsdp_check():
     _agree(AGREE)

@@ -478,8 +478,8 @@ def test_conversion_streams_a_1gib_checkpoint(tmp_path):
         assert r[key] < 2 * r["largest_tensor_bytes"], (key, r)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.extended)])
+@pytest.mark.extended  # `make test`'s budget (22 s a family); CI runs it
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_imported_transformers_model_trains_under_tensor_parallelism(family, tmp_path):
     """#29: a ``transformers`` model imported with ``mfsdp convert --from hf`` trains under TP 2
     (with sequence parallelism, 4 ranks: TP 2 x DP 2) with the loss curve it has on 4

@@ -406,7 +406,7 @@ def compiled(strategy: str, backend: str, tp: bool) -> float:
     return _error(model.full_parameters(), _reference("sgd", 3))
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # `make test`'s budget (17 s); CI runs it
 @pytest.mark.parametrize("strategy", ["optim_grads_params"])
 def test_wrapped_model_under_torch_compile(strategy):
     err = launch(compiled, 2, args=(strategy, "aot_eager", False), timeout=600)[0]

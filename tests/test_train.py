@@ -147,6 +147,7 @@ def test_vocabulary_is_padded_for_tensor_parallelism_as_megatron_lm_pads(tmp_pat
         _losses(1, tuple(SHORT + ["--vocab-size", "256"])), rel=1e-5)
 
 
+@pytest.mark.extended  # `make test`'s budget (22 s); CI runs it
 def test_resume_at_another_tensor_parallel_size(tmp_path):
     """Saved at TP 2 x DP 2, resumed at TP 1 x DP 4: the straight run's losses."""
     ckpt = str(tmp_path / "ckpt")
