@@ -235,9 +235,10 @@ _PIECES = WeakIdKeyDictionary()
 
 
 def piece_origin(piece: torch.Tensor) -> tuple[int, tuple | None] | None:
-    """Where ``piece`` (the local tensor of a DTensor made by :func:`~mfsdp.fsdp.dtensor.attach_uneven`) starts in its
-    parameter, and the TP segments of its block (``None`` without TP); ``None`` for a tensor
-    :func:`~mfsdp.fsdp.dtensor.attach_uneven` did not make (a DTensor of ``torch.chunk``'s split, say)."""
+    """Where ``piece`` (the local tensor of a DTensor made by
+    :func:`~mfsdp.fsdp.dtensor.attach_uneven`) starts in its parameter, and the TP segments of its
+    block (``None`` without TP); ``None`` for a tensor :func:`~mfsdp.fsdp.dtensor.attach_uneven`
+    did not make (a DTensor of ``torch.chunk``'s split, say)."""
     return _PIECES.get(piece)
 
 

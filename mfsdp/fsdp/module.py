@@ -157,8 +157,8 @@ class FullyShardedModule(nn.Module):
 
     @property
     def world_mesh(self) -> DeviceMesh:
-        """The mesh that checkpoint DTensors name their ranks by (one dimension over every rank,
-        on this model's device type) (each carries its own chunk metadata, see
+        """The mesh that checkpoint DTensors name their ranks by, one dimension over every rank on
+        this model's device type (each DTensor carries its own chunk metadata, see
         ``mfsdp/fsdp/dtensor.py``)."""
         if self._world_mesh is None:
             self._world_mesh = DeviceMesh.from_group(dist.group.WORLD, self.device.type)

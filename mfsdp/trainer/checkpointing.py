@@ -59,7 +59,8 @@ class Checkpointer:
                    iteration, routers, self.cfg)
 
     def load(self, model, opt, routers) -> int:
-        """Resume from ``--load`` (see :func:`~mfsdp.trainer.checkpointing.load_for_training`); 0 without ``--load``."""
+        """Resume from ``--load`` (see :func:`~mfsdp.trainer.checkpointing.load_for_training`);
+        0 without ``--load``."""
         if not self.checkpoint.load:
             return 0
         return load_for_training(self.checkpoint, self.training, model, opt, routers, self.cfg)
