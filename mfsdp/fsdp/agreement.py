@@ -106,6 +106,7 @@ def agree_on_values(entries: list[tuple[str, torch.Tensor, tuple]], device) -> i
     process groups whose ranks must agree (its data-parallel group, the outer group, the TP group
     for a parameter TP replicates), applied in that order. Returns how many parameters this
     rank received (0 when the ranks agreed, the usual case: one all-reduce per group)."""
+    device = _host(device)
     by_groups: dict[tuple, list] = {}
     for name, value, groups in entries:
         groups = tuple(g for g in groups if g is not None and dist.get_world_size(g) > 1)
@@ -142,11 +143,19 @@ def agree_on_values(entries: list[tuple[str, torch.Tensor, tuple]], device) -> i
     return fixed
 
 
+def _host(device) -> torch.device:
+    """Where agreement's own small tensors live: ``device``, or the CPU for a model sharded
+    onto the meta device (a dry run, :mod:`mfsdp.tools.dry_run`: there are no values to agree
+    on, and the fake process group moves none)."""
+    device = torch.device(device)
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 def _job_total(n: int, device) -> int:
     """The sum of ``n`` over every rank of the job (one all-reduce; ``n`` in a world of one)."""
     if dist.get_world_size() == 1:
         return n
-    total = torch.tensor([n], dtype=torch.int64, device=device)
+    total = torch.tensor([n], dtype=torch.int64, device=_host(device))
     dist.all_reduce(total)
     return int(total)
 
@@ -155,6 +164,7 @@ def agree_on_rng(device, groups) -> None:
     """Meta-device initialisation: the ranks of each group take the random-number generator
     state of the group's first rank when theirs differ (equal states draw equal initial
     weights); one line says so."""
+    device = _host(device)
     gens = [None] + ([device] if device.type == "cuda" else [])
 
     def get(d):

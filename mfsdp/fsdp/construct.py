@@ -155,7 +155,7 @@ def build_units(state: ShardingState, root: nn.Module, wrapper: nn.Module,
     if not meta_init:
         for e in params.values():
             p = e["param"]
-            if p.device.type == "meta":
+            if p.device.type == "meta" and state.device.type != "meta":
                 raise ValueError(f"parameter {e['name']!r} is on the meta device; pass "
                                  "init_model_with_meta_device=True to materialise it shard by shard")
             if p.device != state.device:
@@ -253,7 +253,9 @@ def _check_replicas(state: ShardingState, params: dict[int, dict], slot, meta_in
 
     comms = state.comms
     outer = group(comms.outer) if not comms.outer_sharded else None
-    if meta_init:  # no values yet: equal generator states draw equal weights
+    # No values yet (or none ever: a model sharded onto the meta device by a dry run): equal
+    # generator states draw equal weights.
+    if meta_init or state.device.type == "meta":
         agree_on_rng(state.device, [outer])
         return
     entries = []

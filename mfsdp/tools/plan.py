@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from mfsdp.argtypes import fraction, positive_float, positive_int
 from mfsdp.tools.plan_time import step_time
 
-__all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes",
+__all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes", "fsdp_traffic",
            "smallest_world", "smallest_layout", "tp_dense", "estimate", "main", "build_parser"]
 
 GiB = 2**30
@@ -180,6 +180,9 @@ class Layout:
     main_bytes: int = 4  # fp32 main weights (equal to compute_bytes: one copy)
     grad_bytes: int = 4  # fp32 gradient accumulation
     optimizer_bytes: int = 8  # Adam: two fp32 moments
+    # Gradient reductions (reduce-scatter, all-reduce) carry the main gradients' dtype unless
+    # told otherwise: fp32 under Megatron-LM's and mfsdp train's --bf16 (2: --grad-reduce-in-bf16).
+    grad_comm_bytes: int | None = None
     micro_batch: int = 1
     # Micro-batches per optimizer step on each data-parallel rank (gradient accumulation):
     # global batch = micro_batch x micro_batches x data-parallel ranks.
@@ -349,6 +352,53 @@ def _plan_bucket(shapes: tuple, n: int):
     return _BUCKET_PLANS[(shapes, n)]
 
 
+def fsdp_traffic(model: ModelConfig, layout: Layout, dense: float, expert: float,
+                 pad_dense: float = 0.0) -> dict[str, float]:
+    """Bytes one rank sends per optimizer step over the shard groups (``dp_shard``: the dense
+    and the expert one) and the outer group (``dp_outer``), for ``dense`` and ``expert``
+    parameters held per TP rank and per EP rank (padded), on the engine's schedule.
+
+    Per optimizer step of ``m`` micro-batches: ZeRO-3 all-gathers each layer for its forward and
+    again for its backward, the root unit (embeddings, final norm, output layer) once, since it
+    stays gathered through the backward, and reduce-scatters every micro-batch's gradients;
+    ZeRO-2 reduce-scatters every micro-batch and gathers the new weights once; ZeRO-1
+    reduce-scatters the accumulated gradients once and gathers once; ``no_shard`` all-reduces
+    once. Gathers carry the compute dtype, reductions ``grad_comm_bytes`` (fp32 by default). The
+    outer group all-reduces the reduced shard (HSDP), or reduce-scatters it and gathers the new
+    weights (HFSDP); under ``no_shard`` it all-reduces every gradient again. Each collective sends ``(n - 1) / n`` of its bytes (a ring); the expert shard
+    group is ``ep`` times smaller than the dense one. ``mfsdp plan --dry-run`` reads the same
+    figures off the engine's buckets.
+    """
+    from mfsdp.config import ShardingStrategy
+
+    stage = ShardingStrategy.parse(layout.strategy).zero_stage
+    cb, gb = layout.compute_bytes, layout.grad_comm_bytes or layout.grad_bytes
+    m, tp = layout.micro_batches, layout.tp
+    n_dense, n_expert = layout.shard, layout.shard // layout.ep
+
+    def ring(n: int) -> float:
+        return (n - 1) / n
+
+    root = (model.vocab * model.hidden * (1 if model.tied_embeddings else 2) / tp
+            + model.hidden) * (1 + pad_dense)  # the root unit on one TP rank
+    if stage == 0:
+        sent = 2 * gb * (ring(n_dense) * dense + ring(n_expert) * expert)
+    else:
+        reduces = m if stage >= 2 else 1
+        gathered = (m * (2 * dense - root), 2 * m * expert) if stage == 3 else (dense, expert)
+        sent = (cb * (ring(n_dense) * gathered[0] + ring(n_expert) * gathered[1])
+                + gb * reduces * (ring(n_dense) * dense + ring(n_expert) * expert))
+    comm = {"dp_shard": sent}
+    o = layout.dp_outer
+    if o > 1 and not stage:  # no_shard: every gradient again over the outer group
+        comm["dp_outer"] = 2 * ring(o) * gb * (dense + expert)
+    elif o > 1:
+        shard = dense / n_dense + expert / n_expert  # one rank's reduced gradients
+        outer_sharded = ShardingStrategy.parse(layout.outer_strategy).zero_stage > 0
+        comm["dp_outer"] = ring(o) * shard * ((gb + cb) if outer_sharded else 2 * gb)
+    return comm
+
+
 def plan(model: ModelConfig, layout: Layout) -> Plan:
     """Estimate per-rank memory and per-step communication for ``model`` under ``layout``.
 
@@ -365,18 +415,9 @@ def plan(model: ModelConfig, layout: Layout) -> Plan:
     unit = (unit_dense / layout.tp + unit_expert / layout.ep) * layout.compute_bytes
     memory["gathered"] = (layout.prefetch_depth + 1) * unit if s == 3 else 0.0
     memory["activations"] = _activations(model, layout)
-    shard = layout.shard
-    ring = (shard - 1) / shard
-    model_bytes = (local_dense + expert / layout.ep) * layout.compute_bytes
+    comm = fsdp_traffic(model, layout, local_dense * (1 + pad_dense),
+                        expert / layout.ep * (1 + pad_expert), pad_dense)
     m = layout.micro_batches
-    # Per optimizer step of m micro-batches: ZeRO-3 gathers the weights for each micro-batch's
-    # forward and backward and reduce-scatters its gradients (3 m); ZeRO-2 reduce-scatters each
-    # micro-batch into the sharded gradients and gathers the weights once after the step
-    # (m + 1); ZeRO-1 and no_shard accumulate locally (no_sync) and reduce once (2).
-    comm = {"dp_shard": {3: 3 * m, 2: m + 1}.get(s, 2) * ring * model_bytes}
-    if layout.dp_outer > 1:
-        o = layout.dp_outer
-        comm["dp_outer"] = 2 * (o - 1) / o * model_bytes / shard  # once per step
     granularity = layout.recompute_granularity or ("full" if layout.recompute else None)
     tokens_here = layout.micro_batch * layout.seq_length // layout.cp  # one rank's tokens
     act = tokens_here * model.hidden * layout.compute_bytes  # one [s, b, h] activation

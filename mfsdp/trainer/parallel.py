@@ -18,7 +18,7 @@ import torch.distributed as dist
 from mfsdp.models.context_parallel import (ContextParallelSplit, next_token_targets,
                                            pad_sequences)
 
-__all__ = ["TrainParallel", "MicroBatch", "build_parallel", "micro_batch",
+__all__ = ["TrainParallel", "MicroBatch", "build_parallel", "build_sharded_model", "micro_batch",
            "pad_for_sequence_parallel"]
 
 
@@ -99,6 +99,60 @@ def build_parallel(parallel, world: int, cfg, device: torch.device, log) -> Trai
     tp_mesh = DeviceMesh.from_group(groups["tp"], device.type) if tp > 1 else None
     return TrainParallel(layout, groups, dp_ranks.index(rank), len(dp_ranks), dp_group, tp_mesh,
                          sp, groups["cp"] if cp > 1 else None, cp)
+
+
+def build_sharded_model(config, cfg, world: int, device: torch.device, log):
+    """The trainer's model: every rank builds the same :class:`~mfsdp.models.gpt.GPT` of ``cfg``,
+    splits it over TP and shards it over the data-parallel ranks (``--use-megatron-fsdp``) or
+    replicates it (PyTorch's DDP), with its optimizer; returns ``(model, inner, optimizer,
+    parallel)``. ``config`` is the :class:`~mfsdp.trainer.config.TrainConfig`; a collective call.
+
+    ``mfsdp plan --dry-run`` calls it too, with ``device`` the meta device on a fake process
+    group: the layout it checks is the one the trainer builds.
+    """
+    import contextlib
+
+    from mfsdp import fully_shard
+    from mfsdp.models.gpt import GPT, TransformerLayer
+    from mfsdp.models.tensor_parallel import apply_tensor_parallel
+    from mfsdp.moe import shard_experts
+    from mfsdp.trainer.build import build_param_groups, make_optimizer, precision_policy
+
+    c = config
+    dtype = torch.bfloat16 if c.precision.bf16 else torch.float32
+    torch.manual_seed(c.training.seed)  # every rank builds the same model
+    meta = c.parallel.init_model_with_meta_device  # (refused without --use-megatron-fsdp)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = GPT(cfg)
+    model = model.to(dtype=dtype) if meta else model.to(device=device, dtype=dtype)
+    par = build_parallel(c.parallel, world, cfg, device, log)
+    groups = par.groups
+    if par.tp_mesh is not None:  # Megatron-LM's split, before the data-parallel sharding
+        apply_tensor_parallel(model, par.tp_mesh, par.sequence_parallel,
+                              vocab_parallel_loss=True)
+    if c.parallel.use_megatron_fsdp:
+        global_names = shard_experts(model, groups["ep"] if groups else None)
+        opt = make_optimizer(build_param_groups(model, c.training), c.training)
+        model, opt = fully_shard(
+            model, opt, fsdp_unit_modules=[TransformerLayer],
+            zero_dp_strategy=c.parallel.data_parallel_sharding_strategy,
+            outer_dp_sharding_strategy=c.parallel.outer_dp_sharding_strategy,
+            process_groups=groups, device=device, init_model_with_meta_device=meta,
+            mixed_precision_policy=precision_policy(c.precision),
+            overlap_grad_reduce=c.parallel.overlap_grad_reduce,
+            overlap_param_gather=c.parallel.overlap_param_gather,
+            calculate_per_token_loss=c.parallel.calculate_per_token_loss,
+            fsdp_double_buffer=c.parallel.fsdp_double_buffer)
+        if global_names:
+            model.set_global_names(global_names)
+        inner = model.module
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        inner = model
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        opt = make_optimizer(build_param_groups(inner, c.training), c.training)
+    return model, inner, opt, par
 
 
 def pad_for_sequence_parallel(tokens: torch.Tensor, cu_seqlens: torch.Tensor,

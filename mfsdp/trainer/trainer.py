@@ -19,13 +19,12 @@ from torch.profiler import record_function
 
 from mfsdp.data.batches import MegatronData, global_batch, read_data
 from mfsdp.models.tensor_parallel import loss_parallel_context
-from mfsdp.trainer.build import (build_param_groups, flops_per_token, learning_rate, make_optimizer,
-                                 model_family, precision_policy, routers_of, rss_mib)
+from mfsdp.trainer.build import flops_per_token, learning_rate, model_family, routers_of, rss_mib
 from mfsdp.trainer.checkpointing import Checkpointer
 from mfsdp.trainer.config import TrainConfig
 from mfsdp.trainer.guard import Watch
 from mfsdp.trainer.metrics import MetricSinks
-from mfsdp.trainer.parallel import build_parallel, micro_batch
+from mfsdp.trainer.parallel import build_sharded_model, micro_batch
 from mfsdp.trainer.profiling import Profiler
 from mfsdp.trainer.signals import StopRequest, stop_request
 
@@ -126,47 +125,9 @@ class Trainer:
     def _build_model(self) -> None:
         """Every rank builds the same model, splits it over TP and shards it over the
         data-parallel ranks (mfsdp) or replicates it (PyTorch's DDP), with its optimizer."""
-        from mfsdp import fully_shard
-        from mfsdp.models.gpt import GPT, TransformerLayer
-        from mfsdp.models.tensor_parallel import apply_tensor_parallel
-        from mfsdp.moe import shard_experts
-
-        c, device = self.config, self.device
-        dtype = torch.bfloat16 if c.precision.bf16 else torch.float32
-        torch.manual_seed(c.training.seed)  # every rank builds the same model
-        meta = c.parallel.init_model_with_meta_device  # (refused without --use-megatron-fsdp)
-        with torch.device("meta") if meta else contextlib.nullcontext():
-            model = GPT(self.cfg)
-        model = model.to(dtype=dtype) if meta else model.to(device=device, dtype=dtype)
-        self.par = par = build_parallel(c.parallel, self.world, self.cfg, device, self.log)
-        groups = par.groups
-        if par.tp_mesh is not None:  # Megatron-LM's split, before the data-parallel sharding
-            apply_tensor_parallel(model, par.tp_mesh, par.sequence_parallel,
-                                  vocab_parallel_loss=True)
-        if c.parallel.use_megatron_fsdp:
-            global_names = shard_experts(model, groups["ep"] if groups else None)
-            opt = make_optimizer(build_param_groups(model, c.training), c.training)
-            model, opt = fully_shard(
-                model, opt, fsdp_unit_modules=[TransformerLayer],
-                zero_dp_strategy=c.parallel.data_parallel_sharding_strategy,
-                outer_dp_sharding_strategy=c.parallel.outer_dp_sharding_strategy,
-                process_groups=groups, device=device, init_model_with_meta_device=meta,
-                mixed_precision_policy=precision_policy(c.precision),
-                overlap_grad_reduce=c.parallel.overlap_grad_reduce,
-                overlap_param_gather=c.parallel.overlap_param_gather,
-                calculate_per_token_loss=c.parallel.calculate_per_token_loss,
-                fsdp_double_buffer=c.parallel.fsdp_double_buffer)
-            if global_names:
-                model.set_global_names(global_names)
-            inner = model.module
-        else:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            inner = model
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-            opt = make_optimizer(build_param_groups(inner, c.training), c.training)
-        self.model, self.inner, self.opt = model, inner, opt
-        self.routers = routers_of(inner)
+        built = build_sharded_model(self.config, self.cfg, self.world, self.device, self.log)
+        self.model, self.inner, self.opt, self.par = built
+        self.routers = routers_of(self.inner)
 
     def _announce(self) -> None:
         """Rank 0's one line saying the layout, the model and the batch."""
