@@ -45,13 +45,23 @@ class Construction:
     by_face: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
 
-def _hybrid_group(inner: dist.ProcessGroup, outer: dist.ProcessGroup) -> dist.ProcessGroup:
+def _hybrid_group(inner: dist.ProcessGroup, outer: dist.ProcessGroup, layout=None,
+                  expert: bool = False) -> dist.ProcessGroup:
     """The group of every rank of ``inner`` and of its replicas over ``outer`` (a collective call
-    over the world: every rank creates every such group, in the same order)."""
+    over the world: every rank creates every such group, in the same order). Every rank's
+    ``(inner, outer)`` ranks come from ``layout`` (a :class:`~mfsdp.layout.ParallelLayout`, the
+    one the groups were made from) when given, else from an all-gather."""
     world = dist.get_world_size()
-    mine = (sorted(dist.get_process_group_ranks(inner)), sorted(dist.get_process_group_ranks(outer)))
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
+    if layout is not None:
+        inner_of_rank = {r: sorted(g) for g in layout.groups(
+            "expt_dp_shard" if expert else "dp_shard") for r in g}
+        outer_of_rank = {r: sorted(g) for g in layout.groups("dp_outer") for r in g}
+        everyone = [(inner_of_rank[r], outer_of_rank[r]) for r in range(world)]
+    else:
+        mine = (sorted(dist.get_process_group_ranks(inner)),
+                sorted(dist.get_process_group_ranks(outer)))
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
     inner_of = {r: ranks for ranks, _ in everyone for r in ranks}
     sets = []
     for inner_ranks, outer_ranks in everyone:
@@ -284,9 +294,11 @@ def _param_mesh(state: ShardingState, bucket: Bucket, cache: dict, tp: bool):
         if bucket.outer_factor > 1:  # HFSDP: main rows differ over inner x outer
             given = state.comms.expt_hybrid if bucket.is_expert else state.comms.hybrid
             group = (given.group if given is not None  # the caller's hybrid_fsdp(_expt)_group
-                     else _hybrid_group(group, state.comms.outer.group))
+                     else _hybrid_group(group, state.comms.outer.group, state.comms.layout,
+                                        bucket.is_expert))
         if tp:
-            mesh = _dp_tp_mesh(group, state.comms.tp_group, state.device.type)
+            mesh = _dp_tp_mesh(group, state.comms.tp_group, state.device.type,
+                               state.comms.layout)
         else:
             mesh = DeviceMesh.from_group(group, state.device.type)
         cache[key] = (mesh, group)
@@ -302,12 +314,17 @@ def _ordered_ranks(group: dist.ProcessGroup) -> list[int]:
 
 
 def _dp_tp_mesh(dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup,
-                device_type: str) -> DeviceMesh:
+                device_type: str, layout=None) -> DeviceMesh:
     """The 2-D ``(dp, tp)`` mesh whose row ``i`` is the TP group of the ``i``-th rank of
-    ``dp_group`` (a collective over the world: every rank learns the others' TP groups)."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (dist.get_rank(), _ordered_ranks(tp_group)))
-    tp_of = dict(everyone)
+    ``dp_group`` (a collective over the world: every rank learns the others' TP groups, from
+    ``layout``, the :class:`~mfsdp.layout.ParallelLayout` the groups were made from, when
+    given)."""
+    if layout is not None:
+        tp_of = {r: sorted(g) for g in layout.groups("tp") for r in g}
+    else:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (dist.get_rank(), _ordered_ranks(tp_group)))
+        tp_of = dict(everyone)
     rows = [tp_of[r] for r in _ordered_ranks(dp_group)]
     if any(len(row) != len(rows[0]) for row in rows):
         raise ValueError("the data-parallel ranks' TP groups differ in size; build the mesh "
@@ -363,6 +380,8 @@ def _load_values(state: ShardingState, root: nn.Module, buckets: list[Bucket], p
                              "device and no way to recompute them; pass param_init_fn=fn to "
                              "fully_shard (for Hugging Face models: model._init_weights, "
                              "which recomputes rotary inv_freq)")
+        if state.device.type == "meta":  # a dry run: shapes only, no values to draw or store
+            continue
         originals = {a: p for a, p in own}
         m.to_empty(device=state.device, recurse=False)
         for a in meta_bufs:  # persistent buffers start at zero (a checkpoint overwrites them)

@@ -74,6 +74,9 @@ class Comms:
     # one collective, and under HFSDP main weights are sharded over them.
     hybrid: Communicator | None = None
     expt_hybrid: Communicator | None = None
+    # The layout the groups were made from (ProcessGroups.layout; None: groups made by hand):
+    # HFSDP's flattened groups are then derived from it instead of gathered from every rank.
+    layout: object = None
 
     @classmethod
     def build(cls, groups, outer_strategy: ShardingStrategy, device: torch.device,
@@ -102,6 +105,7 @@ class Comms:
             tp_mesh = DeviceMesh.from_group(tp, device.type)
         comms = cls(log, dp, dp_ag, outer, outer is not None and outer_strategy is
                     ShardingStrategy.OPTIM, expt, expt_ag, ep, tp, tp_mesh)
+        comms.layout = groups.layout
         dense_h, expt_h = hybrid_groups
         if dense_h is not None:
             comms.hybrid = Communicator(dense_h, "hybrid", log)

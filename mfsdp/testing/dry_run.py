@@ -18,7 +18,10 @@ __all__ = ["real_step"]
 
 
 def real_step(preset: str, layout_kwargs: dict) -> dict:
-    """On every rank: ``{"logged": {"op group": bytes}, "implied": {...}, "held": {...}}``."""
+    """On every rank: ``{"logged": {"op group": bytes}, "implied": {...}, "held": {...},
+    "storage": bytes, "optimizer_after_step": bytes}`` (``storage``: the bytes of the engine's
+    buffers after the step, by its own accounting; ``optimizer_after_step``: the state the
+    optimizer's real step created)."""
     from mfsdp.tools.dry_run import _validated_config, held_bytes, implied_traffic, train_flags
     from mfsdp.tools.plan import Layout
     from mfsdp.trainer.parallel import build_sharded_model
@@ -36,9 +39,12 @@ def real_step(preset: str, layout_kwargs: dict) -> dict:
         with contextlib.nullcontext() if last else model.no_sync():
             model(tokens).float().pow(2).mean().backward()
     opt.step()
+    after_step = opt.local_state_bytes()  # the state a real AdamW step created
+    storage = sum(model.memory_by_kind().values())  # the engine's own storage accounting
     logged: dict[str, float] = {}
     for (op, group), sent in model.comm_log.summary().items():
         if op != "flags" and sent:
             logged[f"{op} {group}"] = logged.get(f"{op} {group}", 0.0) + sent
     return {"logged": logged, "implied": implied_traffic(model, layout.micro_batches),
-            "held": held_bytes(model, opt)}
+            "held": held_bytes(model, opt), "storage": storage,
+            "optimizer_after_step": after_step}

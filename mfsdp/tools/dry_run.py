@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from mfsdp.tools.plan import PRESETS, Layout, plan, step_time
 
@@ -91,9 +92,11 @@ def _validated_config(flags: list[str], world: int):
     return TrainConfig.from_args(args, logging=False), cfg
 
 
-def ranks_to_build(layout: Layout, num_experts: int = 0) -> list[int]:
+def ranks_to_build(layout: Layout, num_experts: int = 0, ep_positions: int = 8) -> list[int]:
     """The ranks whose shards can differ: the first and last rank of the world and of each of
-    rank 0's groups, and every position in rank 0's EP group (each holds other experts).
+    rank 0's groups, and the positions in rank 0's EP group (each holds other experts; beyond
+    ``ep_positions`` of them, the first ``ep_positions - 1`` and the last, since they differ in
+    which experts they hold, not in shapes).
 
     >>> ranks_to_build(Layout(world_size=1024, dp_outer=2, ep=8), num_experts=64)
     [0, 1, 2, 3, 4, 5, 6, 7, 504, 511, 512, 1016, 1023]
@@ -106,7 +109,9 @@ def ranks_to_build(layout: Layout, num_experts: int = 0) -> list[int]:
     for kind in GROUP_KINDS:
         group = pl.group_of(kind, 0)
         ranks.update((group[0], group[-1]))
-    ranks.update(pl.group_of("ep", 0))
+    ep_group = pl.group_of("ep", 0)
+    ranks.update(ep_group if len(ep_group) <= ep_positions
+                 else ep_group[:ep_positions - 1] + ep_group[-1:])
     return sorted(ranks)
 
 
@@ -140,6 +145,9 @@ def held_bytes(model, optimizer) -> dict[str, int]:
             out["grads"] += _nbytes(b.grad_shard) + _nbytes(full)
         if b.sharded_params and b.unit:
             units[b.unit] = units.get(b.unit, 0) + b.plan.padded_numel * b.full.element_size()
+    for group in optimizer.param_groups:  # one multi-tensor step on meta tensors, not 30,000
+        if group.get("foreach") is None and "foreach" in group:
+            group["foreach"] = True
     optimizer.state_dict()  # creates every parameter's state, as the first step would
     out["optimizer"] = optimizer.local_state_bytes()
     out["params"] = out["weights"] + out["main_weights"]
@@ -301,6 +309,22 @@ class DryRun:
                 "seconds": self.seconds, "peak_rss_bytes": self.peak_rss}
 
 
+class _NoInitOnMeta(TorchFunctionMode):
+    """Initialisers' in-place draws and fills on meta tensors return at once: a meta tensor has
+    no values, and torch's meta kernels for them cost milliseconds each (a 671B model's
+    constructors make tens of thousands)."""
+
+    SKIP = frozenset({"normal_", "uniform_", "fill_", "zero_", "copy_", "trunc_normal_",
+                      "kaiming_uniform_", "xavier_uniform_", "xavier_normal_", "kaiming_normal_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        first = args[0] if args else None
+        if (getattr(func, "__name__", "") in self.SKIP and isinstance(first, torch.Tensor)
+                and first.is_meta):
+            return first
+        return func(*args, **(kwargs or {}))
+
+
 def _build_rank(config, cfg, world: int, rank: int, micro_batches: int):
     """One rank's sharded model on the fake process group and the meta device; its bytes."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -310,8 +334,9 @@ def _build_rank(config, cfg, world: int, rank: int, micro_batches: int):
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         try:
-            model, _, opt, _ = build_sharded_model(config, cfg, world, torch.device("meta"),
-                                                   log=lambda *a, **k: None)
+            with _NoInitOnMeta():
+                model, _, opt, _ = build_sharded_model(config, cfg, world, torch.device("meta"),
+                                                       log=lambda *a, **k: None)
         except (ValueError, SystemExit) as exc:  # fully_shard's or the layout's own line
             raise DryRunError(str(exc)) from None
         return held_bytes(model, opt), implied_traffic(model, micro_batches)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import dataclass, field, replace
 
 from mfsdp.argtypes import fraction, positive_float, positive_int
@@ -542,6 +543,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                      help="fraction of the peak a step's kernels reach (default 0.4)")
     gpu.add_argument("--nvlink-gbps", type=positive_float, help="GB/s per GPU inside an NVLink domain")
     gpu.add_argument("--network-gbps", type=positive_float, help="GB/s per GPU between domains")
+    parser.add_argument("--grad-reduce-in-bf16", action="store_true",
+                        help="reduce gradients in bf16 (Megatron-LM's flag); default: in the main "
+                             "gradients' fp32")
+    dry = parser.add_argument_group("dry run (mfsdp/tools/dry_run.py)")
+    dry.add_argument("--dry-run", action="store_true",
+                     help="also build the model with the real engine at this world size, in this "
+                          "process (fake process group, meta tensors), and compare what each rank "
+                          "holds and sends with the plan; exit 1 when weights, gradients or "
+                          "optimizer state differ by more than 2%%, 2 when the layout cannot be "
+                          "built")
+    dry.add_argument("--json", metavar="PATH",
+                     help="with --dry-run: write the measured and planned bytes per rank there")
+    dry.add_argument("--fsdp-double-buffer", action="store_true",
+                     help="with --dry-run: build with the trainer's --fsdp-double-buffer and "
+                          "report its two slots")
     parser.add_argument("--smallest", action="store_true",
                         help="also find the smallest number of devices (whole 8-GPU nodes) that "
                              "fits: with this layout's TP/CP, and searching TP (with SP) and CP")
@@ -562,7 +578,11 @@ def run(args: argparse.Namespace) -> int:
                     recompute=args.recompute, recompute_granularity=args.recompute_granularity,
                     recompute_method=args.recompute_method,
                     recompute_num_layers=args.recompute_num_layers, tp=args.tp, cp=args.cp,
-                    sequence_parallel=args.sequence_parallel)
+                    sequence_parallel=args.sequence_parallel,
+                    grad_comm_bytes=2 if args.grad_reduce_in_bf16 else None)
+    if (args.json or args.fsdp_double_buffer) and not args.dry_run:
+        raise SystemExit("mfsdp plan: --json and --fsdp-double-buffer report the dry run; add "
+                         "--dry-run")
     p = plan(model, layout)
     print(f"{args.preset}: {p.params / 1e9:.1f}B parameters ({p.expert_params / 1e9:.1f}B in "
           f"experts), {args.world_size} ranks, {args.strategy}")
@@ -582,7 +602,29 @@ def run(args: argparse.Namespace) -> int:
         if best is not None:
             print(f"smallest with TP/CP searched: {best.world_size} (TP {best.tp}"
                   f"{' + SP' if best.sequence_parallel else ''}, CP {best.cp})")
+    if args.dry_run:
+        return _dry_run(args, layout)
     return 0
+
+
+def _dry_run(args: argparse.Namespace, layout: Layout) -> int:
+    """``--dry-run``: the real engine's bytes beside the plan; the exit status says whether they
+    agree (0), disagree (1) or the layout cannot be built (2)."""
+    import json
+
+    from mfsdp.tools.dry_run import DryRunError, dry_run
+
+    try:
+        result = dry_run(args.preset, layout, gpu=args.gpu,
+                         double_buffer=args.fsdp_double_buffer)
+    except DryRunError as exc:
+        print(f"mfsdp plan --dry-run: {exc}", file=sys.stderr)
+        return 2
+    print(result.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_json(), f, indent=1)
+    return 0 if result.ok() else 1
 
 
 def describe(layout: Layout, dp: int) -> str:
@@ -590,7 +632,7 @@ def describe(layout: Layout, dp: int) -> str:
 
     >>> print(describe(Layout(world_size=16, micro_batches=4, seq_length=8192), dp=16))
     step: one optimizer step = 4 micro-batches x 1 sequence x 8192 tokens on each of 16 data-parallel ranks (global batch 64)
-    assumed: bytes per parameter: weights 2 (bf16), main weights 4 (fp32), gradients 4 (fp32), Adam moments 8; flash attention; prefetch depth 1; no recomputation
+    assumed: bytes per parameter: weights 2 (bf16), main weights 4 (fp32), gradients 4 (fp32, reduced in 4), Adam moments 8; flash attention; prefetch depth 1; no recomputation
     """
     m, b = layout.micro_batches, layout.micro_batch
     recompute = layout.recompute_granularity or ("full" if layout.recompute else None)
@@ -598,7 +640,8 @@ def describe(layout: Layout, dp: int) -> str:
             f"sequence{'s' if b > 1 else ''} x {layout.seq_length} tokens on each of {dp} "
             f"data-parallel ranks (global batch {m * b * dp})\n"
             f"assumed: bytes per parameter: weights {layout.compute_bytes} (bf16), main weights "
-            f"{layout.main_bytes} (fp32), gradients {layout.grad_bytes} (fp32), Adam moments "
+            f"{layout.main_bytes} (fp32), gradients {layout.grad_bytes} (fp32, reduced in "
+            f"{layout.grad_comm_bytes or layout.grad_bytes}), Adam moments "
             f"{layout.optimizer_bytes}; "
             f"{'flash attention' if layout.flash_attention else 'attention scores kept'}; "
             f"prefetch depth {layout.prefetch_depth}; "
@@ -611,6 +654,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())
