@@ -122,7 +122,8 @@ def build_sharded_model(config, cfg, world: int, device: torch.device, log):
     dtype = torch.bfloat16 if c.precision.bf16 else torch.float32
     torch.manual_seed(c.training.seed)  # every rank builds the same model
     meta = c.parallel.init_model_with_meta_device  # (refused without --use-megatron-fsdp)
-    with torch.device("meta") if meta else contextlib.nullcontext():
+    # Sharding onto the meta device (a dry run) builds on meta under every strategy.
+    with torch.device("meta") if meta or device.type == "meta" else contextlib.nullcontext():
         model = GPT(cfg)
     model = model.to(dtype=dtype) if meta else model.to(device=device, dtype=dtype)
     par = build_parallel(c.parallel, world, cfg, device, log)
