@@ -18,6 +18,7 @@ one is not, 2 when the layout cannot be built (one line says why, as ``mfsdp tra
 from __future__ import annotations
 
 import resource
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -344,6 +345,26 @@ def _build_rank(config, cfg, world: int, rank: int, micro_batches: int):
         dist.destroy_process_group()
 
 
+def _in_fresh_thread(fn, *args):
+    """``fn(*args)`` in a thread of its own. DTensor caches sharding decisions per thread and
+    compares meshes by shape, not by process group: a rank built after another, on a rebuilt
+    process group, would otherwise get the destroyed group's mesh back from that cache."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, name="mfsdp-dry-run")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def dry_run(preset: str, layout: Layout, ranks: list[int] | None = None, gpu: str = "h100",
             double_buffer: bool = False, progress: bool = True) -> DryRun:
     """Build ``preset`` under ``layout`` with the real engine for ``ranks`` (default:
@@ -368,7 +389,8 @@ def dry_run(preset: str, layout: Layout, ranks: list[int] | None = None, gpu: st
     try:
         for r in tqdm(ranks, desc=f"dry run {preset} at {world} ranks", unit="rank",
                       disable=not progress, leave=False):
-            held[r], traffic[r] = _build_rank(config, cfg, world, r, layout.micro_batches)
+            held[r], traffic[r] = _in_fresh_thread(_build_rank, config, cfg, world, r,
+                                                   layout.micro_batches)
     finally:
         torch.set_rng_state(state)  # the trainer's build seeds the generator
     p = plan(model, layout)
