@@ -63,10 +63,10 @@ OUTER = ((1, "no_shard"), (2, "no_shard"), (2, "optim"))
 
 
 def _grid():
-    """preset x strategy x outer x TP x EP at worlds 64, 1,024 and 4,096; the large models on a
-    smaller grid (one case takes 3-60 s there)."""
+    """preset x strategy x outer x TP x EP at worlds 64 to 4,096; the large models on a smaller
+    grid (one case takes 3-60 s there)."""
     cases = []
-    for preset, worlds, tps, eps in (("llama3-8b", (64, 1024, 4096), (1, 8), (1,)),
+    for preset, worlds, tps, eps in (("llama3-8b", (64, 4096), (1, 8), (1,)),
                                      ("deepseek-proxy", (64, 1024, 4096), (1,), (1, 8)),
                                      ("llama3-70b", (64, 4096), (1, 8), (1,))):
         for world in worlds:
@@ -98,9 +98,11 @@ GRID = _grid()
 def test_the_plan_agrees_with_the_engine_within_2_percent(preset, kw):
     """The planner's weights, main weights, gradients, optimizer state and FSDP traffic (shard
     and outer groups) per rank are within 2% of what the real engine holds and sends at that
-    world size (rank 0 and the last rank built)."""
+    world size (rank 0 built: every rank of a layout holds the same shapes, which
+    test_the_command_line_reports_writes_json_and_exits_by_the_verdict checks on the first and
+    last rank)."""
     layout = Layout(**kw)
-    result = dry_run(preset, layout, ranks=[0, layout.world_size - 1], progress=False)
+    result = dry_run(preset, layout, ranks=[0], progress=False)
     measured, planned = result.measured, result.planned
     for kind in ("weights", "main_weights", "grads", "optimizer", "params"):
         assert measured[kind] == pytest.approx(planned[kind], rel=TOLERANCE, abs=1), kind

@@ -17,6 +17,7 @@ one is not, 2 when the layout cannot be built (one line says why, as ``mfsdp tra
 
 from __future__ import annotations
 
+import gc
 import resource
 import threading
 import time
@@ -343,12 +344,14 @@ def _build_rank(config, cfg, world: int, rank: int, micro_batches: int):
         return held_bytes(model, opt), implied_traffic(model, micro_batches)
     finally:
         dist.destroy_process_group()
+        gc.collect()  # the built model and its meshes die here, before the next rank's build
 
 
 def _in_fresh_thread(fn, *args):
     """``fn(*args)`` in a thread of its own. DTensor caches sharding decisions per thread and
-    compares meshes by shape, not by process group: a rank built after another, on a rebuilt
-    process group, would otherwise get the destroyed group's mesh back from that cache."""
+    compares meshes by shape (and creating thread), not by process group: a rank built after
+    another, on a rebuilt process group, would otherwise get the destroyed group's mesh back
+    from such a cache while that mesh lives (hence also the ``gc.collect()`` after each)."""
     out: dict = {}
 
     def target():

@@ -534,11 +534,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="shorthand for --recompute-granularity full (uniform, 1 layer)")
     parser.add_argument("--device-gib", type=positive_float, default=80.0)
     gpu = parser.add_argument_group("time estimate (mfsdp/tools/plan_time.py)")
-    gpu.add_argument("--gpu", choices=("h100", "gb200"), default="h100",
+    gpu.add_argument("--gpu", choices=("h100", "gb200", "gb300"), default="h100",
                      help="peak, NVLink and network figures of this GPU (defaults below)")
     gpu.add_argument("--peak-tflops", type=positive_float,
                      help="dense peak at the training precision (h100: 989 bf16, 1979 FP8; "
-                          "gb200: 2500 bf16, 5000 FP8)")
+                          "gb200 and gb300: 2500 bf16, 5000 FP8)")
     gpu.add_argument("--compute-efficiency", type=fraction,
                      help="fraction of the peak a step's kernels reach (default 0.4)")
     gpu.add_argument("--nvlink-gbps", type=positive_float, help="GB/s per GPU inside an NVLink domain")

@@ -61,6 +61,9 @@ GPUS = {
     # GB200: 2,500 dense bf16 TFLOP/s per GPU; NVLink 5 is 900 GB/s per direction over the
     # 72-GPU rack (about 720 reached); a 400 Gb/s NIC per GPU between racks.
     "gb200": Gpu("GB200", 2500.0, 720.0, 45.0, 72),
+    # GB300: the same dense bf16 and FP8 peak per GPU in NVIDIA's GB300 NVL72 datasheet (its
+    # gain is FP4), NVLink 5 over the 72-GPU rack; an 800 Gb/s ConnectX-8 NIC per GPU.
+    "gb300": Gpu("GB300", 2500.0, 720.0, 90.0, 72),
 }
 
 
