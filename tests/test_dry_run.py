@@ -35,7 +35,7 @@ def _real_cases():
         yield pytest.param(preset, kw, marks=marks, id=f"{preset}-{'-'.join(map(str, kw.values()))}")
 
 
-@pytest.mark.parametrize("preset, kw", _real_cases())
+@pytest.mark.parametrize("preset, kw", list(_real_cases()))
 def test_dry_run_bytes_equal_a_real_step_on_four_gloo_ranks(preset, kw):
     """What a dry run reads off the buckets equals what a real training step on 4 gloo ranks
     logs and allocates: every collective's bytes (the engine's CommLog of the step, the
@@ -89,12 +89,22 @@ def _grid():
 
 
 GRID = _grid()
+# `make test` runs these; `make test-extended` every case.
+FAST = {("llama3-8b", 4096, "optim_grads_params", 2, "optim", 8, 1),
+        ("llama3-8b", 64, "optim", 2, "no_shard", 1, 1),
+        ("deepseek-proxy", 1024, "optim_grads", 2, "no_shard", 1, 8),
+        ("deepseek-proxy", 4096, "optim_grads_params", 2, "optim", 1, 8)}
 
 
-@pytest.mark.parametrize("preset, kw", GRID, ids=[
-    f"{p}-{k['world_size']}-{k.get('strategy', 'optim_grads_params')}-o{k.get('dp_outer', 1)}"
-    f"{k.get('outer_strategy', 'no_shard')[:5]}-tp{k.get('tp', 1)}-ep{k.get('ep', 1)}"
-    for p, k in GRID])
+def _case(preset: str, kw: dict):
+    key = (preset, kw["world_size"], kw.get("strategy", "optim_grads_params"),
+           kw.get("dp_outer", 1), kw.get("outer_strategy", "no_shard"), kw.get("tp", 1),
+           kw.get("ep", 1))
+    return pytest.param(preset, kw, marks=() if key in FAST else (pytest.mark.extended,),
+                        id="-".join(map(str, key)))
+
+
+@pytest.mark.parametrize("preset, kw", [_case(p, k) for p, k in GRID])
 def test_the_plan_agrees_with_the_engine_within_2_percent(preset, kw):
     """The planner's weights, main weights, gradients, optimizer state and FSDP traffic (shard
     and outer groups) per rank are within 2% of what the real engine holds and sends at that
@@ -140,6 +150,17 @@ def test_the_command_line_reports_writes_json_and_exits_by_the_verdict(tmp_path)
     for kind in ("params", "grads", "optimizer"):
         assert data["measured"][kind] == pytest.approx(data["planned"][kind], rel=TOLERANCE)
     assert data["ranks_built"][0] == 0 and data["ranks_built"][-1] == 1023
+    pooled = subprocess.run([sys.executable, "-m", "mfsdp.cli", "plan", "llama3-8b",
+                             "--world-size", "64", "--dry-run", "--dry-run-ranks", "5",
+                             "--fsdp-double-buffer", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert pooled.returncode == 0, pooled.stderr
+    data = json.loads(out.read_text())
+    assert data["ranks_built"] == [5]
+    # two slots, each one layer's bf16 weights (the planner's unit, gathered with prefetch 1)
+    assert data["measured"]["double_buffer"] == pytest.approx(data["planned"]["gathered"],
+                                                              rel=0.01)
+    assert data["measured"]["gathered"] == 0  # the layers' weights live in the slots
     bad = subprocess.run([sys.executable, "-m", "mfsdp.cli", "plan", "llama3-8b",
                           "--world-size", "64", "--tensor-model-parallel-size", "16",
                           "--dry-run"], capture_output=True, text=True, timeout=300)
@@ -165,6 +186,7 @@ def test_a_plan_that_disagrees_exits_1(tmp_path, monkeypatch):
     assert code == 1
 
 
+@pytest.mark.extended
 def test_a_671b_model_at_4096_ranks_stays_small_in_memory():
     """The meta device and the fake process group keep a 671B MoE's dry run under 2 GiB of
     resident memory (measured in a fresh process)."""

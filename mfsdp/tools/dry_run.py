@@ -131,7 +131,8 @@ def held_bytes(model, optimizer) -> dict[str, int]:
     allocated at the first backward; here now); ``optimizer``: the optimizer's state, created as
     its first step creates it; ``params``: weights + main weights; ``gathered``: the largest
     unit's gathered weights times the units in flight (``prefetch_depth + 1``) under ZeRO-3;
-    ``double_buffer``: the two fixed slots of ``fsdp_double_buffer``.
+    ``double_buffer``: the two fixed slots of ``fsdp_double_buffer``, which then hold the
+    gathered weights instead (``gathered`` is 0).
     """
     out = dict.fromkeys(("weights", "main_weights", "grads"), 0)
     units: dict[str, int] = {}
@@ -154,8 +155,9 @@ def held_bytes(model, optimizer) -> dict[str, int]:
     out["optimizer"] = optimizer.local_state_bytes()
     out["params"] = out["weights"] + out["main_weights"]
     depth = model.state.options.prefetch_depth
-    out["gathered"] = (depth + 1) * max(units.values(), default=0)
     pool = model.pool
+    # With the double buffer the layers' gathered weights live in its two slots instead.
+    out["gathered"] = (depth + 1) * max(units.values(), default=0) if pool is None else 0
     out["double_buffer"] = sum(_nbytes(s) for s in pool.slots) if pool is not None else 0
     return out
 

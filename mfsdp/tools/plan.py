@@ -555,6 +555,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                           "built")
     dry.add_argument("--json", metavar="PATH",
                      help="with --dry-run: write the measured and planned bytes per rank there")
+    dry.add_argument("--dry-run-ranks", metavar="R,R,...",
+                     type=lambda v: [int(r) for r in v.split(",")],
+                     help="with --dry-run: the ranks to build (default: the first and last of the "
+                          "world and of each of rank 0's groups, and up to 8 positions of its EP "
+                          "group)")
     dry.add_argument("--fsdp-double-buffer", action="store_true",
                      help="with --dry-run: build with the trainer's --fsdp-double-buffer and "
                           "report its two slots")
@@ -580,9 +585,13 @@ def run(args: argparse.Namespace) -> int:
                     recompute_num_layers=args.recompute_num_layers, tp=args.tp, cp=args.cp,
                     sequence_parallel=args.sequence_parallel,
                     grad_comm_bytes=2 if args.grad_reduce_in_bf16 else None)
-    if (args.json or args.fsdp_double_buffer) and not args.dry_run:
-        raise SystemExit("mfsdp plan: --json and --fsdp-double-buffer report the dry run; add "
-                         "--dry-run")
+    if (args.json or args.fsdp_double_buffer or args.dry_run_ranks) and not args.dry_run:
+        raise SystemExit("mfsdp plan: --json, --dry-run-ranks and --fsdp-double-buffer belong "
+                         "to the dry run; add --dry-run")
+    bad = [r for r in args.dry_run_ranks or () if not 0 <= r < args.world_size]
+    if bad:
+        raise SystemExit(f"mfsdp plan: --dry-run-ranks {bad[0]} is not a rank of --world-size "
+                         f"{args.world_size} (0 to {args.world_size - 1})")
     p = plan(model, layout)
     print(f"{args.preset}: {p.params / 1e9:.1f}B parameters ({p.expert_params / 1e9:.1f}B in "
           f"experts), {args.world_size} ranks, {args.strategy}")
@@ -615,7 +624,7 @@ def _dry_run(args: argparse.Namespace, layout: Layout) -> int:
     from mfsdp.tools.dry_run import DryRunError, dry_run
 
     try:
-        result = dry_run(args.preset, layout, gpu=args.gpu,
+        result = dry_run(args.preset, layout, ranks=args.dry_run_ranks, gpu=args.gpu,
                          double_buffer=args.fsdp_double_buffer)
     except DryRunError as exc:
         print(f"mfsdp plan --dry-run: {exc}", file=sys.stderr)
