@@ -64,13 +64,13 @@ OUTER = ((1, "no_shard"), (2, "no_shard"), (2, "optim"))
 
 def _grid():
     """preset x strategy x outer x TP x EP at worlds 64 to 4,096; the large models on a smaller
-    grid (one case takes 3-60 s there)."""
+    grid (one case takes 5-40 s there on a quiet 2-core machine)."""
     cases = []
     for preset, worlds, tps, eps in (("llama3-8b", (64, 4096), (1, 8), (1,)),
                                      ("deepseek-proxy", (64, 1024, 4096), (1,), (1, 8)),
-                                     ("llama3-70b", (64, 4096), (1, 8), (1,))):
+                                     ("llama3-70b", (1024,), (1, 8), (1,))):
         for world in worlds:
-            for strategy in STRATEGIES:
+            for strategy in STRATEGIES if preset != "llama3-70b" else STRATEGIES[-1:]:
                 for outer, outer_strategy in OUTER:
                     if outer_strategy == "optim" and strategy != "optim_grads_params":
                         continue
@@ -80,11 +80,9 @@ def _grid():
                                                        dp_outer=outer,
                                                        outer_strategy=outer_strategy, tp=tp,
                                                        sequence_parallel=tp > 1, ep=ep)))
+    # (DeepSeek-V3 at 4,096 ranks with EP 64 is test_a_671b_model_at_4096_ranks_stays_small...)
     cases += [("llama3.1-405b", dict(world_size=4096, tp=8, sequence_parallel=True)),
-              ("llama3.1-405b", dict(world_size=1024, tp=8, sequence_parallel=True, dp_outer=2,
-                                     outer_strategy="optim")),
-              ("deepseek-v3", dict(world_size=256, ep=8, dp_outer=2, outer_strategy="optim")),
-              ("deepseek-v3", dict(world_size=1024, ep=64, strategy="optim_grads"))]
+              ("deepseek-v3", dict(world_size=256, ep=8, dp_outer=2, outer_strategy="optim"))]
     return cases
 
 
@@ -130,8 +128,7 @@ def test_the_plan_agrees_with_the_engine_within_2_percent(preset, kw):
      "--tensor-model-parallel-size 16"),
     ("llama3-8b", dict(world_size=64, ep=2), "--expert-model-parallel-size 2 needs an MoE model"),
     ("deepseek-v3", dict(world_size=1024, ep=512), "--expert-model-parallel-size 512"),
-    ("deepseek-proxy", dict(world_size=64, strategy="no_shard", ep=8, tp=2, sequence_parallel=True),
-     "expert"),
+    ("deepseek-proxy", dict(world_size=48, ep=3), "--expert-model-parallel-size 3 does not divide"),
 ])
 def test_a_layout_the_trainer_refuses_is_refused_with_its_line(preset, kw, words):
     with pytest.raises(DryRunError, match=words.replace("+", r"\+")) as err:
