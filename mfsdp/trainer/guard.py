@@ -81,6 +81,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    if not _alive(pid):
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def _job_id() -> str:
     return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
 
@@ -252,7 +262,8 @@ class Watch:
         if self.store is not None:
             try:
                 self.store.set(f"mfsdp/progress/{self.rank}",
-                               json.dumps([*self.position, time.time()]))
+                               json.dumps([*self.position, time.time(), socket.gethostname(),
+                                           os.getpid()]))
             except Exception:  # noqa: BLE001 - the board is a diagnosis aid, never a failure
                 pass
 
@@ -279,7 +290,7 @@ class Watch:
         for r in range(self.world):
             try:
                 if self.store.check([f"mfsdp/progress/{r}"]):
-                    seq, t, what, alive = json.loads(self.store.get(f"mfsdp/progress/{r}"))
+                    seq, t, what, alive = json.loads(self.store.get(f"mfsdp/progress/{r}"))[:4]
                     out[r] = (int(seq), float(t), str(what), float(alive))
             except Exception:  # noqa: BLE001
                 continue
@@ -372,6 +383,48 @@ def _ranks(rs: list[int]) -> str:
     return text + (f",... ({len(rs)} ranks)" if len(runs) > 8 else "")
 
 
+def is_peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because a peer rank's process went away
+    (gloo's and NCCL's words for a closed connection)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        w in text for w in ("Connection reset by peer", "Connection closed by peer",
+                            "Broken pipe", "remote process exited", "Socket closed"))
+
+
+def lost_ranks(store, world: int, me: int, wait_s: float = 2.0) -> str:
+    """Which ranks stopped, from the progress board: those on this host whose process is gone,
+    and those whose heartbeat stopped (``rank 1 (pid 4242 on node3, last posted at 'iteration
+    5: ...')``, the board being up to ``ALIVE_S`` seconds behind);
+    '' when the board cannot tell. A killed process closes its connections before it is gone,
+    so the board is read again for up to ``wait_s`` seconds."""
+    if store is None:
+        return ""
+    posts = {}
+    for r in range(world):
+        if r == me:
+            continue
+        try:
+            if store.check([f"mfsdp/progress/{r}"]):
+                posts[r] = json.loads(store.get(f"mfsdp/progress/{r}"))
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to read
+            return ""
+    host = socket.gethostname()
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for r, post in sorted(posts.items()):
+            what, alive = str(post[2]), float(post[3])
+            local = len(post) >= 6 and post[4] == host
+            where = f"pid {post[5]} on {post[4]}, " if len(post) >= 6 else ""
+            if (local and not _running(int(post[5]))) or time.time() - alive > 3 * ALIVE_S:
+                found.append(f"rank {r} ({where}last posted at '{what}')")
+        if found or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+
+
 def is_user_error(exc: BaseException) -> bool:
     """Whether ``exc`` is the user's to fix (a flag, a path, a checkpoint, non-finite numbers)
     rather than a bug: its message is then all there is to say."""
@@ -395,7 +448,9 @@ def report_error(exc: BaseException, debug: bool) -> int:
     The first rank of the job to get here speaks (the ranks agree through the job's store);
     every later rank stays silent, whatever ended it (most often the first rank's exit, seen
     as a closed connection). A user error (``is_user_error``): its message in one line, no
-    traceback, status 2. SIGINT (Ctrl-C): one line, status 130. A timed-out collective: one
+    traceback, status 2. SIGINT (Ctrl-C): one line, status 130. A peer rank that went away (killed,
+    out of memory, a lost node): one line naming it from the progress board, status 1. A
+    timed-out collective: one
     line (the hang report said more). Anything else is a bug: its traceback. ``debug``: every
     rank prints its traceback."""
     import traceback
@@ -421,6 +476,22 @@ def report_error(exc: BaseException, debug: bool) -> int:
                          "discarded)\n")
     elif is_timeout(exc):
         sys.stderr.write(f"mfsdp train: a collective timed out: {exc}\n")
+    elif is_peer_lost(exc):
+        import signal
+
+        # torchrun SIGTERMs the other ranks once it sees one die: say it first (the process
+        # leaves right after, and torchrun SIGKILLs it after its shutdown timeout anyway)
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            pass
+        me = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        who = lost_ranks(store, world, me) or "a peer rank"
+        sys.stderr.write(f"mfsdp train: {who} stopped (killed, out of memory, or its node "
+                         f"failed): rank {me} lost its connection in a collective and the job "
+                         "ends; the checkpoints in --save are complete: resume from the latest "
+                         "(torchrun --max-restarts restarts the ranks by itself)\n")
     else:
         traceback.print_exception(exc)
     sys.stderr.flush()
