@@ -462,8 +462,11 @@ def report_error(exc: BaseException, debug: bool) -> int:
     if isinstance(exc, SystemExit) and not isinstance(exc.code, str):
         # a rank told to stay silent (an int), or sys.exit() (None: success)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    from mfsdp.trainer.signals import Terminated
+
     user = is_user_error(exc)
-    status = (2 if user else 130 if isinstance(exc, KeyboardInterrupt) else 1)
+    status = (2 if user else 130 if isinstance(exc, KeyboardInterrupt) else
+              143 if isinstance(exc, Terminated) else 1)
     if _reported(store) or not _first(store, "error"):
         return status  # another rank said why the job ended
     if user:  # status 2, as every mfsdp command's user errors
@@ -476,7 +479,7 @@ def report_error(exc: BaseException, debug: bool) -> int:
                          "discarded)\n")
     elif is_timeout(exc):
         sys.stderr.write(f"mfsdp train: a collective timed out: {exc}\n")
-    elif is_peer_lost(exc):
+    elif is_peer_lost(exc) or isinstance(exc, Terminated):
         import signal
 
         # torchrun SIGTERMs the other ranks once it sees one die: say it first (the process
@@ -487,11 +490,18 @@ def report_error(exc: BaseException, debug: bool) -> int:
             pass
         me = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        who = lost_ranks(store, world, me) or "a peer rank"
+        who = lost_ranks(store, world, me)
+        if not who and isinstance(exc, Terminated):
+            sys.stderr.write("mfsdp train: SIGTERM: stopped without saving (start with "
+                             "--exit-signal-handler to save first); the checkpoints already in "
+                             "--save are complete (a save under way is discarded)\n")
+            sys.stderr.flush()
+            return status
+        who = who or "a peer rank"
         sys.stderr.write(f"mfsdp train: {who} stopped (killed, out of memory, or its node "
-                         f"failed): rank {me} lost its connection in a collective and the job "
-                         "ends; the checkpoints in --save are complete: resume from the latest "
-                         "(torchrun --max-restarts restarts the ranks by itself)\n")
+                         "failed) and the job ends; the checkpoints in --save are complete: "
+                         "resume from the latest (torchrun --max-restarts restarts the ranks by "
+                         "itself)\n")
     else:
         traceback.print_exception(exc)
     sys.stderr.flush()

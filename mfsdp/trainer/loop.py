@@ -17,7 +17,7 @@ from mfsdp.trainer.checkpointing import check_load_exists
 from mfsdp.trainer.config import TrainConfig
 from mfsdp.trainer.guard import SaveLock, Watch, report_error
 from mfsdp.trainer.profiling import check_profile_args
-from mfsdp.trainer.signals import install_early
+from mfsdp.trainer.signals import install_early, install_terminate
 from mfsdp.trainer.trainer import Trainer
 
 
@@ -90,6 +90,8 @@ def main_parsed(args: argparse.Namespace) -> int:
     and end the process cleanly (see :func:`mfsdp.runtime.shutdown`)."""
     started = False
     install_early(args.exit_signal_handler)  # a SIGTERM from here on is kept, not fatal
+    if not args.exit_signal_handler:
+        install_terminate()  # a SIGTERM ends the rank with one line, not silently
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m mfsdp.train`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",

@@ -73,6 +73,24 @@ def stop_request(handle_signal: bool) -> StopRequest:
     return _EARLY.pop() if _EARLY else StopRequest(handle_signal)
 
 
+class Terminated(BaseException):
+    """SIGTERM reached a rank that does not save on it (no ``--exit-signal-handler``): raised
+    from the signal handler :func:`install_terminate` sets, so the rank says in one line why
+    it stopped (``guard.report_error``) instead of dying silently."""
+
+
+def install_terminate() -> None:
+    """Without ``--exit-signal-handler``: SIGTERM raises :class:`Terminated` (the rank leaves
+    at once, without saving, through the one-line report; status 143 as for SIGTERM). Under
+    torchrun this is how a rank learns that a peer died: torchrun SIGTERMs the others."""
+    import signal
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 SAVE_DELAY_ENV = "MFSDP_TEST_SAVE_DELAY_S"
 
 
