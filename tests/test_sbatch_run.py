@@ -167,3 +167,24 @@ def test_a_stale_marker_of_an_earlier_attempt_is_removed(tmp_path):
                        STUB_STATUS="1")
     assert proc.returncode == 1 and not (job_dir / "saved-on-sigterm").exists()
     assert os.path.isdir(job_dir / "provenance")
+
+
+def test_a_requeued_job_resumes_from_its_own_checkpoints_not_the_starting_load(tmp_path):
+    """With load and save both set, the first attempt loads the starting checkpoint; once
+    CHECKPOINT_DIR holds a checkpoint (a requeue, a resubmission), --load is CHECKPOINT_DIR,
+    said in one line: no attempt trains again from the start over newer checkpoints."""
+    text = sbatch.render("llama3-8b", {"mock_data": "true", "load": "/pre trained/ck",
+                                       "save": "run ck"})
+    first = tmp_path / "first"
+    first.mkdir()
+    proc, got = _execute(text, first)
+    args = _trainer_argv(got["argv"])
+    assert proc.returncode == 0 and args[args.index("--load") + 1] == "/pre trained/ck"
+    again = tmp_path / "again"
+    (again / "run ck").mkdir(parents=True)
+    (again / "run ck" / "latest").write_text("iter_0000500\n")
+    proc, got = _execute(text, again)
+    args = _trainer_argv(got["argv"])
+    assert proc.returncode == 0 and args[args.index("--load") + 1] == f"{again}/run ck"
+    assert (f"mfsdp sbatch: {again}/run ck holds a checkpoint: resuming from it, not from the "
+            "starting --load") in proc.stdout

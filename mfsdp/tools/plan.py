@@ -456,18 +456,23 @@ def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0
     >>> best.world_size, best.tp, best.cp  # FSDP alone fits nowhere (activations: 170 GiB)
     (24, 1, 8)
     """
+    options = sorted(((tp, cp) for tp in tps for cp in cps if tp <= gpus_per_node),
+                     key=lambda tc: (tc[0] * tc[1], tc[0]))
     for nodes in _nodes("smallest layout with TP/CP", max_nodes, progress):
         world = nodes * gpus_per_node
-        options = sorted(((tp, cp) for tp in tps for cp in cps if tp <= gpus_per_node),
-                         key=lambda tc: (tc[0] * tc[1], tc[0]))
-        for tp, cp in options:
+        for tp, cp in list(options):
             try:
                 candidate = replace(layout, world_size=world, tp=tp, cp=cp,
                                     sequence_parallel=tp > 1)
             except ValueError:
                 continue
-            if plan(model, candidate).fits(device_gib):
+            p = plan(model, candidate)
+            if p.fits(device_gib):
                 return candidate
+            if not _fits_without_state(p, device_gib):
+                options.remove((tp, cp))  # more ranks shrink only the state: never fits
+        if not options:
+            return None
     return None
 
 

@@ -139,7 +139,27 @@ class SaveLock:
 
     def acquire(self) -> None:
         """Take the lock or raise SystemExit naming the holder; then remove (and note) what
-        unfinished saves left behind, which only a dead job can have left."""
+        unfinished saves left behind, which only a dead job can have left. A file system that
+        refuses the lock (full, read-only, not a directory) stops the job in one line, before
+        any training that could not be saved."""
+        from mfsdp.checkpoint.manifest import describe_os_error, os_error_remedy
+
+        try:
+            self._acquire()
+        except NotADirectoryError as exc:
+            raise SystemExit(f"mfsdp train: --save {self.root}: {exc.filename} is a file, not a "
+                             "directory; choose another --save") from None
+        except FileExistsError as exc:
+            raise SystemExit(f"mfsdp train: --save {self.root}: {exc.filename} is a file, not a "
+                             "directory; choose another --save") from None
+        except OSError as exc:
+            raise SystemExit(f"mfsdp train: --save {self.root}: cannot take its lock before "
+                             f"training: {describe_os_error(exc)}; {os_error_remedy(exc)} or "
+                             "choose another --save (nothing was trained, nothing is lost)"
+                             ) from None
+
+    def _acquire(self) -> None:
+        """:meth:`acquire` without its file-system message."""
         self.root.mkdir(parents=True, exist_ok=True)
         mine = {"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(),
                 "started": datetime.datetime.now().isoformat(timespec="seconds")}
@@ -395,7 +415,8 @@ def is_peer_lost(exc: BaseException) -> bool:
 def lost_ranks(store, world: int, me: int, wait_s: float = 2.0) -> str:
     """Which ranks stopped, from the progress board: those on this host whose process is gone,
     and those whose heartbeat stopped (``rank 1 (pid 4242 on node3, last posted at 'iteration
-    5: ...')``, the board being up to ``ALIVE_S`` seconds behind);
+    5: ...')``, the board being up to ``ALIVE_S`` seconds behind), but not those that left on
+    a SIGTERM of their own;
     '' when the board cannot tell. A killed process closes its connections before it is gone,
     so the board is read again for up to ``wait_s`` seconds."""
     if store is None:
@@ -414,6 +435,11 @@ def lost_ranks(store, world: int, me: int, wait_s: float = 2.0) -> str:
     while True:
         found = []
         for r, post in sorted(posts.items()):
+            try:  # it left on SIGTERM, as this rank does: not lost
+                if store.check([f"mfsdp/terminated/{r}"]):
+                    continue
+            except Exception:  # noqa: BLE001 - the store is gone
+                return ""
             what, alive = str(post[2]), float(post[3])
             local = len(post) >= 6 and post[4] == host
             where = f"pid {post[5]} on {post[4]}, " if len(post) >= 6 else ""
@@ -423,6 +449,18 @@ def lost_ranks(store, world: int, me: int, wait_s: float = 2.0) -> str:
             break
         time.sleep(0.1)
     return ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+
+
+def note_terminated() -> None:
+    """Tell the job's store that this rank leaves on a SIGTERM of its own (called from the
+    signal handler, before anything else can fail): :func:`lost_ranks` does not name it."""
+    store = _store()
+    if store is None or not dist.is_initialized():
+        return
+    try:
+        store.set(f"mfsdp/terminated/{dist.get_rank()}", "1")
+    except Exception:  # noqa: BLE001 - the store is gone
+        pass
 
 
 def is_user_error(exc: BaseException) -> bool:
@@ -467,6 +505,8 @@ def report_error(exc: BaseException, debug: bool) -> int:
     user = is_user_error(exc)
     status = (2 if user else 130 if isinstance(exc, KeyboardInterrupt) else
               143 if isinstance(exc, Terminated) else 1)
+    if isinstance(exc, Terminated):
+        note_terminated()
     if _reported(store) or not _first(store, "error"):
         return status  # another rank said why the job ended
     if user:  # status 2, as every mfsdp command's user errors

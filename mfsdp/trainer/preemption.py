@@ -187,5 +187,13 @@ def write_marker(iteration: int, save: str, env: dict | None = None) -> None:
     path = env.get(MARKER_ENV, "")
     if not path:
         return
-    Path(path).write_text(json.dumps({"iteration": iteration, "save": str(save),
-                                      "time": time.time()}) + "\n")
+    try:
+        Path(path).write_text(json.dumps({"iteration": iteration, "save": str(save),
+                                          "time": time.time()}) + "\n")
+    except OSError as exc:  # the save is complete: say so, and leave the status to torchrun
+        import sys
+
+        sys.stderr.write(f"mfsdp train: note: saved iteration {iteration} on SIGTERM, but "
+                         f"{MARKER_ENV}={path} cannot be written ({exc.strerror or exc}): the job "
+                         "script sees only the launcher's exit status\n")
+        sys.stderr.flush()

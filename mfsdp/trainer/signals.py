@@ -86,6 +86,9 @@ def install_terminate() -> None:
     import signal
 
     def handler(signum, frame):
+        from mfsdp.trainer.guard import note_terminated
+
+        note_terminated()  # (before a failed collective can be what this rank reports)
         raise Terminated()
 
     signal.signal(signal.SIGTERM, handler)

@@ -1,0 +1,179 @@
+"""Faults and bad inputs from the operations of a real cluster (the round-3 probe): a network
+file system slow to show a manifest, a save directory that refuses the lock at start-up, a
+requeued job given an old --load over a newer --save, records and markers that cannot be
+written after a complete save, a planner search that can never succeed, and a SIGTERM to ranks
+that do not save on it. Each is handled (nothing lost) and says so in one line.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mfsdp.checkpoint import manifest
+from mfsdp.checkpoint.manifest import CheckpointError, resolve_checkpoint
+from mfsdp.trainer.checkpointing import check_save_not_newer, latest_iteration
+from mfsdp.trainer.guard import SaveLock
+from mfsdp.trainer.preemption import MARKER_ENV, SAVE_TIME_FILE, SaveBudget, write_marker
+
+
+def test_nfs_slow_to_show_the_manifest_is_waited_for(tmp_path, monkeypatch):
+    """``latest`` and its directory are visible but manifest.json is not yet (an NFS client's
+    cached listing): the load waits for it instead of failing; a directory that never shows
+    one fails in one line saying how long it waited."""
+    monkeypatch.setattr(manifest, "NFS_SETTLE_S", 3.0)
+    (tmp_path / "iter_0000004").mkdir()
+    (tmp_path / "latest").write_text("iter_0000004\n")
+    timer = threading.Timer(0.6, (tmp_path / "iter_0000004" / "manifest.json").write_text,
+                            args=("{}",))
+    timer.start()
+    try:
+        assert resolve_checkpoint(tmp_path) == tmp_path / "iter_0000004"
+    finally:
+        timer.cancel()
+    (tmp_path / "iter_0000004" / "manifest.json").unlink()
+    start = time.monotonic()
+    with pytest.raises(CheckpointError) as err:
+        resolve_checkpoint(tmp_path)
+    assert 2.9 < time.monotonic() - start < 10
+    assert str(err.value) == (f"{tmp_path}/latest names 'iter_0000004', which has no "
+                              "manifest.json (incomplete or deleted checkpoint); waited 3 s for "
+                              "a network file system to show it")
+
+
+@pytest.mark.parametrize("code, fix", [
+    (errno.ENOSPC, "free space there"), (errno.EROFS, "make the file system writable again"),
+    (errno.EDQUOT, "free space within your quota")], ids=["full", "read-only", "quota"])
+def test_a_save_directory_that_refuses_the_lock_stops_before_training(tmp_path, monkeypatch,
+                                                                      code, fix):
+    """The file system refuses the lock file at start-up: one line naming the path, the fix,
+    and that nothing was trained (no run trains for hours and then cannot save)."""
+    real = Path.write_text
+
+    def refuse(self, *a, **k):
+        if self.name.startswith(".lock-"):
+            raise OSError(code, os.strerror(code), str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    with pytest.raises(SystemExit) as stop:
+        SaveLock(tmp_path / "ckpt").acquire()
+    text = str(stop.value.code)
+    assert text.startswith(f"mfsdp train: --save {tmp_path}/ckpt: cannot take its lock before "
+                           f"training: {os.strerror(code)[:1].lower()}"), text
+    assert text.endswith(f"; {fix} or choose another --save (nothing was trained, nothing is "
+                         "lost)"), text
+
+
+def _ckpt_config(save, load):
+    return SimpleNamespace(save=str(save) if save else "", load=str(load) if load else "")
+
+
+def test_an_old_load_over_a_newer_save_is_refused(tmp_path):
+    """A requeued job started with the original --load (iteration 0, or an older run) while its
+    --save already holds iteration 500: refused in one line before any step, instead of
+    overwriting iteration 500's history; the same directory (also through a symlink), an
+    empty --save, or an older --save are fine; Megatron-LM's tracker is read too."""
+    save, load = tmp_path / "run", tmp_path / "pretrained"
+    save.mkdir()
+    load.mkdir()
+    check_save_not_newer(_ckpt_config(save, load), 0)  # empty --save: a fresh fine-tune
+    (save / "latest").write_text("iter_0000500\n")
+    with pytest.raises(SystemExit) as stop:
+        check_save_not_newer(_ckpt_config(save, load), 0)
+    assert stop.value.code == (
+        f"mfsdp train: --save {save} already holds iteration 500, newer than iteration 0 "
+        f"resumed from --load {load}: training on would replace its checkpoints with another "
+        f"history. Resume from it (--load {save}), or choose a new --save")
+    check_save_not_newer(_ckpt_config(save, load), 500)
+    (tmp_path / "link").symlink_to(save)
+    check_save_not_newer(_ckpt_config(save, tmp_path / "link"), 0)
+    (save / "latest").unlink()
+    (save / "latest_checkpointed_iteration.txt").write_text("700")
+    assert latest_iteration(save) == 700
+    with pytest.raises(SystemExit, match="already holds iteration 700, newer than iteration 600"):
+        check_save_not_newer(_ckpt_config(save, load), 600)
+
+
+def test_save_records_that_cannot_be_read_or_written_lose_nothing(tmp_path, monkeypatch,
+                                                                   capsys):
+    """save_time.json damaged (a half-written copy): ignored, no line; the record or the
+    preemption marker unwritable after a complete save: the save stands, the marker's failure
+    is one note naming the path, and nothing raises."""
+    (tmp_path / SAVE_TIME_FILE).write_text('{"seconds": ')
+    lines: list[str] = []
+    budget = SaveBudget(str(tmp_path), lambda s, **k: lines.append(s),
+                        env={"MFSDP_PREEMPTION_GRACE_S": "10"})
+    assert budget.recorded() is None
+    budget.at_start()
+    assert lines == []
+    real = Path.write_text
+
+    def read_only(self, *a, **k):
+        if self.name.startswith(".latest-save-time") or self.name == "marker":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", read_only)
+    budget.after_save(3, 1.0)
+    assert not list(tmp_path.glob(".latest-save-time*"))
+    write_marker(3, "ck", env={MARKER_ENV: str(tmp_path / "marker")})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mfsdp train: note: saved iteration 3 on SIGTERM, but {MARKER_ENV}="
+                   f"{tmp_path}/marker cannot be written (Read-only file system): the job "
+                   "script sees only the launcher's exit status"]
+
+
+def test_a_planner_search_that_can_never_fit_ends_at_once():
+    """DeepSeek-V3 on 40 GiB devices: no TP/CP size makes the gathered weights and activations
+    fit, so no number of nodes can; the search says so after the first node counts instead of
+    trying all 4096 (about 9 hours before)."""
+    from mfsdp.tools.plan import PRESETS, Layout, smallest_layout
+
+    buf = io.StringIO()
+    start = time.monotonic()
+    assert smallest_layout(PRESETS["deepseek-v3"], Layout(8, seq_length=4096),
+                           device_gib=40.0, progress=buf) is None
+    assert time.monotonic() - start < 20
+    assert "smallest layout with TP/CP" in buf.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_sigterm_to_ranks_without_a_handler_is_one_line(tmp_path):
+    """SIGTERM to the whole job without --exit-signal-handler (a preemption the job did not
+    ask to save on): the ranks stop with one line between them, saying nothing was saved and
+    how to save next time; no traceback; status 143 from the ranks."""
+    log = tmp_path / "job.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "-m", "mfsdp.train", "--use-megatron-fsdp", "--global-batch-size", "4",
+           "--micro-batch-size", "1", "--log-interval", "1", "--train-iters", "100000"]
+    job = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "iteration     3/" not in log.read_text():
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        os.killpg(job.pid, signal.SIGTERM)
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    out = log.read_text()
+    said = [line for line in out.splitlines() if line.startswith("mfsdp train: SIGTERM")]
+    assert said == ["mfsdp train: SIGTERM: stopped without saving (start with "
+                    "--exit-signal-handler to save first); the checkpoints already in --save "
+                    "are complete (a save under way is discarded)"], out[-3000:]
+    assert "exitcode  : 143" in out or "exitcode: 143" in out or job.returncode != 0
+    assert out.count("Traceback (most recent call last)") <= out.count("SignalException:")
