@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from mfsdp.trainer.signals import TERMINATED_KEY
+
 __all__ = ["SaveLock", "Watch", "report_error", "is_user_error", "LOCK_FILE", "UNFINISHED"]
 
 LOCK_FILE = ".lock"
@@ -436,7 +438,7 @@ def lost_ranks(store, world: int, me: int, wait_s: float = 2.0) -> str:
         found = []
         for r, post in sorted(posts.items()):
             try:  # it left on SIGTERM, as this rank does: not lost
-                if store.check([f"mfsdp/terminated/{r}"]):
+                if store.check([f"{TERMINATED_KEY}/{r}"]):
                     continue
             except Exception:  # noqa: BLE001 - the store is gone
                 return ""
@@ -449,18 +451,6 @@ def lost_ranks(store, world: int, me: int, wait_s: float = 2.0) -> str:
             break
         time.sleep(0.1)
     return ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-
-
-def note_terminated() -> None:
-    """Tell the job's store that this rank leaves on a SIGTERM of its own (called from the
-    signal handler, before anything else can fail): :func:`lost_ranks` does not name it."""
-    store = _store()
-    if store is None or not dist.is_initialized():
-        return
-    try:
-        store.set(f"mfsdp/terminated/{dist.get_rank()}", "1")
-    except Exception:  # noqa: BLE001 - the store is gone
-        pass
 
 
 def is_user_error(exc: BaseException) -> bool:
@@ -500,13 +490,13 @@ def report_error(exc: BaseException, debug: bool) -> int:
     if isinstance(exc, SystemExit) and not isinstance(exc.code, str):
         # a rank told to stay silent (an int), or sys.exit() (None: success)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-    from mfsdp.trainer.signals import Terminated
+    from mfsdp.trainer.signals import Terminated, note_terminated
 
     user = is_user_error(exc)
     status = (2 if user else 130 if isinstance(exc, KeyboardInterrupt) else
               143 if isinstance(exc, Terminated) else 1)
     if isinstance(exc, Terminated):
-        note_terminated()
+        note_terminated()  # (the handler did already, unless it raised elsewhere)
     if _reported(store) or not _first(store, "error"):
         return status  # another rank said why the job ended
     if user:  # status 2, as every mfsdp command's user errors

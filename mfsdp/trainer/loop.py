@@ -17,7 +17,7 @@ from mfsdp.trainer.checkpointing import check_load_exists
 from mfsdp.trainer.config import TrainConfig
 from mfsdp.trainer.guard import SaveLock, Watch, report_error
 from mfsdp.trainer.profiling import check_profile_args
-from mfsdp.trainer.signals import install_early, install_terminate
+from mfsdp.trainer.signals import install_early, install_terminate, leaving
 from mfsdp.trainer.trainer import Trainer
 
 
@@ -109,9 +109,13 @@ def main_parsed(args: argparse.Namespace) -> int:
     except BaseException as exc:  # noqa: BLE001 - said once, in one line when it is the user's
         if not started:
             raise
+        if not args.exit_signal_handler:
+            leaving()  # torchrun's SIGTERM to the other ranks must not cut the report short
         # no barrier (a peer may never come); leave without the interpreter's teardown
         shutdown(barrier=False, exit_code=report_error(exc, args.debug))
     if started:
+        if not args.exit_signal_handler:
+            leaving()
         # This process owns the group: barrier, destroy, and leave without the interpreter's
         # teardown, in which gloo's threads can abort a finished run (see shutdown()).
         shutdown(exit_code=0)
