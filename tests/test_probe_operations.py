@@ -177,3 +177,62 @@ def test_sigterm_to_ranks_without_a_handler_is_one_line(tmp_path):
                     "are complete (a save under way is discarded)"], out[-3000:]
     assert "exitcode  : 143" in out or "exitcode: 143" in out or job.returncode != 0
     assert out.count("Traceback (most recent call last)") <= out.count("SignalException:")
+
+
+def _lock_of(root: Path, host: str, pid: int, job: str, age_s: float) -> Path:
+    import json
+
+    root.mkdir(parents=True, exist_ok=True)
+    lock = root / ".lock"
+    lock.write_text(json.dumps({"host": host, "pid": pid, "job": job, "started": "earlier"}))
+    then = time.time() - age_s
+    os.utime(lock, (then, then))
+    return lock
+
+
+def test_a_lock_that_looks_stale_after_a_clock_jump_is_not_taken_over(tmp_path, monkeypatch):
+    """A lock held on another host whose modification time is 400 s old (the holder's clock,
+    or ours, jumped): before taking it over the job watches one heartbeat period; the live
+    holder touches it, and the job refuses instead of saving into a directory in use. A
+    really dead holder's lock is taken over after that period."""
+    from mfsdp.trainer import guard
+
+    monkeypatch.setattr(guard, "HEARTBEAT_S", 1.0)
+    lock = _lock_of(tmp_path / "ck", "other-node", 4242, "", 400)
+    toucher = threading.Timer(0.5, os.utime, args=(lock,))
+    toucher.start()
+    try:
+        with pytest.raises(SystemExit) as stop:
+            SaveLock(tmp_path / "ck").acquire()
+    finally:
+        toucher.cancel()
+    assert str(stop.value.code).startswith(f"mfsdp train: --save {tmp_path}/ck is in use by pid "
+                                           "4242 on other-node"), stop.value.code
+    _lock_of(tmp_path / "ck", "other-node", 4242, "", 400)
+    taken = SaveLock(tmp_path / "ck")
+    taken.acquire()
+    assert taken.held and taken.notes == [f"took over the lock of {tmp_path}/ck (its heartbeat "
+                                          "stopped 400 s ago)"]
+    taken.release()
+
+
+def test_a_requeued_attempt_does_not_take_the_lock_of_its_live_predecessor(tmp_path,
+                                                                           monkeypatch):
+    """The same Slurm job, requeued onto the same node while its previous attempt's rank 0
+    still runs (still saving): the job id matches, but the live pid wins and the new attempt
+    refuses; once that process is gone the lock is taken over at once."""
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _lock_of(tmp_path / "ck", os.uname().nodename, holder.pid, "777", 5)
+        with pytest.raises(SystemExit) as stop:
+            SaveLock(tmp_path / "ck").acquire()
+        assert f"is in use by job 777, pid {holder.pid}" in str(stop.value.code)
+    finally:
+        holder.kill()
+        holder.wait()
+    taken = SaveLock(tmp_path / "ck")
+    taken.acquire()
+    assert taken.notes == [f"took over the lock of {tmp_path}/ck (its process {holder.pid} on "
+                           "this host is gone)"]
+    taken.release()

@@ -129,15 +129,35 @@ class SaveLock:
         except FileNotFoundError:
             return "it was released"
         job = _job_id()
-        if job and info.get("job") == job:
-            return f"it is this job's ({job}), from before a restart"
+        # on this host the holder's pid decides, also for this job's earlier attempt (a
+        # requeue or restart whose previous rank 0 still lives, e.g. still saving)
         if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
             if not _alive(info["pid"]):
                 return f"its process {info['pid']} on this host is gone"
             return ""
-        if age > STALE_AFTER_S:
+        if job and info.get("job") == job:
+            return f"it is this job's ({job}), from before a restart"
+        if age > STALE_AFTER_S and not self._heartbeat_moves():
             return f"its heartbeat stopped {age:.0f} s ago"
         return ""
+
+    def _heartbeat_moves(self) -> bool:
+        """Whether the lock's heartbeat moves within one heartbeat period and a sixth: a lock
+        that looks old only because a clock jumped or two hosts' clocks disagree is still
+        touched by its live holder, and is not taken over."""
+        try:
+            before = self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return False
+        deadline = time.monotonic() + HEARTBEAT_S * 7 / 6  # (35 s: a period and a margin)
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, HEARTBEAT_S / 4))
+            try:
+                if self.path.stat().st_mtime_ns != before:
+                    return True
+            except FileNotFoundError:
+                return False
+        return False
 
     def acquire(self) -> None:
         """Take the lock or raise SystemExit naming the holder; then remove (and note) what
