@@ -143,6 +143,7 @@ def test_a_damaged_hugging_face_index_is_named(tmp_path, text, words):
     assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.extended  # (transformers' import and save: the reader's message is tested above)
 def test_convert_names_a_damaged_index_in_one_line(tmp_path, capsys):
     """mfsdp convert --from hf of a transformers checkpoint whose index lost its weight_map:
     status 2, one line naming the index, nothing written."""

@@ -8,9 +8,10 @@ A SIGTERM is followed by a SIGKILL after a grace the launcher or scheduler fixes
 - a Slurm script with ``#SBATCH --signal=B:TERM@N`` gives the ranks ``N`` seconds before the time
   limit; the mfsdp templates export that lead as ``MFSDP_PREEMPTION_GRACE_S``.
 
-:func:`grace` reads it. Rank 0 times every save (:class:`SaveBudget`), keeps the last time in
-``--save``'s ``save_time.json``, and says in one line, at start-up (from the time a previous job
-recorded there) or after the first save that does not fit, what to set.
+:func:`grace` reads it. With ``--exit-signal-handler`` rank 0 times every save
+(:class:`SaveBudget`), keeps the last time in ``--save``'s ``save_time.json``, and says in one
+line, at start-up (from the time a previous job recorded there) or after the first save that
+does not fit, what to set.
 
 After a save on SIGTERM, rank 0 writes ``$MFSDP_PREEMPTION_MARKER`` (when set): torchrun that got
 the signal itself exits 1 (its ``SignalException``) although every rank saved and exited 0, and
@@ -129,8 +130,11 @@ class SaveBudget:
         self.root = Path(root) if root else None
         # rank 0's log (a no-op elsewhere)
         self.log = log
+        # whether the run saves on SIGTERM (--exit-signal-handler): only such a run records
+        # its saves' times and checks them
+        self.saves_on_signal = saves_on_signal
         # (seconds, what gives them, the fix), or None: no launcher fixes one, or the run does
-        # not save on SIGTERM (no --exit-signal-handler)
+        # not save on SIGTERM
         self.grace = grace(env) if saves_on_signal else None
         # said once per job: a second slow save repeats nothing
         self.warned = False
@@ -155,7 +159,7 @@ class SaveBudget:
 
     def after_save(self, iteration: int, seconds: float) -> None:
         """Record a save of ``seconds`` (rank 0) and check it against the grace."""
-        if self.root is None:
+        if self.root is None or not self.saves_on_signal:
             return
         tmp = self.root / f".latest-save-time-{os.getpid()}"
         try:

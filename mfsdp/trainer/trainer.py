@@ -200,7 +200,7 @@ class Trainer:
         self.token_flops = (flops_per_token(self.cfg, c.training.seq_length)
                             if logging.log_throughput else None)
         self.stop = stop_request(c.checkpoint.exit_signal_handler)
-        # (only a run that saves on SIGTERM has a grace to fit; every run records its saves)
+        # (only a run that saves on SIGTERM has a grace to fit, and records its saves' times)
         self.budget = SaveBudget(c.checkpoint.save if c.parallel.use_megatron_fsdp else None,
                                  self.log, saves_on_signal=c.checkpoint.exit_signal_handler)
         self.budget.at_start()
