@@ -236,3 +236,36 @@ def test_a_requeued_attempt_does_not_take_the_lock_of_its_live_predecessor(tmp_p
     assert taken.notes == [f"took over the lock of {tmp_path}/ck (its process {holder.pid} on "
                            "this host is gone)"]
     taken.release()
+
+
+def test_data_tokenized_with_a_larger_vocabulary_is_refused_at_start(tmp_path):
+    """A corpus written with a 128k-token tokenizer, trained with a 32k-vocabulary model: the
+    first tokens of the .bin already hold ids past the vocabulary, so the run stops at start-up
+    in one line naming the .bin (not hours later at the first such sample); ids within the
+    vocabulary pass."""
+    import numpy
+
+    from mfsdp.data.batches import read_data
+    from mfsdp.data.indexed import IndexedDatasetBuilder
+    from mfsdp.train import build_parser
+    from mfsdp.trainer.config import TrainConfig
+
+    builder = IndexedDatasetBuilder(tmp_path / "c.bin", dtype=numpy.int32)
+    rng = numpy.random.default_rng(0)
+    for _ in range(64):
+        builder.add_document(rng.integers(0, 128000, 40))
+    builder.finalize(tmp_path / "c.idx")
+    args = build_parser().parse_args(["--use-megatron-fsdp", "--data-path", str(tmp_path / "c"),
+                                      "--split", "1,0,0", "--seq-length", "16",
+                                      "--train-iters", "2", "--global-batch-size", "2"])
+    config = TrainConfig.from_args(args)
+    high = int(numpy.fromfile(tmp_path / "c.bin", dtype=numpy.int32).max())
+    with pytest.raises(SystemExit) as stop:
+        read_data(config.data, config.training, 32000)
+    assert stop.value.code == (
+        f"mfsdp train: --data-path {tmp_path}/c.bin holds token id {high} among its first 2560 "
+        "tokens, beyond the model's vocabulary of 32000: it was tokenized with a larger "
+        "vocabulary than this run's; pass the tokenizer it was written with "
+        "(--tokenizer-model, --vocab-size), or write it again with mfsdp preprocess and this "
+        "run's tokenizer")
+    assert read_data(config.data, config.training, 128256) is not None

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy
 
-__all__ = ["DTYPE_CODES", "IndexedDataset", "IndexedDatasetBuilder", "is_indexed_prefix",
-           "optimal_dtype"]
+__all__ = ["DTYPE_CODES", "IndexedDataset", "IndexedDatasetBuilder", "first_tokens_range",
+           "is_indexed_prefix", "optimal_dtype"]
 
 MAGIC = b"MMIDIDX\x00\x00"
 DTYPE_CODES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64,
@@ -106,6 +106,28 @@ def _check_index_arrays(idx: str, lengths, pointers, documents, itemsize: int) -
     if why:
         raise ValueError(f"{idx}: {why} (a damaged index); write the .bin/.idx pair again with "
                          "mfsdp preprocess or copy it again")
+
+
+def first_tokens_range(prefix: str | os.PathLike, max_tokens: int = 1 << 22
+                       ) -> tuple[int, int, int]:
+    """``(smallest, largest, count)`` of the first ``max_tokens`` token ids of ``prefix.bin``
+    (its dtype from the ``.idx`` header): a cheap look at what tokenizer wrote it, reading a
+    few MiB whatever the corpus' size. ``(0, 0, 0)`` for an empty or unreadable pair."""
+    prefix = str(prefix)
+    try:
+        with open(prefix + ".idx", "rb") as f:
+            head = f.read(_HEADER_BYTES)
+        if len(head) < _HEADER_BYTES or head[:len(MAGIC)] != MAGIC:
+            return (0, 0, 0)
+        dtype = DTYPE_CODES.get(head[len(MAGIC) + 8])
+        size = os.path.getsize(prefix + ".bin") // numpy.dtype(dtype).itemsize if dtype else 0
+        if not size:
+            return (0, 0, 0)
+        tokens = numpy.memmap(prefix + ".bin", dtype=dtype, mode="r",
+                              shape=(min(size, max_tokens),))
+        return (int(tokens.min()), int(tokens.max()), int(tokens.size))
+    except OSError:
+        return (0, 0, 0)
 
 
 class IndexedDataset:
