@@ -144,13 +144,13 @@ class IndexedDataset:
         self.prefix = prefix
         idx = prefix + ".idx"
         raw = Path(idx).read_bytes()
+        if raw[:len(MAGIC)] != MAGIC:
+            raise ValueError(f"{prefix}.idx is not a Megatron index (header {raw[:9]!r}, expected "
+                             f"{MAGIC!r})")
         if len(raw) < _HEADER_BYTES:
             raise ValueError(f"{idx} holds {len(raw)} bytes, less than a Megatron index's "
                              f"{_HEADER_BYTES}-byte header (a truncated copy); write it again "
                              "with mfsdp preprocess or copy it again")
-        if raw[:len(MAGIC)] != MAGIC:
-            raise ValueError(f"{prefix}.idx is not a Megatron index (header {raw[:9]!r}, expected "
-                             f"{MAGIC!r})")
         version, = struct.unpack_from("<Q", raw, len(MAGIC))
         if version != 1:
             raise ValueError(f"{prefix}.idx: index version {version}; only version 1 exists")
