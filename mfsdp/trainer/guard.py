@@ -549,9 +549,9 @@ def report_error(exc: BaseException, debug: bool) -> int:
             return status
         who = who or "a peer rank"
         sys.stderr.write(f"mfsdp train: {who} stopped (killed, out of memory, or its node "
-                         "failed) and the job ends; the checkpoints in --save are complete: "
-                         "resume from the latest (torchrun --max-restarts restarts the ranks by "
-                         "itself)\n")
+                         "failed), so the other ranks stop too; the checkpoints in --save are "
+                         "complete: resume from the latest (torchrun --max-restarts restarts the "
+                         "ranks by itself)\n")
     else:
         traceback.print_exception(exc)
     sys.stderr.flush()
