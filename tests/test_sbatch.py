@@ -321,7 +321,7 @@ def _values_in_bash(text: str, tmp_path) -> dict:
     """Run the script's assignments and TRAIN_ARGS under bash in ``tmp_path`` and return what
     bash made of them (nothing else of the script runs)."""
     keep = [line for line in text.splitlines()
-            if re.match(r"^(DATA_PATH|TOKENIZER_MODEL|CHECKPOINT_DIR|LOG_DIR|TENSORBOARD_DIR|DATA_CACHE_DIR)=",
+            if re.match(r"^(DATA_PATH|TOKENIZER_MODEL|CHECKPOINT_DIR|LOAD_FROM|LOG_DIR|TENSORBOARD_DIR|DATA_CACHE_DIR)=",
                         line)]
     body = re.search(r"^TRAIN_ARGS=\(\n.*?^\)\n", text, re.S | re.M).group(0)
     prog = "\n".join(["set -eu", "SLURM_JOB_NAME=j", *keep, body,

@@ -99,12 +99,40 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                 "point --load at that directory")
         target = path / name
         if not (target / "manifest.json").exists():
-            raise CheckpointError(f"{latest} names {name!r}, which has no manifest.json "
-                                  "(incomplete or deleted checkpoint)")
+            waited = _settle(target)
+            if waited is None:
+                raise CheckpointError(f"{latest} names {name!r}, which has no manifest.json "
+                                      "(incomplete or deleted checkpoint)"
+                                      + (f"; waited {NFS_SETTLE_S:g} s for a network file "
+                                         "system to show it" if target.is_dir() else ""))
         return target
     raise CheckpointError(f"no checkpoint at {path}: neither {path}/manifest.json nor "
                           f"{path}/latest exists (a directory named .tmp-* is an unfinished save)")
 
+
+
+# How long a checkpoint directory that exists may take to show its manifest.json: NFS clients
+# cache directory listings (acdirmax, 60 s by default; 30 s is what most sites set), so a job
+# on another node can see `latest` and the directory before the manifest written last.
+NFS_SETTLE_S = 30.0
+
+
+def _settle(target: Path) -> float | None:
+    """Wait for ``target/manifest.json`` while ``target`` exists (reading the directory, which
+    makes an NFS client ask the server again); the seconds waited, or None if it never came."""
+    import time
+
+    if not target.is_dir():
+        return None
+    start = time.monotonic()
+    while time.monotonic() - start < NFS_SETTLE_S:
+        try:
+            if "manifest.json" in os.listdir(target):
+                return time.monotonic() - start
+        except OSError:
+            return None
+        time.sleep(0.5)
+    return None
 
 
 def read_manifest(path: str | os.PathLike) -> dict:

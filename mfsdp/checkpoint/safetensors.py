@@ -81,6 +81,35 @@ def load_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]
         return {name: f.get_tensor(name) for name in f.keys()}, dict(f.metadata() or {})
 
 
+def read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a ``model.safetensors.index.json`` (tensor name -> shard file), or
+    a ``ValueError`` naming the index when it is not JSON, has no ``weight_map`` object, or
+    maps a name to anything but a file name beside it."""
+    try:
+        data = json.loads(index.read_text())
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{index} is not JSON text ({exc.reason} at byte {exc.start}): the "
+                         "index of the safetensors shards is damaged; copy it again from the "
+                         "model's source") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{index} is not JSON ({exc.msg} at line {exc.lineno} column "
+                         f"{exc.colno}): the index of the safetensors shards is damaged or cut "
+                         "short; copy it again from the model's source") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        what = ("has no 'weight_map'" if not isinstance(data, dict) or "weight_map" not in data
+                else "has an empty or malformed 'weight_map'")
+        raise ValueError(f"{index} {what} (a Hugging Face index maps every tensor name to its "
+                         "shard file there); copy it again from the model's source, or remove "
+                         "it when the directory holds a single model.safetensors")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or Path(file).name != file:
+            raise ValueError(f"{index}: 'weight_map' maps {name!r} to {file!r}, not the name of "
+                             "a shard file beside the index; copy the index again from the "
+                             "model's source")
+    return weight_map
+
+
 class SafetensorsReader:
     """Tensors of a safetensors file or Hugging Face directory, read one at a time on demand.
 
@@ -106,7 +135,7 @@ class SafetensorsReader:
         if path.is_dir():
             index = path / "model.safetensors.index.json"
             if index.exists():
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                files = sorted(set(read_index(index).values()))
             elif (path / "model.safetensors").exists():
                 files = ["model.safetensors"]
             else:

@@ -80,11 +80,29 @@ def read_data(data, training, vocab_size: int | None = None
         raise SystemExit(f"mfsdp train: {e}") from None
     if splits[0] is None:
         raise SystemExit(f"--split {data.split} leaves no training documents")
+    if vocab_size:
+        from mfsdp.data.indexed import first_tokens_range
+
+        for prefix in dict.fromkeys(p for p in paths if is_indexed_prefix(p)):
+            _check_vocabulary(prefix, first_tokens_range(prefix), vocab_size)
     tok = tokenizer_of(data, vocab_size)
     if data.sequence_packing and tok is None:
         raise SystemExit("--sequence-packing with indexed datasets cuts samples at EOD tokens: "
                          "name the tokenizer (--tokenizer-type) so its EOD id is known")
     return MegatronData(splits, tok.eod if tok is not None else None)
+
+
+def _check_vocabulary(prefix: str, found: tuple[int, int, int], vocab_size: int) -> None:
+    """At start-up: stop (every rank, one line) when the first tokens of ``prefix.bin`` already
+    hold an id beyond the vocabulary, the sign of data tokenized with another tokenizer than
+    this run's, instead of failing at the first such sample hours later."""
+    low, high, n = found
+    if n and high >= vocab_size:
+        raise SystemExit(f"mfsdp train: --data-path {prefix}.bin holds token id {high} among its "
+                         f"first {n} tokens, beyond the model's vocabulary of {vocab_size}: it "
+                         "was tokenized with a larger vocabulary than this run's; pass the "
+                         "tokenizer it was written with (--tokenizer-model, --vocab-size), or "
+                         "write it again with mfsdp preprocess and this run's tokenizer")
 
 
 def _check_token_ids(seqs, rows, base: int, iteration: int, vocab_size: int) -> None:

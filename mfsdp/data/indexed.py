@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy
 
-__all__ = ["DTYPE_CODES", "IndexedDataset", "IndexedDatasetBuilder", "is_indexed_prefix",
-           "optimal_dtype"]
+__all__ = ["DTYPE_CODES", "IndexedDataset", "IndexedDatasetBuilder", "first_tokens_range",
+           "is_indexed_prefix", "optimal_dtype"]
 
 MAGIC = b"MMIDIDX\x00\x00"
 DTYPE_CODES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64,
@@ -74,6 +74,62 @@ def _check_prefix(prefix: str) -> None:
                                 "`mfsdp preprocess` writes one from JSONL)")
 
 
+def _check_index_size(idx: str, nbytes: int, count: int, docs: int) -> None:
+    """Refuse an ``.idx`` whose sequence or document count does not match its size (a damaged
+    header or a truncated file), naming the ``.idx``."""
+    expected = _HEADER_BYTES + 12 * count + 8 * docs
+    if nbytes != expected:
+        raise ValueError(f"{idx}: its header counts {count} sequences and {docs} document "
+                         f"boundaries, which take {expected} bytes, but the file holds {nbytes} "
+                         "(a damaged header or a truncated copy); write the .bin/.idx pair "
+                         "again with mfsdp preprocess or copy it again")
+
+
+def _check_index_arrays(idx: str, lengths, pointers, documents, itemsize: int) -> None:
+    """Refuse an ``.idx`` whose arrays contradict each other, naming it: a negative length, a
+    first or last pointer that is not where the lengths put it, document boundaries that do
+    not run from 0 to the sequence count (checks that read each array once and allocate
+    nothing: an index of a large corpus holds hundreds of millions of sequences)."""
+    why = ""
+    n = lengths.size
+    if n and int(lengths.min()) < 0:
+        why = f"sequence {int(numpy.argmin(lengths))} has a negative length"
+    elif n and int(pointers[0]) != 0:
+        why = f"sequence 0 starts at byte {int(pointers[0])}, not 0"
+    elif n and (int(pointers[-1]) + int(lengths[-1]) * itemsize
+                != int(lengths.sum(dtype=numpy.int64)) * itemsize):
+        why = (f"the last sequence starts at byte {int(pointers[-1])}, not where the lengths "
+               "before it end")
+    elif documents.size and (int(documents[0]) != 0 or int(documents[-1]) != n):
+        why = (f"its document boundaries run from {int(documents[0])} to "
+               f"{int(documents[-1])}, not from 0 to its {n} sequences")
+    if why:
+        raise ValueError(f"{idx}: {why} (a damaged index); write the .bin/.idx pair again with "
+                         "mfsdp preprocess or copy it again")
+
+
+def first_tokens_range(prefix: str | os.PathLike, max_tokens: int = 1 << 22
+                       ) -> tuple[int, int, int]:
+    """``(smallest, largest, count)`` of the first ``max_tokens`` token ids of ``prefix.bin``
+    (its dtype from the ``.idx`` header): a cheap look at what tokenizer wrote it, reading a
+    few MiB whatever the corpus' size. ``(0, 0, 0)`` for an empty or unreadable pair."""
+    prefix = str(prefix)
+    try:
+        with open(prefix + ".idx", "rb") as f:
+            head = f.read(_HEADER_BYTES)
+        if len(head) < _HEADER_BYTES or head[:len(MAGIC)] != MAGIC:
+            return (0, 0, 0)
+        dtype = DTYPE_CODES.get(head[len(MAGIC) + 8])
+        size = os.path.getsize(prefix + ".bin") // numpy.dtype(dtype).itemsize if dtype else 0
+        if not size:
+            return (0, 0, 0)
+        tokens = numpy.memmap(prefix + ".bin", dtype=dtype, mode="r",
+                              shape=(min(size, max_tokens),))
+        return (int(tokens.min()), int(tokens.max()), int(tokens.size))
+    except OSError:
+        return (0, 0, 0)
+
+
 class IndexedDataset:
     """A memory-mapped Megatron indexed dataset (``prefix.bin`` + ``prefix.idx``), read-only.
 
@@ -86,10 +142,15 @@ class IndexedDataset:
         prefix = str(prefix)
         _check_prefix(prefix)
         self.prefix = prefix
-        raw = Path(prefix + ".idx").read_bytes()
+        idx = prefix + ".idx"
+        raw = Path(idx).read_bytes()
         if raw[:len(MAGIC)] != MAGIC:
             raise ValueError(f"{prefix}.idx is not a Megatron index (header {raw[:9]!r}, expected "
                              f"{MAGIC!r})")
+        if len(raw) < _HEADER_BYTES:
+            raise ValueError(f"{idx} holds {len(raw)} bytes, less than a Megatron index's "
+                             f"{_HEADER_BYTES}-byte header (a truncated copy); write it again "
+                             "with mfsdp preprocess or copy it again")
         version, = struct.unpack_from("<Q", raw, len(MAGIC))
         if version != 1:
             raise ValueError(f"{prefix}.idx: index version {version}; only version 1 exists")
@@ -98,12 +159,15 @@ class IndexedDataset:
             raise ValueError(f"{prefix}.idx: unknown dtype code {code}")
         self.dtype = DTYPE_CODES[code]
         count, docs = struct.unpack_from("<QQ", raw, len(MAGIC) + 9)
+        _check_index_size(idx, len(raw), count, docs)
         offset = _HEADER_BYTES
         self.sequence_lengths = numpy.frombuffer(raw, numpy.int32, count, offset)
         offset += 4 * count
         self.sequence_pointers = numpy.frombuffer(raw, numpy.int64, count, offset)
         offset += 8 * count
         self.document_indices = numpy.frombuffer(raw, numpy.int64, docs, offset)
+        _check_index_arrays(idx, self.sequence_lengths, self.sequence_pointers,
+                            self.document_indices, numpy.dtype(self.dtype).itemsize)
         size = os.path.getsize(prefix + ".bin")
         itemsize = numpy.dtype(self.dtype).itemsize
         expected = int(self.sequence_lengths.sum(dtype=numpy.int64)) * itemsize

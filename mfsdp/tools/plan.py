@@ -453,10 +453,21 @@ def estimate(model: ModelConfig, layout: Layout, gpu="h100", **overrides):
     return step_time(model, layout, plan(model, layout).comm, gpu, **overrides)
 
 
+def _nodes(what: str, max_nodes: int, progress) -> object:
+    """The node counts a search tries, ``1..max_nodes``, behind a ``tqdm`` bar on ``progress``
+    (a stream: stderr for the CLI) or silently (``None``)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(range(1, max_nodes + 1), desc=what, unit=" node counts", file=progress,
+                disable=progress is None, leave=False, mininterval=0.5, dynamic_ncols=True)
+
+
 def smallest_world(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
-                   gpus_per_node: int = 8, max_nodes: int = 4096) -> int | None:
-    """The smallest world size (whole nodes) on which every rank fits, or None."""
-    for nodes in range(1, max_nodes + 1):
+                   gpus_per_node: int = 8, max_nodes: int = 4096,
+                   progress=None) -> int | None:
+    """The smallest world size (whole nodes) on which every rank fits, or None; ``progress``: a
+    stream for a ``tqdm`` bar of the node counts tried (the CLI passes stderr)."""
+    for nodes in _nodes("smallest world", max_nodes, progress):
         world = nodes * gpus_per_node
         try:
             candidate = replace(layout, world_size=world)
@@ -477,26 +488,32 @@ def _fits_without_state(p: Plan, device_gib: float) -> bool:
 
 def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
                     gpus_per_node: int = 8, tps=(1, 2, 4, 8), cps=(1, 2, 4, 8),
-                    max_nodes: int = 4096) -> Layout | None:
+                    max_nodes: int = 4096, progress=None) -> Layout | None:
     """The layout on the fewest whole nodes where every rank fits, searching the TP and CP sizes
     too (TP at most a node: its traffic needs NVLink); among equal worlds the least TP x CP.
+    ``progress``: a stream for a ``tqdm`` bar of the node counts tried (the CLI passes stderr).
 
     >>> best = smallest_layout(PRESETS["llama3-70b"], Layout(8, seq_length=8192))
     >>> best.world_size, best.tp, best.cp  # FSDP alone fits nowhere (activations: 170 GiB)
     (24, 1, 8)
     """
-    for nodes in range(1, max_nodes + 1):
+    options = sorted(((tp, cp) for tp in tps for cp in cps if tp <= gpus_per_node),
+                     key=lambda tc: (tc[0] * tc[1], tc[0]))
+    for nodes in _nodes("smallest layout with TP/CP", max_nodes, progress):
         world = nodes * gpus_per_node
-        options = sorted(((tp, cp) for tp in tps for cp in cps if tp <= gpus_per_node),
-                         key=lambda tc: (tc[0] * tc[1], tc[0]))
-        for tp, cp in options:
+        for tp, cp in list(options):
             try:
                 candidate = replace(layout, world_size=world, tp=tp, cp=cp,
                                     sequence_parallel=tp > 1)
             except ValueError:
                 continue
-            if plan(model, candidate).fits(device_gib):
+            p = plan(model, candidate)
+            if p.fits(device_gib):
                 return candidate
+            if not _fits_without_state(p, device_gib):
+                options.remove((tp, cp))  # more ranks shrink only the state: never fits
+        if not options:
+            return None
     return None
 
 
@@ -605,9 +622,9 @@ def run(args: argparse.Namespace) -> int:
     print(step_time(model, layout, p.comm, args.gpu,
                     **{k: v for k, v in given.items() if v is not None}).summary())
     if args.smallest:
-        world = smallest_world(model, layout, args.device_gib)
+        world = smallest_world(model, layout, args.device_gib, progress=sys.stderr)
         print(f"smallest world that fits: {world if world else 'none up to 4096 nodes'}")
-        best = smallest_layout(model, layout, args.device_gib)
+        best = smallest_layout(model, layout, args.device_gib, progress=sys.stderr)
         if best is not None:
             print(f"smallest with TP/CP searched: {best.world_size} (TP {best.tp}"
                   f"{' + SP' if best.sequence_parallel else ''}, CP {best.cp})")

@@ -63,7 +63,47 @@ class Checkpointer:
         0 without ``--load``."""
         if not self.checkpoint.load:
             return 0
-        return load_for_training(self.checkpoint, self.training, model, opt, routers, self.cfg)
+        resumed = load_for_training(self.checkpoint, self.training, model, opt, routers,
+                                    self.cfg)
+        check_save_not_newer(self.checkpoint, resumed)
+        return resumed
+
+
+def latest_iteration(root) -> int | None:
+    """The iteration ``root``'s ``latest`` (or Megatron-LM's tracker) names, or None."""
+    from mfsdp.checkpoint.detect import TRACKER
+
+    root = Path(root)
+    for name in ("latest", TRACKER):
+        try:
+            text = (root / name).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        digits = text.removeprefix("iter_")
+        if digits.isdigit():
+            return int(digits)
+    return None
+
+
+def check_save_not_newer(checkpoint, resumed: int) -> None:
+    """Refuse to train on when ``--save`` (another directory than ``--load``) already holds a
+    checkpoint newer than the iteration resumed from: the run would overwrite it with a
+    history it never had (a requeued job given an old --load, or two runs' paths swapped)."""
+    if not (checkpoint.save and checkpoint.load):
+        return
+    save, load = Path(checkpoint.save), Path(checkpoint.load)
+    try:
+        if save.resolve() == load.resolve():
+            return
+    except OSError:
+        return
+    newer = latest_iteration(save)
+    if newer is not None and newer > resumed:
+        raise SystemExit(f"mfsdp train: --save {save} already holds iteration {newer}, newer "
+                         f"than iteration {resumed} resumed from --load {load}: training on "
+                         "would replace its checkpoints with another history. Resume from it "
+                         "(--load "
+                         f"{save}), or choose a new --save")
 
 
 def previous_checkpoint(root) -> str:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from mfsdp.trainer.signals import TERMINATED_KEY
+
 __all__ = ["SaveLock", "Watch", "report_error", "is_user_error", "LOCK_FILE", "UNFINISHED"]
 
 LOCK_FILE = ".lock"
@@ -81,6 +83,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    if not _alive(pid):
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def _job_id() -> str:
     return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
 
@@ -117,19 +129,59 @@ class SaveLock:
         except FileNotFoundError:
             return "it was released"
         job = _job_id()
-        if job and info.get("job") == job:
-            return f"it is this job's ({job}), from before a restart"
+        # on this host the holder's pid decides, also for this job's earlier attempt (a
+        # requeue or restart whose previous rank 0 still lives, e.g. still saving)
         if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
             if not _alive(info["pid"]):
                 return f"its process {info['pid']} on this host is gone"
             return ""
-        if age > STALE_AFTER_S:
+        if job and info.get("job") == job:
+            return f"it is this job's ({job}), from before a restart"
+        if age > STALE_AFTER_S and not self._heartbeat_moves():
             return f"its heartbeat stopped {age:.0f} s ago"
         return ""
 
+    def _heartbeat_moves(self) -> bool:
+        """Whether the lock's heartbeat moves within one heartbeat period and a sixth: a lock
+        that looks old only because a clock jumped or two hosts' clocks disagree is still
+        touched by its live holder, and is not taken over."""
+        try:
+            before = self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return False
+        deadline = time.monotonic() + HEARTBEAT_S * 7 / 6  # (35 s: a period and a margin)
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, HEARTBEAT_S / 4))
+            try:
+                if self.path.stat().st_mtime_ns != before:
+                    return True
+            except FileNotFoundError:
+                return False
+        return False
+
     def acquire(self) -> None:
         """Take the lock or raise SystemExit naming the holder; then remove (and note) what
-        unfinished saves left behind, which only a dead job can have left."""
+        unfinished saves left behind, which only a dead job can have left. A file system that
+        refuses the lock (full, read-only, not a directory) stops the job in one line, before
+        any training that could not be saved."""
+        from mfsdp.checkpoint.manifest import describe_os_error, os_error_remedy
+
+        try:
+            self._acquire()
+        except NotADirectoryError as exc:
+            raise SystemExit(f"mfsdp train: --save {self.root}: {exc.filename} is a file, not a "
+                             "directory; choose another --save") from None
+        except FileExistsError as exc:
+            raise SystemExit(f"mfsdp train: --save {self.root}: {exc.filename} is a file, not a "
+                             "directory; choose another --save") from None
+        except OSError as exc:
+            raise SystemExit(f"mfsdp train: --save {self.root}: cannot take its lock before "
+                             f"training: {describe_os_error(exc)}; {os_error_remedy(exc)} or "
+                             "choose another --save (nothing was trained, nothing is lost)"
+                             ) from None
+
+    def _acquire(self) -> None:
+        """:meth:`acquire` without its file-system message."""
         self.root.mkdir(parents=True, exist_ok=True)
         mine = {"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(),
                 "started": datetime.datetime.now().isoformat(timespec="seconds")}
@@ -252,7 +304,8 @@ class Watch:
         if self.store is not None:
             try:
                 self.store.set(f"mfsdp/progress/{self.rank}",
-                               json.dumps([*self.position, time.time()]))
+                               json.dumps([*self.position, time.time(), socket.gethostname(),
+                                           os.getpid()]))
             except Exception:  # noqa: BLE001 - the board is a diagnosis aid, never a failure
                 pass
 
@@ -279,7 +332,7 @@ class Watch:
         for r in range(self.world):
             try:
                 if self.store.check([f"mfsdp/progress/{r}"]):
-                    seq, t, what, alive = json.loads(self.store.get(f"mfsdp/progress/{r}"))
+                    seq, t, what, alive = json.loads(self.store.get(f"mfsdp/progress/{r}"))[:4]
                     out[r] = (int(seq), float(t), str(what), float(alive))
             except Exception:  # noqa: BLE001
                 continue
@@ -372,6 +425,54 @@ def _ranks(rs: list[int]) -> str:
     return text + (f",... ({len(rs)} ranks)" if len(runs) > 8 else "")
 
 
+def is_peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because a peer rank's process went away
+    (gloo's and NCCL's words for a closed connection)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        w in text for w in ("Connection reset by peer", "Connection closed by peer",
+                            "Broken pipe", "remote process exited", "Socket closed"))
+
+
+def lost_ranks(store, world: int, me: int, wait_s: float = 2.0) -> str:
+    """Which ranks stopped, from the progress board: those on this host whose process is gone,
+    and those whose heartbeat stopped (``rank 1 (pid 4242 on node3, last posted at 'iteration
+    5: ...')``, the board being up to ``ALIVE_S`` seconds behind), but not those that left on
+    a SIGTERM of their own;
+    '' when the board cannot tell. A killed process closes its connections before it is gone,
+    so the board is read again for up to ``wait_s`` seconds."""
+    if store is None:
+        return ""
+    posts = {}
+    for r in range(world):
+        if r == me:
+            continue
+        try:
+            if store.check([f"mfsdp/progress/{r}"]):
+                posts[r] = json.loads(store.get(f"mfsdp/progress/{r}"))
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to read
+            return ""
+    host = socket.gethostname()
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for r, post in sorted(posts.items()):
+            try:  # it left on SIGTERM, as this rank does: not lost
+                if store.check([f"{TERMINATED_KEY}/{r}"]):
+                    continue
+            except Exception:  # noqa: BLE001 - the store is gone
+                return ""
+            what, alive = str(post[2]), float(post[3])
+            local = len(post) >= 6 and post[4] == host
+            where = f"pid {post[5]} on {post[4]}, " if len(post) >= 6 else ""
+            if (local and not _running(int(post[5]))) or time.time() - alive > 3 * ALIVE_S:
+                found.append(f"rank {r} ({where}last posted at '{what}')")
+        if found or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+
+
 def is_user_error(exc: BaseException) -> bool:
     """Whether ``exc`` is the user's to fix (a flag, a path, a checkpoint, non-finite numbers)
     rather than a bug: its message is then all there is to say."""
@@ -395,7 +496,9 @@ def report_error(exc: BaseException, debug: bool) -> int:
     The first rank of the job to get here speaks (the ranks agree through the job's store);
     every later rank stays silent, whatever ended it (most often the first rank's exit, seen
     as a closed connection). A user error (``is_user_error``): its message in one line, no
-    traceback, status 2. SIGINT (Ctrl-C): one line, status 130. A timed-out collective: one
+    traceback, status 2. SIGINT (Ctrl-C): one line, status 130. A peer rank that went away (killed,
+    out of memory, a lost node): one line naming it from the progress board, status 1. A
+    timed-out collective: one
     line (the hang report said more). Anything else is a bug: its traceback. ``debug``: every
     rank prints its traceback."""
     import traceback
@@ -407,8 +510,13 @@ def report_error(exc: BaseException, debug: bool) -> int:
     if isinstance(exc, SystemExit) and not isinstance(exc.code, str):
         # a rank told to stay silent (an int), or sys.exit() (None: success)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    from mfsdp.trainer.signals import Terminated, note_terminated
+
     user = is_user_error(exc)
-    status = (2 if user else 130 if isinstance(exc, KeyboardInterrupt) else 1)
+    status = (2 if user else 130 if isinstance(exc, KeyboardInterrupt) else
+              143 if isinstance(exc, Terminated) else 1)
+    if isinstance(exc, Terminated):
+        note_terminated()  # (the handler did already, unless it raised elsewhere)
     if _reported(store) or not _first(store, "error"):
         return status  # another rank said why the job ended
     if user:  # status 2, as every mfsdp command's user errors
@@ -421,6 +529,29 @@ def report_error(exc: BaseException, debug: bool) -> int:
                          "discarded)\n")
     elif is_timeout(exc):
         sys.stderr.write(f"mfsdp train: a collective timed out: {exc}\n")
+    elif is_peer_lost(exc) or isinstance(exc, Terminated):
+        import signal
+
+        # torchrun SIGTERMs the other ranks once it sees one die: say it first (the process
+        # leaves right after, and torchrun SIGKILLs it after its shutdown timeout anyway)
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            pass
+        me = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        who = lost_ranks(store, world, me)
+        if not who and isinstance(exc, Terminated):
+            sys.stderr.write("mfsdp train: SIGTERM: stopped without saving (start with "
+                             "--exit-signal-handler to save first); the checkpoints already in "
+                             "--save are complete (a save under way is discarded)\n")
+            sys.stderr.flush()
+            return status
+        who = who or "a peer rank"
+        sys.stderr.write(f"mfsdp train: {who} stopped (killed, out of memory, or its node "
+                         "failed), so the other ranks stop too; the checkpoints in --save are "
+                         "complete: resume from the latest (torchrun --max-restarts restarts the "
+                         "ranks by itself)\n")
     else:
         traceback.print_exception(exc)
     sys.stderr.flush()

@@ -17,7 +17,7 @@ from mfsdp.trainer.checkpointing import check_load_exists
 from mfsdp.trainer.config import TrainConfig
 from mfsdp.trainer.guard import SaveLock, Watch, report_error
 from mfsdp.trainer.profiling import check_profile_args
-from mfsdp.trainer.signals import install_early
+from mfsdp.trainer.signals import install_early, install_terminate, leaving
 from mfsdp.trainer.trainer import Trainer
 
 
@@ -90,6 +90,8 @@ def main_parsed(args: argparse.Namespace) -> int:
     and end the process cleanly (see :func:`mfsdp.runtime.shutdown`)."""
     started = False
     install_early(args.exit_signal_handler)  # a SIGTERM from here on is kept, not fatal
+    if not args.exit_signal_handler:
+        install_terminate()  # a SIGTERM ends the rank with one line, not silently
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m mfsdp.train`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
@@ -107,9 +109,13 @@ def main_parsed(args: argparse.Namespace) -> int:
     except BaseException as exc:  # noqa: BLE001 - said once, in one line when it is the user's
         if not started:
             raise
+        if not args.exit_signal_handler:
+            leaving()  # torchrun's SIGTERM to the other ranks must not cut the report short
         # no barrier (a peer may never come); leave without the interpreter's teardown
         shutdown(barrier=False, exit_code=report_error(exc, args.debug))
     if started:
+        if not args.exit_signal_handler:
+            leaving()
         # This process owns the group: barrier, destroy, and leave without the interpreter's
         # teardown, in which gloo's threads can abort a finished run (see shutdown()).
         shutdown(exit_code=0)

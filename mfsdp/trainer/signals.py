@@ -73,6 +73,57 @@ def stop_request(handle_signal: bool) -> StopRequest:
     return _EARLY.pop() if _EARLY else StopRequest(handle_signal)
 
 
+class Terminated(BaseException):
+    """SIGTERM reached a rank that does not save on it (no ``--exit-signal-handler``): raised
+    from the signal handler :func:`install_terminate` sets, so the rank says in one line why
+    it stopped (``guard.report_error``) instead of dying silently."""
+
+
+# the job's store key under which a rank that leaves on SIGTERM says so (see guard.lost_ranks)
+TERMINATED_KEY = "mfsdp/terminated"
+
+
+def note_terminated() -> None:
+    """Tell the job's store that this rank leaves on a SIGTERM of its own (called from the
+    signal handler, before a failed collective can be what this rank reports): the report of
+    a lost rank (``guard.lost_ranks``) does not name it."""
+    if not dist.is_initialized():
+        return
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        _get_default_store().set(f"{TERMINATED_KEY}/{dist.get_rank()}", "1")
+    except Exception:  # noqa: BLE001 - no store, or it is gone
+        pass
+
+
+def install_terminate() -> None:
+    """Without ``--exit-signal-handler``: SIGTERM raises :class:`Terminated` once (the rank
+    leaves at once, without saving, through the one-line report; status 143 as for SIGTERM;
+    later SIGTERMs are ignored while it leaves). Under torchrun this is how a rank learns that
+    a peer died: torchrun SIGTERMs the others. :func:`leaving` ends it."""
+    import signal
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the rank is on its way out
+        note_terminated()  # (before a failed collective can be what this rank reports)
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def leaving() -> None:
+    """The rank is ending (its report said why, or the run finished): a SIGTERM from now on
+    (torchrun's, to the ranks still running after one failed) cannot interrupt the report or the
+    shutdown with a traceback; the launcher's SIGKILL after its shutdown timeout still ends a
+    rank that hangs."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 SAVE_DELAY_ENV = "MFSDP_TEST_SAVE_DELAY_S"
 
 

@@ -25,6 +25,7 @@ from mfsdp.trainer.config import TrainConfig
 from mfsdp.trainer.guard import Watch
 from mfsdp.trainer.metrics import MetricSinks
 from mfsdp.trainer.parallel import build_sharded_model, micro_batch
+from mfsdp.trainer.preemption import SaveBudget, write_marker
 from mfsdp.trainer.profiling import Profiler
 from mfsdp.trainer.signals import StopRequest, stop_request
 
@@ -70,6 +71,11 @@ class Trainer:
         self.jsonl = None
         self.sinks: MetricSinks | None = None
         self.stop: StopRequest | None = None
+        # why the agreed stop ended the run ('' while none did): a save on SIGTERM writes the
+        # marker the job script reads (preemption.write_marker)
+        self.stop_why = ""
+        # rank 0's clock on saves against the preemption grace (opened by open_outputs)
+        self.budget: SaveBudget | None = None
         self.profiler: Profiler | None = None
         # model FLOPs per token for --log-throughput (None without it)
         self.token_flops: float | None = None
@@ -155,6 +161,10 @@ class Trainer:
         self.token_flops = (flops_per_token(self.cfg, c.training.seq_length)
                             if logging.log_throughput else None)
         self.stop = stop_request(c.checkpoint.exit_signal_handler)
+        # (only a run that saves on SIGTERM has a grace to fit, and records its saves' times)
+        self.budget = SaveBudget(c.checkpoint.save if c.parallel.use_megatron_fsdp else None,
+                                 self.log, saves_on_signal=c.checkpoint.exit_signal_handler)
+        self.budget.at_start()
         self.profiler = Profiler(c.profiling, logging.tensorboard_dir, self.device)
         self.t_start = time.perf_counter()
 
@@ -354,6 +364,7 @@ class Trainer:
         why = self.stop.reason(c.checkpoint, self.t_start, self.device)
         if why and iteration < c.training.train_iters:
             leaving = True
+            self.stop_why = why
             if not c.checkpoint.save:
                 self.log(f"warning: {why} but no --save: nothing is kept", flush=True)
             self.log(f"{why}: stopping after iteration {iteration}", flush=True)
@@ -367,9 +378,15 @@ class Trainer:
                 (c.checkpoint.save_interval and iteration % c.checkpoint.save_interval == 0)
                 or iteration == c.training.train_iters or leaving):
             self.watch.mark(f"iteration {iteration}: saving")
+            t0 = time.perf_counter()
             self.checkpointer.save(self.model, self.opt, iteration, self.routers)
+            seconds = time.perf_counter() - t0
             self.log(f"saved iteration {iteration} to {c.checkpoint.save} ({c.checkpoint.ckpt_format})",
                      flush=True)
+            if self.rank == 0:
+                self.budget.after_save(iteration, seconds)
+                if leaving and self.stop_why.startswith("SIGTERM"):
+                    write_marker(iteration, c.checkpoint.save)
 
     def close(self) -> None:
         """Stop the profiler, restore the signal handlers, close ``--log-jsonl`` and the sinks;

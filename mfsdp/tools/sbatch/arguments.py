@@ -139,7 +139,9 @@ def train_args(v: dict) -> list[str]:
         if v["signal_seconds"] > 0:
             a += ["--exit-signal-handler"]
         a += ["--ckpt-format", v["ckpt_format"]]
-    if v["load"]:
+    if v["load"] and v["save"]:  # the script picks: LOAD, or CHECKPOINT_DIR once it holds one
+        a += ["--load", Var("LOAD_FROM")]
+    elif v["load"]:
         a += ["--load", v["load"]]
     elif v["save"]:
         a += ["--load", Var("CHECKPOINT_DIR")]

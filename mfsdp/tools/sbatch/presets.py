@@ -82,7 +82,8 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "max_restarts": (int, "launcher=torchrun: torchrun --max-restarts, restarts after a rank "
                           "dies (0: none)"),
     "ckpt_format": (str, "--ckpt-format"),
-    "load": (str, "--load directory (empty: start fresh)"),
+    "load": (str, "--load directory (empty: start fresh); with save, only until the save "
+                  "directory holds a checkpoint, which a requeued job resumes from"),
     "log_interval": (int, "--log-interval"),
     "log_jsonl": (str, "trainer=mfsdp: --log-jsonl file (empty: none)"),
     "wandb_project": (str, "trainer=megatron-lm: the W&B project, used when WANDB_API_KEY is set "
