@@ -72,6 +72,11 @@ myst_fence_as_directive = ["mermaid"]
 myst_heading_anchors = 3
 
 autosummary_generate = True
+# API pages: the page's table of contents lists members by their own names (``load_state_dict``,
+# not ``FullyShardedModule.load_state_dict`` cut to fit the sidebar), and a signature longer
+# than a code line breaks one argument per line.
+toc_object_entries_show_parents = "hide"
+maximum_signature_line_length = 88
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
 napoleon_google_docstring = True
