@@ -42,6 +42,7 @@ extensions = [
     "sphinxcontrib.mermaid",
     "cli_reference",  # docs/_ext: CLI reference tables generated from the argparse parsers
     "compat_matrix",  # docs/_ext: the compatibility matrix, measured and cached by a digest
+    "planner_calculator",  # docs/_ext: the planner page's calculator, tables from mfsdp plan
 ]
 templates_path = ["docs/_templates"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -50,7 +51,7 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 _VENDOR = ROOT / "build" / "vendor"
 html_static_path = ["docs/_static"]
 html_css_files = ["mfsdp.css"]
-html_js_files = ["mfsdp-wrap.js"]
+html_js_files = ["mfsdp-wrap.js", "mfsdp-planner.js"]
 if (_VENDOR / "mermaid" / "mermaid.esm.min.mjs").exists():
     html_static_path.append(str(_VENDOR))
     mermaid_use_local = "mermaid/mermaid.esm.min.mjs"
