@@ -43,6 +43,8 @@ extensions = [
     "cli_reference",  # docs/_ext: CLI reference tables generated from the argparse parsers
     "compat_matrix",  # docs/_ext: the compatibility matrix, measured and cached by a digest
     "planner_calculator",  # docs/_ext: the planner page's calculator, tables from mfsdp plan
+    "measured",  # docs/_ext: when, where and with what a page's numbers were measured
+    "external_links",  # docs/_ext: issue references and named projects become links
 ]
 templates_path = ["docs/_templates"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -118,6 +120,9 @@ sphinx_gallery_conf = {
     "show_memory": False,
     "run_stale_examples": True,  # set per build by _recipe_cache below
     "capture_repr": (),
+    # before each recipe runs: record when, on what machine and with which versions it ran
+    # (docs/_ext/measured.py puts that line under the recipe's title)
+    "reset_modules": ("matplotlib", "measured.stamp_recipe"),
     # matplotlib's scraper, after a check of every figure (docs/_ext/recipe_figures.py): an empty
     # axes or a legend over a label is a warning, an error under -W
     "image_scrapers": ("recipe_figures.checked_matplotlib_scraper",),  # show what recipes print, not the repr of a last expression
