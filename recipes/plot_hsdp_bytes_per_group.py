@@ -40,10 +40,11 @@ for name, kw in layouts.items():
     rows.append((name, {g: b / 2**20 for g, b in run["sent_bytes"].items()},
                  4 * run["numel"] / 2**20, run["grad_and_optimizer_bytes"] / 2**20))
 
-print(f"{'layout':<40} | {'dp_shard MiB':>12} | {'dp_outer MiB':>12} | grads+optim MiB/rank")
+print(f"{'layout':<40} | {'dp_shard':>8} | {'dp_outer':>8} | grads+optim per rank")
 for name, sent, model_mib, state_mib in rows:
-    print(f"{name:<40} | {sent.get('dp_shard', 0):12.3f} | {sent.get('dp_outer', 0):12.3f} | "
-          f"{state_mib:.3f}")
+    shard, outer = sent.get("dp_shard", 0), sent.get("dp_outer", 0)
+    print(f"{name:<40} | {shard:8.3f} | {outer:8.3f} | {state_mib:.3f}")
+print("(MiB sent per rank and step by each group; MiB of state per rank)")
 print(f"(model: {rows[0][2]:.3f} MiB of fp32 weights)")
 
 # %%

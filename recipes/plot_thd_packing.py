@@ -41,14 +41,16 @@ from mfsdp.launch import launch
 
 counts = [17, 70]
 run = "mfsdp.examples.moe_dispatch:run_layer"
-results = launch(run, 2, args=("flex", counts), kwargs=dict(flex_backend="torch", steps=1))
-exact = launch(run, 2, args=("alltoall", counts), kwargs=dict(steps=1))  # no padding at all
+results = launch(run, 2, args=("flex", counts),
+                 kwargs=dict(flex_backend="torch", steps=1))
+exact = launch(run, 2, args=("alltoall", counts), kwargs=dict(steps=1))  # no padding
 for rank, (r, a) in enumerate(zip(results, exact)):
     diff = (r["output"] - a["output"]).abs().max().item()
-    print(f"rank {rank}: {counts[rank]} tokens, padded to {r['padded_tokens']}, a padding row "
-          f"routed to an expert: {r['padding_routed']}, output rows {r['output'].shape[0]}, "
-          f"max |out - alltoall's| = {diff:.1e}")
-    assert r["output"].shape[0] == counts[rank] and not r["padding_routed"] and diff < 1e-5
+    rows = r["output"].shape[0]
+    print(f"rank {rank}: {counts[rank]} tokens, padded to {r['padded_tokens']}; "
+          f"a padding row routed to an expert: {r['padding_routed']}")
+    print(f"        output rows {rows}, max |out - alltoall's| = {diff:.1e}")
+    assert rows == counts[rank] and not r["padding_routed"] and diff < 1e-5
 
 # %%
 # Plot
