@@ -83,7 +83,8 @@ out = subprocess.run(
      "--load", str(work / "imported"), "--save", str(work / "finetuned"),
      "--expert-model-parallel-size", "2", "--train-iters", "30", "--mock-data",
      "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-     "--lr", "3e-3", "--lr-warmup-iters", "3", "--lr-decay-style", "cosine", "--log-jsonl", str(work / "log.jsonl")],
+     "--lr", "3e-3", "--lr-warmup-iters", "3", "--lr-decay-style", "cosine",
+     "--log-jsonl", str(work / "log.jsonl")],
     capture_output=True, text=True, check=True,
     env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
 print("\n".join(out.stdout.splitlines()[:3]))
