@@ -52,7 +52,7 @@ print(f"(model: {rows[0][2]:.3f} MiB of fp32 weights)")
 # ----
 import matplotlib.pyplot as plt
 
-fig, ax = plt.subplots(figsize=(8, 3.5))
+fig, ax = plt.subplots(figsize=(8, 3.8), layout="constrained")
 names = [r[0] for r in rows]
 inner = [r[1].get("dp_shard", 0) for r in rows]
 outer = [r[1].get("dp_outer", 0) for r in rows]
@@ -60,5 +60,5 @@ ax.barh(names, inner, label="shard group (inside a node)")
 ax.barh(names, outer, left=inner, label="outer group (between nodes)")
 ax.set_xlabel("MiB sent per rank per step")
 ax.invert_yaxis()
-ax.legend(loc="lower right")
-fig.tight_layout()
+# the legend above the axes: inside, it would cover the longest bars
+fig.legend(loc="outside upper center", ncols=2, frameon=False)

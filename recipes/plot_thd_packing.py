@@ -57,7 +57,7 @@ for rank, (r, a) in enumerate(zip(results, exact)):
 # ----
 import matplotlib.pyplot as plt
 
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.2), layout="constrained")
 ax1.imshow(mask.int(), cmap="Blues")
 ax1.set_title(f"attention mask of sequences {lengths}")
 ax1.set_xlabel("key token")
@@ -68,6 +68,6 @@ ax2.barh([f"rank {r}" for r in range(2)], [padded - c for c in counts], left=cou
          label="padding (routes nowhere, trimmed)", color="tab:gray", alpha=0.5)
 ax2.axvline(max(counts), color="k", ls=":", label=f"MAX over EP = {max(counts)}")
 ax2.set_xlabel(f"rows exchanged per slot (padded to {padded}, a multiple of 64)")
-ax2.legend(loc="lower right")
-fig.tight_layout()
+# the legend above the bars, not over them
+ax2.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
 plt.show()
