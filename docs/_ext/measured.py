@@ -75,7 +75,8 @@ def line(stamp: dict[str, str], verb: str = "Measured") -> str:
             f"mfsdp {stamp['mfsdp']}.")
 
 
-def _paragraph(text: str) -> nodes.paragraph:
+def paragraph(text: str) -> nodes.paragraph:
+    """The measured-on line as a paragraph of class ``mfsdp-measured``."""
     para = nodes.paragraph(text, text)
     para["classes"].append("mfsdp-measured")
     return para
@@ -106,7 +107,7 @@ class Measured(SphinxDirective):
                 datetime.date.fromisoformat(given["date"])
             except ValueError:
                 raise self.error(f"mfsdp-measured: :date: {given['date']!r} is not YYYY-MM-DD")
-        return [_paragraph(line(given or this_machine()))]
+        return [paragraph(line(given or this_machine()))]
 
 
 def _recipe_pages(app, doctree) -> None:
@@ -127,7 +128,7 @@ def _recipe_pages(app, doctree) -> None:
         return
     title = next(iter(section.findall(nodes.title)))
     title.parent.insert(title.parent.index(title) + 1,
-                        _paragraph(line(json.loads(stamp.read_text()), "Ran")))
+                        paragraph(line(json.loads(stamp.read_text()), "Ran")))
 
 
 def setup(app):
