@@ -23,7 +23,7 @@ ALLOWED_LONG: set[str] = set()
 # fenced blocks whose body is not prose
 CODE_FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*(\{(?P<directive>[\w:-]+)\})?")
 PROSE_DIRECTIVES = {"note", "tip", "warning", "important", "caution", "seealso", "admonition",
-                    "dropdown", "attention", "hint", "danger", "error"}
+                    "dropdown", "attention", "hint", "danger", "error", "glossary"}
 
 
 def paragraphs(text: str) -> list[tuple[int, str]]:
