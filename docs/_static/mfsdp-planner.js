@@ -44,7 +44,18 @@
   }
 
   const TERMS = ["weights", "main_weights", "grads", "optimizer", "gathered", "activations"];
-  const grouped = n => Math.round(n).toString().replace(/\B(?=(\d{3})+(?!\d))/g, ",");
+
+  /* x with d decimals as Python's format() writes it: JavaScript's toFixed rounds a value
+     exactly halfway (17.125, a binary fraction) away from zero, Python to the even digit. */
+  function fixed(x, d) {
+    const rounded = x.toFixed(d);
+    const exact = Math.abs(x).toFixed(Math.min(100, d + 60));  // every digit of the double
+    const dot = exact.indexOf(".");
+    if (!/^50*$/.test(exact.slice(dot + 1 + d))) return rounded;
+    const down = exact.slice(0, d ? dot + 1 + d : dot);
+    return Number(down[down.length - 1]) % 2 ? rounded : (x < 0 ? "-" : "") + down;
+  }
+  const grouped = n => fixed(n, 0).replace(/\B(?=(\d{3})+(?!\d))/g, ",");
 
   function command(inputs) {
     const parts = [`mfsdp plan ${inputs.preset} --world-size ${inputs.world_size}`];
@@ -81,9 +92,9 @@
       out.appendChild(p);
       return;
     }
-    const rows = TERMS.map(t => `<tr><td>${t}</td><td data-out="${t}">${got[t].toFixed(2)}</td></tr>`);
+    const rows = TERMS.map(t => `<tr><td>${t}</td><td data-out="${t}">${fixed(got[t], 2)}</td></tr>`);
     rows.push(`<tr class="mfsdp-calc-total"><td>total</td>` +
-              `<td data-out="total">${got.total.toFixed(2)}</td></tr>`);
+              `<td data-out="total">${fixed(got.total, 2)}</td></tr>`);
     const fits = got.total <= 80 - 4;
     out.innerHTML =
       `<table class="mfsdp-calc-memory"><thead><tr><th>memory term</th><th>GiB per GPU</th></tr>` +
@@ -91,11 +102,11 @@
       `<p class="mfsdp-calc-fits" data-out="fits">${fits ? "Fits" : "Does not fit"} on an 80 GiB ` +
       `GPU (total at most 76 GiB: 4 GiB stay with the CUDA context and the allocator).</p>` +
       `<p class="mfsdp-calc-time">Predicted step on H100s: <b data-out="step_s">` +
-      `${got.step_s.toFixed(2)}</b> s (compute <span data-out="compute_s">` +
-      `${got.compute_s.toFixed(2)}</span> s), <span data-out="tokens_per_gpu_s">` +
+      `${fixed(got.step_s, 2)}</b> s (compute <span data-out="compute_s">` +
+      `${fixed(got.compute_s, 2)}</span> s), <span data-out="tokens_per_gpu_s">` +
       `${grouped(got.tokens_per_gpu_s)}</span> tokens/s per GPU, <span data-out="tflops">` +
       `${grouped(got.model_tflops_per_gpu)}</span> model TFLOP/s per GPU, MFU ` +
-      `<span data-out="mfu">${(100 * got.mfu).toFixed(1)}</span>%.</p>` +
+      `<span data-out="mfu">${fixed(100 * got.mfu, 1)}</span>%.</p>` +
       `<p>The same estimate in a terminal:</p><pre class="mfsdp-calc-command"></pre>`;
     out.querySelector("pre").textContent = command(inputs);
   }

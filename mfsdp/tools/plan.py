@@ -510,6 +510,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp plan`` command."""
     model = PRESETS[args.preset]
+    # the layout's own checks first: a TP x CP larger than the world is its error, not a
+    # division by zero below
+    Layout(args.world_size, args.strategy, args.dp_outer, args.outer_strategy, args.ep,
+           tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
     dp = args.world_size // (args.tp * args.cp)  # data-parallel ranks: one batch slice each
     gbs = args.global_batch_size or args.micro_batch * dp
     if gbs % (args.micro_batch * dp):
