@@ -125,9 +125,9 @@ def _external_links():
 
 
 def test_no_page_overflows_and_diagram_text_is_readable(site):
-    """Every page of the guide at 1280 and 1920 px (API reference pages at 1280 px): every code and
-    output block scrolls and never wraps (computed white-space "pre"), no element reaches past its
-    column, no flag renders with an en dash, no literal (nor a sidebar entry) wrapped inside a word
+    """Every page of the guide at 1280 and 1920 px (API reference pages at 1280 px): no code
+    block wraps (computed white-space "pre"; a recipe's printed output wraps as a terminal
+    would), no element reaches past its column, no flag renders with an en dash, no literal (nor a sidebar entry) wrapped inside a word
     (only at spaces, dots, slashes, commas, underscores), plot text at least 10 px as rendered, diagram text at least 3/4 of the body
     text size, no overlapping diagram labels; no code block or table that scrolls sideways, no
     table-of-contents entry cut off, no issue reference outside a link, no project of

@@ -36,7 +36,7 @@ LABELS = {
     "seq_length": "Sequence length (tokens)",
     "recompute": "Recompute",
 }
-DEFAULTS = {"preset": "llama3-8b", "world_size": 64}
+DEFAULTS = {"preset": "llama3-8b", "world_size": 64, "seq_length": 4096}  # mfsdp plan's
 
 
 def _option(value, selected: bool) -> str:
