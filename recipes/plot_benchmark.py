@@ -19,8 +19,8 @@ The command
 -----------
 .. code-block:: bash
 
-    mfsdp bench --world-sizes 2 --hidden-size 256 --ffn-hidden-size 704 --num-layers 6 \\
-        --rounds 6 --no-memory --json bench.json
+    mfsdp bench --world-sizes 2 --hidden-size 256 --ffn-hidden-size 704 \\
+        --num-layers 6 --rounds 6 --no-memory --json bench.json
 
 ``--device cuda`` runs it with NCCL on one GPU per rank; ``mfsdp bench --help`` lists the models
 and systems.

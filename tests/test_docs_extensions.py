@@ -72,3 +72,16 @@ def test_every_measured_on_directive_gives_every_field(page):
         assert set(fields) in (set(), set(measured.FIELDS)), (page, fields)
         if fields:
             datetime.date.fromisoformat(fields["date"])
+
+
+def test_text_in_an_autosummary_table_is_linked():
+    """autosummary's table is a docutils comment subclass that is rendered: its text is prose."""
+    from sphinx.ext.autosummary import autosummary_table
+
+    tree = publish_doctree("Title\n=====\n")
+    table = autosummary_table("")
+    table += nodes.paragraph("", "", nodes.Text("Start the group: NCCL on GPUs."))
+    tree += table
+    external_links.add_links(None, tree, "api")
+    assert [(n.astext(), n["refuri"]) for n in tree.findall(nodes.reference)] == [
+        ("NCCL", external_links.PROJECTS["NCCL"])]

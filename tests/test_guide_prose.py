@@ -167,3 +167,50 @@ def test_recipe_code_fits_the_column(recipe):
     """A recipe's code, shown on its page, fits the column too (CODE_WIDTH)."""
     wide = recipe_code_lines((ROOT / "recipes" / recipe).read_text())
     assert not wide, "\n".join(f"recipes/{recipe}:{n}: {w} characters" for n, w in wide)
+
+
+def included_code() -> list[tuple[str, int, str]]:
+    """``(file, line number, line)`` of every source line the guide and the recipes show with a
+    ``literalinclude`` (``:pyobject:`` an object's lines, ``:start-at:`` from there to the end)."""
+    import ast
+
+    out = []
+    sources = [*(ROOT / "docs").glob("*.md"), *(ROOT / "recipes").glob("plot_*.py")]
+    include = re.compile(r"literalinclude:*\}?\s+(?P<path>\S+)\s*\n(?P<options>(?:\s*:[\w-]+:.*\n)*)")
+    for source in sources:
+        for m in include.finditer(source.read_text()):
+            # a recipe's page is generated into docs/recipes/, where its paths start
+            base = ROOT / "docs" / "recipes" if source.suffix == ".py" else source.parent
+            path = (base / m["path"]).resolve()
+            options = dict(re.findall(r":([\w-]+):\s*(.*)", m["options"]))
+            lines = path.read_text().splitlines()
+            first, last = 1, len(lines)
+            if "pyobject" in options:
+                node = next(n for n in ast.walk(ast.parse(path.read_text()))
+                            if getattr(n, "name", None) == options["pyobject"].strip())
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                last = node.end_lineno
+            elif "start-at" in options:
+                needle = options["start-at"].strip().strip('"')
+                first = next(i for i, line in enumerate(lines, 1) if needle in line)
+            out += [(path.relative_to(ROOT).as_posix(), n, lines[n - 1])
+                    for n in range(first, last + 1)]
+    return sorted(set(out))
+
+
+def test_included_source_fits_the_column():
+    """The package source a page or recipe shows (``literalinclude``) fits the column too."""
+    wide = [f"{f}:{n}: {len(line)} characters" for f, n, line in included_code()
+            if len(line) > CODE_WIDTH]
+    assert not wide, "\n".join(wide)
+
+
+def test_recipe_docstring_commands_fit_the_column():
+    """The commands in a recipe's introduction (indented blocks of its docstring) fit too."""
+    wide = []
+    for recipe in sorted((ROOT / "recipes").glob("plot_*.py")):
+        lines = recipe.read_text().splitlines()
+        end = next(i for i in range(1, len(lines)) if '"""' in lines[i])
+        wide += [f"{recipe.name}:{i + 1}: {len(lines[i])} characters" for i in range(1, end)
+                 if lines[i].startswith("    ") and len(lines[i]) > CODE_WIDTH]
+    assert not wide, "\n".join(wide)

@@ -43,7 +43,7 @@ REPOS = {"Megatron-LM": "NVIDIA/Megatron-LM", "Megatron-Bridge": "NVIDIA-NeMo/Me
 
 ISSUE = re.compile(r"(?<![\w/.-])(?:(?P<owner>[\w.-]+)/)?(?P<repo>[\w.-]+)#(?P<number>\d+)\b")
 _SKIP = (nodes.literal, nodes.literal_block, nodes.reference, nodes.title, nodes.raw,
-         nodes.comment, nodes.target, nodes.doctest_block, nodes.system_message)
+         nodes.target, nodes.doctest_block, nodes.system_message)
 _NAMES = re.compile(r"(?<![\w/.-])(" + "|".join(
     re.escape(n) for n in sorted(PROJECTS, key=len, reverse=True)) + r")(?![\w-])")
 
@@ -62,7 +62,8 @@ def _link(text: str, url: str) -> nodes.reference:
 def _skipped(node: nodes.Node) -> bool:
     parent = node.parent
     while parent is not None:
-        if isinstance(parent, _SKIP):
+        # a comment, but not autosummary's table (a subclass of comment that is rendered)
+        if isinstance(parent, _SKIP) or type(parent) is nodes.comment:
             return True
         parent = parent.parent
     return False

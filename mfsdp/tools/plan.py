@@ -440,7 +440,8 @@ def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0
     too (TP at most a node: its traffic needs NVLink); among equal worlds the least TP x CP.
 
     >>> best = smallest_layout(PRESETS["llama3-70b"], Layout(8, seq_length=8192))
-    >>> best.world_size, best.tp, best.cp  # FSDP alone fits nowhere (activations: 170 GiB)
+    >>> # FSDP alone fits nowhere (activations: 170 GiB)
+    >>> best.world_size, best.tp, best.cp
     (24, 1, 8)
     """
     for nodes in range(1, max_nodes + 1):
