@@ -8,11 +8,13 @@
 // dotted names); code blocks are left alone.
 document.addEventListener("DOMContentLoaded", () => {
   const BREAK = /(?<=[./,=_:\[]|[^-]-(?=[^-]))/;
+  // the page's table of contents also breaks a class name between its words (Context|Parallel)
+  const TOC_BREAK = /(?<=[./,=_:\[]|[^-]-(?=[^-]))|(?<=[a-z])(?=[A-Z])/;
   for (const span of document.querySelectorAll("article span.pre, .bd-sidebar-secondary span.pre")) {
     if (span.closest("pre")) continue;
     const text = span.textContent;
     if (text.length < 12 || span.children.length) continue;
-    const parts = text.split(BREAK);
+    const parts = text.split(span.closest(".bd-sidebar-secondary") ? TOC_BREAK : BREAK);
     if (parts.length < 2) continue;
     const fragment = document.createDocumentFragment();
     parts.forEach((part, i) => {
