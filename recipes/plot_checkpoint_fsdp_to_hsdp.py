@@ -25,9 +25,9 @@ The same from a shell:
 
 .. code-block:: bash
 
-    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --moe --ep 2 \
+    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --moe --ep 2 \\
         --steps 12 --save-at 6 --save ckpt
-    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --moe --ep 2 \
+    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --moe --ep 2 \\
         --dp-outer 2 --steps 12 --load ckpt
 """
 

@@ -20,9 +20,9 @@ This is ``mfsdp/examples/train_script.py``. Run it with ``torchrun`` on CPUs or 
 
 .. code-block:: bash
 
-    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --steps 12 \
+    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --steps 12 \\
         --save-at 6 --save ckpt
-    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --steps 12 \
+    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --steps 12 \\
         --load ckpt --dp-outer 2
 
 The process group and the device:

@@ -213,4 +213,9 @@ def test_recipe_docstring_commands_fit_the_column():
         end = next(i for i in range(1, len(lines)) if '"""' in lines[i])
         wide += [f"{recipe.name}:{i + 1}: {len(lines[i])} characters" for i in range(1, end)
                  if lines[i].startswith("    ") and len(lines[i]) > CODE_WIDTH]
+        # a shell continuation is written "\\" in the docstring: a lone "\" would join the
+        # two lines into one long line on the page
+        wide += [f"{recipe.name}:{i + 1}: a lone backslash joins this line with the next"
+                 for i in range(1, end)
+                 if re.search(r"(?<!\\)(\\\\)*\\$", lines[i])]
     assert not wide, "\n".join(wide)

@@ -317,10 +317,12 @@ def config_from_megatron_args(args, where: str = "the checkpoint") -> dict:
     ``group_query_attention``, the leading dense layers of an MoE from ``moe_layer_freq``.
 
     >>> import argparse
-    >>> cfg = config_from_megatron_args(argparse.Namespace(num_layers=2, hidden_size=64,
-    ...     num_attention_heads=4, padded_vocab_size=128, ffn_hidden_size=176, swiglu=True,
-    ...     group_query_attention=True, num_query_groups=2, normalization="RMSNorm",
-    ...     untie_embeddings_and_output_weights=True, position_embedding_type="rope"))
+    >>> args = argparse.Namespace(
+    ...     num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128,
+    ...     ffn_hidden_size=176, swiglu=True, group_query_attention=True,
+    ...     num_query_groups=2, normalization="RMSNorm",
+    ...     untie_embeddings_and_output_weights=True, position_embedding_type="rope")
+    >>> cfg = config_from_megatron_args(args)
     >>> tied = cfg["share_embeddings_and_output_weights"]
     >>> cfg["vocab_size"], cfg["num_query_groups"], tied
     (128, 2, False)

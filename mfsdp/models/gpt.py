@@ -109,7 +109,8 @@ def _norm(cfg: GPTConfig, dim: int) -> nn.Module:
 def rope_inv_freq(cfg: GPTConfig, device=None) -> torch.Tensor:
     """RoPE's inverse frequencies ``[rotary_dim / 2]`` with Llama-3 scaling when configured.
 
-    >>> cfg = GPTConfig(position_embedding_type="rope", hidden_size=8, num_attention_heads=2)
+    >>> cfg = GPTConfig(position_embedding_type="rope", hidden_size=8,
+    ...                 num_attention_heads=2)
     >>> rope_inv_freq(cfg)
     tensor([1.0000, 0.0100])
     """
