@@ -24,7 +24,9 @@ VENDOR := build/vendor
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch first, pinned: any other spec pulls CUDA builds on a CPU-only machine
+	# torch first, pinned to the tested version. From PyPI, on Linux, that is the CUDA build
+	# (it runs on CPUs too). A build installed into .venv beforehand (the CPU build from
+	# PyTorch's index, docs/quickstart.md) satisfies the pin and is kept.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[docs,test]"
 	touch $@

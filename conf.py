@@ -42,6 +42,9 @@ extensions = [
     "sphinxcontrib.mermaid",
     "cli_reference",  # docs/_ext: CLI reference tables generated from the argparse parsers
     "compat_matrix",  # docs/_ext: the compatibility matrix, measured and cached by a digest
+    "planner_calculator",  # docs/_ext: the planner page's calculator, tables from mfsdp plan
+    "measured",  # docs/_ext: when, where and with what a page's numbers were measured
+    "external_links",  # docs/_ext: issue references and named projects become links
 ]
 templates_path = ["docs/_templates"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -50,7 +53,7 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 _VENDOR = ROOT / "build" / "vendor"
 html_static_path = ["docs/_static"]
 html_css_files = ["mfsdp.css"]
-html_js_files = ["mfsdp-wrap.js"]
+html_js_files = ["mfsdp-wrap.js", "mfsdp-planner.js"]
 if (_VENDOR / "mermaid" / "mermaid.esm.min.mjs").exists():
     html_static_path.append(str(_VENDOR))
     mermaid_use_local = "mermaid/mermaid.esm.min.mjs"
@@ -72,6 +75,11 @@ myst_fence_as_directive = ["mermaid"]
 myst_heading_anchors = 3
 
 autosummary_generate = True
+# API pages: the page's table of contents lists members by their own names (``load_state_dict``,
+# not ``FullyShardedModule.load_state_dict`` cut to fit the sidebar), and a signature longer
+# than a code line breaks one argument per line.
+toc_object_entries_show_parents = "hide"
+maximum_signature_line_length = 88
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
 napoleon_google_docstring = True
@@ -112,6 +120,9 @@ sphinx_gallery_conf = {
     "show_memory": False,
     "run_stale_examples": True,  # set per build by _recipe_cache below
     "capture_repr": (),
+    # before each recipe runs: record when, on what machine and with which versions it ran
+    # (docs/_ext/measured.py puts that line under the recipe's title)
+    "reset_modules": ("matplotlib", "measured.stamp_recipe"),
     # matplotlib's scraper, after a check of every figure (docs/_ext/recipe_figures.py): an empty
     # axes or a legend over a label is a warning, an error under -W
     "image_scrapers": ("recipe_figures.checked_matplotlib_scraper",),  # show what recipes print, not the repr of a last expression

@@ -94,8 +94,11 @@ class MixedPrecisionPolicy:
     Compute happens in the model's own dtype (build the model in ``torch.bfloat16`` for bf16
     compute). Upstream Megatron-FSDP uses the same three fields.
 
-    >>> MixedPrecisionPolicy(main_grads_dtype=torch.float32, grad_comm_dtype=torch.bfloat16)
-    MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32, grad_comm_dtype=torch.bfloat16)
+    >>> MixedPrecisionPolicy(main_grads_dtype=torch.float32,
+    ...                      grad_comm_dtype=torch.bfloat16)  # doctest: +NORMALIZE_WHITESPACE
+    MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                         main_grads_dtype=torch.float32,
+                         grad_comm_dtype=torch.bfloat16)
     """
 
     main_params_dtype: torch.dtype | None = torch.float32
@@ -229,11 +232,13 @@ class ShardingConfig:
     including the older spellings ``grad_reduce_in_fp32`` / ``preserve_fp32_weights``) and
     raises one error naming the argument and the fix::
 
-        >>> ShardingConfig.from_arguments(zero_dp_strategy="no_shard",
-        ...                               init_model_with_meta_device=True)
+        >>> ShardingConfig.from_arguments(  # doctest: +NORMALIZE_WHITESPACE
+        ...     zero_dp_strategy="no_shard", init_model_with_meta_device=True)
         Traceback (most recent call last):
           ...
-        ValueError: init_model_with_meta_device=True needs a sharded strategy, got zero_dp_strategy='no_shard': every rank would hold the full model anyway; build the model on the device instead
+        ValueError: init_model_with_meta_device=True needs a sharded strategy, got
+        zero_dp_strategy='no_shard': every rank would hold the full model anyway; build
+        the model on the device instead
     """
 
     strategy: ShardingStrategy

@@ -19,8 +19,8 @@ The command
 -----------
 .. code-block:: bash
 
-    mfsdp bench --world-sizes 2 --hidden-size 256 --ffn-hidden-size 704 --num-layers 6 \\
-        --rounds 6 --no-memory --json bench.json
+    mfsdp bench --world-sizes 2 --hidden-size 256 --ffn-hidden-size 704 \\
+        --num-layers 6 --rounds 6 --no-memory --json bench.json
 
 ``--device cuda`` runs it with NCCL on one GPU per rank; ``mfsdp bench --help`` lists the models
 and systems.
@@ -37,9 +37,9 @@ import tempfile
 from pathlib import Path
 
 report = Path(tempfile.mkdtemp()) / "bench.json"
-cmd = [sys.executable, "-m", "mfsdp.cli", "bench", "--world-sizes", "2", "--hidden-size", "256",
-       "--ffn-hidden-size", "704", "--num-layers", "6", "--rounds", "6", "--no-memory",
-       "--json", str(report)]
+cmd = [sys.executable, "-m", "mfsdp.cli", "bench", "--world-sizes", "2",
+       "--hidden-size", "256", "--ffn-hidden-size", "704", "--num-layers", "6",
+       "--rounds", "6", "--no-memory", "--json", str(report)]
 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
 print(next(line for line in out.splitlines() if "ranks," in line))
 
@@ -54,8 +54,8 @@ results = json.loads(report.read_text())["2"]["time"]
 model_bytes = 4 * results["numel"]
 print(f"{'system':<25} {'median ms':>9} {'wire/model':>10} {'final loss':>10}")
 for name, v in results["systems"].items():
-    print(f"{name:<25} {1e3 * v['median_s']:9.1f} {v['wire_bytes_per_rank'] / model_bytes:10.2f} "
-          f"{v['final_loss']:10.6f}")
+    wire = v["wire_bytes_per_rank"] / model_bytes
+    print(f"{name:<25} {1e3 * v['median_s']:9.1f} {wire:10.2f} {v['final_loss']:10.6f}")
 
 # %%
 # Plot

@@ -94,8 +94,8 @@ from mfsdp.launch import launch
 from mfsdp.examples.numerics import engine_reduce_scatter, fp32_accum_reduce
 
 chunks = launch(engine_reduce_scatter, 4, args=(grads[:4],))
-print("engine == simulation:", torch.equal(torch.cat(chunks), fp32_accum_reduce(grads[:4],
-                                                                                torch.bfloat16)))
+simulated = fp32_accum_reduce(grads[:4], torch.bfloat16)
+print("engine == simulation:", torch.equal(torch.cat(chunks), simulated))
 
 # %%
 # Effect on training
@@ -107,7 +107,8 @@ import torch
 
 run = "mfsdp.examples.train_script:train"
 fp32_run = launch(run, 4, kwargs=dict(steps=12), timeout=600)[0]
-bf16_run = launch(run, 4, kwargs=dict(steps=12, grad_comm_dtype=torch.bfloat16), timeout=600)[0]
+bf16_run = launch(run, 4, kwargs=dict(steps=12, grad_comm_dtype=torch.bfloat16),
+                  timeout=600)[0]
 fp32_losses = [r["loss"] for r in fp32_run]
 bf16_losses = [r["loss"] for r in bf16_run]
 gap = max(abs(a - b) / a for a, b in zip(fp32_losses, bf16_losses))

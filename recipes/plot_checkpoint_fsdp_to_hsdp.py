@@ -25,10 +25,10 @@ The same from a shell:
 
 .. code-block:: bash
 
-    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --moe --ep 2 \
+    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --moe --ep 2 \\
         --steps 12 --save-at 6 --save ckpt
-    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --moe --ep 2 --dp-outer 2 \
-        --steps 12 --load ckpt
+    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --moe --ep 2 \\
+        --dp-outer 2 --steps 12 --load ckpt
 """
 
 # %%
@@ -44,14 +44,16 @@ run = "mfsdp.examples.train_script:train"
 steps, save_at = 12, 6
 root = tempfile.mkdtemp()
 moe = dict(moe=True, ep=2, steps=steps)
-uninterrupted = launch(run, 4, kwargs=dict(moe, save=root, save_at=save_at), timeout=600)[0]
+uninterrupted = launch(run, 4, kwargs=dict(moe, save=root, save_at=save_at),
+                       timeout=600)[0]
 resumed = launch(run, 4, kwargs=dict(moe, load=root, dp_outer=2), timeout=600)[0]
 
-print(f"{'step':>4} | {'loss FSDP+EP':>12} | {'loss resumed HSDP+EP':>20} | grad norm (both)")
+print(f"{'step':>4} | {'loss FSDP+EP':>12} | {'resumed HSDP+EP':>15} | grad norms")
 for a, b in zip(uninterrupted[save_at:], resumed):
-    print(f"{a['step']:>4} | {a['loss']:12.6f} | {b['loss']:20.6f} | "
+    print(f"{a['step']:>4} | {a['loss']:12.6f} | {b['loss']:15.6f} | "
           f"{a['grad_norm']:.6f} / {b['grad_norm']:.6f}")
-worst = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(uninterrupted[save_at:], resumed))
+pairs = zip(uninterrupted[save_at:], resumed)
+worst = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in pairs)
 print(f"largest relative loss difference after the resume: {worst:.1e}")
 assert worst < 1e-5
 

@@ -43,14 +43,18 @@ for name, r in result.items():
 import matplotlib.pyplot as plt
 
 fig, axes = plt.subplots(2, 1, figsize=(9, 4.5), sharex=True)
-colors = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce": "tab:green"}
+colors = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange",
+          "all_reduce": "tab:green"}
 for ax, (name, r) in zip(axes, result.items()):
     lanes = sorted({(op, group) for op, group, _, _ in r["timeline"]})
     for y, lane in enumerate(lanes):
-        bars = [(1e3 * s, 1e3 * (e - s)) for op, g, s, e in r["timeline"] if (op, g) == lane]
-        ax.broken_barh(bars, (y - 0.35, 0.7), color=colors.get(lane[0], "gray"), alpha=0.7)
+        bars = [(1e3 * s, 1e3 * (e - s))
+                for op, g, s, e in r["timeline"] if (op, g) == lane]
+        ax.broken_barh(bars, (y - 0.35, 0.7), color=colors.get(lane[0], "gray"),
+                       alpha=0.7)
     ax.set_yticks(range(len(lanes)), [f"{op} ({g})" for op, g in lanes])
-    ax.set_title(f"{name}: step {1e3 * r['step_s']:.0f} ms, exposed {1e3 * r['exposed_s']:.0f} ms")
+    step_ms, exposed_ms = 1e3 * r["step_s"], 1e3 * r["exposed_s"]
+    ax.set_title(f"{name}: step {step_ms:.0f} ms, exposed {exposed_ms:.0f} ms")
 axes[-1].set_xlabel("ms since the start of the step")
 fig.tight_layout()
 

@@ -22,8 +22,8 @@ results = launch(rank_info, world_size=2)
 
 print(f"{'rank':>4} | {'world':>5} | {'backend':>7} | {'pid':>8} | all-reduce sum")
 for r in results:
-    print(f"{r['rank']:>4} | {r['world_size']:>5} | {r['backend']:>7} | {r['pid']:>8} | "
-          f"{r['all_reduce_sum']:g}")
+    print(f"{r['rank']:>4} | {r['world_size']:>5} | {r['backend']:>7} | "
+          f"{r['pid']:>8} | {r['all_reduce_sum']:g}")
 
 # %%
 # The process ids differ: these are two processes, not two threads.

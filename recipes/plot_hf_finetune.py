@@ -28,13 +28,14 @@ from pathlib import Path
 import torch
 import transformers
 
-transformers.utils.logging.disable_progress_bar()  # a page shows results, not progress bars
+transformers.utils.logging.disable_progress_bar()  # a page shows results, not bars
 work = Path(tempfile.mkdtemp())
 torch.manual_seed(0)
 config = transformers.Qwen2MoeConfig(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-    moe_intermediate_size=32, shared_expert_intermediate_size=64, max_position_embeddings=128)
+    num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=64, max_position_embeddings=128)
 transformers.AutoModelForCausalLM.from_config(config).save_pretrained(work / "qwen-moe")
 print(sorted(p.name for p in (work / "qwen-moe").iterdir()))
 
@@ -47,9 +48,9 @@ print(sorted(p.name for p in (work / "qwen-moe").iterdir()))
 
 def mfsdp(*args: str) -> str:
     """Run an ``mfsdp`` command; return what it printed."""
-    out = subprocess.run([sys.executable, "-m", "mfsdp.cli", *args], capture_output=True,
-                         text=True, check=True, env={"OMP_NUM_THREADS": "1",
-                                                     **__import__("os").environ})
+    out = subprocess.run([sys.executable, "-m", "mfsdp.cli", *args],
+                         capture_output=True, text=True, check=True,
+                         env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
     return out.stdout
 
 
@@ -77,12 +78,13 @@ print(f"relative logits difference, mfsdp vs transformers: {err:.1e}")
 # ``mfsdp train --load`` reads the model's configuration from the checkpoint, so no model flag is
 # needed; two ranks, ZeRO-3 (the default), the experts split over EP 2.
 out = subprocess.run(
-    [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-     "-m", "mfsdp.train", "--use-megatron-fsdp", "--load", str(work / "imported"),
-     "--save", str(work / "finetuned"), "--expert-model-parallel-size", "2",
-     "--train-iters", "30", "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",
-     "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "3",
-     "--lr-decay-style", "cosine", "--log-jsonl", str(work / "log.jsonl")],
+    [sys.executable, "-m", "torch.distributed.run", "--standalone",
+     "--nproc-per-node", "2", "-m", "mfsdp.train", "--use-megatron-fsdp",
+     "--load", str(work / "imported"), "--save", str(work / "finetuned"),
+     "--expert-model-parallel-size", "2", "--train-iters", "30", "--mock-data",
+     "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+     "--lr", "3e-3", "--lr-warmup-iters", "3", "--lr-decay-style", "cosine",
+     "--log-jsonl", str(work / "log.jsonl")],
     capture_output=True, text=True, check=True,
     env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
 print("\n".join(out.stdout.splitlines()[:3]))
@@ -94,9 +96,10 @@ print(f"loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f} in {len(log)} iterati
 # ------------------------------------
 print(mfsdp("convert", "--from", "fsdp_dtensor", "--to", "hf", "--no-progress",
             str(work / "finetuned"), str(work / "exported")))
-model, info = transformers.AutoModelForCausalLM.from_pretrained(work / "exported",
-                                                                output_loading_info=True)
-print("missing:", sorted(info["missing_keys"]), "unexpected:", sorted(info["unexpected_keys"]))
+model, info = transformers.AutoModelForCausalLM.from_pretrained(
+    work / "exported", output_loading_info=True)
+print("missing:", sorted(info["missing_keys"]),
+      "unexpected:", sorted(info["unexpected_keys"]))
 finetuned = load_hf(work / "exported").eval()
 with torch.no_grad():
     got = model.eval()(input_ids=tokens).logits.reshape(-1, 256)

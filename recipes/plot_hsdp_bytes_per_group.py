@@ -40,10 +40,11 @@ for name, kw in layouts.items():
     rows.append((name, {g: b / 2**20 for g, b in run["sent_bytes"].items()},
                  4 * run["numel"] / 2**20, run["grad_and_optimizer_bytes"] / 2**20))
 
-print(f"{'layout':<40} | {'dp_shard MiB':>12} | {'dp_outer MiB':>12} | grads+optim MiB/rank")
+print(f"{'layout':<40} | {'dp_shard':>8} | {'dp_outer':>8} | grads+optim per rank")
 for name, sent, model_mib, state_mib in rows:
-    print(f"{name:<40} | {sent.get('dp_shard', 0):12.3f} | {sent.get('dp_outer', 0):12.3f} | "
-          f"{state_mib:.3f}")
+    shard, outer = sent.get("dp_shard", 0), sent.get("dp_outer", 0)
+    print(f"{name:<40} | {shard:8.3f} | {outer:8.3f} | {state_mib:.3f}")
+print("(MiB sent per rank and step by each group; MiB of state per rank)")
 print(f"(model: {rows[0][2]:.3f} MiB of fp32 weights)")
 
 # %%
@@ -51,7 +52,7 @@ print(f"(model: {rows[0][2]:.3f} MiB of fp32 weights)")
 # ----
 import matplotlib.pyplot as plt
 
-fig, ax = plt.subplots(figsize=(8, 3.5))
+fig, ax = plt.subplots(figsize=(8, 3.8), layout="constrained")
 names = [r[0] for r in rows]
 inner = [r[1].get("dp_shard", 0) for r in rows]
 outer = [r[1].get("dp_outer", 0) for r in rows]
@@ -59,5 +60,5 @@ ax.barh(names, inner, label="shard group (inside a node)")
 ax.barh(names, outer, left=inner, label="outer group (between nodes)")
 ax.set_xlabel("MiB sent per rank per step")
 ax.invert_yaxis()
-ax.legend(loc="lower right")
-fig.tight_layout()
+# the legend above the axes: inside, it would cover the longest bars
+fig.legend(loc="outside upper center", ncols=2, frameon=False)

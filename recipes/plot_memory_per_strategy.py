@@ -29,17 +29,18 @@ from mfsdp.launch import launch
 
 strategies = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 worlds = [1, 2, 4]
-measured = {n: [launch("mfsdp.examples.memory:measure", n, args=(s,))[0] for s in strategies]
+measured = {n: [launch("mfsdp.examples.memory:measure", n, args=(s,))[0]
+                for s in strategies]
             for n in worlds}
 
 
 def theory(strategy, n):
     """Bytes per parameter on one rank, fp32 AdamW (weights are the main weights)."""
-    return {"no_shard": 16, "optim": 4 + 4 + 4 / n + 8 / n, "optim_grads": 4 + 4 / n + 8 / n,
-            "optim_grads_params": 16 / n}[strategy]
+    return {"no_shard": 16, "optim": 4 + 4 + 4 / n + 8 / n,
+            "optim_grads": 4 + 4 / n + 8 / n, "optim_grads_params": 16 / n}[strategy]
 
 
-print(f"{'strategy':>18} | {'N':>2} | {'measured B/param':>16} | {'theory':>6} | padding")
+print(f"{'strategy':>18} | {'N':>2} | {'measured B/param':>16} | {'theory':>6} | pad")
 for s_i, s in enumerate(strategies):
     for n in worlds:
         r = measured[n][s_i]
@@ -67,7 +68,7 @@ for kind in kinds:
 ax.set_xticks(range(len(strategies)), [s.replace("_", "\n") for s in strategies])
 ax.set_ylabel("bytes per parameter on one rank")
 ax.set_title("4 ranks, by kind (measured)")
-# the legend beside the bars, not over them: the no_shard bar reaches the top of the axes
+# the legend beside the bars, not over them (the no_shard bar reaches the top)
 ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
 fig.tight_layout()
 

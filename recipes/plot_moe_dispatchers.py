@@ -29,22 +29,26 @@ The code
 from mfsdp.launch import launch
 
 counts = [40, 64, 23, 90]  # tokens on each rank: packed batches are uneven
-runs = {"allgather": dict(dispatcher="allgather"), "alltoall": dict(dispatcher="alltoall"),
+runs = {"allgather": dict(dispatcher="allgather"),
+        "alltoall": dict(dispatcher="alltoall"),
         "flex/torch": dict(dispatcher="flex", flex_backend="torch")}
-by_name = {name: launch("mfsdp.examples.moe_dispatch:run_layer", 4, args=(kw["dispatcher"], counts),
+layer = "mfsdp.examples.moe_dispatch:run_layer"
+by_name = {name: launch(layer, 4, args=(kw["dispatcher"], counts),
                         kwargs={k: v for k, v in kw.items() if k != "dispatcher"})
            for name, kw in runs.items()}
 names = list(runs)
-results = [[by_name[name][rank] for name in names] for rank in range(4)]  # [rank][dispatcher]
+# results[rank][dispatcher]
+results = [[by_name[name][rank] for name in names] for rank in range(4)]
 
-print(f"{'dispatcher':<11} | {'max |out - alltoall|':>20} | {'KiB sent/rank (mean)':>20} | "
-      f"{'ms/call (median, slowest rank)':>30}")
+print(f"{'dispatcher':<11} | {'max |out - alltoall|':>20} | {'KiB sent/rank':>13} | "
+      f"{'ms/call':>7}")
 for i, name in enumerate(names):
     err = max((r[i]["output"] - r[1]["output"]).abs().max().item() for r in results)
     kib = sum(sum(r[i]["bytes_sent"].values()) for r in results) / len(results) / 1024
     ms = max(r[i]["seconds"] for r in results) * 1e3
-    print(f"{name:<11} | {err:20.1e} | {kib:20.1f} | {ms:30.2f}")
+    print(f"{name:<11} | {err:20.1e} | {kib:13.1f} | {ms:7.2f}")
     assert err < 1e-5
+print("(KiB: the mean over ranks; ms: the median call on the slowest rank)")
 
 # %%
 # Tokens per expert

@@ -48,8 +48,8 @@ Both on the same ranks:
 # outer all-reduce runs once per step, in the last micro-batch's backward.
 from mfsdp.launch import launch
 
-losses = launch("mfsdp.examples.per_module:compare", 4, kwargs=dict(steps=12, dp_outer=2),
-                timeout=600)[0]
+losses = launch("mfsdp.examples.per_module:compare", 4,
+                kwargs=dict(steps=12, dp_outer=2), timeout=600)[0]
 print(f"{'step':>4} | {'model-level (v1)':>16} | {'per-module (v2)':>15}")
 for step, (a, b) in enumerate(zip(losses["v1"], losses["v2"]), 1):
     print(f"{step:>4} | {a:16.6f} | {b:15.6f}")
@@ -65,8 +65,10 @@ import matplotlib.pyplot as plt
 
 fig, ax = plt.subplots(figsize=(7, 3.6))
 steps = range(1, len(losses["v1"]) + 1)
-ax.plot(steps, losses["v1"], "o-", lw=3, alpha=0.5, label="model-level API (fully_shard_model)")
-ax.plot(steps, losses["v2"], "kx--", ms=9, label="per-module API (experimental.fully_shard)")
+ax.plot(steps, losses["v1"], "o-", lw=3, alpha=0.5,
+        label="model-level API (fully_shard_model)")
+ax.plot(steps, losses["v2"], "kx--", ms=9,
+        label="per-module API (experimental.fully_shard)")
 ax.set_xlabel("step")
 ax.set_ylabel("loss (mean over ranks)")
 ax.set_title("HSDP on 4 CPU ranks, both front doors")

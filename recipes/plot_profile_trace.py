@@ -30,7 +30,8 @@ from pathlib import Path
 
 out = Path(tempfile.mkdtemp())
 command = [
-    sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+    sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    "--standalone",
     "-m", "mfsdp.train", "--use-megatron-fsdp",
     "--data-parallel-sharding-strategy", "optim_grads_params",
     "--model-preset", "gpt-tiny", "--train-iters", "4", "--log-interval", "4",
@@ -41,7 +42,9 @@ command = [
 done = subprocess.run(command, capture_output=True, text=True,
                       env=dict(os.environ, OMP_NUM_THREADS="1"))
 assert done.returncode == 0, done.stderr[-2000:]
-print("\n".join(line for line in done.stdout.splitlines() if line.startswith("iteration")))
+for line in done.stdout.splitlines():
+    if line.startswith("iteration"):
+        print(line)
 
 # %%
 # Read the trace
@@ -54,10 +57,11 @@ trace = next((out / "tb" / "profile").glob("rank0.*.pt.trace.json"))
 events = [e for e in json.loads(trace.read_text())["traceEvents"]
           if e.get("ph") == "X" and "dur" in e]
 labels = sorted({e["name"] for e in events if e["name"].startswith("mfsdp::")})
-print(f"{trace.name}: {len(events):,} events; mfsdp labels: {', '.join(labels)}")
+print(f"{trace.name}: {len(events):,} events; mfsdp's labels:")
 for label in labels:
     mine = [e for e in events if e["name"] == label]
-    print(f"  {label:<22} {len(mine):>3} calls, {sum(e['dur'] for e in mine) / 1e3:7.1f} ms")
+    total_ms = sum(e["dur"] for e in mine) / 1e3
+    print(f"  {label:<22} {len(mine):>3} calls, {total_ms:7.1f} ms")
 assert {"mfsdp::all_gather", "mfsdp::reduce_scatter"} <= set(labels)
 
 # %%
@@ -71,13 +75,15 @@ assert {"mfsdp::all_gather", "mfsdp::reduce_scatter"} <= set(labels)
 # up in the phase that needs its result).
 import matplotlib.pyplot as plt
 
-step = max((e for e in events if e["name"] == "mfsdp::optimizer_step"), key=lambda e: e["ts"])
+step = max((e for e in events if e["name"] == "mfsdp::optimizer_step"),
+           key=lambda e: e["ts"])
 forwards = [e for e in events if e["name"] == "mfsdp::forward" and e["ts"] < step["ts"]]
 begin = sorted(e["ts"] for e in forwards)[-2]  # this iteration's 2 micro-batches
 end = step["ts"] + step["dur"]
 collectives = ["mfsdp::all_gather", "mfsdp::reduce_scatter", "mfsdp::all_reduce"]
 rows = ["mfsdp::forward", "mfsdp::backward", "mfsdp::optimizer_step", *collectives]
-colours = dict(zip(rows, ["0.75", "0.55", "0.35", "tab:blue", "tab:orange", "tab:green"]))
+colours = dict(zip(rows, ["0.75", "0.55", "0.35",
+                          "tab:blue", "tab:orange", "tab:green"]))
 fig, ax = plt.subplots(figsize=(8, 3.4))
 for row, name in enumerate(rows):
     spans = [((e["ts"] - begin) / 1e3, max(e["dur"] / 1e3, 0.12)) for e in events

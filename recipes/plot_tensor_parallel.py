@@ -45,8 +45,8 @@ print("q_proj without it:   ", whole["q_proj"])
 # --------------------
 # The projections are split over TP, the embeddings and the output layer (left alone by the
 # plan) are not; FSDP shards both over the data-parallel ranks.
-print(f"main-weight bytes per rank: {tp['bytes']:,} with TP, {whole['bytes']:,} without "
-      f"({tp['bytes'] / whole['bytes']:.2f}x)")
+print(f"main-weight bytes per rank: {tp['bytes']:,} with TP, {whole['bytes']:,} "
+      f"without ({tp['bytes'] / whole['bytes']:.2f}x)")
 
 # %%
 # The same training
@@ -59,7 +59,8 @@ print(f"largest loss difference over {len(tp['losses'])} steps: {diff:.1e}")
 assert diff < 1e-5
 fig, ax = plt.subplots(figsize=(5.5, 3.2))
 steps = range(1, len(tp["losses"]) + 1)
-ax.plot(steps, whole["losses"], "o-", label="dp 2, model whole on each rank", lw=3, alpha=0.5)
+ax.plot(steps, whole["losses"], "o-", label="dp 2, model whole on each rank", lw=3,
+        alpha=0.5)
 ax.plot(steps, tp["losses"], "k.--", label="dp 2 x tp 2 (Hugging Face TP plan)")
 ax.set_xlabel("step")
 ax.set_ylabel("loss (mean over replicas)")

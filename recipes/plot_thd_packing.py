@@ -41,21 +41,23 @@ from mfsdp.launch import launch
 
 counts = [17, 70]
 run = "mfsdp.examples.moe_dispatch:run_layer"
-results = launch(run, 2, args=("flex", counts), kwargs=dict(flex_backend="torch", steps=1))
-exact = launch(run, 2, args=("alltoall", counts), kwargs=dict(steps=1))  # no padding at all
+results = launch(run, 2, args=("flex", counts),
+                 kwargs=dict(flex_backend="torch", steps=1))
+exact = launch(run, 2, args=("alltoall", counts), kwargs=dict(steps=1))  # no padding
 for rank, (r, a) in enumerate(zip(results, exact)):
     diff = (r["output"] - a["output"]).abs().max().item()
-    print(f"rank {rank}: {counts[rank]} tokens, padded to {r['padded_tokens']}, a padding row "
-          f"routed to an expert: {r['padding_routed']}, output rows {r['output'].shape[0]}, "
-          f"max |out - alltoall's| = {diff:.1e}")
-    assert r["output"].shape[0] == counts[rank] and not r["padding_routed"] and diff < 1e-5
+    rows = r["output"].shape[0]
+    print(f"rank {rank}: {counts[rank]} tokens, padded to {r['padded_tokens']}; "
+          f"a padding row routed to an expert: {r['padding_routed']}")
+    print(f"        output rows {rows}, max |out - alltoall's| = {diff:.1e}")
+    assert rows == counts[rank] and not r["padding_routed"] and diff < 1e-5
 
 # %%
 # Plot
 # ----
 import matplotlib.pyplot as plt
 
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.2), layout="constrained")
 ax1.imshow(mask.int(), cmap="Blues")
 ax1.set_title(f"attention mask of sequences {lengths}")
 ax1.set_xlabel("key token")
@@ -66,6 +68,6 @@ ax2.barh([f"rank {r}" for r in range(2)], [padded - c for c in counts], left=cou
          label="padding (routes nowhere, trimmed)", color="tab:gray", alpha=0.5)
 ax2.axvline(max(counts), color="k", ls=":", label=f"MAX over EP = {max(counts)}")
 ax2.set_xlabel(f"rows exchanged per slot (padded to {padded}, a multiple of 64)")
-ax2.legend(loc="lower right")
-fig.tight_layout()
+# the legend above the bars, not over them
+ax2.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
 plt.show()

@@ -38,19 +38,20 @@ layouts = {
     "DP 4": [],
     "TP 2 + SP, DP 2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "CP 2, DP 2": ["--context-parallel-size", "2"],
-    "TP 2 x CP 2 + SP": ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-                         "--sequence-parallel"],
+    "TP 2 x CP 2 + SP": ["--tensor-model-parallel-size", "2",
+                         "--context-parallel-size", "2", "--sequence-parallel"],
 }
 curves = {}
 for name, flags in layouts.items():
     log = work / f"{len(curves)}.jsonl"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "4", "-m", "mfsdp.train", *common,
-           *flags, "--log-jsonl", str(log)]
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "4", "-m", "mfsdp.train",
+           *common, *flags, "--log-jsonl", str(log)]
     print("$", " ".join(cmd[:6] + flags))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", *cmd[1:]],
                          capture_output=True, text=True, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    print("  " + next(line for line in out.stdout.splitlines() if line.startswith("mfsdp train")))
+    lines = out.stdout.splitlines()
+    print("  " + next(line for line in lines if line.startswith("mfsdp train")))
     curves[name] = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
 # %%
@@ -60,7 +61,8 @@ for name, flags in layouts.items():
 base = curves["DP 4"]
 for name, losses in curves.items():
     diff = max(abs(a - b) / b for a, b in zip(losses, base))
-    print(f"{name:<18} final loss {losses[-1]:.5f}   largest relative difference {diff:.1e}")
+    print(f"{name:<18} final loss {losses[-1]:.5f}   largest relative difference "
+          f"{diff:.1e}")
     assert diff < 1e-4
 
 import matplotlib.pyplot as plt

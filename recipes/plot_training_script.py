@@ -20,8 +20,10 @@ This is ``mfsdp/examples/train_script.py``. Run it with ``torchrun`` on CPUs or 
 
 .. code-block:: bash
 
-    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --steps 12 --save-at 6 --save ckpt
-    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --steps 12 --load ckpt --dp-outer 2
+    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --steps 12 \\
+        --save-at 6 --save ckpt
+    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --steps 12 \\
+        --load ckpt --dp-outer 2
 
 The process group and the device:
 
@@ -75,9 +77,10 @@ assert worst < 1e-5
 import matplotlib.pyplot as plt
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-for ax, key, title in ((ax1, "loss", "loss (mean over ranks)"), (ax2, "lr", "learning rate")):
-    ax.plot([r["step"] for r in straight], [r[key] for r in straight], "o-", lw=3, alpha=0.5,
-            label="12 steps straight (FSDP)")
+panels = ((ax1, "loss", "loss (mean over ranks)"), (ax2, "lr", "learning rate"))
+for ax, key, title in panels:
+    ax.plot([r["step"] for r in straight], [r[key] for r in straight], "o-", lw=3,
+            alpha=0.5, label="12 steps straight (FSDP)")
     ax.plot([r["step"] for r in resumed], [r[key] for r in resumed], "kx--", ms=9,
             label="resumed at step 6 as HSDP")
     ax.axvline(6.5, color="gray", lw=0.8, ls=":")

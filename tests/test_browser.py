@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -106,13 +107,33 @@ def test_search_finds_fully_shard(site):
     assert "mfsdp.fully_shard" in dom and "search-summary" in dom
 
 
+# Pages whose numbers with units of time or throughput are not measurements, with the reason.
+NOT_MEASURED = {
+    "/docs/planner.html": "predictions of mfsdp plan; the published runs it compares with cite "
+                          "their source",
+}
+
+
+def _external_links():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "_ext"))
+    import external_links
+
+    return external_links
+
+
 def test_no_page_overflows_and_diagram_text_is_readable(site):
-    """Every page of the guide at 1280 and 1920 px (API reference pages at 1280 px): every code and
-    output block scrolls and never wraps (computed white-space "pre"), no element reaches past its
-    column, no flag renders with an en dash, no literal (nor a sidebar entry) wrapped inside a word
+    """Every page of the guide at 1280 and 1920 px (API reference pages at 1280 px): no code
+    block wraps (computed white-space "pre"; a recipe's printed output wraps as a terminal
+    would), no element reaches past its column, no flag renders with an en dash, no literal (nor a sidebar entry) wrapped inside a word
     (only at spaces, dots, slashes, commas, underscores), plot text at least 10 px as rendered, diagram text at least 3/4 of the body
-    text size, no overlapping diagram labels. Measured in the browser by
-    tests/browser/measure.html."""
+    text size, no overlapping diagram labels; no code block or table that scrolls sideways, no
+    table-of-contents entry cut off, no issue reference outside a link, no project of
+    docs/_ext/external_links.py named without a link to it, and a measured-on line on every page
+    that shows measured numbers (every recipe; a guide page with times or rates). Measured in the
+    browser by tests/browser/measure.html."""
     import html
     import json
     import re
@@ -128,9 +149,10 @@ def test_no_page_overflows_and_diagram_text_is_readable(site):
     guide = [p for p in pages if p not in api]
     assert len(guide) > 30 and len(api) > 30, (len(guide), len(api))
     results = {}
+    projects = urllib.parse.quote(json.dumps(sorted(_external_links().PROJECTS.items())))
     for widths, group in (("1280,1920", guide), ("1280", api)):
-        dom = _chromium("--dump-dom", f"{base}/_measure.html?widths={widths}&pages={','.join(group)}",
-                        budget_ms=900_000, timeout=900)
+        dom = _chromium("--dump-dom", f"{base}/_measure.html?widths={widths}&pages={','.join(group)}"
+                        f"&projects={projects}", budget_ms=900_000, timeout=900)
         found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
         assert found and found.group(1), dom[-2000:]
         got = json.loads(html.unescape(found.group(1)))
@@ -152,6 +174,102 @@ def test_no_page_overflows_and_diagram_text_is_readable(site):
         problems += [f"{key}: a flag renders with an en dash: {f!r}" for f in r["en_dash_flags"][:3]]
         problems += [f"{key}: plot text renders at {i['px']} px (< 10): {i['src']}"
                      for i in r["plot_text_px"] if i["px"] < 10][:3]
+        problems += [f"{key}: a code block scrolls sideways by {p['extra_px']} px: {p['text']!r}"
+                     for p in r["scrolling_pre"][:3]]
+        problems += [f"{key}: a table scrolls sideways by {t['extra_px']} px: {t['text']!r}"
+                     for t in r["scrolling_tables"][:3]]
+        problems += [f"{key}: a table-of-contents entry is cut off: {e!r}" for e in r["cut_toc"][:3]]
+        problems += [f"{key}: an issue reference is not a link: {t!r}"
+                     for t in r["plain_issue_refs"][:3]]
+        problems += [f"{key}: {name} is named but never linked" for name in r["unlinked_projects"]]
+        page = key.split(" ", 1)[1]
+        shows_measurements = r["recipe_output"] or (r["unit_numbers"] and page not in NOT_MEASURED)
+        if shows_measurements and not r["measured_line"]:
+            problems.append(f"{key}: shows measured numbers ({r['unit_numbers'] or 'recipe output'})"
+                            " but not when, where and with what they were measured")
     assert not problems, "\n".join(problems[:40])
     assert sum(r["diagrams"] for r in results.values()) >= 2 * 4  # the diagrams did render
     assert sum(len(r["plot_text_px"]) for r in results.values()) >= 2 * 14  # the plots did
+
+
+def _plan_cli(inputs: dict) -> dict | str:
+    """What ``mfsdp plan`` prints for one calculator case: its memory lines and time estimate
+    as the strings it prints, or the error it stops with."""
+    import contextlib
+    import io
+    import re
+
+    from mfsdp.tools.plan import main
+
+    argv = [inputs["preset"], "--world-size", str(inputs["world_size"]),
+            "--data-parallel-sharding-strategy", inputs["strategy"],
+            "--num-distributed-optimizer-instances", str(inputs["dp_outer"]),
+            "--tensor-model-parallel-size", str(inputs["tp"]),
+            "--context-parallel-size", str(inputs["cp"]),
+            "--expert-model-parallel-size", str(inputs["ep"]),
+            "--micro-batch-size", str(inputs["micro_batch"]),
+            "--seq-length", str(inputs["seq_length"])]
+    argv += ["--sequence-parallel"] if inputs["sequence_parallel"] else []
+    if inputs["recompute"] != "none":
+        argv += ["--recompute-granularity", inputs["recompute"]]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            main(argv)
+    except ValueError as exc:
+        return str(exc)
+    text = out.getvalue()
+    got = {m[1]: m[2] for m in re.finditer(r"^(\w+) +(\d+\.\d\d)$", text, re.M)}
+    step = re.search(r"predicted step ([\d.]+) s: ([\d,]+) tokens/s per GPU, ([\d,]+) model "
+                     r"TFLOP/s per GPU, MFU ([\d.]+)%", text)
+    got.update(step_s=step[1], tokens_per_gpu_s=step[2], tflops=step[3], mfu=step[4],
+               compute_s=re.search(r"time: compute ([\d.]+) s", text)[1])
+    got["fits"] = "yes" in re.search(r"fits on 80 GiB: (yes|no)", text)[1]
+    return got
+
+
+def test_the_planner_calculator_agrees_with_mfsdp_plan(site):
+    """The calculator on the built planner page, driven in Chromium over 60 layouts of its grid
+    (every preset, strategy and recompute choice; TP, CP, EP, SP, outer size, batch and sequence
+    on and off; some invalid): every memory term, the total, whether it fits and the step time,
+    tokens/s, model TFLOP/s and MFU are the strings `mfsdp plan` prints for the same flags, and
+    an invalid layout shows the planner's error."""
+    import html
+    import json
+    import random
+    import re
+    from pathlib import Path
+
+    from mfsdp.tools.plan_export import GRID
+
+    base, shots = site
+    root = shots.parent
+    shutil.copy(Path(__file__).parent / "browser" / "calculator.html", root / "_calculator.html")
+    rng = random.Random(51)
+    cases = []
+    for i in range(60):
+        case = {name: rng.choice(values) for name, values in GRID.items()}
+        case["preset"] = GRID["preset"][i % len(GRID["preset"])]
+        case["recompute"] = GRID["recompute"][i % 3]
+        if case["preset"] != "deepseek-v3":
+            case["ep"] = 1
+        cases.append(case)
+    query = urllib.parse.quote(json.dumps(cases))
+    dom = _chromium("--dump-dom", f"{base}/_calculator.html?page=/docs/planner.html&cases={query}",
+                    budget_ms=120_000, timeout=300)
+    found = re.search(r'<pre id="result">(.*?)</pre>', dom, re.S)
+    assert found and found.group(1), dom[-2000:]
+    got = json.loads(html.unescape(found.group(1)))
+    assert isinstance(got, list) and len(got) == len(cases), got
+    valid = 0
+    for case, page in zip(cases, got):
+        want = _plan_cli(case)
+        if isinstance(want, str):
+            assert want in page.get("error", ""), (case, page)
+            continue
+        valid += 1
+        assert page["fits"].startswith("Fits") == want.pop("fits"), (case, page)
+        for name, value in want.items():
+            assert page[name] == value, (case, name, page[name], value)
+        assert page["command"].startswith(f"mfsdp plan {case['preset']} "), page["command"]
+    assert valid >= 20, valid

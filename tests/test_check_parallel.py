@@ -46,9 +46,22 @@ def test_a_layout_the_model_does_not_allow_has_a_one_line_reason():
 def test_the_parallel_layouts_need_a_world_they_divide():
     run, skipped = select_layouts(["tp", "cp", "ep"], 2)
     assert [layout.name for layout in run] == ["tp", "cp", "ep"] and not skipped
-    with pytest.raises(ValueError, match="--layouts tp needs --nproc 2 .or a multiple of 2., "
-                                         "got --nproc 3"):
+    with pytest.raises(ValueError, match=r"--layouts tp needs --nproc 2, 4, 6, \.\.\. "
+                                         r"\(a multiple of 2\), got --nproc 3"):
         select_layouts(["tp"], 3)
+
+
+def test_a_skipped_layout_says_which_rank_counts_it_runs_on():
+    """HSDP at --nproc 2: 2 is a multiple of the outer size 2 but below the 4 ranks HSDP needs,
+    so the reason names 4 and the numbers after it, not "4 (or a multiple of 2)"."""
+    from mfsdp.check.layouts import LAYOUTS, ranks_reason
+
+    hsdp = LAYOUTS["hsdp"]
+    assert hsdp.dp_outer == 2 and hsdp.min_ranks == 4
+    assert ranks_reason(hsdp, 2, 2) == ("needs --nproc 4, 6, 8, ... (a multiple of 2, at least "
+                                        "4), got --nproc 2")
+    assert ranks_reason(LAYOUTS["tp"], 3, 2) == ("needs --nproc 2, 4, 6, ... (a multiple of 2), "
+                                                 "got --nproc 3")
     run, skipped = select_layouts(None, 3)
     assert {"tp", "tp_sp", "cp"} <= set(skipped)
 

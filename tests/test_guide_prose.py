@@ -23,7 +23,7 @@ ALLOWED_LONG: set[str] = set()
 # fenced blocks whose body is not prose
 CODE_FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*(\{(?P<directive>[\w:-]+)\})?")
 PROSE_DIRECTIVES = {"note", "tip", "warning", "important", "caution", "seealso", "admonition",
-                    "dropdown", "attention", "hint", "danger", "error"}
+                    "dropdown", "attention", "hint", "danger", "error", "glossary"}
 
 
 def paragraphs(text: str) -> list[tuple[int, str]]:
@@ -100,3 +100,122 @@ def test_no_paragraph_over_120_words(page):
     long = [f"docs/{page}:{n}: {word_count(p)} words: {p[:80]}..."
             for n, p in paragraphs((ROOT / "docs" / page).read_text()) if word_count(p) > LIMIT]
     assert not long, "\n".join(long)
+
+
+# A code or output block shows this many characters without scrolling sideways in the content
+# column at a 1280 px window (about 93 there; tests/test_browser.py measures the rendered page).
+CODE_WIDTH = 88
+
+
+def long_code_lines(text: str) -> list[tuple[int, int]]:
+    """``(line number, length)`` of every line of a fenced code, output or doctest block of a
+    MyST page that is wider than ``CODE_WIDTH`` (diagrams excepted: they scale to the column)."""
+    out = []
+    fence: str | None = None
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if fence is not None:
+            if stripped.startswith(fence) and stripped.strip("`~") == "":
+                fence = None
+            elif len(line) > CODE_WIDTH and kind != "mermaid":
+                out.append((number, len(line)))
+            continue
+        m = CODE_FENCE.match(line)
+        if m and (m.group("directive") or "").lower() not in PROSE_DIRECTIVES:
+            fence, kind = m.group(2), (m.group("directive") or stripped.strip("`~ ")).lower()
+    return out
+
+
+def recipe_code_lines(text: str) -> list[tuple[int, int]]:
+    """The same for a sphinx-gallery recipe: its code lines (not the module docstring, nor the
+    comment blocks after ``# %%`` that render as text)."""
+    lines = text.splitlines()
+    start = 0
+    if lines and lines[0].startswith('"""'):
+        start = next(i for i in range(1, len(lines)) if '"""' in lines[i]) + 1
+    out, in_text = [], False
+    for number in range(start, len(lines)):
+        line = lines[number]
+        if line.startswith("# %%"):
+            in_text = True
+            continue
+        if in_text and line.startswith("#"):
+            continue
+        in_text = False
+        if len(line) > CODE_WIDTH:
+            out.append((number + 1, len(line)))
+    return out
+
+
+def test_long_code_lines_are_found():
+    page = "a\n\n```bash\n" + "x" * 89 + "\n" + "y" * 88 + "\n```\n\n" + "z" * 200 + "\n"
+    assert long_code_lines(page) == [(4, 89)]
+    assert long_code_lines("```{mermaid}\n" + "m" * 120 + "\n```\n") == []
+    recipe = '"""T\n' + "d" * 120 + '\n"""\n# %%\n# ' + "t" * 120 + "\nx = 1  # " + "c" * 90
+    assert recipe_code_lines(recipe) == [(6, 99)]
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
+def test_code_blocks_fit_the_column(page):
+    """Every line of a page's code, output and doctest blocks fits the column (CODE_WIDTH)."""
+    wide = long_code_lines((ROOT / "docs" / page).read_text())
+    assert not wide, "\n".join(f"docs/{page}:{n}: {w} characters" for n, w in wide)
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("plot_*.py")))
+def test_recipe_code_fits_the_column(recipe):
+    """A recipe's code, shown on its page, fits the column too (CODE_WIDTH)."""
+    wide = recipe_code_lines((ROOT / "recipes" / recipe).read_text())
+    assert not wide, "\n".join(f"recipes/{recipe}:{n}: {w} characters" for n, w in wide)
+
+
+def included_code() -> list[tuple[str, int, str]]:
+    """``(file, line number, line)`` of every source line the guide and the recipes show with a
+    ``literalinclude`` (``:pyobject:`` an object's lines, ``:start-at:`` from there to the end)."""
+    import ast
+
+    out = []
+    sources = [*(ROOT / "docs").glob("*.md"), *(ROOT / "recipes").glob("plot_*.py")]
+    include = re.compile(r"literalinclude:*\}?\s+(?P<path>\S+)\s*\n(?P<options>(?:\s*:[\w-]+:.*\n)*)")
+    for source in sources:
+        for m in include.finditer(source.read_text()):
+            # a recipe's page is generated into docs/recipes/, where its paths start
+            base = ROOT / "docs" / "recipes" if source.suffix == ".py" else source.parent
+            path = (base / m["path"]).resolve()
+            options = dict(re.findall(r":([\w-]+):\s*(.*)", m["options"]))
+            lines = path.read_text().splitlines()
+            first, last = 1, len(lines)
+            if "pyobject" in options:
+                node = next(n for n in ast.walk(ast.parse(path.read_text()))
+                            if getattr(n, "name", None) == options["pyobject"].strip())
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                last = node.end_lineno
+            elif "start-at" in options:
+                needle = options["start-at"].strip().strip('"')
+                first = next(i for i, line in enumerate(lines, 1) if needle in line)
+            out += [(path.relative_to(ROOT).as_posix(), n, lines[n - 1])
+                    for n in range(first, last + 1)]
+    return sorted(set(out))
+
+
+def test_included_source_fits_the_column():
+    """The package source a page or recipe shows (``literalinclude``) fits the column too."""
+    wide = [f"{f}:{n}: {len(line)} characters" for f, n, line in included_code()
+            if len(line) > CODE_WIDTH]
+    assert not wide, "\n".join(wide)
+
+
+def test_recipe_docstring_commands_fit_the_column():
+    """The commands in a recipe's introduction (indented blocks of its docstring) fit too."""
+    wide = []
+    for recipe in sorted((ROOT / "recipes").glob("plot_*.py")):
+        lines = recipe.read_text().splitlines()
+        end = next(i for i in range(1, len(lines)) if '"""' in lines[i])
+        wide += [f"{recipe.name}:{i + 1}: {len(lines[i])} characters" for i in range(1, end)
+                 if lines[i].startswith("    ") and len(lines[i]) > CODE_WIDTH]
+        # a shell continuation is written "\\" in the docstring: a lone "\" would join the
+        # two lines into one long line on the page
+        wide += [f"{recipe.name}:{i + 1}: a lone backslash joins this line with the next"
+                 for i in range(1, end)
+                 if re.search(r"(?<!\\)(\\\\)*\\$", lines[i])]
+    assert not wide, "\n".join(wide)

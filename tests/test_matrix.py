@@ -81,9 +81,15 @@ def test_the_cache_is_reused_for_the_same_digest_and_remeasured_for_another(tmp_
         calls.append(1)
         return {"n": len(calls)}
 
-    assert compat_matrix.load_or_measure(cache, "a", measure) == ({"n": 1}, True)
-    assert compat_matrix.load_or_measure(cache, "a", measure) == ({"n": 1}, False)
-    assert compat_matrix.load_or_measure(cache, "b", measure) == ({"n": 2}, True)
+    def load(digest):
+        data, measured = compat_matrix.load_or_measure(cache, digest, measure)
+        stamp = data.pop("measured_on")  # when, where and with what (docs/_ext/measured.py)
+        assert set(stamp) == {"date", "machine", "torch", "mfsdp"}, stamp
+        return data, measured
+
+    assert load("a") == ({"n": 1}, True)
+    assert load("a") == ({"n": 1}, False)
+    assert load("b") == ({"n": 2}, True)
     assert json.loads(cache.read_text())["digest"] == "b"
 
 

@@ -68,11 +68,13 @@ def load_or_measure(cache: Path = CACHE, digest: str | None = None,
     digest = digest or inputs_digest()
     if cache.exists():
         cached = json.loads(cache.read_text())
-        if cached.get("digest") == digest:
+        if cached.get("digest") == digest and "measured_on" in cached["data"]:
             return cached["data"], False
     if measure is None:
         from mfsdp.check.matrix import measure_matrix as measure
-    data = measure()
+    from measured import this_machine  # docs/_ext: when, where and with what
+
+    data = {**measure(), "measured_on": this_machine()}
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"digest": digest, "data": data}, indent=1) + "\n")
     return data, True
@@ -193,6 +195,14 @@ def _ensure_matrix(app) -> None:
                 else "reused (nothing it depends on changed)")
 
 
+def _measured_on(data: dict[str, Any]) -> list[nodes.Node]:
+    """The line saying when, where and with what the table was measured (docs/_ext/measured.py);
+    a cache that may be reused by a later build keeps the stamp of the run that measured it."""
+    from measured import line, paragraph
+
+    return [paragraph(line(data["measured_on"]))]
+
+
 class CompatMatrixDirective(SphinxDirective):
     """Render the measured (or cached) compatibility matrix."""
 
@@ -201,7 +211,7 @@ class CompatMatrixDirective(SphinxDirective):
         data = getattr(self.env.app, "_mfsdp_matrix", None)
         if data is None:
             data, _ = load_or_measure()
-        return rst_nodes(rst_table(data))
+        return rst_nodes(rst_table(data)) + _measured_on(data)
 
 
 class CompatMatrixParallelDirective(SphinxDirective):
@@ -213,7 +223,7 @@ class CompatMatrixParallelDirective(SphinxDirective):
         data = getattr(self.env.app, "_mfsdp_matrix_parallel", None)
         if data is None:
             data, _ = load_or_measure(CACHE_PARALLEL, measure=_measure_parallel)
-        return rst_nodes(rst_parallel_table(data))
+        return rst_nodes(rst_parallel_table(data)) + _measured_on(data)
 
 
 class CompatMatrixCheckpointDirective(SphinxDirective):
@@ -224,7 +234,7 @@ class CompatMatrixCheckpointDirective(SphinxDirective):
         data = getattr(self.env.app, "_mfsdp_matrix_checkpoint", None)
         if data is None:
             data, _ = load_or_measure(CACHE_CHECKPOINT, measure=_measure_checkpoints)
-        return rst_nodes(rst_checkpoint_table(data))
+        return rst_nodes(rst_checkpoint_table(data)) + _measured_on(data)
 
 
 def setup(app):

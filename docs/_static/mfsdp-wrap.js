@@ -3,15 +3,18 @@
 // that a module path, a test id, a --long-flag-name or a snake_case name wraps between its parts
 // and never inside a word. Each part becomes its own span.pre (which docs/_static/mfsdp.css keeps
 // whole: white-space nowrap) with a <wbr> between them, in the literal's <code>, which wraps
-// normally. Applies to literals in running text and tables, and to the left sidebar's entries
-// (the API pages' dotted names); code blocks are left alone: they scroll.
+// normally. Applies to literals in running text and tables, to the page table of contents'
+// entries (an API page's member names), and to the left sidebar's entries (the API pages'
+// dotted names); code blocks are left alone.
 document.addEventListener("DOMContentLoaded", () => {
   const BREAK = /(?<=[./,=_:\[]|[^-]-(?=[^-]))/;
-  for (const span of document.querySelectorAll("article span.pre")) {
+  // the page's table of contents also breaks a class name between its words (Context|Parallel)
+  const TOC_BREAK = /(?<=[./,=_:\[]|[^-]-(?=[^-]))|(?<=[a-z])(?=[A-Z])/;
+  for (const span of document.querySelectorAll("article span.pre, .bd-sidebar-secondary span.pre")) {
     if (span.closest("pre")) continue;
     const text = span.textContent;
     if (text.length < 12 || span.children.length) continue;
-    const parts = text.split(BREAK);
+    const parts = text.split(span.closest(".bd-sidebar-secondary") ? TOC_BREAK : BREAK);
     if (parts.length < 2) continue;
     const fragment = document.createDocumentFragment();
     parts.forEach((part, i) => {

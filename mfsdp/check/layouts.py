@@ -155,8 +155,8 @@ def select_layouts(names: list[str] | None, nproc: int,
         split = layout.dp_outer * layout.tp * layout.cp
         if nproc < layout.min_ranks or nproc % split:
             if names:
-                raise ValueError(f"--layouts {name} needs --nproc {layout.min_ranks} (or a "
-                                 f"multiple of {split}), got --nproc {nproc}")
+                raise ValueError(f"--layouts {name} {_nproc_needed(layout)}, "
+                                 f"got --nproc {nproc}")
             skipped.append(name)
             continue
         run.append(layout)
@@ -167,5 +167,15 @@ def ranks_reason(layout: Layout, nproc: int, steps: int) -> str:
     """Why :func:`select_layouts` skipped the default layout ``layout`` (one line)."""
     if layout.resume_as and steps < 2:
         return "saves halfway: needs --steps 2 or more"
+    return f"{_nproc_needed(layout)}, got --nproc {nproc}"
+
+
+def _nproc_needed(layout: Layout) -> str:
+    """The rank counts ``layout`` runs on: "needs --nproc 4, 6, 8, ... (a multiple of 2, at
+    least 4)", or "needs --nproc 2, 4, 6, ..." where every multiple of the split will do."""
     split = layout.dp_outer * layout.tp * layout.cp
-    return f"needs --nproc {max(layout.min_ranks, split)} (or a multiple of {split})"
+    first = -(-max(layout.min_ranks, split) // split) * split
+    counts = ", ".join(str(first + i * split) for i in range(3))
+    if first == split:
+        return f"needs --nproc {counts}, ... (a multiple of {split})"
+    return f"needs --nproc {counts}, ... (a multiple of {split}, at least {first})"

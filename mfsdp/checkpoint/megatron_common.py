@@ -161,7 +161,8 @@ def mfsdp_name(name: str) -> str:
     """mfsdp's name for a parameter named as Megatron-LM names it in a model or a parameter map
     (per layer, wrapper prefixes dropped, fused norm names unfused); other names unchanged.
 
-    >>> mfsdp_name("model.module.decoder.layers.3.self_attention.linear_qkv.layer_norm_weight")
+    >>> fused = "self_attention.linear_qkv.layer_norm_weight"
+    >>> mfsdp_name(f"model.module.decoder.layers.3.{fused}")
     'layers.3.input_layernorm.weight'
     >>> mfsdp_name("module.module.embedding.word_embeddings.weight")
     'embedding.weight'
@@ -316,11 +317,14 @@ def config_from_megatron_args(args, where: str = "the checkpoint") -> dict:
     ``group_query_attention``, the leading dense layers of an MoE from ``moe_layer_freq``.
 
     >>> import argparse
-    >>> cfg = config_from_megatron_args(argparse.Namespace(num_layers=2, hidden_size=64,
-    ...     num_attention_heads=4, padded_vocab_size=128, ffn_hidden_size=176, swiglu=True,
-    ...     group_query_attention=True, num_query_groups=2, normalization="RMSNorm",
-    ...     untie_embeddings_and_output_weights=True, position_embedding_type="rope"))
-    >>> cfg["vocab_size"], cfg["num_query_groups"], cfg["share_embeddings_and_output_weights"]
+    >>> args = argparse.Namespace(
+    ...     num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128,
+    ...     ffn_hidden_size=176, swiglu=True, group_query_attention=True,
+    ...     num_query_groups=2, normalization="RMSNorm",
+    ...     untie_embeddings_and_output_weights=True, position_embedding_type="rope")
+    >>> cfg = config_from_megatron_args(args)
+    >>> tied = cfg["share_embeddings_and_output_weights"]
+    >>> cfg["vocab_size"], cfg["num_query_groups"], tied
     (128, 2, False)
     """
     import dataclasses

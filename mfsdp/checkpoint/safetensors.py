@@ -120,11 +120,13 @@ class SafetensorsReader:
 
     >>> import tempfile, torch
     >>> d = Path(tempfile.mkdtemp())
-    >>> index = write_sharded(iter([("a", torch.ones(3)), ("b", torch.zeros(2, 2))]),
-    ...                       {"a": ((3,), torch.float32), "b": ((2, 2), torch.float32)}, d,
-    ...                       max_shard_bytes=12)
-    >>> sorted(index["weight_map"].items())
-    [('a', 'model-00001-of-00002.safetensors'), ('b', 'model-00002-of-00002.safetensors')]
+    >>> tensors = [("a", torch.ones(3)), ("b", torch.zeros(2, 2))]
+    >>> shapes = {"a": ((3,), torch.float32), "b": ((2, 2), torch.float32)}
+    >>> index = write_sharded(iter(tensors), shapes, d, max_shard_bytes=12)
+    >>> for name, file in sorted(index["weight_map"].items()):
+    ...     print(name, file)
+    a model-00001-of-00002.safetensors
+    b model-00002-of-00002.safetensors
     >>> r = SafetensorsReader(d)
     >>> r.shape("b"), r.get("a").tolist()
     ((2, 2), [1.0, 1.0, 1.0])

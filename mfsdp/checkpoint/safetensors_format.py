@@ -25,7 +25,8 @@ def split_swiglu(weights: dict[str, torch.Tensor],
     ``pattern``: the fused module's name or names (the toy models' ``fc1``, the trainer's and
     Megatron-LM's ``linear_fc1``).
 
-    >>> split_swiglu({"mlp.fc1.weight": torch.arange(4.0).view(4, 1)})["mlp.up_proj.weight"].ravel()
+    >>> halves = split_swiglu({"mlp.fc1.weight": torch.arange(4.0).view(4, 1)})
+    >>> halves["mlp.up_proj.weight"].ravel()
     tensor([2., 3.])
     """
     out = {}

@@ -1,7 +1,8 @@
 """What each process group carries in one training step under FSDP, HSDP and HFSDP.
 
-Run it with ``torchrun --nproc-per-node 4 -m mfsdp.examples.hsdp_bytes``; the guide's recipe
-(``recipes/plot_hsdp_bytes_per_group.py``) runs :func:`bytes_per_group` for the three layouts.
+Run it with ``torchrun --nproc-per-node 4 -m mfsdp.examples.hsdp_bytes``; the guide's
+recipe (``recipes/plot_hsdp_bytes_per_group.py``) runs :func:`bytes_per_group` for
+the three layouts.
 """
 
 from __future__ import annotations
@@ -14,18 +15,21 @@ __all__ = ["bytes_per_group", "main"]
 
 def bytes_per_group(dp_outer: int = 1, outer_strategy: str = "no_shard", dim: int = 128,
                     hidden: int = 512, blocks: int = 4) -> dict:
-    """Shard a small MLP over shard groups of ``world / dp_outer`` ranks with ``dp_outer``
-    replicas (``outer_strategy="optim"``: HFSDP, main weights sharded over the replicas too),
-    take two AdamW steps and return the bytes this rank sent per group in the second, with the
-    model's parameter count and the gradient and optimizer bytes it holds."""
+    """Shard a small MLP over shard groups of ``world / dp_outer`` ranks with
+    ``dp_outer`` replicas (``outer_strategy="optim"``: HFSDP, main weights sharded
+    over the replicas too), take two AdamW steps and return the bytes this rank sent
+    per group in the second, with the model's parameter count and the gradient and
+    optimizer bytes it holds."""
     import mfsdp
     from mfsdp.models import Block, ToyModel
 
-    groups = mfsdp.ParallelLayout(dist.get_world_size(), dp_outer=dp_outer).create_groups()
+    layout = mfsdp.ParallelLayout(dist.get_world_size(), dp_outer=dp_outer)
+    groups = layout.create_groups()
     torch.manual_seed(0)
     model = ToyModel(dim, hidden, blocks)
     numel = sum(p.numel() for p in model.parameters())
-    model, opt = mfsdp.fully_shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = mfsdp.fully_shard(model, optimizer,
                                    fsdp_unit_modules=[Block], process_groups=groups,
                                    zero_dp_strategy="optim_grads_params",
                                    outer_dp_sharding_strategy=outer_strategy)
@@ -37,7 +41,8 @@ def bytes_per_group(dp_outer: int = 1, outer_strategy: str = "no_shard", dim: in
         opt.step()
         model.wait_param_sync()
     sent: dict[str, int] = {}
-    for r in model.comm_log.records:  # one record per collective: its group, the bytes it sent
+    # one record per collective: its group, the bytes it sent
+    for r in model.comm_log.records:
         if r["op"] != "flags":
             sent[r["group"]] = sent.get(r["group"], 0) + r["sent_bytes"]
     held = model.memory_by_kind()

@@ -13,9 +13,10 @@ __all__ = ["measure", "main"]
 
 
 def measure(strategy: str, dim: int = 128, hidden: int = 512, blocks: int = 4) -> dict:
-    """Shard a small MLP with ``zero_dp_strategy=strategy``, take one AdamW step, and return the
-    bytes this rank holds by kind (what the buffers' storages really hold), with the parameter
-    count and the count after padding each shard to whole rows."""
+    """Shard a small MLP with ``zero_dp_strategy=strategy``, take one AdamW step, and
+    return the bytes this rank holds by kind (what the buffers' storages really
+    hold), with the parameter count and the count after padding each shard to whole
+    rows."""
     import mfsdp
     from mfsdp.models import Block, ToyModel
 
@@ -28,8 +29,10 @@ def measure(strategy: str, dim: int = 128, hidden: int = 512, blocks: int = 4) -
     x = torch.randn(8, dim)
     model(x).pow(2).mean().backward()
     optimizer.step()
-    held = model.memory_by_kind()  # weights, shards, gradients: from the tensors' storages
-    held["optimizer_state"] = optimizer.local_state_bytes()  # AdamW's two moments, this rank's
+    # weights, shards, gradients: from the tensors' storages
+    held = model.memory_by_kind()
+    # AdamW's two moments, this rank's
+    held["optimizer_state"] = optimizer.local_state_bytes()
     return {"bytes": held, "numel": numel,
             "padded_numel": sum(b.plan.padded_numel for b in model.buckets)}
 

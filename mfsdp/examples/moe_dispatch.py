@@ -1,7 +1,8 @@
 """One MoE layer with expert parallelism, run through each token dispatcher.
 
-Run it with ``torchrun --nproc-per-node 4 -m mfsdp.examples.moe_dispatch``; the guide's recipe
-(``recipes/plot_moe_dispatchers.py``) runs :func:`run_layer` once per dispatcher.
+Run it with ``torchrun --nproc-per-node 4 -m mfsdp.examples.moe_dispatch``; the
+guide's recipe (``recipes/plot_moe_dispatchers.py``) runs :func:`run_layer` once per
+dispatcher.
 """
 
 from __future__ import annotations
@@ -14,24 +15,28 @@ import torch.distributed as dist
 __all__ = ["run_layer", "main"]
 
 
-def run_layer(dispatcher: str, counts: list[int], flex_backend: str = "torch", dim: int = 64,
-              ffn: int = 128, num_experts: int = 8, topk: int = 2, steps: int = 5) -> dict:
-    """Build an MoE layer (``num_experts`` experts, top-``topk`` routing) on every rank from one
-    seed, keep this rank's experts (EP over all ranks), and run forward and backward on this
-    rank's ``counts[rank]`` tokens ``steps`` times. Returns the output, the bytes this rank sent
-    per collective, the rows each local expert computed, the median seconds per call and, for
-    the static-shape ``flex`` dispatcher, the token count it padded to and whether any padding
-    row was routed to an expert."""
+def run_layer(dispatcher: str, counts: list[int], flex_backend: str = "torch",
+              dim: int = 64, ffn: int = 128, num_experts: int = 8, topk: int = 2,
+              steps: int = 5) -> dict:
+    """Build an MoE layer (``num_experts`` experts, top-``topk`` routing) on every rank
+    from one seed, keep this rank's experts (EP over all ranks), and run forward and
+    backward on this rank's ``counts[rank]`` tokens ``steps`` times. Returns the
+    output, the bytes this rank sent per collective, the rows each local expert
+    computed, the median seconds per call and, for the static-shape ``flex``
+    dispatcher, the token count it padded to and whether any padding row was routed
+    to an expert."""
     from mfsdp.moe import MoELayer, shard_experts
 
     rank = dist.get_rank()
     torch.manual_seed(0)  # the same router and experts on every rank
     layer = MoELayer(dim=dim, ffn=ffn, num_experts=num_experts, topk=topk,
                      dispatcher=dispatcher, flex_backend=flex_backend)
-    shard_experts(layer, dist.group.WORLD)  # rank r keeps experts [r * E / EP, (r + 1) * E / EP)
+    # rank r keeps experts [r * E / EP, (r + 1) * E / EP)
+    shard_experts(layer, dist.group.WORLD)
     tokens = torch.randn(sum(counts), dim, generator=torch.Generator().manual_seed(1))
     start = sum(counts[:rank])
-    x = tokens[start:start + counts[rank]]  # this rank's tokens: counts differ between ranks
+    # this rank's tokens: counts differ between ranks
+    x = tokens[start:start + counts[rank]]
     times = []
     for _ in range(steps):
         layer.zero_grad()
@@ -40,12 +45,14 @@ def run_layer(dispatcher: str, counts: list[int], flex_backend: str = "torch", d
         out.pow(2).sum().backward()
         times.append(time.perf_counter() - t0)
     d = layer.dispatcher
-    padded = getattr(d, "padded_routing_map", None)  # flex: rows past counts[rank] are padding
+    # flex: rows past counts[rank] are padding
+    padded = getattr(d, "padded_routing_map", None)
     return {"output": out.detach(), "bytes_sent": dict(d.bytes_sent),
             "tokens_per_expert": list(d.tokens_per_expert),
             "seconds": sorted(times)[len(times) // 2],
             "padded_tokens": getattr(d, "padded_tokens", None),
-            "padding_routed": bool(padded[counts[rank]:].any()) if padded is not None else None}
+            "padding_routed": (bool(padded[counts[rank]:].any()) if padded is not None
+                               else None)}
 
 
 def main() -> None:

@@ -1,23 +1,25 @@
 """bf16 gradient reduction numerics, measured on real per-rank gradients.
 
 :func:`reduction_errors` runs in every rank of :func:`mfsdp.launch.launch`: each rank computes the
-gradient of the same model on its own slice of the batch, the ranks exchange them exactly (fp32),
-and every rank then reduces them four ways and compares with the exact mean (fp64):
+gradient of the same model on its own slice of the batch, the ranks exchange them
+exactly (fp32), and every rank then reduces them four ways and compares with the
+exact mean (fp64):
 
 * ``fp32``: a ring in fp32 (add one rank's contribution per hop, round to fp32);
 * ``bf16_fp32_accum``: values sent in bf16, summed in fp32 on arrival, rounded once. This is what
-  mfsdp's gloo reduce-scatter does with ``grad_comm_dtype=torch.bfloat16`` (``all_to_all`` of bf16
-  chunks, then one ``sum``, which accumulates in fp32);
+  mfsdp's gloo reduce-scatter does with ``grad_comm_dtype=torch.bfloat16``
+  (``all_to_all`` of bf16 chunks, then one ``sum``, which accumulates in fp32);
 * ``bf16_ring``: a ring in bf16, rounding to bf16 after every hop, as a bf16 ring reduce-scatter
   does;
 * ``bf16_tree``: pairwise (tree) summation in bf16, rounding at every level.
 
 At scale, :func:`rank_gradients` computes the gradients of a Llama-style model (the
-``llama-tiny`` preset: RMSNorm, RoPE, grouped-query attention, SwiGLU) on up to thousands of
-different micro-batches in one process, and :func:`simulate_reduction` reduces them exactly as
-each path does, bit for bit: :func:`ring_reduce` follows NCCL's ring reduce-scatter order (chunk
-``c`` starts at rank ``c + 1`` and gathers one rank per hop, rounding to the communication dtype
-after every addition), :func:`fp32_accum_reduce` is mfsdp's gloo path. Nothing is extrapolated.
+``llama-tiny`` preset: RMSNorm, RoPE, grouped-query attention, SwiGLU) on up to
+thousands of different micro-batches in one process, and :func:`simulate_reduction`
+reduces them exactly as each path does, bit for bit: :func:`ring_reduce` follows
+NCCL's ring reduce-scatter order (chunk ``c`` starts at rank ``c + 1`` and gathers
+one rank per hop, rounding to the communication dtype after every addition),
+:func:`fp32_accum_reduce` is mfsdp's gloo path. Nothing is extrapolated.
 
 >>> g = torch.tensor([[1.0, 1.0], [2.0 ** -8, 2.0 ** -8]])   # two ranks, one chunk each
 >>> ring_reduce(g, torch.bfloat16)  # 1 + 2**-8 is not a bf16 number: rounds to even, back to 1
@@ -46,19 +48,22 @@ __all__ = ["METHODS", "SCALE_METHODS", "engine_reduce_scatter", "fit_power_law",
            "reduction_errors", "ring_reduce", "simulate_reduction"]
 
 METHODS = ("fp32", "bf16_fp32_accum", "bf16_ring", "bf16_tree")
-# What each path gives (the numerics page's table): fp32 rings (NCCL or gloo, fp32 gradients),
-# bf16 values with fp32 sums (mfsdp's gloo path), bf16 rings (NCCL with bf16 reduction).
+# What each path gives (the numerics page's table): fp32 rings (NCCL or gloo, fp32
+# gradients), bf16 values with fp32 sums (mfsdp's gloo path), bf16 rings (NCCL with bf16
+# reduction).
 SCALE_METHODS = ("fp32_ring", "bf16_fp32_accum", "bf16_ring")
 
 
 def ring_reduce(grads: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Sum of ``grads`` (``[ranks, n]``) as a ring reduce-scatter computes it, bit for bit.
+    """Sum of ``grads`` (``[ranks, n]``) as a ring reduce-scatter computes it, bit for
+    bit.
 
-    Each rank's values are first cast to ``dtype``; the ``n`` elements are cut into ``ranks``
-    chunks (zero-padded, which changes no rounding); chunk ``c`` starts at rank ``c + 1`` and
-    travels the ring, every hop adding one rank's values and rounding to ``dtype`` (NCCL's sum of
-    two bf16 values is the fp32 sum rounded to bf16, which is what ``(a.float() + b.float())``
-    rounded gives). Returns the ``n`` sums in fp32.
+    Each rank's values are first cast to ``dtype``; the ``n`` elements are cut into
+    ``ranks`` chunks (zero-padded, which changes no rounding); chunk ``c`` starts at
+    rank ``c + 1`` and travels the ring, every hop adding one rank's values and
+    rounding to ``dtype`` (NCCL's sum of two bf16 values is the fp32 sum rounded to
+    bf16, which is what ``(a.float() + b.float())`` rounded gives). Returns the ``n``
+    sums in fp32.
     """
     world, n = grads.shape
     per = -(-n // world)
@@ -73,18 +78,19 @@ def ring_reduce(grads: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fp32_accum_reduce(grads: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Sum of ``grads`` (``[ranks, n]``) sent in ``dtype`` and accumulated in fp32, rounded to
-    ``dtype`` once: mfsdp's gloo reduce-scatter with ``grad_comm_dtype`` bf16 (an
-    ``all_to_all`` of bf16 chunks, then one ``sum``). Returns fp32."""
+    """Sum of ``grads`` (``[ranks, n]``) sent in ``dtype`` and accumulated in fp32,
+    rounded to ``dtype`` once: mfsdp's gloo reduce-scatter with ``grad_comm_dtype``
+    bf16 (an ``all_to_all`` of bf16 chunks, then one ``sum``). Returns fp32."""
     return grads.to(dtype).sum(0).float()
 
 
 def rank_gradients(world: int, preset: str = "llama-tiny", seq_length: int = 64,
                    seed: int = 0) -> torch.Tensor:
-    """``[world, parameters]`` fp32: the gradient of one Llama-style model (``preset`` of
-    ``mfsdp.models.gpt``, initialised with ``seed``) on each rank's own micro-batch, a window
-    of the text bundled with mfsdp at a seeded offset (next-token loss, mean over tokens).
-    Computed in this process, one backward per rank (about 4 ms each for ``llama-tiny``)."""
+    """``[world, parameters]`` fp32: the gradient of one Llama-style model (``preset``
+    of ``mfsdp.models.gpt``, initialised with ``seed``) on each rank's own
+    micro-batch, a window of the text bundled with mfsdp at a seeded offset
+    (next-token loss, mean over tokens). Computed in this process, one backward per
+    rank."""
     from pathlib import Path
 
     from mfsdp.models.gpt import GPT, GPT_PRESETS
@@ -93,7 +99,8 @@ def rank_gradients(world: int, preset: str = "llama-tiny", seq_length: int = 64,
     torch.manual_seed(seed)
     model = GPT(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    text = torch.tensor(list((Path(__file__).parent.parent / "data" / "sample_corpus.txt").read_bytes()))
+    corpus = Path(__file__).parent.parent / "data" / "sample_corpus.txt"
+    text = torch.tensor(list(corpus.read_bytes()))
     text = text % cfg.vocab_size
     offsets = torch.randint(0, len(text) - seq_length - 1, (world,),
                             generator=torch.Generator().manual_seed(seed + 1))
@@ -107,11 +114,13 @@ def rank_gradients(world: int, preset: str = "llama-tiny", seq_length: int = 64,
     return out
 
 
-def engine_reduce_scatter(grads: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Run in every rank of :func:`mfsdp.launch.launch`: this rank's row of ``grads`` (cast to
-    ``dtype``) through the engine's own reduce-scatter (``mfsdp.fsdp.collectives.Communicator``,
-    the path of ``grad_comm_dtype``); returns this rank's chunk of the sum, in fp32. With gloo it
-    equals :func:`fp32_accum_reduce` bit for bit (``tests/test_numerics.py``)."""
+def engine_reduce_scatter(grads: torch.Tensor,
+                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Run in every rank of :func:`mfsdp.launch.launch`: this rank's row of ``grads``
+    (cast to ``dtype``) through the engine's own reduce-scatter
+    (``mfsdp.fsdp.collectives.Communicator``, the path of ``grad_comm_dtype``);
+    returns this rank's chunk of the sum, in fp32. With gloo it equals
+    :func:`fp32_accum_reduce` bit for bit (``tests/test_numerics.py``)."""
     from mfsdp.fsdp.collectives import Communicator
 
     rank = dist.get_rank()
@@ -119,11 +128,13 @@ def engine_reduce_scatter(grads: torch.Tensor, dtype: torch.dtype = torch.bfloat
     return comm.reduce_scatter(grads[rank].to(dtype).contiguous()).wait().float()
 
 
-def simulate_reduction(grads: torch.Tensor, worlds: list[int]) -> dict[int, dict[str, float]]:
-    """Relative L2 error of the mean gradient for each world size in ``worlds`` (the first
-    ``N`` rows of ``grads``) and each path of ``SCALE_METHODS`` (``fp32_ring``, ``bf16_fp32_accum``, ``bf16_ring``), against the exact mean
-    (fp64). Use powers of two for ``N``: NCCL's average pre-multiplies by ``1 / N``, exact in bf16
-    then, so a sum divided by ``N`` rounds the same way."""
+def simulate_reduction(grads: torch.Tensor,
+                       worlds: list[int]) -> dict[int, dict[str, float]]:
+    """Relative L2 error of the mean gradient for each world size in ``worlds`` (the
+    first ``N`` rows of ``grads``) and each path of ``SCALE_METHODS`` (``fp32_ring``,
+    ``bf16_fp32_accum``, ``bf16_ring``), against the exact mean (fp64). Use powers of
+    two for ``N``: NCCL's average pre-multiplies by ``1 / N``, exact in bf16 then, so
+    a sum divided by ``N`` rounds the same way."""
     out = {}
     for n in worlds:
         g = grads[:n]
@@ -132,7 +143,8 @@ def simulate_reduction(grads: torch.Tensor, worlds: list[int]) -> dict[int, dict
         sums = {"fp32_ring": ring_reduce(g, torch.float32),
                 "bf16_fp32_accum": fp32_accum_reduce(g, torch.bfloat16),
                 "bf16_ring": ring_reduce(g, torch.bfloat16)}
-        out[n] = {k: ((v.double() / n - exact).norm().item() / norm) for k, v in sums.items()}
+        out[n] = {k: ((v.double() / n - exact).norm().item() / norm)
+                  for k, v in sums.items()}
     return out
 
 def _tree_bf16(parts: list[torch.Tensor]) -> torch.Tensor:

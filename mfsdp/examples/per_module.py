@@ -1,7 +1,7 @@
 """The same model trained with mfsdp's two front doors: the model-level API
 (``mfsdp.fully_shard_model``, upstream Megatron-FSDP's "v1") and the per-module API
-(``mfsdp.experimental.fully_shard``, upstream's "v2"). Shown by ``docs/per-module-api.md`` and
-the recipe ``recipes/plot_per_module_api.py``.
+(``mfsdp.experimental.fully_shard``, upstream's "v2"). Shown by
+``docs/per-module-api.md`` and the recipe ``recipes/plot_per_module_api.py``.
 
 Run it as is, on CPUs (gloo) or one GPU per rank (NCCL, chosen from the machine)::
 
@@ -48,8 +48,9 @@ def train_v1(steps: int = 8, micro_batches: int = 2, dp_outer: int = 1) -> list[
 
     import mfsdp
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    on_gpu = dist.get_backend() == "nccl"
+    device = (torch.device("cuda", torch.cuda.current_device()) if on_gpu
+              else torch.device("cpu"))
     mesh = init_device_mesh(device.type, (dp_outer, dist.get_world_size() // dp_outer),
                             mesh_dim_names=("outer", "shard"))
     torch.manual_seed(0)
@@ -57,7 +58,8 @@ def train_v1(steps: int = 8, micro_batches: int = 2, dp_outer: int = 1) -> list[
         Net().to(device), device_mesh=mesh, dp_shard_dim="shard", dp_outer_dim="outer",
         fsdp_unit_modules=[nn.Sequential], zero_dp_strategy="optim_grads_params",
         outer_dp_sharding_strategy="no_shard")
-    optimizer = mfsdp.fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = mfsdp.fully_shard_optimizer(optimizer)
     losses = []
     for step in range(steps):
         for m in range(micro_batches):
@@ -73,19 +75,22 @@ def train_v1(steps: int = 8, micro_batches: int = 2, dp_outer: int = 1) -> list[
 
 
 def train_v2(steps: int = 8, micro_batches: int = 2, dp_outer: int = 1) -> list[float]:
-    """The per-module API: ``fully_shard`` on each block, then on the model, in place."""
+    """The per-module API: ``fully_shard`` on each block, then on the model, in
+    place."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     from mfsdp.experimental import (Placements, fully_shard, fully_shard_context,
                                     fully_shard_optimizer, microbatch)
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    on_gpu = dist.get_backend() == "nccl"
+    device = (torch.device("cuda", torch.cuda.current_device()) if on_gpu
+              else torch.device("cpu"))
     mesh = init_device_mesh(device.type, (dp_outer, dist.get_world_size() // dp_outer),
                             mesh_dim_names=("outer", "shard"))
     hsdp = Placements(dp_axes=["outer", "shard"], parameter=[Replicate(), Shard(0)],
-                      gradient=[Partial("avg"), Shard(0)], optimizer=[Replicate(), Shard(0)])
+                      gradient=[Partial("avg"), Shard(0)],
+                      optimizer=[Replicate(), Shard(0)])
     torch.manual_seed(0)
     model = Net()
     with fully_shard_context() as context:
@@ -107,7 +112,8 @@ def train_v2(steps: int = 8, micro_batches: int = 2, dp_outer: int = 1) -> list[
     return _mean_per_step(losses, micro_batches)
 
 
-def compare(steps: int = 8, micro_batches: int = 2, dp_outer: int = 1) -> dict[str, list[float]]:
+def compare(steps: int = 8, micro_batches: int = 2,
+            dp_outer: int = 1) -> dict[str, list[float]]:
     """Both ways on the same ranks, one after the other: each step's loss."""
     return {"v1": train_v1(steps, micro_batches, dp_outer),
             "v2": train_v2(steps, micro_batches, dp_outer)}

@@ -1,6 +1,7 @@
 """A complete training script with mfsdp: the quickstart of the user guide.
 
-Run it on two processes (CPUs with gloo; one GPU per rank with NCCL where the machine has GPUs)::
+Run it on two processes (CPUs with gloo; one GPU per rank with NCCL where the machine
+has GPUs)::
 
     torchrun --nproc-per-node 2 -m mfsdp.examples
 
@@ -20,19 +21,24 @@ import torch.distributed as dist
 __all__ = ["quickstart_train", "main"]
 
 
-def quickstart_train(steps: int = 5, strategy: str = "optim_grads_params") -> list[float]:
-    """Shard a small model over every rank, train it for ``steps`` steps, return the losses."""
+def quickstart_train(steps: int = 5,
+                     strategy: str = "optim_grads_params") -> list[float]:
+    """Shard a small model over every rank, train it ``steps`` steps, return the
+    losses."""
     import mfsdp
     from mfsdp.models import Block, ToyModel
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
-              else torch.device("cpu"))  # this rank's GPU under NCCL, else the CPU
+    # this rank's GPU under NCCL, else the CPU
+    on_gpu = dist.get_backend() == "nccl"
+    device = (torch.device("cuda", torch.cuda.current_device()) if on_gpu
+              else torch.device("cpu"))
     torch.manual_seed(0)  # every rank builds the same model
     model = ToyModel(dim=32, hidden=64, num_blocks=4).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    # One call shards both: each Block is gathered for its forward and backward, then released.
+    # One call shards both: each Block is gathered for its forward and backward, then
+    # released.
     model, optimizer = mfsdp.fully_shard(
         model, optimizer,
         fsdp_unit_modules=[Block],
@@ -56,7 +62,8 @@ def quickstart_train(steps: int = 5, strategy: str = "optim_grads_params") -> li
 
 
 def main() -> None:
-    """``torchrun -m mfsdp.examples``: train on every rank, print rank 0's losses, exit cleanly."""
+    """``torchrun -m mfsdp.examples``: train on every rank, print rank 0's losses, exit
+    cleanly."""
     from mfsdp.runtime import shutdown
 
     if torch.cuda.is_available():  # one GPU per rank: torchrun says which in LOCAL_RANK
@@ -68,5 +75,6 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"world size {dist.get_world_size()}, losses: {losses}")
     # Barrier, destroy the process groups, and end the process without the interpreter's
-    # teardown, in which gloo's threads can abort a finished run (see mfsdp.runtime.shutdown).
+    # teardown, in which gloo's threads can abort a finished run (see
+    # mfsdp.runtime.shutdown).
     shutdown(exit_code=0)

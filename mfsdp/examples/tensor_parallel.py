@@ -1,8 +1,9 @@
-"""FSDP over tensor parallelism: a Hugging Face Llama made tensor-parallel with PyTorch's
-``parallelize_module`` and its own published TP plan, then sharded by ``fully_shard`` over the
-data-parallel dimension of a ``(dp, tp)`` mesh.
+"""FSDP over tensor parallelism: a Hugging Face Llama made tensor-parallel with
+PyTorch's ``parallelize_module`` and its own published TP plan, then sharded by
+``fully_shard`` over the data-parallel dimension of a ``(dp, tp)`` mesh.
 
-Run it on four CPU ranks (two data-parallel replicas of a two-way tensor-parallel model)::
+Run it on four CPU ranks (two data-parallel replicas of a two-way tensor-parallel
+model)::
 
     torchrun --nproc-per-node 4 -m mfsdp.examples.tensor_parallel
 
@@ -35,22 +36,26 @@ def build_model(seed: int = 0):
 
 def apply_tp_plan(model, tp_mesh):
     """Make ``model`` tensor-parallel over ``tp_mesh`` with its ``base_model_tp_plan``
-    (``"colwise"`` / ``"rowwise"`` per projection) and PyTorch's ``parallelize_module``."""
+    (``"colwise"`` / ``"rowwise"`` per projection) and PyTorch's
+    ``parallelize_module``."""
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = {name: styles[kind]() for name, kind in model.config.base_model_tp_plan.items()}
-    parallelize_module(model.model, tp_mesh, plan)  # the plan's names are the base model's
+    plan = {name: styles[kind]()
+            for name, kind in model.config.base_model_tp_plan.items()}
+    # the plan's names are the base model's
+    parallelize_module(model.model, tp_mesh, plan)
     return model
 
 
-def train(dp: int = 2, tp: int = 2, steps: int = 8, strategy: str = "optim_grads_params",
-          tp_plan: bool = True) -> dict:
-    """Train on ``dp x tp`` ranks (a collective call); return the losses and what each rank holds.
+def train(dp: int = 2, tp: int = 2, steps: int = 8,
+          strategy: str = "optim_grads_params", tp_plan: bool = True) -> dict:
+    """Train on ``dp x tp`` ranks (a collective call); return the losses and what each
+    rank holds.
 
-    With ``tp_plan=False`` the model stays whole on every TP rank (replicated over TP), which is
-    what the plan saves.
+    With ``tp_plan=False`` the model stays whole on every TP rank (replicated over
+    TP), which is what the plan saves.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -80,8 +85,10 @@ def train(dp: int = 2, tp: int = 2, steps: int = 8, strategy: str = "optim_grads
     q = model.module.model.layers[0].self_attn.q_proj.weight
     return {
         "losses": losses,
-        "q_proj": f"{tuple(q.shape)} {tuple(q.placements)} on mesh {q.device_mesh.mesh_dim_names}",
-        "bytes": sum(b.main_shard.numel() * b.main_shard.element_size() for b in model.buckets),
+        "q_proj": (f"{tuple(q.shape)} {tuple(q.placements)} "
+                   f"on mesh {q.device_mesh.mesh_dim_names}"),
+        "bytes": sum(b.main_shard.numel() * b.main_shard.element_size()
+                     for b in model.buckets),
     }
 
 

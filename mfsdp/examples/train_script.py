@@ -1,15 +1,17 @@
 """A complete mfsdp training script: process group and device, layout, meta-device init,
-``fully_shard`` with a mixed-precision policy, gradient accumulation, clipping, an LR schedule,
-checkpoints and resume.
+``fully_shard`` with a mixed-precision policy, gradient accumulation, clipping, an LR
+schedule, checkpoints and resume.
 
 Run it as is, on CPUs (gloo) or one GPU per rank (NCCL, chosen from the machine)::
 
-    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --steps 12 --save-at 6 --save ckpt
-    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --steps 12 --load ckpt --dp-outer 2
+    torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --steps 12 --save-at 6
+    --save ckpt torchrun --nproc-per-node 4 -m mfsdp.examples.train_script --steps 12
+    --load ckpt --dp-outer 2
 
-The second command resumes the first's step-6 checkpoint on a different layout (HSDP: two
-replicas of a 2-rank shard group) and finishes the run; its losses are the first run's.
-``--moe --ep 2`` trains a mixture-of-experts model with its experts split over 2 ranks.
+The second command resumes the first's step-6 checkpoint on a different layout (HSDP:
+two replicas of a 2-rank shard group) and finishes the run; its losses are the first
+run's. ``--moe --ep 2`` trains a mixture-of-experts model with its experts split over
+2 ranks.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ DIM = 64  # the toy models' width
 
 
 def setup() -> torch.device:
-    """Start the process group (torchrun set its address) and pick this rank's device: its GPU
-    under NCCL where there is one, the CPU under gloo otherwise."""
+    """Start the process group (torchrun set its address) and pick this rank's device:
+    its GPU under NCCL where there is one, the CPU under gloo otherwise."""
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
@@ -42,20 +44,23 @@ def build(device: torch.device, dp_outer: int = 1, ep: int = 1, moe: bool = Fals
           lr: float = 3e-3, warmup: int = 3, steps: int = 12, optimizer: str = "adamw",
           grad_comm_dtype: torch.dtype = torch.float32):
     """The sharded model, its optimizer and LR schedule on this rank's device
-    (``grad_comm_dtype=torch.bfloat16``: gradients are reduced in bf16, half the bytes)."""
+    (``grad_comm_dtype=torch.bfloat16``: gradients are reduced in bf16, half the
+    bytes)."""
     from torch.optim.lr_scheduler import LambdaLR
 
     import mfsdp
     from mfsdp.models import Block, ToyModel
     from mfsdp.models.toy_moe import MoEBlock, ToyMoE, keep_local_experts
 
-    # Which ranks shard together, which replicate (dp_outer) and which hold which experts (ep).
-    layout = mfsdp.ParallelLayout(world_size=dist.get_world_size(), dp_outer=dp_outer, ep=ep,
-                                  num_experts=4 if moe else None)
+    # Which ranks shard together, which replicate (dp_outer) and which hold which
+    # experts (ep).
+    layout = mfsdp.ParallelLayout(world_size=dist.get_world_size(), dp_outer=dp_outer,
+                                  ep=ep, num_experts=4 if moe else None)
     groups = layout.create_groups()
 
-    # Build on the meta device: no memory until fully_shard materialises one unit at a time and
-    # keeps this rank's rows. The same seed on every rank gives every rank the same model.
+    # Build on the meta device: no memory until fully_shard materialises one unit at a
+    # time and keeps this rank's rows. The same seed on every rank gives every rank the
+    # same model.
     torch.manual_seed(0)
     with torch.device("meta"):
         model = (ToyMoE(DIM, 2 * DIM, num_blocks=4, num_experts=4) if moe
@@ -67,7 +72,8 @@ def build(device: torch.device, dp_outer: int = 1, ep: int = 1, moe: bool = Fals
         model,
         process_groups=groups,
         device=device,
-        fsdp_unit_modules=[Block, MoEBlock],  # each block is gathered, used and released
+        # each block is gathered, used and released
+        fsdp_unit_modules=[Block, MoEBlock],
         zero_dp_strategy="optim_grads_params",  # ZeRO-3 inside a replica
         outer_dp_sharding_strategy="no_shard",  # replicas (dp_outer) keep full copies
         init_model_with_meta_device=True,
@@ -76,7 +82,8 @@ def build(device: torch.device, dp_outer: int = 1, ep: int = 1, moe: bool = Fals
             main_grads_dtype=torch.float32,  # accumulate gradients in fp32
             grad_comm_dtype=grad_comm_dtype),  # and reduce them in fp32 (or bf16)
     )
-    model.set_global_names(global_names)  # checkpoints name experts by their global index
+    # checkpoints name experts by their global index
+    model.set_global_names(global_names)
     opt_class = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
     sharded_opt = mfsdp.fully_shard_optimizer(opt_class(model.parameters(), lr=lr))
 
@@ -100,10 +107,12 @@ def batch(step: int, device: torch.device, global_batch: int = 64):
     return x[mine].to(device, torch.bfloat16), y[mine].to(device)
 
 
-def train(steps: int = 12, micro_batches: int = 2, clip: float = 1.0, save: str | None = None,
-          save_at: int | None = None, load: str | None = None, **layout) -> list[dict]:
-    """Train (resuming from ``load`` if given) up to ``steps``; save at step ``save_at``. Returns
-    one record per step run: loss (mean over ranks), gradient norm before clipping, LR."""
+def train(steps: int = 12, micro_batches: int = 2, clip: float = 1.0,
+          save: str | None = None, save_at: int | None = None, load: str | None = None,
+          **layout) -> list[dict]:
+    """Train (resuming from ``load`` if given) up to ``steps``; save at step
+    ``save_at``. Returns one record per step run: loss (mean over ranks), gradient
+    norm before clipping, LR."""
     from mfsdp.checkpoint import load_checkpoint, save_checkpoint
 
     device = (torch.device("cuda", torch.cuda.current_device())
@@ -111,7 +120,8 @@ def train(steps: int = 12, micro_batches: int = 2, clip: float = 1.0, save: str 
     model, optimizer, scheduler = build(device, steps=steps, **layout)
     start = 0
     if load:
-        extra = load_checkpoint(load, model, optimizer)  # any layout's checkpoint reshards
+        # any layout's checkpoint reshards
+        extra = load_checkpoint(load, model, optimizer)
         start = extra["iteration"]
         scheduler.load_state_dict(extra["scheduler"])
     records = []
@@ -119,9 +129,11 @@ def train(steps: int = 12, micro_batches: int = 2, clip: float = 1.0, save: str 
         x, y = batch(step, device)
         optimizer.zero_grad()
         loss_sum = torch.zeros((), device=device)
-        for i, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
-            # Gradients of all but the last micro-batch stay local (ZeRO-3 still reduce-scatters
-            # each one into its shard; the replicas' all-reduce waits for the last).
+        pieces = zip(x.chunk(micro_batches), y.chunk(micro_batches))
+        for i, (xm, ym) in enumerate(pieces):
+            # Gradients of all but the last micro-batch stay local (ZeRO-3 still
+            # reduce-scatters each one into its shard; the replicas' all-reduce waits
+            # for the last).
             last = i == micro_batches - 1
             with model.no_sync() if not last else model.sync():
                 loss = torch.nn.functional.mse_loss(model(xm).float(), ym)
@@ -132,8 +144,8 @@ def train(steps: int = 12, micro_batches: int = 2, clip: float = 1.0, save: str 
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         dist.all_reduce(loss_sum)
-        records.append({"step": step + 1, "loss": loss_sum.item() / dist.get_world_size(),
-                        "grad_norm": norm, "lr": lr})
+        loss = loss_sum.item() / dist.get_world_size()
+        records.append({"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr})
         if save and save_at == step + 1:
             save_checkpoint(save, model, optimizer, iteration=step + 1,
                             extra={"scheduler": scheduler.state_dict()})

@@ -47,7 +47,8 @@ def pad_sequences(tokens: torch.Tensor, cu_seqlens: torch.Tensor,
     tokens, the new offsets and which tokens are real (padding attends like a continuation of its
     sequence, which no real token sees under the causal mask, and is left out of the loss).
 
-    >>> t, cu, real = pad_sequences(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([0, 2, 5]), 4)
+    >>> tokens, cu_seqlens = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([0, 2, 5])
+    >>> t, cu, real = pad_sequences(tokens, cu_seqlens, 4)
     >>> t.tolist(), cu.tolist(), real.int().tolist()
     ([5, 6, 0, 0, 7, 8, 9, 0], [0, 4, 8], [1, 1, 0, 0, 1, 1, 1, 0])
     """

@@ -109,7 +109,9 @@ def _norm(cfg: GPTConfig, dim: int) -> nn.Module:
 def rope_inv_freq(cfg: GPTConfig, device=None) -> torch.Tensor:
     """RoPE's inverse frequencies ``[rotary_dim / 2]`` with Llama-3 scaling when configured.
 
-    >>> rope_inv_freq(GPTConfig(position_embedding_type="rope", hidden_size=8, num_attention_heads=2))
+    >>> cfg = GPTConfig(position_embedding_type="rope", hidden_size=8,
+    ...                 num_attention_heads=2)
+    >>> rope_inv_freq(cfg)
     tensor([1.0000, 0.0100])
     """
     dim = cfg.rotary_dim
@@ -439,10 +441,11 @@ class GPT(nn.Module):
         after sharding. Layers of one shape share one compiled graph. ``options`` go to
         :func:`torch.compile` (e.g. ``mode="max-autotune-no-cudagraphs"``).
 
-        >>> cfg = GPTConfig(vocab_size=64, num_layers=2, hidden_size=32, ffn_hidden_size=64,
-        ...                 num_attention_heads=4)
+        >>> cfg = GPTConfig(vocab_size=64, num_layers=2, hidden_size=32,
+        ...                 ffn_hidden_size=64, num_attention_heads=4)
         >>> model = GPT(cfg).compile_layers()
-        >>> [type(layer.forward).__name__ for layer in model.layers] != ["method", "method"]
+        >>> kinds = [type(layer.forward).__name__ for layer in model.layers]
+        >>> kinds != ["method", "method"]
         True
         """
         for layer in self.layers:

@@ -288,9 +288,10 @@ def deepep_buffer_bytes(ep_size: int, ranks_per_node: int, hidden_bytes: int) ->
     """Buffer sizes for the DeepEP backend: NVLink bytes always, RDMA bytes only when the EP group
     spans nodes (more ranks than one node's NVLink domain of at most 8 GPUs).
 
-    >>> deepep_buffer_bytes(ep_size=8, ranks_per_node=8, hidden_bytes=7168 * 2)["rdma"]
+    >>> bf16_hidden = 7168 * 2
+    >>> deepep_buffer_bytes(8, ranks_per_node=8, hidden_bytes=bf16_hidden)["rdma"]
     0
-    >>> deepep_buffer_bytes(ep_size=16, ranks_per_node=8, hidden_bytes=7168 * 2)["rdma"] > 0
+    >>> deepep_buffer_bytes(16, ranks_per_node=8, hidden_bytes=bf16_hidden)["rdma"] > 0
     True
     """
     intranode = ep_size <= min(ranks_per_node, 8)

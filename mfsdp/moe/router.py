@@ -99,7 +99,8 @@ def aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torc
     ``P_e`` the mean score of expert ``e`` over the tokens. It is 1 for perfectly uniform routing.
 
     >>> scores = torch.full((4, 2), 0.5)
-    >>> aux_loss(scores, torch.tensor([[1, 0], [0, 1], [1, 0], [0, 1]]).bool(), topk=1).item()
+    >>> routing = torch.tensor([[1, 0], [0, 1], [1, 0], [0, 1]]).bool()
+    >>> aux_loss(scores, routing, topk=1).item()
     1.0
     """
     tokens, experts = scores.shape
@@ -141,7 +142,9 @@ def capacity_mask(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int,
     >>> routing = torch.tensor([[1, 0], [1, 0], [1, 0]]).bool()
     >>> capacity_mask(probs, routing, capacity=2, policy="position").int().tolist()
     [[1, 0], [1, 0], [0, 0]]
-    >>> capacity_mask(probs, routing, capacity=2, policy="probs", pad_to_capacity=True).int().tolist()
+    >>> kept = capacity_mask(probs, routing, capacity=2, policy="probs",
+    ...                      pad_to_capacity=True)
+    >>> kept.int().tolist()
     [[1, 1], [1, 1], [0, 0]]
     """
     if policy not in DROP_POLICIES:

@@ -494,7 +494,8 @@ def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0
     ``progress``: a stream for a ``tqdm`` bar of the node counts tried (the CLI passes stderr).
 
     >>> best = smallest_layout(PRESETS["llama3-70b"], Layout(8, seq_length=8192))
-    >>> best.world_size, best.tp, best.cp  # FSDP alone fits nowhere (activations: 170 GiB)
+    >>> # FSDP alone fits nowhere (activations: 170 GiB)
+    >>> best.world_size, best.tp, best.cp
     (24, 1, 8)
     """
     options = sorted(((tp, cp) for tp in tps for cp in cps if tp <= gpus_per_node),
@@ -589,6 +590,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp plan`` command."""
     model = PRESETS[args.preset]
+    # the layout's own checks first: a TP x CP larger than the world is its error, not a
+    # division by zero below
+    Layout(args.world_size, args.strategy, args.dp_outer, args.outer_strategy, args.ep,
+           tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
     dp = args.world_size // (args.tp * args.cp)  # data-parallel ranks: one batch slice each
     gbs = args.global_batch_size or args.micro_batch * dp
     if gbs % (args.micro_batch * dp):

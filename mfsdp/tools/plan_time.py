@@ -129,7 +129,8 @@ def step_time(model, layout, sent: dict, gpu: Gpu | str = "h100", **overrides) -
     for FP8). :func:`mfsdp.tools.plan.estimate` does both steps.
 
     >>> from mfsdp.tools.plan import PRESETS, Layout, plan
-    >>> model, layout = PRESETS["llama3-8b"], Layout(world_size=8, seq_length=8192, micro_batch=2)
+    >>> model = PRESETS["llama3-8b"]
+    >>> layout = Layout(world_size=8, seq_length=8192, micro_batch=2)
     >>> t = step_time(model, layout, plan(model, layout).comm)
     >>> round(t.compute_s, 2), t.links["dp_shard"], round(100 * t.mfu)
     (2.13, 'NVLink', 40)

@@ -142,7 +142,8 @@ class Trainer:
                        if c.parallel.use_megatron_fsdp else "ddp")
         tp_note = ((f", TP {par.tp}{' + SP' if par.sequence_parallel else ''}" if par.tp > 1
                     else "") + (f", CP {par.cp}" if par.cp > 1 else ""))
-        self.log(f"mfsdp train: {self.world} ranks ({dist.get_backend()}), {layout_name}, outer "
+        ranks = f"{self.world} rank{'s' if self.world != 1 else ''}"
+        self.log(f"mfsdp train: {ranks} ({dist.get_backend()}), {layout_name}, outer "
                  f"{c.parallel.num_distributed_optimizer_instances}, EP "
                  f"{c.parallel.expert_model_parallel_size}{tp_note}, model "
                  f"{model_family(c.model.model_preset, cfg)} "

@@ -1,0 +1,134 @@
+/* The planner page's calculator (docs/_ext/planner_calculator.py writes its form).
+ *
+ * It estimates nothing itself: the docs build writes _static/planner-tables.json from
+ * mfsdp.tools.plan_export.export(), the numbers of `mfsdp plan` (mfsdp/tools/plan.py and
+ * plan_time.py) over every input this form offers, split by what each number depends on. This
+ * script looks the three rows up and combines them as mfsdp.tools.plan_export.lookup does (the
+ * memory terms add up; the FSDP collectives overlap the compute, the others add to it).
+ * tests/test_plan_calculator.py holds compute() to the planner in node, and
+ * tests/test_browser.py holds the page's numbers to `mfsdp plan` in Chromium. */
+(function () {
+  "use strict";
+
+  function row(tables, table, inputs) {
+    const preset = inputs.preset;
+    let index = 0;
+    for (const axis of tables.axes[table]) {
+      const values = axis === "ep" ? tables.ep[preset] : tables.grid[axis];
+      const at = values.indexOf(inputs[axis]);
+      if (at < 0) throw new Error(`${axis}=${inputs[axis]} is not one of ${values}`);
+      index = index * values.length + at;
+    }
+    const got = tables[table][preset][index];
+    return typeof got === "number" ? tables.errors[got] : got;
+  }
+
+  /* One layout's numbers (memory in GiB, times in seconds), or the planner's error message. */
+  function compute(tables, inputs) {
+    const rows = ["state", "activations", "time"].map(t => row(tables, t, inputs));
+    for (const r of rows) if (typeof r === "string") return r;
+    const [state, [activations], [compute_s, exposed, tokens, tflops, mfu]] = rows;
+    const step = Math.max(compute_s, state[tables.memory.length]) + exposed;
+    const out = {};
+    tables.memory.forEach((name, i) => { out[name] = state[i]; });
+    out.activations = activations;
+    out.total = tables.memory.reduce((sum, name) => sum + out[name], 0) + activations;
+    Object.assign(out, {compute_s, step_s: step, tokens_per_gpu_s: tokens / step,
+                        model_tflops_per_gpu: tflops / step, mfu: mfu / step});
+    return out;
+  }
+
+  if (typeof module !== "undefined" && module.exports) {
+    module.exports = {compute};
+    return;
+  }
+
+  const TERMS = ["weights", "main_weights", "grads", "optimizer", "gathered", "activations"];
+
+  /* x with d decimals as Python's format() writes it: JavaScript's toFixed rounds a value
+     exactly halfway (17.125, a binary fraction) away from zero, Python to the even digit. */
+  function fixed(x, d) {
+    const rounded = x.toFixed(d);
+    const exact = Math.abs(x).toFixed(Math.min(100, d + 60));  // every digit of the double
+    const dot = exact.indexOf(".");
+    if (!/^50*$/.test(exact.slice(dot + 1 + d))) return rounded;
+    const down = exact.slice(0, d ? dot + 1 + d : dot);
+    return Number(down[down.length - 1]) % 2 ? rounded : (x < 0 ? "-" : "") + down;
+  }
+  const grouped = n => fixed(n, 0).replace(/\B(?=(\d{3})+(?!\d))/g, ",");
+
+  function command(inputs) {
+    const parts = [`mfsdp plan ${inputs.preset} --world-size ${inputs.world_size}`];
+    if (inputs.strategy !== "optim_grads_params")
+      parts.push(`--data-parallel-sharding-strategy ${inputs.strategy}`);
+    if (inputs.dp_outer > 1) parts.push(`--num-distributed-optimizer-instances ${inputs.dp_outer}`);
+    if (inputs.tp > 1) parts.push(`--tensor-model-parallel-size ${inputs.tp}`);
+    if (inputs.sequence_parallel) parts.push("--sequence-parallel");
+    if (inputs.cp > 1) parts.push(`--context-parallel-size ${inputs.cp}`);
+    if (inputs.ep > 1) parts.push(`--expert-model-parallel-size ${inputs.ep}`);
+    if (inputs.micro_batch > 1) parts.push(`--micro-batch-size ${inputs.micro_batch}`);
+    if (inputs.seq_length !== 4096) parts.push(`--seq-length ${inputs.seq_length}`);
+    if (inputs.recompute !== "none") parts.push(`--recompute-granularity ${inputs.recompute}`);
+    // one flag per line, as the guide's commands are written, so the block fits the page
+    return parts.join(" \\\n    ");
+  }
+
+  function render(root, tables) {
+    const form = root.querySelector("form");
+    const inputs = {};
+    for (const select of form.querySelectorAll("select")) inputs[select.name] = JSON.parse(select.value);
+    const ep = form.querySelector('select[name="ep"]');
+    const experts = tables.ep[inputs.preset].length > 1;
+    ep.disabled = !experts;
+    if (!experts) { ep.value = "1"; inputs.ep = 1; }
+    const out = root.querySelector(".mfsdp-calc-result");
+    const got = compute(tables, inputs);
+    if (typeof got === "string") {
+      out.innerHTML = "";
+      const p = document.createElement("p");
+      p.className = "mfsdp-calc-error";
+      p.dataset.out = "error";
+      p.textContent = `This layout is not valid: ${got}`;
+      out.appendChild(p);
+      return;
+    }
+    const rows = TERMS.map(t => `<tr><td>${t}</td><td data-out="${t}">${fixed(got[t], 2)}</td></tr>`);
+    rows.push(`<tr class="mfsdp-calc-total"><td>total</td>` +
+              `<td data-out="total">${fixed(got.total, 2)}</td></tr>`);
+    const fits = got.total <= 80 - 4;
+    out.innerHTML =
+      `<table class="mfsdp-calc-memory"><thead><tr><th>memory term</th><th>GiB per GPU</th></tr>` +
+      `</thead><tbody>${rows.join("")}</tbody></table>` +
+      `<p class="mfsdp-calc-fits" data-out="fits">${fits ? "Fits" : "Does not fit"} on an 80 GiB ` +
+      `GPU (total at most 76 GiB: 4 GiB stay with the CUDA context and the allocator).</p>` +
+      `<p class="mfsdp-calc-time">Predicted step on H100s: <b data-out="step_s">` +
+      `${fixed(got.step_s, 2)}</b> s (compute <span data-out="compute_s">` +
+      `${fixed(got.compute_s, 2)}</span> s), <span data-out="tokens_per_gpu_s">` +
+      `${grouped(got.tokens_per_gpu_s)}</span> tokens/s per GPU, <span data-out="tflops">` +
+      `${grouped(got.model_tflops_per_gpu)}</span> model TFLOP/s per GPU, MFU ` +
+      `<span data-out="mfu">${fixed(100 * got.mfu, 1)}</span>%.</p>` +
+      `<p>The same estimate in a terminal:</p><pre class="mfsdp-calc-command"></pre>`;
+    out.querySelector("pre").textContent = command(inputs);
+  }
+
+  async function start(root) {
+    const base = document.documentElement.dataset.content_root || "";
+    const out = root.querySelector(".mfsdp-calc-result");
+    let tables;
+    try {
+      const response = await fetch(base + "_static/" + root.dataset.tables);
+      tables = await response.json();
+    } catch (e) {
+      out.textContent = "The calculator's tables did not load (" + e + "): serve the guide over " +
+                        "http (python -m http.server) or run mfsdp plan.";
+      return;
+    }
+    root.querySelector("form").addEventListener("change", () => render(root, tables));
+    render(root, tables);
+    root.dataset.ready = "1";
+  }
+
+  function init() { document.querySelectorAll(".mfsdp-calculator").forEach(start); }
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
+  else init();
+})();

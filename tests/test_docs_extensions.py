@@ -1,0 +1,87 @@
+"""The guide's build-time additions, without a build: links to issues and projects
+(docs/_ext/external_links.py) and the measured-on line (docs/_ext/measured.py). The built pages
+are checked in Chromium by tests/test_browser.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from docutils import nodes
+from docutils.core import publish_doctree
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+
+import external_links  # noqa: E402
+import measured  # noqa: E402
+
+
+def _links(text: str) -> list[tuple[str, str]]:
+    tree = publish_doctree(text)
+    external_links.add_links(None, tree, "page")
+    return [(n.astext(), n["refuri"]) for n in tree.findall(nodes.reference)]
+
+
+def test_issue_references_become_links_and_code_stays_code():
+    got = _links("See NVIDIA/Megatron-LM#5974 and Megatron-Bridge#4246, not ``a/b#1``.\n\n"
+                 "::\n\n   NVIDIA/Megatron-LM#7 in a code block\n")
+    assert got == [
+        ("NVIDIA/Megatron-LM#5974", "https://github.com/NVIDIA/Megatron-LM/issues/5974"),
+        ("Megatron-Bridge#4246", "https://github.com/NVIDIA-NeMo/Megatron-Bridge/issues/4246"),
+    ]
+
+
+def test_a_project_is_linked_once_per_page_unless_the_page_links_it():
+    got = _links("torchtitan does X; torchtitan does Y. `Slurm <https://slurm.schedmd.com/>`_ "
+                 "and Slurm again. A title:\n\nMegatron-LM\n===========\n\ntext\n")
+    assert got == [("torchtitan", external_links.PROJECTS["torchtitan"]),
+                   ("Slurm", "https://slurm.schedmd.com/")]
+
+
+def test_an_unknown_short_repository_name_is_not_guessed():
+    assert _links("Somewhere#12 stays text.\n") == []
+
+
+def test_a_recipe_run_is_stamped_with_date_machine_and_versions(tmp_path, monkeypatch):
+    import torch
+
+    import mfsdp
+
+    monkeypatch.setattr(measured, "GALLERY", tmp_path)
+    measured.stamp_recipe({}, "recipes/plot_x.py", "before")
+    measured.stamp_recipe({}, None, "before")  # entering the gallery: nothing to stamp
+    stamp = json.loads((tmp_path / "plot_x.measured.json").read_text())
+    assert stamp["torch"] == torch.__version__ and stamp["mfsdp"] == mfsdp.__version__
+    assert "CPU cores" in stamp["machine"] and len(stamp["date"]) == 10
+    assert [p.name for p in tmp_path.iterdir()] == ["plot_x.measured.json"]
+    assert measured.line(stamp, "Ran").startswith(f"Ran {stamp['date']} on ")
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
+def test_every_measured_on_directive_gives_every_field(page):
+    """A page's ``{mfsdp-measured}`` gives all of date, machine, torch and mfsdp, or none."""
+    import datetime
+    import re
+
+    text = (ROOT / "docs" / page).read_text()
+    for block in re.findall(r"```\{mfsdp-measured\}\n(.*?)```", text, re.S):
+        fields = dict(re.findall(r"^:(\w+): (.+)$", block, re.M))
+        assert set(fields) in (set(), set(measured.FIELDS)), (page, fields)
+        if fields:
+            datetime.date.fromisoformat(fields["date"])
+
+
+def test_text_in_an_autosummary_table_is_linked():
+    """autosummary's table is a docutils comment subclass that is rendered: its text is prose."""
+    from sphinx.ext.autosummary import autosummary_table
+
+    tree = publish_doctree("Title\n=====\n")
+    table = autosummary_table("")
+    table += nodes.paragraph("", "", nodes.Text("Start the group: NCCL on GPUs."))
+    tree += table
+    external_links.add_links(None, tree, "api")
+    assert [(n.astext(), n["refuri"]) for n in tree.findall(nodes.reference)] == [
+        ("NCCL", external_links.PROJECTS["NCCL"])]

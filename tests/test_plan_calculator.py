@@ -1,0 +1,144 @@
+"""The planner page's calculator (docs/_static/mfsdp-planner.js) against the planner itself.
+
+The calculator looks its numbers up in tables the docs build exports from the planner
+(mfsdp/tools/plan_export.py). Here, without a build: the tables' split agrees with direct calls of
+the planner, a table that disagrees is caught, and the page's own script (run in Chromium, or in
+node where Chromium is missing) gives the planner's numbers. The built page against ``mfsdp plan``
+is in tests/test_browser.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from conftest import skip_or_fail
+
+from mfsdp.tools.plan_export import GRID, check, direct, export, lookup
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "docs" / "_static" / "mfsdp-planner.js"
+
+# A corner of the calculator's grid: a dense and an MoE preset, every strategy, small and large
+# worlds, each parallelism on and off, every recompute choice.
+SMALL = {**GRID, "preset": ["llama3-70b", "deepseek-v3"], "world_size": [8, 256],
+         "dp_outer": [1, 2], "tp": [1, 8], "cp": [1, 2], "ep": [1, 8], "micro_batch": [1, 4],
+         "seq_length": [4096, 32768]}
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return export(SMALL, samples=50)
+
+
+def _inputs(grid: dict) -> list[dict]:
+    import itertools
+
+    names = list(grid)
+    out = []
+    for combo in itertools.product(*grid.values()):
+        inputs = dict(zip(names, combo))
+        if inputs["ep"] > 1 and inputs["preset"] != "deepseek-v3":
+            continue
+        out.append(inputs)
+    return out
+
+
+def test_the_lookup_equals_the_planner_on_every_layout_of_a_grid(tables):
+    """Every layout of SMALL (valid or not): the tables, combined, give the planner's numbers."""
+    cases = _inputs(SMALL)
+    assert len(cases) > 1000
+    invalid = 0
+    for inputs in cases:
+        got, want = lookup(tables, **inputs), direct(**inputs)
+        if isinstance(want, str):
+            assert got == want, inputs
+            invalid += 1
+            continue
+        assert got.keys() == want.keys()
+        for name in want:
+            assert got[name] == pytest.approx(want[name], rel=1e-8), (inputs, name)
+    assert 0 < invalid < len(cases)
+
+
+def test_a_table_that_disagrees_with_the_planner_is_caught(tables):
+    """The build's check fails on tables that no longer follow the planner (here: one preset's
+    activations doubled), instead of publishing them."""
+    broken = json.loads(json.dumps(tables))
+    broken["activations"]["llama3-70b"] = [r if isinstance(r, int) else [2 * r[0]]
+                                           for r in broken["activations"]["llama3-70b"]]
+    with pytest.raises(AssertionError):
+        check(broken, samples=100)
+
+
+def _run_script(tables: dict, cases: list[dict]) -> list:
+    """``compute(tables, inputs)`` of the page's script for each case, in a JavaScript engine."""
+    chromium = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
+                     if shutil.which(n)), None)
+    node = shutil.which("node")
+    with tempfile.TemporaryDirectory() as tmp:
+        data = json.dumps({"tables": tables, "cases": cases})
+        if chromium:
+            page = Path(tmp) / "run.html"
+            page.write_text(
+                "<!doctype html><html><body><pre id=result></pre><script>var module = "
+                f"{{exports: {{}}}};</script><script>{SCRIPT.read_text()}</script><script>"
+                f"const d = {data}; document.getElementById('result').textContent = "
+                "JSON.stringify(d.cases.map(c => module.exports.compute(d.tables, c)));"
+                "</script></body></html>")
+            proc = subprocess.run(
+                [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                 f"--user-data-dir={tmp}/profile", "--dump-dom", page.as_uri()],
+                capture_output=True, text=True, timeout=120)
+            import html
+            import re
+
+            found = re.search(r'<pre id="result">(.*?)</pre>', proc.stdout, re.S)
+            assert found, proc.stderr[-2000:]
+            return json.loads(html.unescape(found.group(1)))
+        if node:
+            (Path(tmp) / "data.json").write_text(data)
+            proc = subprocess.run(
+                [node, "-e", f"const {{compute}} = require({json.dumps(str(SCRIPT))}); "
+                 f"const d = require({json.dumps(str(Path(tmp) / 'data.json'))}); "
+                 "console.log(JSON.stringify(d.cases.map(c => compute(d.tables, c))));"],
+                capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0, proc.stderr
+            return json.loads(proc.stdout)
+    skip_or_fail("neither Chromium nor node is installed (apt-get install chromium)")
+
+
+def test_the_page_script_gives_the_planners_numbers(tables):
+    """The script the planner page runs, on 400 layouts of the grid: the planner's memory terms,
+    step time, tokens/s and MFU to 1e-8, and its error message for an invalid layout."""
+    import random
+
+    cases = random.Random(0).sample(_inputs(SMALL), 400)
+    got = _run_script(tables, cases)
+    assert len(got) == len(cases)
+    for inputs, result in zip(cases, got):
+        want = direct(**inputs)
+        if isinstance(want, str):
+            assert result == want, inputs
+            continue
+        assert set(result) == set(want), inputs
+        for name in want:
+            assert result[name] == pytest.approx(want[name], rel=1e-8), (inputs, name)
+
+
+def test_mfsdp_plan_refuses_a_split_larger_than_the_world_in_one_line(capsys):
+    """TP x CP larger than the world: the layout's message (as the calculator shows it), not a
+    ZeroDivisionError from the batch arithmetic."""
+    from mfsdp.cli import main
+
+    code = main(["plan", "llama3-8b", "--world-size", "8", "--tensor-model-parallel-size", "8",
+                 "--context-parallel-size", "2"])
+    err = capsys.readouterr().err
+    want = direct(preset="llama3-8b", world_size=8, strategy="optim_grads_params", dp_outer=1,
+                  tp=8, cp=2, ep=1, sequence_parallel=False, micro_batch=1, seq_length=4096,
+                  recompute="none")
+    assert code == 2 and err.startswith("mfsdp plan: error: ") and want in err, err
