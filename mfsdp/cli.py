@@ -57,7 +57,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("mfsdp.checkpoint.convert", "run_distributed",
                 "convert checkpoints: fsdp_dtensor, Megatron-LM (torch_dist), mfsdp_full, "
                 "safetensors and Hugging Face (hf)"),
-    "plan": ("mfsdp.tools.plan", "run",
+    "plan": ("mfsdp.tools.plan_cli", "run",
              "estimate per-rank memory and per-step communication of a layout"),
     "train": ("mfsdp.train", "main_parsed",
               "train Llama, Qwen, Mixtral, DeepSeek-V3 or GPT models with Megatron-LM's flags "

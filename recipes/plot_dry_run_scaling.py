@@ -88,4 +88,4 @@ fig.tight_layout()
 # the fp32 gradients (4) stay whole on every rank, about 395 GiB for 70B
 # parameters, so no world size makes ZeRO-1 fit an 80 GiB GPU. Activations are
 # not in this plot: they do not depend on the world size (see
-# :doc:`/planner`).
+# :doc:`../planner`).

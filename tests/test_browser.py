@@ -199,7 +199,7 @@ def _plan_cli(inputs: dict) -> dict | str:
     import io
     import re
 
-    from mfsdp.tools.plan import main
+    from mfsdp.tools.plan_cli import main
 
     argv = [inputs["preset"], "--world-size", str(inputs["world_size"]),
             "--data-parallel-sharding-strategy", inputs["strategy"],

@@ -86,7 +86,7 @@ def test_shared_options_have_the_trainers_names():
     """An option that plan or bench shares with the trainer is spelled as the trainer (Megatron-LM)
     spells it; the older short names stay as aliases."""
     from mfsdp.tools.benchmark import build_parser as bench_parser
-    from mfsdp.tools.plan import build_parser as plan_parser
+    from mfsdp.tools.plan_cli import build_parser as plan_parser
     from mfsdp.train import build_parser as train_parser
 
     def flags(parser):

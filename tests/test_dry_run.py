@@ -32,7 +32,8 @@ REAL = [
 def _real_cases():
     for i, (preset, kw) in enumerate(REAL):
         marks = () if i in (3, 4, 6) else (pytest.mark.extended,)  # ZeRO-3, HFSDP, EP in make test
-        yield pytest.param(preset, kw, marks=marks, id=f"{preset}-{'-'.join(map(str, kw.values()))}")
+        name = f"{preset}-{'-'.join(map(str, kw.values()))}"
+        yield pytest.param(preset, kw, marks=marks, id=name)
 
 
 @pytest.mark.parametrize("preset, kw", list(_real_cases()))
@@ -169,6 +170,7 @@ def test_the_command_line_reports_writes_json_and_exits_by_the_verdict(tmp_path)
 def test_a_plan_that_disagrees_exits_1(tmp_path, monkeypatch):
     """A planner that forgets the gradient buffers ZeRO-1 keeps is caught (exit status 1)."""
     import mfsdp.tools.plan as planner
+    from mfsdp.tools.plan_cli import main
 
     real = planner.state_bytes
 
@@ -178,7 +180,7 @@ def test_a_plan_that_disagrees_exits_1(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(planner, "state_bytes", forgetful)
-    code = planner.main(["llama3-8b", "--world-size", "64", "--data-parallel-sharding-strategy",
+    code = main(["llama3-8b", "--world-size", "64", "--data-parallel-sharding-strategy",
                          "optim", "--dry-run"])
     assert code == 1
 

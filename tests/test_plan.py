@@ -208,7 +208,8 @@ def test_a_step_counts_every_micro_batch_of_the_global_batch(capsys):
     micro-batch, ZeRO-2 reduce-scatters each (in fp32) and gathers once (in bf16), ZeRO-1 reduces
     once; TP traffic is per micro-batch. The CLI derives the micro-batches from
     --global-batch-size. (tests/test_dry_run.py checks the bytes against the engine's.)"""
-    from mfsdp.tools.plan import PRESETS, Layout, main, plan
+    from mfsdp.tools.plan import PRESETS, Layout, plan
+    from mfsdp.tools.plan_cli import main
 
     model = PRESETS["llama3-8b"]
 

@@ -13,16 +13,14 @@ estimate and are an estimate.
 
 from __future__ import annotations
 
-import argparse
-import math
-import sys
 from dataclasses import dataclass, field, replace
 
-from mfsdp.argtypes import fraction, positive_float, positive_int
+from mfsdp.tools.plan_terms import activations, fsdp_traffic, padding
 from mfsdp.tools.plan_time import step_time
 
-__all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes", "fsdp_traffic",
-           "smallest_world", "smallest_layout", "tp_dense", "estimate", "main", "build_parser"]
+__all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes",
+           "fsdp_traffic",
+           "smallest_world", "smallest_layout", "tp_dense", "estimate"]
 
 GiB = 2**30
 
@@ -289,117 +287,6 @@ def tp_dense(model: ModelConfig, dense: float, tp: int) -> float:
     return (dense - whole) / tp + whole
 
 
-def _activations(model: ModelConfig, layout: Layout) -> float:
-    """Activation bytes of one micro-batch in bf16 (Korthikanti et al., 2022), an estimate.
-
-    Per layer ``s b h (34 + 5 a s / h)`` bytes without recomputation (the second term vanishes
-    with flash attention or selective recomputation). Full recomputation keeps ``2 s b h`` per
-    recomputed chunk's input plus one chunk's activations while it is recomputed (uniform), or
-    ``2 s b h`` for each of the first ``recompute_num_layers`` layers (block).
-    """
-    s, b, h, a = layout.seq_length // layout.cp, layout.micro_batch, model.hidden, model.num_heads
-    t = layout.tp
-    granularity = layout.recompute_granularity or ("full" if layout.recompute else None)
-    scores = 0 if layout.flash_attention or granularity == "selective" else 5 * a * s / (h * t)
-    # Korthikanti et al.: 10 of the 34 bytes per token and channel (norm inputs, dropout masks)
-    # stay whole on every TP rank unless sequence parallelism splits them too.
-    per_layer = s * b * h * ((34 / t if layout.sequence_parallel else 10 + 24 / t) + scores)
-    if model.num_experts:  # routed tokens: topk copies of the MLP activations
-        per_layer += s * b * (model.topk - 1) * 3 * model.moe_ffn_hidden * 2
-    if layout.sequence_parallel:  # the checkpointed layer inputs are sequence shards too
-        s = s // t
-    L = model.num_layers
-    if granularity != "full":
-        return L * per_layer
-    n = min(layout.recompute_num_layers, L)
-    if layout.recompute_method == "block":  # the first n layers keep only their input
-        return n * 2 * s * b * h + (L - n) * per_layer
-    # uniform: every chunk keeps its input; one chunk is recomputed at a time
-    return math.ceil(L / n) * 2 * s * b * h + n * per_layer
-
-
-def padding(model: ModelConfig, layout: Layout) -> tuple[float, float]:
-    """(dense, expert) shard padding as a fraction of the parameters, from the engine's own bucket
-    planner (:func:`mfsdp.fsdp.bucket.plan_bucket`) on the model's buckets.
-
-    >>> d, _ = padding(PRESETS["llama3-70b"], Layout(world_size=1024))
-    >>> d < 0.01
-    True
-    """
-    from mfsdp.config import ShardingStrategy
-
-    if ShardingStrategy.parse(layout.strategy).zero_stage == 0:
-        return 0.0, 0.0
-    shard = layout.shard
-    factor = layout.dp_outer if ShardingStrategy.parse(layout.outer_strategy).zero_stage else 1
-    pad = {"dense": [0, 0], "expert": [0, 0]}  # [padding, numel]
-    for name, (shapes, count) in model.bucket_shapes(layout.ep).items():
-        kind = "expert" if name == "experts" else "dense"
-        n = (shard // layout.ep if kind == "expert" else shard) * factor
-        b = _plan_bucket(tuple(shapes), n)
-        pad[kind][0] += count * (b.padded_numel - b.numel)
-        pad[kind][1] += count * b.numel
-    return tuple(p / n if n else 0.0 for p, n in pad.values())
-
-
-_BUCKET_PLANS: dict = {}
-
-
-def _plan_bucket(shapes: tuple, n: int):
-    from mfsdp.fsdp.bucket import plan_bucket
-
-    if (shapes, n) not in _BUCKET_PLANS:
-        _BUCKET_PLANS[(shapes, n)] = plan_bucket(list(shapes), n)
-    return _BUCKET_PLANS[(shapes, n)]
-
-
-def fsdp_traffic(model: ModelConfig, layout: Layout, dense: float, expert: float,
-                 pad_dense: float = 0.0) -> dict[str, float]:
-    """Bytes one rank sends per optimizer step over the shard groups (``dp_shard``: the dense
-    and the expert one) and the outer group (``dp_outer``), for ``dense`` and ``expert``
-    parameters held per TP rank and per EP rank (padded), on the engine's schedule.
-
-    Per optimizer step of ``m`` micro-batches: ZeRO-3 all-gathers each layer for its forward and
-    again for its backward, the root unit (embeddings, final norm, output layer) once, since it
-    stays gathered through the backward, and reduce-scatters every micro-batch's gradients;
-    ZeRO-2 reduce-scatters every micro-batch and gathers the new weights once; ZeRO-1
-    reduce-scatters the accumulated gradients once and gathers once; ``no_shard`` all-reduces
-    once. Gathers carry the compute dtype, reductions ``grad_comm_bytes`` (fp32 by default). The
-    outer group all-reduces the reduced shard (HSDP), or reduce-scatters it and gathers the new
-    weights (HFSDP); under ``no_shard`` it all-reduces every gradient again. Each collective sends ``(n - 1) / n`` of its bytes (a ring); the expert shard
-    group is ``ep`` times smaller than the dense one. ``mfsdp plan --dry-run`` reads the same
-    figures off the engine's buckets.
-    """
-    from mfsdp.config import ShardingStrategy
-
-    stage = ShardingStrategy.parse(layout.strategy).zero_stage
-    cb, gb = layout.compute_bytes, layout.grad_comm_bytes or layout.grad_bytes
-    m, tp = layout.micro_batches, layout.tp
-    n_dense, n_expert = layout.shard, layout.shard // layout.ep
-
-    def ring(n: int) -> float:
-        return (n - 1) / n
-
-    root = (model.vocab * model.hidden * (1 if model.tied_embeddings else 2) / tp
-            + model.hidden) * (1 + pad_dense)  # the root unit on one TP rank
-    if stage == 0:
-        sent = 2 * gb * (ring(n_dense) * dense + ring(n_expert) * expert)
-    else:
-        reduces = m if stage >= 2 else 1
-        gathered = (m * (2 * dense - root), 2 * m * expert) if stage == 3 else (dense, expert)
-        sent = (cb * (ring(n_dense) * gathered[0] + ring(n_expert) * gathered[1])
-                + gb * reduces * (ring(n_dense) * dense + ring(n_expert) * expert))
-    comm = {"dp_shard": sent}
-    o = layout.dp_outer
-    if o > 1 and not stage:  # no_shard: every gradient again over the outer group
-        comm["dp_outer"] = 2 * ring(o) * gb * (dense + expert)
-    elif o > 1:
-        shard = dense / n_dense + expert / n_expert  # one rank's reduced gradients
-        outer_sharded = ShardingStrategy.parse(layout.outer_strategy).zero_stage > 0
-        comm["dp_outer"] = ring(o) * shard * ((gb + cb) if outer_sharded else 2 * gb)
-    return comm
-
-
 def plan(model: ModelConfig, layout: Layout) -> Plan:
     """Estimate per-rank memory and per-step communication for ``model`` under ``layout``.
 
@@ -415,7 +302,7 @@ def plan(model: ModelConfig, layout: Layout) -> Plan:
     unit_dense, unit_expert = model.layer_params(bool(model.num_experts))
     unit = (unit_dense / layout.tp + unit_expert / layout.ep) * layout.compute_bytes
     memory["gathered"] = (layout.prefetch_depth + 1) * unit if s == 3 else 0.0
-    memory["activations"] = _activations(model, layout)
+    memory["activations"] = activations(model, layout)
     comm = fsdp_traffic(model, layout, local_dense * (1 + pad_dense),
                         expert / layout.ep * (1 + pad_expert), pad_dense)
     m = layout.micro_batches
@@ -516,173 +403,3 @@ def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0
         if not options:
             return None
     return None
-
-
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The ``mfsdp plan`` argument parser (every size positive, the efficiency in (0, 1])."""
-    parser = parser or argparse.ArgumentParser(prog="mfsdp plan", description=__doc__.splitlines()[0])
-    parser.add_argument("preset", choices=sorted(PRESETS), help="model")
-    parser.add_argument("--world-size", type=positive_int, default=8)
-    # The trainer's (Megatron-LM's) names first; the short names stay as aliases.
-    parser.add_argument("--data-parallel-sharding-strategy", "--strategy", dest="strategy",
-                        default="optim_grads_params",
-                        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
-    parser.add_argument("--num-distributed-optimizer-instances", "--dp-outer", dest="dp_outer",
-                        type=positive_int, default=1, help="HSDP outer size")
-    parser.add_argument("--outer-dp-sharding-strategy", "--outer-strategy", dest="outer_strategy",
-                        default="no_shard", choices=["no_shard", "optim"])
-    parser.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=positive_int, default=1)
-    parser.add_argument("--tensor-model-parallel-size", dest="tp", type=positive_int, default=1,
-                        help="tensor-parallel size (Megatron-LM's split of every projection)")
-    parser.add_argument("--context-parallel-size", dest="cp", type=positive_int, default=1,
-                        help="context-parallel size (each rank holds seq_length / cp tokens)")
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="sequence parallelism in the TP regions (needs TP > 1)")
-    parser.add_argument("--micro-batch-size", "--micro-batch", dest="micro_batch", type=positive_int,
-                        default=1, help="sequences per micro-batch (the trainer's name)")
-    parser.add_argument("--global-batch-size", type=positive_int,
-                        help="sequences per optimizer step over all data-parallel ranks (default: "
-                             "one micro-batch per rank, no accumulation)")
-    parser.add_argument("--seq-length", type=positive_int, default=4096)
-    parser.add_argument("--recompute-granularity", choices=("full", "selective"),
-                        help="activation recomputation, as mfsdp train and Megatron-LM name it")
-    parser.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
-    parser.add_argument("--recompute-num-layers", type=positive_int, default=1)
-    parser.add_argument("--recompute", action="store_true",
-                        help="shorthand for --recompute-granularity full (uniform, 1 layer)")
-    parser.add_argument("--device-gib", type=positive_float, default=80.0)
-    gpu = parser.add_argument_group("time estimate (mfsdp/tools/plan_time.py)")
-    gpu.add_argument("--gpu", choices=("h100", "gb200", "gb300"), default="h100",
-                     help="peak, NVLink and network figures of this GPU (defaults below)")
-    gpu.add_argument("--peak-tflops", type=positive_float,
-                     help="dense peak at the training precision (h100: 989 bf16, 1979 FP8; "
-                          "gb200 and gb300: 2500 bf16, 5000 FP8)")
-    gpu.add_argument("--compute-efficiency", type=fraction,
-                     help="fraction of the peak a step's kernels reach (default 0.4)")
-    gpu.add_argument("--nvlink-gbps", type=positive_float, help="GB/s per GPU inside an NVLink domain")
-    gpu.add_argument("--network-gbps", type=positive_float, help="GB/s per GPU between domains")
-    parser.add_argument("--grad-reduce-in-bf16", action="store_true",
-                        help="reduce gradients in bf16 (Megatron-LM's flag); default: in the main "
-                             "gradients' fp32")
-    dry = parser.add_argument_group("dry run (mfsdp/tools/dry_run.py)")
-    dry.add_argument("--dry-run", action="store_true",
-                     help="also build the model with the real engine at this world size, in this "
-                          "process (fake process group, meta tensors), and compare what each rank "
-                          "holds and sends with the plan; exit 1 when weights, gradients or "
-                          "optimizer state differ by more than 2%%, 2 when the layout cannot be "
-                          "built")
-    dry.add_argument("--json", metavar="PATH",
-                     help="with --dry-run: write the measured and planned bytes per rank there")
-    dry.add_argument("--dry-run-ranks", metavar="R,R,...",
-                     type=lambda v: [int(r) for r in v.split(",")],
-                     help="with --dry-run: the ranks to build (default: the first and last of the "
-                          "world and of each of rank 0's groups, and up to 8 positions of its EP "
-                          "group)")
-    dry.add_argument("--fsdp-double-buffer", action="store_true",
-                     help="with --dry-run: build with the trainer's --fsdp-double-buffer and "
-                          "report its two slots")
-    parser.add_argument("--smallest", action="store_true",
-                        help="also find the smallest number of devices (whole 8-GPU nodes) that "
-                             "fits: with this layout's TP/CP, and searching TP (with SP) and CP")
-    return parser
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run a parsed ``mfsdp plan`` command."""
-    model = PRESETS[args.preset]
-    # the layout's own checks first: a TP x CP larger than the world is its error, not a
-    # division by zero below
-    Layout(args.world_size, args.strategy, args.dp_outer, args.outer_strategy, args.ep,
-           tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
-    dp = args.world_size // (args.tp * args.cp)  # data-parallel ranks: one batch slice each
-    gbs = args.global_batch_size or args.micro_batch * dp
-    if gbs % (args.micro_batch * dp):
-        raise SystemExit(f"mfsdp plan: --global-batch-size {gbs} is not a multiple of "
-                         f"--micro-batch-size x data-parallel ranks = {args.micro_batch} x {dp}")
-    layout = Layout(args.world_size, args.strategy, args.dp_outer, args.outer_strategy, args.ep,
-                    micro_batch=args.micro_batch, seq_length=args.seq_length,
-                    micro_batches=gbs // (args.micro_batch * dp),
-                    recompute=args.recompute, recompute_granularity=args.recompute_granularity,
-                    recompute_method=args.recompute_method,
-                    recompute_num_layers=args.recompute_num_layers, tp=args.tp, cp=args.cp,
-                    sequence_parallel=args.sequence_parallel,
-                    grad_comm_bytes=2 if args.grad_reduce_in_bf16 else None)
-    if (args.json or args.fsdp_double_buffer or args.dry_run_ranks) and not args.dry_run:
-        raise SystemExit("mfsdp plan: --json, --dry-run-ranks and --fsdp-double-buffer belong "
-                         "to the dry run; add --dry-run")
-    bad = [r for r in args.dry_run_ranks or () if not 0 <= r < args.world_size]
-    if bad:
-        raise SystemExit(f"mfsdp plan: --dry-run-ranks {bad[0]} is not a rank of --world-size "
-                         f"{args.world_size} (0 to {args.world_size - 1})")
-    p = plan(model, layout)
-    print(f"{args.preset}: {p.params / 1e9:.1f}B parameters ({p.expert_params / 1e9:.1f}B in "
-          f"experts), {args.world_size} ranks, {args.strategy}")
-    print(describe(layout, dp))
-    print(p.table())
-    print(f"dominant term: {p.dominant}; fits on {args.device_gib:g} GiB: "
-          f"{'yes' if p.fits(args.device_gib) else 'no'} (total <= {args.device_gib:g} - 4 GiB "
-          "kept for the CUDA context and the allocator)")
-    given = {"peak_tflops": args.peak_tflops, "efficiency": args.compute_efficiency,
-             "nvlink_gbps": args.nvlink_gbps, "network_gbps": args.network_gbps}
-    print(step_time(model, layout, p.comm, args.gpu,
-                    **{k: v for k, v in given.items() if v is not None}).summary())
-    if args.smallest:
-        world = smallest_world(model, layout, args.device_gib, progress=sys.stderr)
-        print(f"smallest world that fits: {world if world else 'none up to 4096 nodes'}")
-        best = smallest_layout(model, layout, args.device_gib, progress=sys.stderr)
-        if best is not None:
-            print(f"smallest with TP/CP searched: {best.world_size} (TP {best.tp}"
-                  f"{' + SP' if best.sequence_parallel else ''}, CP {best.cp})")
-    if args.dry_run:
-        return _dry_run(args, layout)
-    return 0
-
-
-def _dry_run(args: argparse.Namespace, layout: Layout) -> int:
-    """``--dry-run``: the real engine's bytes beside the plan; the exit status says whether they
-    agree (0), disagree (1) or the layout cannot be built (2)."""
-    import json
-
-    from mfsdp.tools.dry_run import DryRunError, dry_run
-
-    try:
-        result = dry_run(args.preset, layout, ranks=args.dry_run_ranks, gpu=args.gpu,
-                         double_buffer=args.fsdp_double_buffer)
-    except DryRunError as exc:
-        print(f"mfsdp plan --dry-run: {exc}", file=sys.stderr)
-        return 2
-    print(result.table())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result.to_json(), f, indent=1)
-    return 0 if result.ok() else 1
-
-
-def describe(layout: Layout, dp: int) -> str:
-    """What a step is and what the estimate assumes, in two lines (``mfsdp plan`` prints them).
-
-    >>> print(describe(Layout(world_size=16, micro_batches=4, seq_length=8192), dp=16))
-    step: one optimizer step = 4 micro-batches x 1 sequence x 8192 tokens on each of 16 data-parallel ranks (global batch 64)
-    assumed: bytes per parameter: weights 2 (bf16), main weights 4 (fp32), gradients 4 (fp32, reduced in 4), Adam moments 8; flash attention; prefetch depth 1; no recomputation
-    """
-    m, b = layout.micro_batches, layout.micro_batch
-    recompute = layout.recompute_granularity or ("full" if layout.recompute else None)
-    return (f"step: one optimizer step = {m} micro-batch{'es' if m > 1 else ''} x {b} "
-            f"sequence{'s' if b > 1 else ''} x {layout.seq_length} tokens on each of {dp} "
-            f"data-parallel ranks (global batch {m * b * dp})\n"
-            f"assumed: bytes per parameter: weights {layout.compute_bytes} (bf16), main weights "
-            f"{layout.main_bytes} (fp32), gradients {layout.grad_bytes} (fp32, reduced in "
-            f"{layout.grad_comm_bytes or layout.grad_bytes}), Adam moments "
-            f"{layout.optimizer_bytes}; "
-            f"{'flash attention' if layout.flash_attention else 'attention scores kept'}; "
-            f"prefetch depth {layout.prefetch_depth}; "
-            f"{recompute + ' recomputation' if recompute else 'no recomputation'}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m mfsdp.tools.plan``."""
-    return run(build_parser().parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -139,7 +139,7 @@ def precision_policy(precision):
     (:class:`~mfsdp.trainer.config.PrecisionConfig`: ``--bf16``, ``--grad-reduce-in-bf16`` and
     the ``--megatron-fsdp-*-dtype`` flags; the two gradient-communication flags agree: see
     :mod:`mfsdp.trainer.refusals`)."""
-    from mfsdp import MixedPrecisionPolicy
+    from mfsdp.config import MixedPrecisionPolicy
 
     p = precision
     main = DTYPES[p.megatron_fsdp_main_params_dtype] if p.megatron_fsdp_main_params_dtype \

@@ -112,7 +112,7 @@ def build_sharded_model(config, cfg, world: int, device: torch.device, log):
     """
     import contextlib
 
-    from mfsdp import fully_shard
+    from mfsdp.fsdp.api import fully_shard  # (not `mfsdp`: mfsdp.check imports this module)
     from mfsdp.models.gpt import GPT, TransformerLayer
     from mfsdp.models.tensor_parallel import apply_tensor_parallel
     from mfsdp.moe import shard_experts

@@ -1,0 +1,125 @@
+"""The planner's terms that follow the engine's layout: the shard padding of its buckets, the
+FSDP traffic of a step on its schedule, and the activation estimate (:mod:`mfsdp.tools.plan`
+adds them up; ``mfsdp plan --dry-run`` checks the first two against the engine itself)."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["padding", "fsdp_traffic", "activations"]
+
+
+def activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821 (plan imports this module)
+                layout: mfsdp.tools.plan.Layout) -> float:  # noqa: F821
+    """Activation bytes of one micro-batch in bf16 (Korthikanti et al., 2022), an estimate.
+
+    Per layer ``s b h (34 + 5 a s / h)`` bytes without recomputation (the second term vanishes
+    with flash attention or selective recomputation). Full recomputation keeps ``2 s b h`` per
+    recomputed chunk's input plus one chunk's activations while it is recomputed (uniform), or
+    ``2 s b h`` for each of the first ``recompute_num_layers`` layers (block).
+    """
+    s, b, h, a = layout.seq_length // layout.cp, layout.micro_batch, model.hidden, model.num_heads
+    t = layout.tp
+    granularity = layout.recompute_granularity or ("full" if layout.recompute else None)
+    scores = 0 if layout.flash_attention or granularity == "selective" else 5 * a * s / (h * t)
+    # Korthikanti et al.: 10 of the 34 bytes per token and channel (norm inputs, dropout masks)
+    # stay whole on every TP rank unless sequence parallelism splits them too.
+    per_layer = s * b * h * ((34 / t if layout.sequence_parallel else 10 + 24 / t) + scores)
+    if model.num_experts:  # routed tokens: topk copies of the MLP activations
+        per_layer += s * b * (model.topk - 1) * 3 * model.moe_ffn_hidden * 2
+    if layout.sequence_parallel:  # the checkpointed layer inputs are sequence shards too
+        s = s // t
+    L = model.num_layers
+    if granularity != "full":
+        return L * per_layer
+    n = min(layout.recompute_num_layers, L)
+    if layout.recompute_method == "block":  # the first n layers keep only their input
+        return n * 2 * s * b * h + (L - n) * per_layer
+    # uniform: every chunk keeps its input; one chunk is recomputed at a time
+    return math.ceil(L / n) * 2 * s * b * h + n * per_layer
+
+
+def padding(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
+            layout: mfsdp.tools.plan.Layout) -> tuple[float, float]:  # noqa: F821
+    """(dense, expert) shard padding as a fraction of the parameters, from the engine's own bucket
+    planner (:func:`mfsdp.fsdp.bucket.plan_bucket`) on the model's buckets.
+
+    >>> from mfsdp.tools.plan import PRESETS, Layout
+    >>> d, _ = padding(PRESETS["llama3-70b"], Layout(world_size=1024))
+    >>> d < 0.01
+    True
+    """
+    from mfsdp.config import ShardingStrategy
+
+    if ShardingStrategy.parse(layout.strategy).zero_stage == 0:
+        return 0.0, 0.0
+    shard = layout.shard
+    factor = layout.dp_outer if ShardingStrategy.parse(layout.outer_strategy).zero_stage else 1
+    pad = {"dense": [0, 0], "expert": [0, 0]}  # [padding, numel]
+    for name, (shapes, count) in model.bucket_shapes(layout.ep).items():
+        kind = "expert" if name == "experts" else "dense"
+        n = (shard // layout.ep if kind == "expert" else shard) * factor
+        b = _plan_bucket(tuple(shapes), n)
+        pad[kind][0] += count * (b.padded_numel - b.numel)
+        pad[kind][1] += count * b.numel
+    return tuple(p / n if n else 0.0 for p, n in pad.values())
+
+
+_BUCKET_PLANS: dict = {}
+
+
+def _plan_bucket(shapes: tuple, n: int):
+    from mfsdp.fsdp.bucket import plan_bucket
+
+    if (shapes, n) not in _BUCKET_PLANS:
+        _BUCKET_PLANS[(shapes, n)] = plan_bucket(list(shapes), n)
+    return _BUCKET_PLANS[(shapes, n)]
+
+
+def fsdp_traffic(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
+                 layout: mfsdp.tools.plan.Layout, dense: float, expert: float,  # noqa: F821
+                 pad_dense: float = 0.0) -> dict[str, float]:
+    """Bytes one rank sends per optimizer step over the shard groups (``dp_shard``: the dense and
+    the expert one) and the outer group (``dp_outer``), for ``dense`` and ``expert`` parameters
+    held per TP rank and per EP rank (padded), on the engine's schedule.
+
+    Per optimizer step of ``m`` micro-batches: ZeRO-3 all-gathers each layer for its forward and
+    again for its backward, the root unit (embeddings, final norm, output layer) once, since it
+    stays gathered through the backward, and reduce-scatters every micro-batch's gradients;
+    ZeRO-2 reduce-scatters every micro-batch and gathers the new weights once; ZeRO-1
+    reduce-scatters the accumulated gradients once and gathers once; ``no_shard`` all-reduces
+    once. Gathers carry the compute dtype, reductions ``grad_comm_bytes`` (fp32 by default). The
+    outer group all-reduces the reduced shard (HSDP), or reduce-scatters it and gathers the new
+    weights (HFSDP); under ``no_shard`` it all-reduces every gradient again. Each collective
+    sends ``(n - 1) / n`` of its bytes (a ring); the expert shard group is ``ep`` times smaller
+    than the dense one. ``mfsdp plan --dry-run`` reads the same figures off the engine's
+    buckets.
+    """
+    from mfsdp.config import ShardingStrategy
+
+    stage = ShardingStrategy.parse(layout.strategy).zero_stage
+    cb, gb = layout.compute_bytes, layout.grad_comm_bytes or layout.grad_bytes
+    m, tp = layout.micro_batches, layout.tp
+    n_dense, n_expert = layout.shard, layout.shard // layout.ep
+
+    def ring(n: int) -> float:
+        return (n - 1) / n
+
+    root = (model.vocab * model.hidden * (1 if model.tied_embeddings else 2) / tp
+            + model.hidden) * (1 + pad_dense)  # the root unit on one TP rank
+    if stage == 0:
+        sent = 2 * gb * (ring(n_dense) * dense + ring(n_expert) * expert)
+    else:
+        reduces = m if stage >= 2 else 1
+        gathered = (m * (2 * dense - root), 2 * m * expert) if stage == 3 else (dense, expert)
+        sent = (cb * (ring(n_dense) * gathered[0] + ring(n_expert) * gathered[1])
+                + gb * reduces * (ring(n_dense) * dense + ring(n_expert) * expert))
+    comm = {"dp_shard": sent}
+    o = layout.dp_outer
+    if o > 1 and not stage:  # no_shard: every gradient again over the outer group
+        comm["dp_outer"] = 2 * ring(o) * gb * (dense + expert)
+    elif o > 1:
+        shard = dense / n_dense + expert / n_expert  # one rank's reduced gradients
+        outer_sharded = ShardingStrategy.parse(layout.outer_strategy).zero_stage > 0
+        comm["dp_outer"] = ring(o) * shard * ((gb + cb) if outer_sharded else 2 * gb)
+    return comm
