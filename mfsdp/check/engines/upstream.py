@@ -1,0 +1,254 @@
+"""``--engine megatron_fsdp``: the sharded side run by upstream Megatron-FSDP, the installed
+``megatron_fsdp`` package (``pip install mfsdp[upstream]``: megatron-fsdp 0.6.1), called as its
+README does::
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_shard", "tp"))
+    model, optimizer = fully_shard(module=model, optimizer=optimizer, device_mesh=mesh,
+                                   dp_shard_dim="dp_shard", tp_dim="tp",
+                                   fsdp_unit_modules=units, zero_dp_strategy=strategy, ...)
+
+with the layout's arguments (HSDP: a ``("dp_outer", "dp_shard", "tp")`` mesh, ``dp_outer_dim``,
+the flattened ``hybrid_fsdp_group`` and ``outer_dp_sharding_strategy``; precision: upstream's
+``MixedPrecisionPolicy``). ``fully_shard(module, optimizer)`` replaces the optimizer's parameter
+groups with one group of every parameter, so with ``--optimizer-factory`` the README's two-call
+form is used instead (``fully_shard_model``, then the factory on the sharded module, then
+``fully_shard_optimizer``), which keeps the factory's groups.
+
+[Note: upstream on the CPU] Megatron-FSDP 0.6.1 calls CUDA stream, event and device APIs
+unconditionally, and reduces gradients with NCCL's pre-multiplied sum. When the ranks compute
+on the CPU (gloo, as ``mfsdp check`` runs them), :data:`CPU_REPLACEMENTS` stand in for the CUDA
+calls only while the engine runs (one in-order stream, events complete, tensors stay where they
+are), and ``gradient_reduce_div_fusion`` (the pre-multiplied sum, which gloo lacks) is turned off
+on the wrapped model: upstream then scales the gradients and sums them, the same arithmetic. The
+report names each replacement. With CUDA ranks nothing is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from mfsdp.check.engines import Engine, Sharded, strip_name
+
+__all__ = ["MegatronFSDPEngine", "CPU_REPLACEMENTS", "cpu_replacements"]
+
+
+class _Event:
+    """A CUDA event on an in-order CPU stream: always complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    """A CUDA stream on the CPU: there is one in-order stream, so waiting is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _Event:
+        return _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+
+CPU_REPLACEMENTS: list[tuple[Any, str, Any, str]] = [
+    (torch.cuda, "Stream", _Stream, "torch.cuda.Stream: one in-order CPU stream"),
+    (torch.cuda, "current_stream", lambda *a, **k: _Stream(),
+     "torch.cuda.current_stream: the in-order CPU stream"),
+    (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext(),
+     "torch.cuda.stream(...): no-op context"),
+    (torch.cuda, "Event", _Event, "torch.cuda.Event: always complete"),
+    (torch.cuda, "synchronize", lambda *a, **k: None, "torch.cuda.synchronize: no-op"),
+    (torch.cuda, "current_device", lambda: 0, "torch.cuda.current_device: 0"),
+    (torch.Tensor, "record_stream", lambda self, *a, **k: None,
+     "Tensor.record_stream: no-op"),
+    (torch.Tensor, "cuda", lambda self, *a, **k: self,
+     "Tensor.cuda(): the tensor stays on the CPU"),
+]
+"""(object, attribute, stand-in, what the report says) for each CUDA call replaced on the CPU."""
+
+DIV_FUSION_OFF = ("gradient_reduce_div_fusion=False: NCCL's pre-multiplied sum is not in gloo; "
+                  "gradients are scaled, then summed")
+
+
+def cpu_replacements() -> list[str]:
+    """What the report lists as replaced when the upstream engine runs on CPU ranks."""
+    return [what for *_, what in CPU_REPLACEMENTS] + [DIV_FUSION_OFF]
+
+
+class MegatronFSDPEngine(Engine):
+    """The installed ``megatron_fsdp`` package's ``fully_shard``."""
+
+    name = "megatron_fsdp"
+    title = "Megatron-FSDP"
+
+    def version(self) -> str:
+        """``megatron-fsdp <version>`` of the installed package."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"megatron-fsdp {version('megatron-fsdp')}"
+        except PackageNotFoundError:
+            return "megatron-fsdp (not installed)"
+
+    def missing(self) -> str | None:
+        """Why ``megatron_fsdp`` cannot be imported, or ``None``."""
+        try:
+            import megatron_fsdp  # noqa: F401
+        except ImportError as exc:
+            return (f"--engine megatron_fsdp needs the megatron_fsdp package ({exc}); "
+                    "pip install 'mfsdp[upstream]'")
+        return None
+
+    def refuses(self, layout) -> str | None:
+        """TP, CP, EP and the resume layout run under mfsdp only; every ZeRO strategy, HSDP,
+        HFSDP and both precisions are upstream's."""
+        if layout.parallel:
+            return f"{layout.parallel_kind()} is checked under --engine mfsdp only"
+        if layout.resume_as:
+            return "saves with mfsdp.checkpoint: --engine mfsdp only"
+        return None
+
+    @staticmethod
+    def on_cpu() -> bool:
+        """Whether the ranks compute on the CPU (then the CUDA calls are replaced)."""
+        import torch.distributed as dist
+
+        return not torch.cuda.is_available() or dist.get_backend() == "gloo"
+
+    def replacements(self) -> list[str]:
+        """:func:`cpu_replacements` on CPU ranks, else nothing."""
+        return cpu_replacements() if self.on_cpu() else []
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """:data:`CPU_REPLACEMENTS` in place while the engine runs on CPU ranks, restored
+        after."""
+        if not self.on_cpu():
+            yield
+            return
+        saved = [(obj, attr, obj.__dict__.get(attr, _ABSENT)) for obj, attr, *_ in
+                 CPU_REPLACEMENTS]
+        try:
+            for obj, attr, stand_in, _ in CPU_REPLACEMENTS:
+                setattr(obj, attr, stand_in)
+            yield
+        finally:
+            for obj, attr, old in saved:
+                if old is _ABSENT:
+                    delattr(obj, attr)
+                else:
+                    setattr(obj, attr, old)
+
+    def shard(self, s: dict, layout, strategy: str) -> Sharded:
+        """``megatron_fsdp.fully_shard`` with the layout's arguments (see the module notes)."""
+        import torch.distributed as dist
+        from megatron_fsdp import (MixedPrecisionPolicy, fully_shard, fully_shard_model,
+                                   fully_shard_optimizer)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from mfsdp.check.models import build_model, resolve_units
+        from mfsdp.check.run import _user_optimizer
+
+        world = dist.get_world_size()
+        model = build_model(s["model"], s["seed"])
+        units = resolve_units(model, s["units"])
+        if layout.compute_dtype == "bf16":
+            model = model.to(torch.bfloat16)
+            policy = MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                          main_grads_dtype=torch.float32)
+        elif layout.grad_comm_dtype == "bf16":
+            policy = MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16)
+        else:
+            policy = MixedPrecisionPolicy()
+        device = "cpu" if self.on_cpu() else "cuda"
+        hsdp: dict[str, Any] = {}
+        if layout.dp_outer > 1:
+            mesh = init_device_mesh(device, (layout.dp_outer, world // layout.dp_outer, 1),
+                                    mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+            mesh[("dp_outer", "dp_shard")]._flatten("hsdp")
+            hsdp = dict(dp_outer_dim="dp_outer", hybrid_fsdp_group=mesh["hsdp"].get_group(),
+                        outer_dp_sharding_strategy=layout.outer_strategy)
+        else:
+            mesh = init_device_mesh(device, (world, 1), mesh_dim_names=("dp_shard", "tp"))
+        kwargs = dict(device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp",
+                      fsdp_unit_modules=units, zero_dp_strategy=strategy,
+                      mixed_precision_policy=policy, device=torch.device(device), **hsdp)
+        if s["optimizer_factory"] is None:
+            # the README's one call; it steps the optimizer once to build its state
+            model, optimizer = fully_shard(module=model, optimizer=_user_optimizer(s, model),
+                                           **kwargs)
+        else:  # the README's two calls, which keep the factory's parameter groups
+            model = fully_shard_model(module=model, **kwargs)
+            model._replace_param_with_distributed_if_needed()
+            optimizer = fully_shard_optimizer(_user_optimizer(s, model.module))
+        if self.on_cpu():
+            model.ddp_config.gradient_reduce_div_fusion = False  # DIV_FUSION_OFF
+        return Sharded(model, optimizer)
+
+    def full_gradients(self, sh: Sharded) -> dict[str, torch.Tensor]:
+        """Each main gradient (upstream's uneven DTensor) gathered (:func:`_full`)."""
+        sh.model.finish_grad_sync()
+        # a rank whose shard of a parameter is empty holds no gradient for it: zeros, so that
+        # every rank joins every gather
+        return {strip_name(n): _full(p.grad if p.grad is not None else torch.zeros_like(p))
+                .float() for n, p in sh.model.module.named_parameters() if p.requires_grad}
+
+    def full_parameters(self, sh: Sharded) -> dict[str, torch.Tensor]:
+        """Each main weight (the optimizer's fp32 DTensor) gathered."""
+        sh.model._replace_param_with_distributed_if_needed()
+        return {strip_name(n): _full(p.detach()).float()
+                for n, p in sh.model.module.named_parameters()}
+
+    def state_bytes(self, sh: Sharded) -> int:
+        """Local shards of the main weights and gradients plus the optimizer state."""
+        from mfsdp.check.engines.fsdp2 import _local_bytes
+
+        return _local_bytes(sh.model.module, sh.optimizer)
+
+
+_ABSENT = object()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """``t`` at its full shape on every rank: each rank's local chunk, placed at the offsets
+    upstream computes for it (``gather_and_compute_chunk_metadata``), gathered over the world
+    (upstream's ``uneven_dtensor_to_full_tensor`` all-gathers chunks of unequal size, which
+    gloo refuses). A collective call."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+
+    chunk = gather_and_compute_chunk_metadata(t)
+    local = t.to_local().detach().cpu().reshape(tuple(chunk.sizes))
+    pieces: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, (tuple(chunk.offsets), local))
+    full = torch.zeros(tuple(t.shape), dtype=local.dtype)
+    for offsets, part in pieces:
+        full[tuple(slice(o, o + n) for o, n in zip(offsets, part.shape))] = part
+    return full
