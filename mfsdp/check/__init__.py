@@ -35,7 +35,8 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
           global_batch: int | None = None,
           seq_len: int = 16, seed: int = 0, json_path: str | None = None,
           plot_path: str | None = None, progress: Callable[[str], Any] | None = print,
-          timeout: float = 300.0, engine: str = "mfsdp") -> CheckReport:
+          timeout: float = 300.0, engine: str = "mfsdp",
+          after_shard: Callable | str | None = None) -> CheckReport:
     """Check that ``model`` trains the same sharded as in one process; return the report.
 
     Args:
@@ -70,6 +71,10 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
             installed ``megatron_fsdp`` package, ``pip install mfsdp[upstream]``). Same
             reference, steps and report; a layout the engine lacks is skipped with the reason
             (``mfsdp.check.engines``).
+        after_shard: ``fn(model, optimizer)`` (or its ``"package.module:fn"``) your script
+            calls right after sharding, run on every rank once the engine has sharded (not
+            after the ``resume`` layout's load): a workaround such as
+            ``mfsdp.check.engines.upstream:reset_optimizer_step``.
     """
     from mfsdp.check.models import build_model, bypassed_units, make_batches, resolve_units
     from mfsdp.check.models import check_model_spec, vocab_size
@@ -86,7 +91,7 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     if seq_len < 2:
         raise ValueError(f"--seq-len={seq_len}: next-token loss needs 2 tokens or more")
     for what, fn in (("MODEL", model), ("optimizer_factory", optimizer_factory),
-                     ("resume_fn", resume_fn)):
+                     ("resume_fn", resume_fn), ("after_shard", after_shard)):
         if callable(fn) and getattr(fn, "__module__", None) == "__main__":
             raise ValueError(f"{what}={fn.__qualname__} is defined in __main__, which the ranks "
                              "cannot import; move it into a module and pass it (or "
@@ -96,6 +101,10 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     adapter = get_engine(engine)
     if adapter.missing():
         raise ValueError(adapter.missing())
+    if isinstance(after_shard, str):
+        from mfsdp.check.models import load_callable
+
+        load_callable(after_shard, "--after-shard")
     chosen, skipped = select_layouts(layouts, nproc, steps)
     global_batch = global_batch or 2 * nproc
     if global_batch % nproc:
@@ -125,7 +134,8 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     s = Settings(model=model, optimizer=optimizer, lr=lr or DEFAULT_LR[optimizer], steps=steps,
                  global_batch=global_batch, seq_len=seq_len, seed=seed,
                  units=[c.__name__ for c in unit_classes], optimizer_factory=optimizer_factory,
-                 recursive_gather=recursive_gather, resume_fn=resume_fn, engine=engine)
+                 recursive_gather=recursive_gather, resume_fn=resume_fn, engine=engine,
+                 after_shard=after_shard)
     references: dict[str, dict] = {}
     results = []
     version, replaced = adapter.version(), []  # as the ranks report them, once one has run

@@ -56,6 +56,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "(torch.distributed.fsdp.fully_shard) or upstream Megatron-FSDP "
                              "(the installed megatron_fsdp package: pip install "
                              "'mfsdp[upstream]'); layouts an engine lacks are skipped")
+    parser.add_argument("--after-shard", metavar="MODULE:FN", default=None,
+                        help="fn(model, optimizer) your script calls right after sharding (a "
+                             "workaround, e.g. mfsdp.check.engines.upstream:"
+                             "reset_optimizer_step for megatron-fsdp 0.6.1's AdamW)")
     parser.add_argument("--seq-len", type=int, default=16, help="tokens per random sequence")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
     parser.add_argument("--plot", metavar="PATH", default=None,
@@ -78,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
                    optimizer_factory=args.optimizer_factory,
                    recursive_gather=args.recursive_gather, resume_fn=args.resume_fn,
                    seq_len=args.seq_len, engine=args.engine,
+                   after_shard=args.after_shard,
                    json_path=args.json, plot_path=args.plot, progress=print)
     print()
     print(report.table())

@@ -24,7 +24,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
 class Settings(dict):
     """What both sides must agree on (a plain dict, so it pickles to the ranks): ``model``,
     ``optimizer``, ``lr``, ``steps``, ``global_batch``, ``seq_len``, ``seed``, ``units``,
-    ``optimizer_factory``, ``recursive_gather``, ``resume_fn``."""
+    ``optimizer_factory``, ``recursive_gather``, ``resume_fn``, ``engine`` (default
+    ``mfsdp``), ``after_shard`` (default ``None``)."""
 
 
 def make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
@@ -181,6 +182,10 @@ def _train(s: Settings, layout: Layout, engine) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = _batches(s, build_model(s["model"], s["seed"]))
     sh = engine.shard(s, layout, layout.strategy)
+    after = s.get("after_shard")
+    if after is not None:  # the user's script, right after fully_shard
+        (load_callable(after, "--after-shard") if isinstance(after, str) else after)(
+            sh.model, sh.optimizer)
     local = s["global_batch"] // world
     losses, norms, params, grads = [], [], [], []
 

@@ -32,7 +32,35 @@ import torch
 
 from mfsdp.check.engines import Engine, Sharded, strip_name
 
-__all__ = ["MegatronFSDPEngine", "CPU_REPLACEMENTS", "cpu_replacements"]
+__all__ = ["MegatronFSDPEngine", "CPU_REPLACEMENTS", "cpu_replacements", "reset_optimizer_step"]
+
+
+def reset_optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The workaround for NVIDIA/Megatron-LM#5974 in megatron-fsdp 0.6.1, called right after
+    ``fully_shard``: its ``fully_shard_optimizer`` builds the optimizer state by stepping once on
+    zero gradients, so Adam's ``step`` count starts at 1 (the first updates get step 2's bias
+    correction: about 1.34x too small) and AdamW's decoupled weight decay has already shrunk
+    every weight once. This sets every ``step`` back to 0, zeroes the other state tensors (the
+    moments) and, where that synthetic step decayed the weights (AdamW, ``step`` still 1),
+    divides the decay back out: the state of an optimizer that has not trained, as
+    NVIDIA/Megatron-LM#5976 (not released in 0.6.1) makes it. Check it with ``after_shard``
+    (``--after-shard mfsdp.check.engines.upstream:reset_optimizer_step``)."""
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
+                "decoupled_weight_decay", False)
+            decay = group.get("weight_decay", 0.0) if decoupled else 0.0
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                if "step" not in state:
+                    continue
+                if decay and float(state["step"]) == 1:
+                    p.div_(1 - group["lr"] * decay)
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
+                    elif key == "step":
+                        state[key] = 0
 
 
 class _Event:
