@@ -264,3 +264,30 @@ def test_attention_key_bias_is_noise_under_adamw_and_a_real_fault_on_it_fails(tm
     (r,) = bad.layouts
     assert not r.passed and "blocks.0.attn.in_proj_bias" in r.reason, bad.table()
     assert "blocks.0.attn.in_proj_bias" not in r.noise_dominated
+
+
+# -- the compatibility page's engine columns ------------------------------------------------------
+
+def test_the_engines_table_shows_what_each_engine_lacks_and_refuses_without_a_launch():
+    """The cells FSDP2 lacks are ``lacks`` with the adapter's reason (nothing launched), and the
+    page's table puts them next to mfsdp's refusals; an engine not installed says so."""
+    from pathlib import Path
+
+    from mfsdp.check.matrix import measure_matrix
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "_ext"))
+    import compat_matrix
+
+    lacking = [("optim", "none", "fp32"), ("optim_grads_params", "HFSDP", "fp32")]
+    fsdp2 = measure_matrix(f"{FAULTS}:tiny", cells=lacking, engine="fsdp2")
+    assert fsdp2["launches"] == 0 and fsdp2["engine"] == "fsdp2"
+    assert [c["status"] for c in fsdp2["cells"]] == ["lacks", "lacks"]
+    mine = measure_matrix(f"{FAULTS}:tiny", cells=[("optim", "HFSDP", "fp32")])
+    mine["cells"] += [dict(c, status="works", message="", worst_param_error=1e-6)
+                      for c in fsdp2["cells"]]  # as if measured: only the text is under test
+    rst = compat_matrix.rst_engines_table(mine, {"fsdp2": fsdp2,
+                                                 "megatron_fsdp": {"missing": "not here"}})
+    assert "PyTorch FSDP2 (torch " in rst and "Megatron-FSDP (not installed)" in rst
+    assert "n/a: zero_dp_strategy='optim': FSDP2 always shards gradients" in rst
+    assert "refused: outer_dp_sharding_strategy='optim' needs" in rst
+    assert "not measured: not here" in rst and "works (1e-06)" in rst
