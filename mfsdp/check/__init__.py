@@ -9,7 +9,9 @@ tolerances of ``mfsdp.check.layouts.TOLERANCES``::
 
     mfsdp check llama-tiny --nproc 2 --steps 3 --optimizer sgd --json check.json --plot check.png
 
-or, from Python, ``mfsdp.check("llama-tiny", nproc=2, steps=3)``. The guide page is
+or, from Python, ``mfsdp.check("llama-tiny", nproc=2, steps=3)``. ``--engine fsdp2`` or
+``--engine megatron_fsdp`` (``engine=``) runs the sharded side with PyTorch FSDP2 or upstream
+Megatron-FSDP instead of mfsdp (:mod:`mfsdp.check.engines`). The guide page is
 ``docs/check.md``; the fault models it is tested on are in ``mfsdp.check.faults``.
 """
 
