@@ -146,7 +146,8 @@ class CheckReport:
             lines.append(f"skip {name:<19} {self.skip_reasons.get(name, 'needs more ranks')}")
         lines.append(f"engine: {self.engine} ({self.engine_version})")
         if self.replacements:
-            lines.append("replaced so that it runs on CPU ranks: " + "; ".join(self.replacements))
+            lines.append("replaced so that it runs on CPU ranks:")
+            lines += [f"     {what}" for what in self.replacements]
         if self.bypassed_units:
             shown = ", ".join(self.bypassed_units[:4]) + (
                 f" and {len(self.bypassed_units) - 4} more" if len(self.bypassed_units) > 4 else "")
