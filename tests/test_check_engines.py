@@ -141,16 +141,15 @@ def test_the_cli_imports_model_from_the_current_directory(tmp_path):
 
 # -- FSDP2 on gloo -------------------------------------------------------------------------------
 
-@pytest.mark.extended  # 3 layouts at 2 ranks (every cell: the compatibility page's columns)
+@pytest.mark.extended  # 2 layouts at 2 ranks (every cell: the compatibility page's engines table)
 def test_fsdp2_passes_the_healthy_model_on_its_layouts(tmp_path):
     path = tmp_path / "check.json"
     report = mfsdp.check(f"{FAULTS}:tiny", steps=2, engine="fsdp2", json_path=str(path),
-                         layouts=["no_shard", "optim_grads", "optim_grads_params", "bf16"],
-                         **_quiet())
+                         layouts=["no_shard", "optim_grads_params", "bf16"], **_quiet())
     assert report.passed, report.table()
-    assert [r.name for r in report.layouts] == ["optim_grads", "optim_grads_params", "bf16"]
+    assert [r.name for r in report.layouts] == ["optim_grads_params", "bf16"]
     assert report.skipped == ["no_shard"]
-    for r in report.layouts[:2]:  # fp32: the reference up to the order of sums
+    for r in report.layouts[:1]:  # fp32: the reference up to the order of sums
         assert all(s.worst_param_error < 1e-4 for s in r.steps), report.table()
     data = json.loads(path.read_text())
     assert data["engine"] == "fsdp2" and data["engine_version"] == f"torch {torch.__version__}"
@@ -173,24 +172,15 @@ def test_fsdp2_fails_the_loss_averaged_twice_and_a_parameter_left_out():
     assert r.steps[0].worst_param_error == pytest.approx(1.0)
 
 
-@pytest.mark.extended  # 4 ranks
-def test_fsdp2_hsdp_passes_on_four_ranks():
-    report = mfsdp.check(f"{FAULTS}:tiny", nproc=4, steps=2, engine="fsdp2",
-                         layouts=["hsdp", "hfsdp"], **_quiet())
-    assert [r.name for r in report.layouts] == ["hsdp"] and report.passed, report.table()
-    assert report.skipped == ["hfsdp"]
-
-
 # -- upstream Megatron-FSDP 0.6.1 on CPU ranks ---------------------------------------------------
 
 @needs_upstream
-@pytest.mark.extended  # 4 layouts at 2 ranks (every cell: the compatibility page's columns)
+@pytest.mark.extended  # 2 layouts at 2 ranks (every cell: the compatibility page's engines table)
 def test_upstream_passes_the_healthy_model_with_sgd_and_names_what_it_replaced():
     report = mfsdp.check(f"{FAULTS}:tiny", steps=2, engine="megatron_fsdp",
-                         layouts=["no_shard", "optim", "optim_grads_params", "bf16_comm"],
-                         **_quiet())
+                         layouts=["optim", "bf16_comm"], **_quiet())
     assert report.passed, report.table()
-    for r in report.layouts[:3]:
+    for r in report.layouts[:1]:
         assert all(s.worst_param_error < 1e-4 for s in r.steps), report.table()
     assert report.engine_version == "megatron-fsdp 0.6.1"
     assert any(x.startswith("torch.cuda.Stream") for x in report.replacements)
@@ -204,8 +194,8 @@ def test_upstream_passes_the_healthy_model_with_sgd_and_names_what_it_replaced()
 @pytest.mark.extended
 def test_upstream_0_6_1_adamw_under_update_is_flagged_and_the_workaround_passes():
     """NVIDIA/Megatron-LM#5974: the synthetic first step of ``fully_shard_optimizer`` leaves
-    AdamW's step count at 1. ZeRO-3, 2 ranks, 5 steps of a small attention model."""
-    kw = dict(steps=5, engine="megatron_fsdp", layouts=["optim_grads_params"], **_quiet())
+    AdamW's step count at 1. ZeRO-3, 2 ranks, 3 steps of a small attention model."""
+    kw = dict(steps=3, engine="megatron_fsdp", layouts=["optim_grads_params"], **_quiet())
     bug = mfsdp.check(f"{FAULTS}:attention", optimizer="adamw", **kw)
     (r,) = bug.layouts
     assert not r.passed and r.reason.startswith("step 1: update-norm ratio")
@@ -232,16 +222,6 @@ def test_upstream_fails_the_loss_averaged_twice_and_a_parameter_left_out():
     (r,) = left_out.layouts
     assert not r.passed and r.steps[0].worst_param in ("norm.weight", "norm.bias")
     assert r.steps[0].worst_param_error == pytest.approx(1.0)
-
-
-@needs_upstream
-@pytest.mark.extended  # 4 ranks
-def test_upstream_hsdp_passes_on_four_ranks():
-    """(Its HFSDP, ``outer_dp_sharding_strategy='optim'``, is measured on the compatibility
-    page: on CPU ranks its gradients come out 4x, the world size; see docs/compatibility.md.)"""
-    report = mfsdp.check(f"{FAULTS}:tiny", nproc=4, steps=2, engine="megatron_fsdp",
-                         layouts=["hsdp"], **_quiet())
-    assert report.passed, report.table()
 
 
 # -- AdamW and rounding-level gradients, multi-rank ----------------------------------------------
@@ -291,3 +271,28 @@ def test_the_engines_table_shows_what_each_engine_lacks_and_refuses_without_a_la
     assert "n/a: zero_dp_strategy='optim': FSDP2 always shards gradients" in rst
     assert "refused: outer_dp_sharding_strategy='optim' needs" in rst
     assert "not measured: not here" in rst and "works (1e-06)" in rst
+
+
+@pytest.mark.extended
+def test_the_built_engines_table_agrees_with_the_engines_own_limits():
+    """The docs build's cached engines table (when present and current): FSDP2 works on every
+    combination it has; upstream's ZeRO-1/2/3 without an outer dimension work, and each HFSDP it
+    refuses carries upstream's own message."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "_ext"))
+    import compat_matrix
+
+    if not compat_matrix.CACHE_ENGINES.exists():
+        pytest.skip("no engines table built (the docs build measures it)")
+    cached = json.loads(compat_matrix.CACHE_ENGINES.read_text())
+    if cached.get("digest") != compat_matrix.engines_digest():
+        pytest.skip("the built engines table is stale")
+    fsdp2, upstream = cached["data"]["fsdp2"], cached["data"]["megatron_fsdp"]
+    assert {c["status"] for c in fsdp2["cells"]} == {"works", "lacks"}
+    assert sum(c["status"] == "works" for c in fsdp2["cells"]) == 12  # ZeRO-2/3 x none/HSDP x 3
+    for c in upstream["cells"]:
+        if c["outer"] == "none" and c["strategy"] != "no_shard":
+            assert c["status"] == "works", c
+        if c["status"] == "refused":
+            assert c["outer"] == "HFSDP" and "requires zero_dp_strategy" in c["message"]

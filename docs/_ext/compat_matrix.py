@@ -105,7 +105,9 @@ def _measure_engines() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for engine in UPSTREAM_ENGINES:
         why = get_engine(engine).missing()
-        out[engine] = {"missing": why} if why else measure_matrix(engine=engine)
+        # every cell in one launch of 4 ranks: upstream's 36 take several minutes on a busy
+        # 2-core machine, past measure_matrix's default limit (which would relaunch each cell)
+        out[engine] = {"missing": why} if why else measure_matrix(engine=engine, timeout=1800.0)
     return out
 
 
