@@ -131,6 +131,8 @@ class MegatronFSDPEngine(Engine):
 
     name = "megatron_fsdp"
     title = "Megatron-FSDP"
+    _meshes = 0
+    """HSDP meshes flattened in this process so far (each gets its own name)."""
 
     def version(self) -> str:
         """``megatron-fsdp <version>`` of the installed package."""
@@ -216,8 +218,10 @@ class MegatronFSDPEngine(Engine):
         if layout.dp_outer > 1:
             mesh = init_device_mesh(device, (layout.dp_outer, world // layout.dp_outer, 1),
                                     mesh_dim_names=("dp_outer", "dp_shard", "tp"))
-            mesh[("dp_outer", "dp_shard")]._flatten("hsdp")
-            hsdp = dict(dp_outer_dim="dp_outer", hybrid_fsdp_group=mesh["hsdp"].get_group(),
+            MegatronFSDPEngine._meshes += 1  # a fresh name: a flattened mesh is cached by it
+            flat = f"hsdp{MegatronFSDPEngine._meshes}"
+            mesh[("dp_outer", "dp_shard")]._flatten(flat)
+            hsdp = dict(dp_outer_dim="dp_outer", hybrid_fsdp_group=mesh[flat].get_group(),
                         outer_dp_sharding_strategy=layout.outer_strategy)
         else:
             mesh = init_device_mesh(device, (world, 1), mesh_dim_names=("dp_shard", "tp"))
@@ -239,10 +243,24 @@ class MegatronFSDPEngine(Engine):
     def full_gradients(self, sh: Sharded) -> dict[str, torch.Tensor]:
         """Each main gradient (upstream's uneven DTensor) gathered (:func:`_full`)."""
         sh.model.finish_grad_sync()
-        # a rank whose shard of a parameter is empty holds no gradient for it: zeros, so that
-        # every rank joins every gather
-        return {strip_name(n): _full(p.grad if p.grad is not None else torch.zeros_like(p))
-                .float() for n, p in sh.model.module.named_parameters() if p.requires_grad}
+        out = {}
+        for n, p in sh.model.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            # laid out as the parameter's shard; a rank that holds no gradient for it (its
+            # shard is empty, or the gradient was not attached) sends zeros of that shape
+            g = p.grad
+            local = (g.to_local() if hasattr(g, "to_local") else g) if g is not None else None
+            shape = p.to_local().shape if hasattr(p, "to_local") else p.shape
+            if local is None:
+                local = torch.zeros(shape, dtype=p.dtype)
+            elif local.shape != shape:
+                if local.numel() != shape.numel():
+                    raise RuntimeError(f"{n}: gradient shard {tuple(local.shape)} does not "
+                                       f"match its parameter's shard {tuple(shape)}")
+                local = local.reshape(shape)
+            out[strip_name(n)] = _full(p, local).float()
+        return out
 
     def full_parameters(self, sh: Sharded) -> dict[str, torch.Tensor]:
         """Each main weight (the optimizer's fp32 DTensor) gathered."""
@@ -260,23 +278,41 @@ class MegatronFSDPEngine(Engine):
 _ABSENT = object()
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """``t`` at its full shape on every rank: each rank's local chunk, placed at the offsets
-    upstream computes for it (``gather_and_compute_chunk_metadata``), gathered over the world
-    (upstream's ``uneven_dtensor_to_full_tensor`` all-gathers chunks of unequal size, which
-    gloo refuses). A collective call."""
+def _full(t: torch.Tensor, local: torch.Tensor | None = None) -> torch.Tensor:
+    """``t`` (or, with ``local``, values laid out as ``t``'s local shard: its gradient) at its
+    full shape on every rank; a collective call over the world.
+
+    Upstream's DTensors may be sharded unevenly, so the offsets come from the local shapes:
+    every rank's mesh coordinate and local piece are gathered once, and for each mesh dimension
+    that shards a tensor dimension, innermost first, a piece's offset grows by the sizes of the
+    pieces before it in its group, as upstream's ``gather_and_compute_chunk_metadata`` computes
+    them (one gather here instead of one per mesh dimension, so ranks whose gradient is missing
+    still take part alike)."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(t, DTensor):
-        return t
-    from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
-
-    chunk = gather_and_compute_chunk_metadata(t)
-    local = t.to_local().detach().cpu().reshape(tuple(chunk.sizes))
+        return (t if local is None else local).detach()
+    mesh = t.device_mesh
+    values = (t.to_local() if local is None else local).detach().cpu()
     pieces: list = [None] * dist.get_world_size()
-    dist.all_gather_object(pieces, (tuple(chunk.offsets), local))
-    full = torch.zeros(tuple(t.shape), dtype=local.dtype)
-    for offsets, part in pieces:
-        full[tuple(slice(o, o + n) for o, n in zip(offsets, part.shape))] = part
+    dist.all_gather_object(pieces, (tuple(mesh.get_coordinate()), values))
+    pieces = list({coord: v for coord, v in pieces}.items())  # one piece per coordinate
+    sizes = [list(v.shape) for _, v in pieces]
+    offsets = [[0] * len(t.shape) for _ in pieces]
+    for m in reversed(range(mesh.ndim)):
+        placement = t.placements[m]
+        if not isinstance(placement, Shard):
+            continue
+        d = placement.dim
+        grown = [list(s) for s in sizes]
+        for i, (ci, _) in enumerate(pieces):
+            group = [j for j, (cj, _) in enumerate(pieces)
+                     if all(a == b for k, (a, b) in enumerate(zip(ci, cj)) if k != m)]
+            offsets[i][d] += sum(sizes[j][d] for j in group if pieces[j][0][m] < ci[m])
+            grown[i][d] = sum(sizes[j][d] for j in group)
+        sizes = grown
+    full = torch.zeros(tuple(t.shape), dtype=values.dtype)
+    for (_, part), offset in zip(pieces, offsets):
+        full[tuple(slice(o, o + n) for o, n in zip(offset, part.shape))] = part
     return full
