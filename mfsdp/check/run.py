@@ -213,7 +213,7 @@ def _train(s: Settings, layout: Layout, engine) -> dict[str, Any]:
                 loss.backward()
             phase = "optimizer step"
             full_grads = engine.full_gradients(sh)
-            norms.append(engine.grad_norm(sh))
+            norms.append(engine.grad_norm(sh, full_grads))
             sh.optimizer.step()
         except Exception as exc:  # say where: the report names the step
             raise RuntimeError(f"step {step} ({phase}): {type(exc).__name__}: {exc}") from exc

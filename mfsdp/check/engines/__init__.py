@@ -70,9 +70,10 @@ class Engine:
         """Build the user's model and optimizer and shard them as ``layout`` with ``strategy``."""
         raise NotImplementedError
 
-    def grad_norm(self, sh: Sharded) -> float:
-        """The global L2 norm of the reduced gradients (a collective call)."""
-        return _norm_of(self.full_gradients(sh).values())
+    def grad_norm(self, sh: Sharded, full: dict[str, torch.Tensor] | None = None) -> float:
+        """The global L2 norm of the reduced gradients (a collective call), from ``full`` (what
+        :meth:`full_gradients` returned this step) when given."""
+        return _norm_of((full if full else self.full_gradients(sh)).values())
 
     def full_gradients(self, sh: Sharded) -> dict[str, torch.Tensor]:
         """Every reduced gradient at its full shape, by parameter name (a collective call)."""

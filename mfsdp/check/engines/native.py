@@ -32,8 +32,8 @@ class MfsdpEngine(Engine):
 
         return Sharded(*_sharded(s, layout, strategy))
 
-    def grad_norm(self, sh: Sharded) -> float:
-        """The sharded optimizer's own ``grad_norm()``."""
+    def grad_norm(self, sh: Sharded, full: dict[str, torch.Tensor] | None = None) -> float:
+        """The sharded optimizer's own ``grad_norm()`` (``full`` is not needed)."""
         return sh.optimizer.grad_norm()
 
     def full_gradients(self, sh: Sharded) -> dict[str, torch.Tensor]:
