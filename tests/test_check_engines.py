@@ -260,12 +260,19 @@ def test_the_engines_table_shows_what_each_engine_lacks_and_refuses_without_a_la
     mine = measure_matrix(f"{FAULTS}:tiny", cells=[("optim", "HFSDP", "fp32")])
     mine["cells"] += [dict(c, status="works", message="", worst_param_error=1e-6)
                       for c in fsdp2["cells"]]  # as if measured: only the text is under test
+    # an engine's own message, with reStructuredText markup in it, as upstream's raised one
+    fsdp2["cells"][1] = dict(fsdp2["cells"][1], status="fails",
+                             message="raised: RuntimeError: aten.add_.Tensor: *in-place*")
+    from cli_reference import rst_nodes  # the build's strict parsing
+
     rst = compat_matrix.rst_engines_table(mine, {"fsdp2": fsdp2,
                                                  "megatron_fsdp": {"missing": "not here"}})
-    assert "PyTorch FSDP2 (torch " in rst and "Megatron-FSDP (not installed)" in rst
-    assert "n/a: zero_dp_strategy='optim': FSDP2 always shards gradients" in rst
-    assert "refused: outer_dp_sharding_strategy='optim' needs" in rst
-    assert "not measured: not here" in rst and "works (1e-06)" in rst
+    text = " ".join(n.astext() for n in rst_nodes(rst))
+    assert "PyTorch FSDP2 (torch " in text and "Megatron-FSDP (not installed)" in text
+    assert "n/a: zero_dp_strategy='optim': FSDP2 always shards gradients" in text
+    assert "refused: outer_dp_sharding_strategy='optim' needs" in text
+    assert "not measured: not here" in text and "works (1e-06)" in text
+    assert "fails: raised: RuntimeError: aten.add_.Tensor: *in-place*" in text
 
 
 @pytest.mark.extended

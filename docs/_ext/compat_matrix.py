@@ -111,6 +111,14 @@ def _measure_engines() -> dict[str, Any]:
     return out
 
 
+def rst_escape(text: str) -> str:
+    """``text`` (an engine's own message) as literal reStructuredText: its markup characters
+    (``aten.add_.Tensor`` reads as a link target otherwise) escaped."""
+    for ch in "\\*`_|":
+        text = text.replace(ch, "\\" + ch)
+    return text
+
+
 def rst_engines_table(mfsdp_data: dict[str, Any], engines: dict[str, Any]) -> str:
     """mfsdp's matrix and each engine's side by side as a reStructuredText list-table: one row
     per strategy, outer dimension and precision, one column per engine; refusals and layouts an
@@ -138,17 +146,15 @@ def rst_engines_table(mfsdp_data: dict[str, Any], engines: dict[str, Any]) -> st
         for name, _, data in columns:
             cell = cells[name].get(key)
             if "missing" in data:
-                text = f"not measured: {data['missing']}"
-            elif cell is not None and cell["status"] == "lacks":
-                note = f"n/a: {cell['message']}"
+                text = f"not measured: {rst_escape(data['missing'])}"
+            elif cell is not None and cell["status"] in ("lacks", "refused"):
+                kind = "n/a" if cell["status"] == "lacks" else "refused"
+                note = f"{kind}: {rst_escape(cell['message'])}"
                 if note not in notes:
                     notes.append(note)
-                text = f"n/a [{notes.index(note) + 1}]"
-            elif cell is not None and cell["status"] == "refused":
-                note = f"refused: {cell['message']}"
-                if note not in notes:
-                    notes.append(note)
-                text = f"refused [{notes.index(note) + 1}]"
+                text = f"{kind} [{notes.index(note) + 1}]"
+            elif cell is not None and cell["status"] == "fails":
+                text = f"**fails**: {rst_escape(cell['message'])}"
             else:
                 text = _cell_rst(cell, [])
             lines.append(f"     - {' '.join(text.split()) or ' '}")
@@ -160,8 +166,9 @@ def rst_engines_table(mfsdp_data: dict[str, Any], engines: dict[str, Any]) -> st
             continue
         cost = (f"{data['launches']} launch{'es' if data['launches'] != 1 else ''}, "
                 f"{data['seconds']} s wall, {data['cpu_seconds']} s of CPU")
-        replaced = ("; on CPU ranks with these replaced: " + "; ".join(data["replacements"])
-                    if data.get("replacements") else "")
+        replaced = ("; on CPU ranks with these replaced: "
+                    + rst_escape("; ".join(data["replacements"])) if data.get("replacements")
+                    else "")
         lines += ["", f"{title}: measured on {data['nproc']} gloo ranks, model "
                       f"``{data['model']}``, {data['steps']} steps of SGD (lr {data['lr']}): "
                       f"{cost}{replaced}."]
