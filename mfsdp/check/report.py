@@ -58,7 +58,7 @@ class LayoutResult:
     noise_dominated: dict[str, dict] = field(default_factory=dict)
     """Parameters with noise-dominated elements (a reference gradient at rounding level, see
     ``NOISE_FLOOR``), left out of the verdict: ``{name: {elements, size, max_reference_grad,
-    floor, error}}`` (:func:`~mfsdp.check.report.noise_report`)."""
+    floor, error}}`` (``mfsdp.check.report.noise_report``)."""
     prediction: dict | None = None
     """The numerics simulator's prediction of the first step, for bf16 gradient communication
     (:func:`~mfsdp.check.predict.predict_bf16_reduction`), else ``None``. Its keys: ``param``
