@@ -1,5 +1,8 @@
-"""Sphinx directives ``mfsdp-compat-matrix``, ``mfsdp-compat-matrix-parallel`` and
-``mfsdp-compat-matrix-checkpoint``: the compatibility matrix of :mod:`mfsdp.check.matrix`, its
+"""Sphinx directives ``mfsdp-compat-matrix``, ``mfsdp-compat-matrix-parallel``,
+``mfsdp-compat-matrix-checkpoint`` and ``mfsdp-compat-matrix-engines``: the compatibility matrix
+of :mod:`mfsdp.check.matrix` (and, in the engines table, the same matrix under PyTorch FSDP2 and
+upstream Megatron-FSDP, ``mfsdp check --engine``, cached in
+``build/compatibility-matrix-engines.json`` by the same digest and megatron-fsdp's version), its
 table of tensor, sequence, context and expert parallelism (:mod:`mfsdp.check.matrix_parallel`)
 and its table of checkpoint reloads and conversions (:mod:`mfsdp.check.matrix_checkpoint`),
 measured when the docs are built and cached like the recipes.
@@ -41,6 +44,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "build" / "compatibility-matrix.json"
 CACHE_PARALLEL = ROOT / "build" / "compatibility-matrix-parallel.json"
 CACHE_CHECKPOINT = ROOT / "build" / "compatibility-matrix-checkpoint.json"
+CACHE_ENGINES = ROOT / "build" / "compatibility-matrix-engines.json"
+UPSTREAM_ENGINES = ("fsdp2", "megatron_fsdp")
+"""The engines measured next to mfsdp (``mfsdp check --engine``) in the engines table."""
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +84,97 @@ def load_or_measure(cache: Path = CACHE, digest: str | None = None,
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"digest": digest, "data": data}, indent=1) + "\n")
     return data, True
+
+
+def engines_digest() -> str:
+    """:func:`inputs_digest` and the installed megatron-fsdp's version: what the engines table
+    depends on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        upstream = version("megatron-fsdp")
+    except PackageNotFoundError:
+        upstream = "absent"
+    return hashlib.sha256(f"{inputs_digest()}|megatron-fsdp {upstream}".encode()).hexdigest()
+
+
+def _measure_engines() -> dict[str, Any]:
+    """The strategy x outer x precision matrix under each of :data:`UPSTREAM_ENGINES`; an engine
+    that is not installed is ``{"missing": why}``."""
+    from mfsdp.check.engines import get_engine
+    from mfsdp.check.matrix import measure_matrix
+
+    out: dict[str, Any] = {}
+    for engine in UPSTREAM_ENGINES:
+        why = get_engine(engine).missing()
+        # every cell in one launch of 4 ranks: upstream's 36 take several minutes on a busy
+        # 2-core machine, past measure_matrix's default limit (which would relaunch each cell)
+        out[engine] = {"missing": why} if why else measure_matrix(engine=engine, timeout=1800.0)
+    return out
+
+
+def rst_escape(text: str) -> str:
+    """``text`` (an engine's own message) as literal reStructuredText: its markup characters
+    (``aten.add_.Tensor`` reads as a link target otherwise) escaped."""
+    for ch in "\\*`_|":
+        text = text.replace(ch, "\\" + ch)
+    return text
+
+
+def rst_engines_table(mfsdp_data: dict[str, Any], engines: dict[str, Any]) -> str:
+    """mfsdp's matrix and each engine's side by side as a reStructuredText list-table: one row
+    per strategy, outer dimension and precision, one column per engine; refusals and layouts an
+    engine lacks are numbered, their text below the table."""
+    from mfsdp.check.engines import get_engine
+    from mfsdp.check.matrix import PRECISION_TITLES
+
+    columns = [("mfsdp", f"mfsdp ({mfsdp_data.get('engine_version', 'this build')})",
+                mfsdp_data)]
+    for engine in UPSTREAM_ENGINES:
+        data = engines.get(engine, {"missing": "not measured"})
+        title = get_engine(engine).title
+        columns.append((engine, f"{title} ({data.get('engine_version', 'not installed')})",
+                        data))
+    cells = {name: {(c["strategy"], c["outer"], c["precision"]): c
+                    for c in data.get("cells", [])} for name, _, data in columns}
+    lines = [".. list-table::", "   :header-rows: 1", "", "   * - strategy", "     - outer",
+             "     - precision"]
+    lines += [f"     - {title}" for _, title, _ in columns]
+    notes: list[str] = []
+    for c in mfsdp_data["cells"]:
+        key = (c["strategy"], c["outer"], c["precision"])
+        lines += [f"   * - ``{key[0]}``", f"     - {key[1]}",
+                  f"     - {PRECISION_TITLES[key[2]]}"]
+        for name, _, data in columns:
+            cell = cells[name].get(key)
+            if "missing" in data:
+                text = f"not measured: {rst_escape(data['missing'])}"
+            elif cell is not None and cell["status"] in ("lacks", "refused"):
+                kind = "n/a" if cell["status"] == "lacks" else "refused"
+                note = f"{kind}: {rst_escape(cell['message'])}"
+                if note not in notes:
+                    notes.append(note)
+                text = f"{kind} [{notes.index(note) + 1}]"
+            elif cell is not None and cell["status"] == "fails":
+                text = f"**fails**: {rst_escape(cell['message'])}"
+            else:
+                text = _cell_rst(cell, [])
+            lines.append(f"     - {' '.join(text.split()) or ' '}")
+    if notes:
+        lines.append("")
+        lines += [f"| [{i}] {' '.join(m.split())}" for i, m in enumerate(notes, 1)]
+    for name, title, data in columns[1:]:
+        if "cells" not in data:
+            continue
+        cost = (f"{data['launches']} launch{'es' if data['launches'] != 1 else ''}, "
+                f"{data['seconds']} s wall, {data['cpu_seconds']} s of CPU")
+        replaced = ("; on CPU ranks with these replaced: "
+                    + rst_escape("; ".join(data["replacements"])) if data.get("replacements")
+                    else "")
+        lines += ["", f"{title}: measured on {data['nproc']} gloo ranks, model "
+                      f"``{data['model']}``, {data['steps']} steps of SGD (lr {data['lr']}): "
+                      f"{cost}{replaced}."]
+    return "\n".join(lines)
 
 
 def _measure_parallel() -> dict[str, Any]:
@@ -176,6 +273,15 @@ def rst_table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _ensure_engines(app) -> None:
+    start = time.perf_counter()
+    app._mfsdp_matrix_engines, measured = load_or_measure(CACHE_ENGINES, engines_digest(),
+                                                          measure=_measure_engines)
+    logger.info("compatibility matrix, engines: %s",
+                f"measured in {time.perf_counter() - start:.0f} s" if measured
+                else "reused (nothing it depends on changed)")
+
+
 def _ensure_matrix(app) -> None:
     start = time.perf_counter()
     app._mfsdp_matrix, measured = load_or_measure()
@@ -193,6 +299,7 @@ def _ensure_matrix(app) -> None:
     logger.info("compatibility matrix, checkpoints: %s",
                 f"measured in {time.perf_counter() - start:.0f} s" if measured
                 else "reused (nothing it depends on changed)")
+    _ensure_engines(app)
 
 
 def _measured_on(data: dict[str, Any]) -> list[nodes.Node]:
@@ -237,10 +344,27 @@ class CompatMatrixCheckpointDirective(SphinxDirective):
         return rst_nodes(rst_checkpoint_table(data)) + _measured_on(data)
 
 
+class CompatMatrixEnginesDirective(SphinxDirective):
+    """Render mfsdp's matrix next to FSDP2's and upstream Megatron-FSDP's (measured or cached)."""
+
+    def run(self) -> list[nodes.Node]:
+        self.env.note_dependency(str(CACHE))
+        self.env.note_dependency(str(CACHE_ENGINES))
+        data = getattr(self.env.app, "_mfsdp_matrix", None)
+        if data is None:
+            data, _ = load_or_measure()
+        engines = getattr(self.env.app, "_mfsdp_matrix_engines", None)
+        if engines is None:
+            engines, _ = load_or_measure(CACHE_ENGINES, engines_digest(),
+                                         measure=_measure_engines)
+        return rst_nodes(rst_engines_table(data, engines))
+
+
 def setup(app):
     """Register the directives and measure (or reuse) the tables when the builder starts."""
     app.connect("builder-inited", _ensure_matrix)
     app.add_directive("mfsdp-compat-matrix", CompatMatrixDirective)
     app.add_directive("mfsdp-compat-matrix-parallel", CompatMatrixParallelDirective)
     app.add_directive("mfsdp-compat-matrix-checkpoint", CompatMatrixCheckpointDirective)
+    app.add_directive("mfsdp-compat-matrix-engines", CompatMatrixEnginesDirective)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -24,6 +24,7 @@ LEARNING_PATH = [
     "plot_megatron_data.py",           # Megatron-LM's indexed data
     "plot_hf_finetune.py",             # Hugging Face in, Hugging Face out
     "plot_check_transformers.py",      # check a model on every layout before a cluster run
+    "plot_upstream_bug.py",            # check the engine you train with: upstream #5974
     "plot_benchmark.py",               # mfsdp against FSDP2 and DDP
     "plot_dry_run_scaling.py",         # the engine at 4,096 ranks on one CPU
     "plot_per_module_api.py",          # upstream's per-module ("v2") fully_shard

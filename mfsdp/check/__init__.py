@@ -9,7 +9,9 @@ tolerances of ``mfsdp.check.layouts.TOLERANCES``::
 
     mfsdp check llama-tiny --nproc 2 --steps 3 --optimizer sgd --json check.json --plot check.png
 
-or, from Python, ``mfsdp.check("llama-tiny", nproc=2, steps=3)``. The guide page is
+or, from Python, ``mfsdp.check("llama-tiny", nproc=2, steps=3)``. ``--engine fsdp2`` or
+``--engine megatron_fsdp`` (``engine=``) runs the sharded side with PyTorch FSDP2 or upstream
+Megatron-FSDP instead of mfsdp (:mod:`mfsdp.check.engines`). The guide page is
 ``docs/check.md``; the fault models it is tested on are in ``mfsdp.check.faults``.
 """
 
@@ -35,7 +37,8 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
           global_batch: int | None = None,
           seq_len: int = 16, seed: int = 0, json_path: str | None = None,
           plot_path: str | None = None, progress: Callable[[str], Any] | None = print,
-          timeout: float = 300.0) -> CheckReport:
+          timeout: float = 300.0, engine: str = "mfsdp",
+          after_shard: Callable | str | None = None) -> CheckReport:
     """Check that ``model`` trains the same sharded as in one process; return the report.
 
     Args:
@@ -65,10 +68,19 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
         json_path, plot_path: where to write the JSON report and the ratio plot.
         progress: called with one line per layout as it finishes (``None``: silent).
         timeout: seconds one layout may take before its ranks are killed (it then fails).
+        engine: what shards the model: ``"mfsdp"`` (``mfsdp.fully_shard``), ``"fsdp2"``
+            (PyTorch's ``torch.distributed.fsdp.fully_shard``) or ``"megatron_fsdp"`` (the
+            installed ``megatron_fsdp`` package, ``pip install mfsdp[upstream]``). Same
+            reference, steps and report; a layout the engine lacks is skipped with the reason
+            (``mfsdp.check.engines``).
+        after_shard: ``fn(model, optimizer)`` (or its ``"package.module:fn"``) your script
+            calls right after sharding, run on every rank once the engine has sharded (not
+            after the ``resume`` layout's load): a workaround such as
+            ``mfsdp.check.engines.upstream:reset_optimizer_step``.
     """
     from mfsdp.check.models import build_model, bypassed_units, make_batches, resolve_units
     from mfsdp.check.models import check_model_spec, vocab_size
-    from mfsdp.check.report import compare, param_error
+    from mfsdp.check.report import compare, noise_report, param_error
     from mfsdp.check.run import Settings, run_layout, run_reference
     from mfsdp.launch import LaunchTimeout, RankError, launch
 
@@ -81,11 +93,20 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     if seq_len < 2:
         raise ValueError(f"--seq-len={seq_len}: next-token loss needs 2 tokens or more")
     for what, fn in (("MODEL", model), ("optimizer_factory", optimizer_factory),
-                     ("resume_fn", resume_fn)):
+                     ("resume_fn", resume_fn), ("after_shard", after_shard)):
         if callable(fn) and getattr(fn, "__module__", None) == "__main__":
             raise ValueError(f"{what}={fn.__qualname__} is defined in __main__, which the ranks "
                              "cannot import; move it into a module and pass it (or "
                              "'module:function')")
+    from mfsdp.check.engines import get_engine
+
+    adapter = get_engine(engine)
+    if adapter.missing():
+        raise ValueError(adapter.missing())
+    if isinstance(after_shard, str):
+        from mfsdp.check.models import load_callable
+
+        load_callable(after_shard, "--after-shard")
     chosen, skipped = select_layouts(layouts, nproc, steps)
     global_batch = global_batch or 2 * nproc
     if global_batch % nproc:
@@ -102,7 +123,11 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     from mfsdp.check.parallel import model_refuses
 
     for layout in list(chosen):  # TP, CP and EP where the model allows them, else skipped
-        reason = model_refuses(layout, probe, nproc, global_batch, seq_len)
+        reason = adapter.refuses(layout)
+        if reason is not None:
+            reason = f"not a {adapter.title} layout: {reason}"
+        else:
+            reason = model_refuses(layout, probe, nproc, global_batch, seq_len)
         if reason is not None:
             chosen.remove(layout)
             skipped.append(layout.name)
@@ -111,9 +136,11 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     s = Settings(model=model, optimizer=optimizer, lr=lr or DEFAULT_LR[optimizer], steps=steps,
                  global_batch=global_batch, seq_len=seq_len, seed=seed,
                  units=[c.__name__ for c in unit_classes], optimizer_factory=optimizer_factory,
-                 recursive_gather=recursive_gather, resume_fn=resume_fn)
+                 recursive_gather=recursive_gather, resume_fn=resume_fn, engine=engine,
+                 after_shard=after_shard)
     references: dict[str, dict] = {}
     results = []
+    version, replaced = adapter.version(), []  # as the ranks report them, once one has run
     for i, layout in enumerate(chosen, start=1):
         start = time.perf_counter()
         dtype = layout.compute_dtype
@@ -126,7 +153,9 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
             result.error = _one_line(exc)
             result.reason = f"raised: {result.error}"
         else:
+            version, replaced = ranks[0]["engine_version"], ranks[0]["replacements"]
             result.steps, result.reason = compare(layout, references[dtype], ranks[0])
+            result.noise_dominated = noise_report(layout, references[dtype], ranks[0])
             result.passed = not result.reason
             result.max_rss_mib = [r["max_rss_mib"] for r in ranks]
             if ranks[0].get("prediction"):
@@ -149,6 +178,7 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
                      f"{'PASS' if result.passed else 'FAIL'}  {summary}  "
                      f"({result.seconds:.1f} s)")
     report = CheckReport(model=model if isinstance(model, str) else _qualname(model),
+                         engine=engine, engine_version=version, replacements=replaced,
                          nproc=nproc, steps=steps, optimizer=optimizer, lr=s["lr"],
                          units=s["units"], layouts=results, skipped=skipped,
                          skip_reasons=skip_reasons,

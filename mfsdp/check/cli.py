@@ -7,6 +7,7 @@ table, and exits 0 when every layout passes, 1 when one fails, 2 on bad input::
     mfsdp check llama-tiny --nproc 2 --steps 3
     mfsdp check mypkg.model:build --optimizer adamw --layouts optim_grads_params bf16
     mfsdp check ./tiny-llama-config --nproc 4 --json check.json --plot check.png
+    mfsdp check mymodel:build --engine megatron_fsdp --optimizer adamw   # upstream's engine
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = ["build_parser", "run"]
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Add ``mfsdp check``'s arguments to ``parser`` (a new one when ``None``)."""
+    from mfsdp.check.engines import engine_names
     from mfsdp.check.layouts import LAYOUTS
 
     parser = parser or argparse.ArgumentParser(prog="mfsdp check")
@@ -49,6 +51,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="fn(path, model, optimizer) loading a checkpoint as your script "
                              "resumes, for the resume layout (default: "
                              "mfsdp.checkpoint.load_checkpoint)")
+    parser.add_argument("--engine", choices=engine_names(), default="mfsdp",
+                        help="what shards the model: mfsdp's fully_shard, PyTorch's FSDP2 "
+                             "(torch.distributed.fsdp.fully_shard) or upstream Megatron-FSDP "
+                             "(the installed megatron_fsdp package: pip install "
+                             "'mfsdp[upstream]'); layouts an engine lacks are skipped")
+    parser.add_argument("--after-shard", metavar="MODULE:FN", default=None,
+                        help="fn(model, optimizer) your script calls right after sharding (a "
+                             "workaround, e.g. mfsdp.check.engines.upstream:"
+                             "reset_optimizer_step for megatron-fsdp 0.6.1's AdamW)")
     parser.add_argument("--seq-len", type=int, default=16, help="tokens per random sequence")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
     parser.add_argument("--plot", metavar="PATH", default=None,
@@ -57,14 +68,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the check ``args`` describe; print progress and the table; 0 pass, 1 fail."""
+    """Run the check ``args`` describe; print progress and the table; 0 pass, 1 fail. The
+    current directory is importable for MODEL and the factories, as under ``python -m``."""
+    import os
+    import sys
+
     from mfsdp.check import check
 
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     report = check(args.model, nproc=args.nproc, steps=args.steps, optimizer=args.optimizer,
                    lr=args.lr, layouts=args.layouts, units=args.units,
                    optimizer_factory=args.optimizer_factory,
                    recursive_gather=args.recursive_gather, resume_fn=args.resume_fn,
-                   seq_len=args.seq_len,
+                   seq_len=args.seq_len, engine=args.engine,
+                   after_shard=args.after_shard,
                    json_path=args.json, plot_path=args.plot, progress=print)
     print()
     print(report.table())

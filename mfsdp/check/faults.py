@@ -22,7 +22,7 @@ from torch import nn
 
 __all__ = ["TinyLM", "tiny", "grad_scaled_on_one_rank", "loss_averaged_twice",
            "optimizer_without_final_norm", "fused_experts", "FusedMoE", "load_weights_only",
-           "cancelling_gradients"]
+           "cancelling_gradients", "AttentionBlock", "attention", "key_bias_pushed_on_one_rank"]
 
 VOCAB, DIM, HIDDEN, BLOCKS, EXPERTS = 64, 32, 64, 2, 4
 
@@ -176,3 +176,50 @@ def load_weights_only(path, model, optimizer) -> None:
     from mfsdp.checkpoint import load_checkpoint
 
     load_checkpoint(path, model)
+
+
+class AttentionBlock(nn.Module):
+    """Pre-norm ``nn.MultiheadAttention`` (causal) with a residual. The key third of its
+    ``in_proj_bias`` has a mathematically zero gradient (a bias added to every key shifts every
+    score of a query by the same amount, which the softmax cancels): what it gets is rounding.
+    ``key_bias_offset`` is added to that third's gradient."""
+
+    def __init__(self, key_bias_offset=None):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.attn = nn.MultiheadAttention(DIM, 4, batch_first=True)
+        self.key_bias_offset = key_bias_offset  # () -> float, or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
+        attn = self.attn
+        if self.key_bias_offset is None:
+            out, _ = attn(h, h, h, attn_mask=mask, need_weights=False)
+            return x + out
+        offset = self.key_bias_offset()
+        extra = torch.zeros(3 * DIM, device=x.device)
+        extra[DIM:2 * DIM] = offset
+        bias = _map_grad(attn.in_proj_bias, lambda g: g + extra.to(g.dtype))
+        out, _ = F.multi_head_attention_forward(
+            h.transpose(0, 1), h.transpose(0, 1), h.transpose(0, 1), DIM, attn.num_heads,
+            attn.in_proj_weight, bias, None, None, False, 0.0, attn.out_proj.weight,
+            attn.out_proj.bias, training=True, need_weights=False, attn_mask=mask)
+        return x + out.transpose(0, 1)
+
+
+def attention() -> TinyLM:
+    """Two :class:`AttentionBlock` and two MLP blocks, healthy: under AdamW the key bias moves
+    on rounding noise, which ``mfsdp check`` reports as noise-dominated, not as a failure."""
+    return TinyLM([AttentionBlock(), Block(), AttentionBlock(), Block()])
+
+
+def key_bias_pushed_on_one_rank() -> TinyLM:
+    """:func:`attention` where rank 1 adds 1e-3 to the key bias's gradient of the first
+    attention block (a per-rank term where none should be): a real gradient on a parameter whose
+    true gradient is zero. The check must fail it, noise or not."""
+    def offset() -> float:
+        rank, world = _rank_and_world()
+        return 1e-3 if world > 1 and rank == 1 else 0.0
+
+    return TinyLM([AttentionBlock(key_bias_offset=offset), Block(), AttentionBlock(), Block()])

@@ -55,8 +55,9 @@ class Cell:
     outer: str
     precision: str
     status: str
-    """``works`` (within tolerance at every step), ``fails`` (outside it, or a rank raised) or
-    ``refused`` (the API rejects the combination before building anything)."""
+    """``works`` (within tolerance at every step), ``fails`` (outside it, or a rank raised),
+    ``refused`` (the API rejects the combination before building anything) or ``lacks`` (not
+    one of the engine's strategies: FSDP2 has no ZeRO-1, for example)."""
     message: str = ""
     """``refused``: the API's error; ``fails``: the first step and metric outside the tolerance,
     or the error a rank raised."""
@@ -164,10 +165,15 @@ def _judge(cell: Cell, layout: Layout, reference: dict, got: dict) -> None:
 def measure_matrix(model: Any = "mfsdp.check.faults:tiny", *, steps: int = 2, lr: float = 0.1,
                    cells: Iterable[tuple[str, str, str]] | None = None, seed: int = 0,
                    timeout: float = 300.0,
-                   progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """Measure the matrix (or only ``cells``) for ``model`` with SGD on :data:`NPROC` gloo ranks.
+                   progress: Callable[[str], Any] | None = None,
+                   engine: str = "mfsdp") -> dict[str, Any]:
+    """Measure the matrix (or only ``cells``) for ``model`` with SGD on :data:`NPROC` gloo ranks,
+    sharded by ``engine`` (``mfsdp``, ``fsdp2``, ``megatron_fsdp``: :mod:`mfsdp.check.engines`).
 
-    Refused combinations are asked of the API (:func:`refusal`) and not run. The others train
+    Under mfsdp, refused combinations are asked of the API (:func:`refusal`) and not run; under
+    another engine, a combination that is not one of its strategies is ``lacks`` (with the
+    adapter's reason), and one its ``fully_shard`` rejects with a ``ValueError`` is ``refused``
+    with that message. The others train
     ``steps`` steps each in one launch of :data:`NPROC` processes (``timeout`` seconds; if it
     raises or times out, each of its combinations is rerun in a launch of its own, of at most
     ``min(timeout, 120)`` seconds, so one bad combination fails alone), and are compared with a
@@ -186,31 +192,46 @@ def measure_matrix(model: Any = "mfsdp.check.faults:tiny", *, steps: int = 2, lr
         raise ValueError(f"cells={unknown[0]!r} is not a combination of the matrix; give "
                          f"(strategy, outer, precision) from {STRATEGIES}, {tuple(OUTERS)}, "
                          f"{tuple(PRECISIONS)}")
+    from mfsdp.check.engines import get_engine
+
+    adapter = get_engine(engine)
+    if adapter.missing():
+        raise ValueError(adapter.missing())
     units = resolve_units(build_model(model, seed), None)
     s = Settings(model=model, optimizer="sgd", lr=lr, steps=steps, global_batch=2 * NPROC,
                  seq_len=16, seed=seed, units=[c.__name__ for c in units], optimizer_factory=None,
-                 recursive_gather=None, resume_fn=None)
+                 recursive_gather=None, resume_fn=None, engine=engine)
     results: dict[tuple, Cell] = {}
     runnable = []
     for combo in chosen:
-        message = refusal(*combo)
-        if message is not None:
+        lacks = adapter.refuses(layout_for(*combo))
+        message = refusal(*combo) if engine == "mfsdp" else None
+        if lacks is not None:
+            results[combo] = Cell(*combo, status="lacks", message=lacks)
+        elif message is not None:
             results[combo] = Cell(*combo, status="refused", message=message)
         else:
             runnable.append(combo)
     layouts = [layout_for(*c) for c in runnable]
     ranks0, launches = run_layouts(s, layouts, timeout) if layouts else ([], 0)
+    version, replaced = adapter.version(), []
+    for got in ranks0:
+        version, replaced = got.get("engine_version", version), got.get("replacements", replaced)
     references: dict[str, dict] = {}
     for combo, layout, got in zip(runnable, layouts, ranks0):
         if layout.compute_dtype not in references:
             references[layout.compute_dtype] = run_reference(s, layout.compute_dtype)
         cell = Cell(*combo, status="fails")
-        _judge(cell, layout, references[layout.compute_dtype], got)
+        if "refused" in got:  # the engine's fully_shard rejected it (its ValueError)
+            cell.status, cell.message = "refused", got["refused"]
+        else:
+            _judge(cell, layout, references[layout.compute_dtype], got)
         results[combo] = cell
         if progress is not None:
             progress(f"{layout.name:<40} {cell.status}  {cell.message}")
     return {
         "model": model if isinstance(model, str) else f"{model.__module__}:{model.__qualname__}",
+        "engine": engine, "engine_version": version, "replacements": replaced,
         "nproc": NPROC, "steps": steps, "optimizer": "sgd", "lr": lr, "seed": seed,
         "tolerances": {k: asdict(v) for k, v in TOLERANCES.items()},
         "cells": [asdict(results[c]) for c in chosen],
@@ -234,6 +255,8 @@ def cell_text(c: dict) -> str:
         return f"refused: {c['message']}"
     if c["status"] == "works":
         return f"works ({c['worst_param_error']:.0e})"
+    if c["status"] == "lacks":
+        return f"n/a: {c['message']}"
     return f"**fails**: {c['message']}"
 
 

@@ -24,7 +24,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
 class Settings(dict):
     """What both sides must agree on (a plain dict, so it pickles to the ranks): ``model``,
     ``optimizer``, ``lr``, ``steps``, ``global_batch``, ``seq_len``, ``seed``, ``units``,
-    ``optimizer_factory``, ``recursive_gather``, ``resume_fn``."""
+    ``optimizer_factory``, ``recursive_gather``, ``resume_fn``, ``engine`` (default
+    ``mfsdp``), ``after_shard`` (default ``None``)."""
 
 
 def make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
@@ -68,7 +69,7 @@ def run_reference(s: Settings, compute_dtype: str = "fp32") -> dict[str, Any]:
     main = [nn.Parameter(p.detach().float().clone()) for p in work]
     opt = make_optimizer(s["optimizer"], main, s["lr"])
     initial = {n: p.detach().clone() for n, p in zip(names, main)}
-    losses, norms, params = [], [], []
+    losses, norms, params, grads = [], [], [], []
     for tokens in batches:
         for p in work:
             p.grad = None
@@ -77,13 +78,15 @@ def run_reference(s: Settings, compute_dtype: str = "fp32") -> dict[str, Any]:
         for pm, pw in zip(main, work):
             pm.grad = None if pw.grad is None else pw.grad.float()
         norms.append(_grad_norm(main))
+        grads.append({n: pm.grad.clone() for n, pm in zip(names, main) if pm.grad is not None})
         opt.step()
         with torch.no_grad():
             for pm, pw in zip(main, work):
                 pw.copy_(pm)
         losses.append(loss.item())
         params.append({n: p.detach().clone() for n, p in zip(names, main)})
-    return {"losses": losses, "grad_norms": norms, "params": params, "initial": initial}
+    return {"losses": losses, "grad_norms": norms, "params": params, "initial": initial,
+            "grads": grads}
 
 
 def _strip(name: str) -> str:
@@ -163,25 +166,33 @@ def _resume(s: Settings, layout: Layout, model, optimizer, step: int):
 
 
 def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
-    """Train this rank's slice of every step's global batch under ``layout`` (call inside a
-    launched rank). Rank 0 returns the per-step losses, gradient norms and full main weights;
-    every rank returns its peak memory."""
+    """Train this rank's slice of every step's global batch under ``layout`` with the engine
+    ``s["engine"]`` names (call inside a launched rank). Rank 0 returns the per-step losses,
+    gradient norms, full gradients and full main weights; every rank returns its peak memory."""
+    from mfsdp.check.engines import get_engine
+
+    engine = get_engine(s.get("engine", "mfsdp"))
+    with engine.running():
+        return _train(s, layout, engine)
+
+
+def _train(s: Settings, layout: Layout, engine) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = _batches(s, build_model(s["model"], s["seed"]))
-    model, optimizer, par = _sharded(s, layout, layout.strategy)
+    sh = engine.shard(s, layout, layout.strategy)
+    after = s.get("after_shard")
+    if after is not None:  # the user's script, right after fully_shard
+        (load_callable(after, "--after-shard") if isinstance(after, str) else after)(
+            sh.model, sh.optimizer)
     local = s["global_batch"] // world
-    losses, norms, params = [], [], []
+    losses, norms, params, grads = [], [], [], []
 
-    def full_parameters():
-        if par is not None:
-            return par.full_parameters(model)
-        return {_strip(n): p for n, p in model.full_parameters().items()}
-
-    initial = full_parameters()
+    initial = engine.full_parameters(sh)
     prediction = None
-    if layout.grad_comm_dtype == "bf16" and layout.compute_dtype != "bf16" and par is None:
+    if (layout.grad_comm_dtype == "bf16" and layout.compute_dtype != "bf16"
+            and sh.par is None and engine.name == "mfsdp"):
         from mfsdp.check.predict import predict_bf16_reduction
 
         prediction = predict_bf16_reduction(s, batches[0][rank * local:(rank + 1) * local])
@@ -191,29 +202,33 @@ def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
         try:
             if step - 1 == resume_after:
                 phase = "save and resume"
-                model, optimizer = _resume(s, layout, model, optimizer, step - 1)
+                model, optimizer = _resume(s, layout, sh.model, sh.optimizer, step - 1)
+                sh.model, sh.optimizer = model, optimizer
                 phase = "forward/backward"
-            optimizer.zero_grad()
-            if par is not None:  # the global mean on every rank (the mean below keeps it)
-                loss = par.loss_backward(model, tokens)
+            sh.optimizer.zero_grad()
+            if sh.par is not None:  # the global mean on every rank (the mean below keeps it)
+                loss = sh.par.loss_backward(sh.model, tokens)
             else:
-                loss = next_token_loss(model, tokens[rank * local:(rank + 1) * local])
+                loss = next_token_loss(sh.model, tokens[rank * local:(rank + 1) * local])
                 loss.backward()
             phase = "optimizer step"
-            norms.append(optimizer.grad_norm())
-            optimizer.step()
+            full_grads = engine.full_gradients(sh)
+            norms.append(engine.grad_norm(sh, full_grads))
+            sh.optimizer.step()
         except Exception as exc:  # say where: the report names the step
             raise RuntimeError(f"step {step} ({phase}): {type(exc).__name__}: {exc}") from exc
         t = loss.detach().float().reshape(1)
         dist.all_reduce(t)
         losses.append(t.item() / world)
-        full = full_parameters()
+        full = engine.full_parameters(sh)
         if rank == 0:
             params.append(full)
-    tracked = sum(model.memory_by_kind().values()) + optimizer.local_state_bytes()
+            grads.append(full_grads)
+    tracked = engine.state_bytes(sh)
     out = {"rank": rank, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "tracked_mib": tracked / 2**20}
     if rank == 0:
         out.update(losses=losses, grad_norms=norms, params=params, initial=initial,
-                   prediction=prediction)
+                   grads=grads, prediction=prediction, engine=engine.name,
+                   engine_version=engine.version(), replacements=engine.replacements())
     return out

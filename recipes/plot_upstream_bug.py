@@ -1,0 +1,94 @@
+"""
+Catch an upstream bug before it costs a run
+===========================================
+
+A sharding bug rarely crashes: the loss goes down, a little slower, and a week of GPU time
+trains a worse model. megatron-fsdp 0.6.1, the newest release on PyPI, has one:
+`NVIDIA/Megatron-LM#5974 <https://github.com/NVIDIA/Megatron-LM/issues/5974>`__, an AdamW
+update about 1.34 times too small in the first steps. Its fix,
+`NVIDIA/Megatron-LM#5976 <https://github.com/NVIDIA/Megatron-LM/pull/5976>`__, is merged and
+not released. ``mfsdp check --engine megatron_fsdp`` runs upstream's own ``fully_shard`` on two
+CPU ranks next to a single-process reference and flags it at step 1.
+
+**What you will learn**
+
+* how to point the parity doctor at the engine you train with (``--engine megatron_fsdp``,
+  ``--engine fsdp2``);
+* what the 0.6.1 AdamW under-update looks like in the report;
+* how to check a workaround before you ship it (``--after-shard``), and why SGD hides the bug.
+"""
+
+# %%
+# The engine you train with
+# -------------------------
+# The model is a small transformer: attention (``nn.MultiheadAttention``) and MLP blocks,
+# ``mfsdp.check.faults:attention``; point ``MODEL`` at your own ``package.module:factory``.
+# The command line is::
+#
+#     mfsdp check mfsdp.check.faults:attention --engine megatron_fsdp --optimizer adamw \
+#         --steps 5 --layouts optim_grads_params
+#
+# ``megatron_fsdp`` is upstream's package (``pip install 'mfsdp[upstream]'``), called as its
+# README does: ``fully_shard(module, optimizer, device_mesh=..., zero_dp_strategy=...)``. On
+# these CPU ranks its CUDA stream and event calls are replaced for the run; the report lists
+# each replacement.
+import mfsdp
+
+settings = dict(engine="megatron_fsdp", steps=5, layouts=["optim_grads_params"])
+bug = mfsdp.check("mfsdp.check.faults:attention", optimizer="adamw", **settings)
+print(bug.table())
+assert bug.engine_version == "megatron-fsdp 0.6.1" and not bug.passed
+
+# %%
+# The gradient-norm ratio is 1.0000 (upstream reduces the gradients right); the update-norm
+# ratio is not: AdamW's step count started at 1, because ``fully_shard_optimizer`` built the
+# optimizer state by stepping once on zero gradients, so the first updates get the bias
+# correction of step 2. The gap closes as the correction fades, which is why the loss curve
+# looks fine.
+first = bug.layouts[0].steps[0]
+print(f"step 1: gradient-norm ratio {first.grad_norm_ratio:.4f}, "
+      f"update-norm ratio {first.update_norm_ratio:.4f}")
+
+# %%
+# Check the workaround before you ship it
+# ---------------------------------------
+# Until you run a release with #5976, reset the optimizer right after ``fully_shard``. The
+# function below is what your script calls; ``--after-shard`` (``after_shard=``) runs it inside
+# the check, on every rank, after upstream's engine has sharded the model.
+import inspect
+
+from mfsdp.check.engines.upstream import reset_optimizer_step
+
+print(inspect.getsource(reset_optimizer_step))
+fixed = mfsdp.check("mfsdp.check.faults:attention", optimizer="adamw",
+                    after_shard="mfsdp.check.engines.upstream:reset_optimizer_step", **settings)
+print(fixed.table())
+assert fixed.passed
+
+# %%
+# Why SGD hides it
+# ----------------
+# SGD keeps no step count, so the same engine passes with it: a check with SGD alone would have
+# missed the bug. Check with the optimizer you train with, and with SGD for scale faults.
+sgd = mfsdp.check("mfsdp.check.faults:attention", optimizer="sgd", **settings)
+print("SGD:", "PASS" if sgd.passed else "FAIL",
+      f"(worst parameter error {max(s.worst_param_error for s in sgd.layouts[0].steps):.1e})")
+assert sgd.passed
+
+# %%
+# The update-norm ratio per step
+# ------------------------------
+import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(6, 3.4))
+for label, report in [("AdamW, megatron-fsdp 0.6.1", bug),
+                      ("AdamW, reset_optimizer_step", fixed), ("SGD", sgd)]:
+    steps = report.layouts[0].steps
+    ax.plot([s.step for s in steps], [s.update_norm_ratio for s in steps],
+            "o-" if report.passed else "s--", label=label)
+ax.axhline(1.0, color="k", lw=0.8, ls=":")
+ax.set_xlabel("step")
+ax.set_ylabel("update norm, sharded / reference")
+ax.set_title("ZeRO-3 on 2 ranks, upstream Megatron-FSDP")
+ax.legend(fontsize=9)
+fig.tight_layout()
