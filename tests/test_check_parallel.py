@@ -87,7 +87,7 @@ def _passes(model: str, nproc: int, layouts: list[str]):
     for r in report.layouts:  # fp32: the order of sums only, well inside the tolerance (1e-3)
         # Under TP and CP the norm weights move little in 2 SGD steps, and the order of the
         # partial sums shifts their update by up to 3.1e-4 of that move on some CPUs (measured
-        # on an AVX2 machine; 4.6e-5 at step 1); elsewhere the error stays under 1e-4.
+        # on a 2-core AVX-512 machine; 4.6e-5 at step 1); elsewhere it stays under 1e-4.
         bound = 5e-4 if r.name in ("tp", "tp_sp", "cp") else 1e-4
         assert max(s.worst_param_error for s in r.steps) < bound, report.table()
         assert all(abs(s.grad_norm_ratio - 1) < 1e-5 for s in r.steps), report.table()
