@@ -182,6 +182,9 @@ _FOREIGN_PRIVATE = {
     "_actions": "argparse: the parser's actions, to list the flags",
     "_StoreConstAction": "argparse: the class of store_const/store_true actions",
     "_init_weights": "transformers' per-module initialiser, as param_init_fn",
+    "_flatten": "DeviceMesh: two dimensions as one, how upstream's README makes hybrid_fsdp_group",
+    "_replace_param_with_distributed_if_needed": "megatron_fsdp 0.6.1's MegatronFSDP: its README's "
+                                                  "two-call form swaps in the DTensor parameters",
 }
 
 
