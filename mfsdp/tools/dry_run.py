@@ -378,9 +378,10 @@ def _in_fresh_thread(fn, *args):
 def dry_run(preset: str, layout: Layout, ranks: list[int] | None = None, gpu: str = "h100",
             double_buffer: bool = False, progress: bool = True) -> DryRun:
     """Build ``preset`` under ``layout`` with the real engine for ``ranks`` (default:
-    :func:`ranks_to_build`) of the full world, one at a time, in this process; return what each
-    holds beside the plan. Raises :class:`DryRunError` when the trainer refuses the layout.
-    Needs no process group of its own (it must not run inside one)."""
+    :func:`~mfsdp.tools.dry_run.ranks_to_build`) of the full world, one at a time, in this
+    process; return what each holds beside the plan. Raises
+    :class:`~mfsdp.tools.dry_run.DryRunError` when the trainer refuses the layout. Needs no
+    process group of its own (it must not run inside one)."""
     from tqdm import tqdm
 
     if dist.is_initialized():
