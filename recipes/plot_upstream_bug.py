@@ -60,8 +60,9 @@ import inspect
 from mfsdp.check.engines.upstream import reset_optimizer_step
 
 print(inspect.getsource(reset_optimizer_step))
+workaround = "mfsdp.check.engines.upstream:reset_optimizer_step"
 fixed = mfsdp.check("mfsdp.check.faults:attention", optimizer="adamw",
-                    after_shard="mfsdp.check.engines.upstream:reset_optimizer_step", **settings)
+                    after_shard=workaround, **settings)
 print(fixed.table())
 assert fixed.passed
 
@@ -71,8 +72,8 @@ assert fixed.passed
 # SGD keeps no step count, so the same engine passes with it: a check with SGD alone would have
 # missed the bug. Check with the optimizer you train with, and with SGD for scale faults.
 sgd = mfsdp.check("mfsdp.check.faults:attention", optimizer="sgd", **settings)
-print("SGD:", "PASS" if sgd.passed else "FAIL",
-      f"(worst parameter error {max(s.worst_param_error for s in sgd.layouts[0].steps):.1e})")
+worst = max(s.worst_param_error for s in sgd.layouts[0].steps)
+print("SGD:", "PASS" if sgd.passed else "FAIL", f"(worst parameter error {worst:.1e})")
 assert sgd.passed
 
 # %%
