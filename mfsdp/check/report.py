@@ -132,11 +132,11 @@ class CheckReport:
             lines.append(f"{verdict} {r.name:<19} tol {r.tolerance:<9} {memory}  "
                          f"{r.seconds:5.1f} s"
                          + (f"\n     {r.reason}" if r.reason else ""))
-            for name, nd in r.noise_dominated.items():
-                lines.append(f"     noise-dominated, not judged: {name} ({nd['elements']} of "
-                             f"{nd['size']} elements: reference gradient at most "
-                             f"{nd['max_reference_grad']:.1e}, floor {nd['floor']:.1e}; "
-                             f"their relative error {nd['error']:.1e})")
+            for name, noisy in r.noise_dominated.items():
+                lines.append(f"     noise-dominated, not judged: {name} ({noisy['elements']} of "
+                             f"{noisy['size']} elements: reference gradient at most "
+                             f"{noisy['max_reference_grad']:.1e}, floor {noisy['floor']:.1e}; "
+                             f"their relative error {noisy['error']:.1e})")
             if r.prediction:
                 pr = r.prediction
                 lines.append(f"     numerics simulator, step 1: {pr['param']} predicted "
