@@ -69,14 +69,14 @@ for label in strategies:
     ax.plot(xs, [r[3] for r in mine], "o", color=line.get_color(),
             fillstyle="none", label=f"{label}: plan")
 ax.axhline(76, color="grey", linestyle="--", linewidth=1)
-ax.text(worlds[0], 80, "80 GiB H100, 4 GiB kept free", fontsize=8,
+ax.text(worlds[0], 80, "80 GiB H100, 4 GiB kept free", fontsize=10,
         color="grey")
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.set_xlabel("world size (ranks)")
 ax.set_ylabel("GiB per rank (state)")
 ax.set_title("Llama-3-70B: model state per rank, measured by a dry run")
-ax.legend(loc="lower left", fontsize=8)
+ax.legend(loc="lower left", fontsize=10)
 fig.tight_layout()
 
 # %%

@@ -66,12 +66,15 @@ READERS: dict[str, tuple[str, ...]] = {
         "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "lr_warmup_init",
         "lr_wsd_decay_iters", "lr_wsd_decay_style", "weight_decay", "optimizer", "sgd_momentum",
         "adam_beta1", "adam_beta2", "adam_eps")},
-    # the sharding engine's options, handed to fully_shard by the Trainer, and the loop's own
+    # the sharding engine's options, handed to fully_shard by the trainer's model builder
+    # (build_sharded_model, which mfsdp plan --dry-run calls too)
+    **{dest: (f"{T}/parallel.py",) for dest in (
+        "outer_dp_sharding_strategy", "fsdp_double_buffer", "init_model_with_meta_device",
+        "overlap_grad_reduce", "overlap_param_gather", "seed")},
+    # the Trainer's own
     **{dest: (f"{T}/trainer.py",) for dest in (
-        "data_parallel_sharding_strategy", "outer_dp_sharding_strategy",
-        "fsdp_double_buffer", "init_model_with_meta_device", "overlap_grad_reduce",
-        "overlap_param_gather", "calculate_per_token_loss", "micro_batch_size",
-        "global_batch_size", "clip_grad", "check_for_nan_in_loss_and_grad", "seed",
+        "data_parallel_sharding_strategy", "calculate_per_token_loss", "micro_batch_size",
+        "global_batch_size", "clip_grad", "check_for_nan_in_loss_and_grad",
         "moe_router_bias_update_rate", "eval_interval", "eval_iters", "exit_interval",
         "save_interval", "dump_param_to_param_group_map", "train_iters")},
     # the entry: the hang watch, error reports, and --save's lock (taken under mfsdp only)
