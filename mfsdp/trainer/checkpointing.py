@@ -69,16 +69,21 @@ class Checkpointer:
         return resumed
 
 
-def latest_iteration(root) -> int | None:
-    """The iteration ``root``'s ``latest`` (or Megatron-LM's tracker) names, or None."""
+def _pointers(root: Path):
+    """``(name, text)`` of each readable pointer file of ``root``: mfsdp's ``latest``, then
+    Megatron-LM's tracker."""
     from mfsdp.checkpoint.detect import TRACKER
 
-    root = Path(root)
     for name in ("latest", TRACKER):
         try:
-            text = (root / name).read_text().strip()
+            yield name, (root / name).read_text().strip()
         except (OSError, UnicodeDecodeError):
             continue
+
+
+def latest_iteration(root) -> int | None:
+    """The iteration ``root``'s ``latest`` (or Megatron-LM's tracker) names, or None."""
+    for _, text in _pointers(Path(root)):
         digits = text.removeprefix("iter_")
         if digits.isdigit():
             return int(digits)
@@ -109,15 +114,9 @@ def check_save_not_newer(checkpoint, resumed: int) -> None:
 def previous_checkpoint(root) -> str:
     """Which checkpoint of ``root`` still loads (what ``latest`` or Megatron-LM's tracker
     names), for the message of a failed save."""
-    from mfsdp.checkpoint.detect import TRACKER
-
     root = Path(root)
-    for name in ("latest", TRACKER):
-        try:
-            text = (root / name).read_text().strip()
-        except (OSError, UnicodeDecodeError):
-            continue
-        if name == TRACKER and text.isdigit():
+    for name, text in _pointers(root):
+        if name != "latest" and text.isdigit():  # Megatron-LM's tracker holds the number
             text = f"iter_{int(text):07d}"
         if text and Path(text).name == text and (root / text).is_dir():
             return (f"the previous checkpoint, {root / text} (named by {name}), is untouched and "
