@@ -26,6 +26,7 @@ from mfsdp.launch import launch
 from mfsdp.models.toy import ToyModel
 
 HERE = "tests/test_engine_arguments.py"
+COMM_LOG = "test_overlap_and_bucketing_show_in_the_communication_log"
 ARGUMENTS: dict[str, tuple] = {
     # name: ("acts", "tests/file.py::test_name") or ("refused", value, message start)
     "module": ("acts", "tests/test_engine.py::test_matches_single_process_reference"),
@@ -47,7 +48,7 @@ ARGUMENTS: dict[str, tuple] = {
     "param_init_fn": ("acts", "tests/test_model_families.py::test_meta_init_of_a_transformers_llama"),
     "mixed_precision_policy": ("acts", "tests/test_upstream_surface.py::"
                                        "test_param_and_grad_buffer_view_and_maxpool_double_buffer"),
-    "overlap_grad_reduce": ("acts", f"{HERE}::test_overlap_and_bucketing_show_in_the_communication_log"),
+    "overlap_grad_reduce": ("acts", f"{HERE}::{COMM_LOG}"),
     "overlap_param_gather": ("acts", "tests/test_engine_memory.py::"
                                      "test_zero3_gathered_weights_never_exceed_two_units"),
     "sync_model_each_microbatch": ("acts", f"{HERE}::test_bookkeeping_arguments_take_effect"),
@@ -55,7 +56,7 @@ ARGUMENTS: dict[str, tuple] = {
     "calculate_per_token_loss": ("acts", "tests/test_engine.py::test_matches_single_process_reference"),
     "fsdp_double_buffer": ("acts", "tests/test_double_buffer.py::"
                                    "test_gradients_of_every_non_root_unit_live_in_the_two_slots"),
-    "disable_bucketing": ("acts", f"{HERE}::test_overlap_and_bucketing_show_in_the_communication_log"),
+    "disable_bucketing": ("acts", f"{HERE}::{COMM_LOG}"),
     "fsdp_group_ag": ("acts", f"{HERE}::test_bookkeeping_arguments_take_effect"),
     "expt_fsdp_group_ag": ("acts", f"{HERE}::test_bookkeeping_arguments_take_effect"),
     "max_inflight_reduce": ("acts", "tests/test_backward_idioms.py::"

@@ -217,7 +217,8 @@ def _saved_activations(words: list[str], tokens: int = 64) -> dict:
         finally:
             where.pop()
 
-    batch = torch.randint(0, cfg.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(1))
+    batch = torch.randint(0, cfg.vocab_size, (2, tokens),
+                          generator=torch.Generator().manual_seed(1))
     gpt._sdpa = attention  # (the name _core_attention calls, recomputed or not)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
