@@ -3,10 +3,11 @@ Check a transformers model with ``mfsdp check`` before a cluster run
 ====================================================================
 
 Before booking GPUs for a long run, check on your own machine that the model trains the same
-sharded as in one process: ``mfsdp check`` runs each layout on two CPU ranks next to a
-single-process reference and compares every step. The model here is a tiny random Llama built by
-``transformers`` from a config (nothing is downloaded): a miniature of the architecture you will
-train.
+sharded as in one process. ``mfsdp check`` runs each layout on two CPU ranks, next to a
+single-process reference, and compares every step.
+
+The model here is a tiny random Llama that ``transformers`` builds from a config; nothing is
+downloaded. It is a miniature of the architecture you will train.
 
 **What you will learn**
 
@@ -35,11 +36,16 @@ print(sorted(p.name for p in (work / "tiny-llama").iterdir()))
 # %%
 # Check it
 # --------
-# The command line is ``mfsdp check ./tiny-llama --nproc 2 --steps 3 --layouts
-# optim_grads_params bf16 --json check.json --plot check.png`` (exit status 0 when every layout
-# passes, 1 when one fails). From Python it is one call; each layout prints a line as it finishes.
-# Without ``layouts`` every layout that fits ``nproc`` runs (ZeRO 0-3, bf16, bf16 communication,
-# a resume into another strategy).
+# The command line is::
+#
+#     mfsdp check ./tiny-llama --nproc 2 --steps 3 --layouts optim_grads_params bf16 \
+#         --json check.json --plot check.png
+#
+# It exits 0 when every layout passes, and 1 when one fails. From Python it is one call;
+# each layout prints a line as it finishes.
+#
+# Without ``layouts``, every layout that fits ``nproc`` runs: ZeRO 0-3, bf16, bf16
+# communication, and a resume into another strategy.
 import mfsdp
 
 report = mfsdp.check(str(work / "tiny-llama"), nproc=2, steps=3,
@@ -47,18 +53,19 @@ report = mfsdp.check(str(work / "tiny-llama"), nproc=2, steps=3,
 print(report.table())
 
 # %%
-# The FSDP units are the model's repeated blocks, found as the class of the modules in the
-# ``nn.ModuleList`` that holds most of its parameters (``--units`` chooses others).
+# The FSDP units are the model's repeated blocks: the modules in the ``nn.ModuleList`` that
+# holds most of its parameters. ``--units`` chooses others.
 print("units:", report.units, "| passed:", report.passed)
 assert report.passed and report.units == ["LlamaDecoderLayer"]
 
 # %%
 # What a fault looks like
 # -----------------------
-# ``mfsdp.check.faults.loss_averaged_twice`` divides its loss by the world size although the
-# engine already averages gradients over ranks: every update is half the reference's at two
-# ranks, the class of upstream's NVIDIA/Megatron-LM#5974. With SGD (the default) it shows in the
-# update-norm ratio from the first step.
+# ``mfsdp.check.faults.loss_averaged_twice`` divides its loss by the world size, although
+# the engine already averages gradients over ranks. So at two ranks every update is half the
+# reference's: the class of upstream's NVIDIA/Megatron-LM#5974.
+#
+# With SGD (the default) it shows in the update-norm ratio from the first step.
 faulty = mfsdp.check("mfsdp.check.faults:loss_averaged_twice", nproc=2, steps=3,
                      layouts=["optim_grads_params"])
 print(faulty.layouts[0].reason)

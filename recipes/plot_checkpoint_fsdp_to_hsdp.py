@@ -2,9 +2,9 @@
 Resume an FSDP+EP run as HSDP+EP from a checkpoint
 ==================================================
 
-Train a small MoE model with expert parallelism under FSDP, save an ``fsdp_dtensor`` checkpoint
-halfway, resume it with HSDP (an outer replica dimension) and the same EP size, and compare the loss
-and gradient-norm curves with a run that was never interrupted.
+Train a small MoE model with expert parallelism under FSDP, and save an ``fsdp_dtensor``
+checkpoint halfway. Resume it with HSDP (an outer replica dimension) and the same EP size.
+Then compare the loss and gradient-norm curves with a run that was never interrupted.
 
 **What you will learn**
 
@@ -14,8 +14,8 @@ and gradient-norm curves with a run that was never interrupted.
 The code
 --------
 The training script of :ref:`sphx_glr_docs_recipes_plot_training_script.py`
-(``mfsdp/examples/train_script.py``) with ``moe=True``: every second block is a mixture of 4
-experts, and ``ep=2`` keeps 2 of them on each rank. The layout and the sharding:
+(``mfsdp/examples/train_script.py``), with ``moe=True``. Every second block is a mixture of
+4 experts, and ``ep=2`` keeps 2 of them on each rank. The layout and the sharding:
 
 .. literalinclude:: ../../mfsdp/examples/train_script.py
    :language: python
@@ -34,8 +34,10 @@ The same from a shell:
 # %%
 # Run
 # ---
-# Four ranks. FSDP+EP: one shard group of 4, experts over EP groups of 2. HSDP+EP: shard groups of
-# 2, an outer dimension of 2, the same EP groups. The global batch is the same in both.
+# Four ranks, with the same global batch in both runs:
+#
+# * FSDP+EP: one shard group of 4, the experts over EP groups of 2;
+# * HSDP+EP: shard groups of 2, an outer dimension of 2, the same EP groups.
 import tempfile
 
 from mfsdp.launch import launch

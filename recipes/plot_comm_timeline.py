@@ -2,8 +2,9 @@
 A communication timeline, with and without a separate all-gather group
 ======================================================================
 
-Record when each collective of a ZeRO-3 step was launched and when it was found complete, for the
-same model trained with one process group and with a separate all-gather group, and draw both.
+Record when each collective of a ZeRO-3 step was launched and when it was found complete.
+Do it for the same model twice: with one process group, and with a separate all-gather
+group. Then draw both.
 
 **What you will learn**
 
@@ -13,9 +14,9 @@ same model trained with one process group and with a separate all-gather group, 
 
 The code
 --------
-``mfsdp/examples/comm_timeline.py``: a layout's groups with a second group for all-gathers
-(``create_groups(all_gather_groups=True)``), passed as ``fsdp_group_ag``; every collective's
-launch and completion is in ``model.comm_log``.
+``mfsdp/examples/comm_timeline.py`` builds a layout's groups with a second group for
+all-gathers (``create_groups(all_gather_groups=True)``), and passes it as ``fsdp_group_ag``.
+``model.comm_log`` records every collective's launch and completion.
 
 .. literalinclude:: ../../mfsdp/examples/comm_timeline.py
    :language: python
@@ -25,8 +26,8 @@ launch and completion is in ``model.comm_log``.
 # %%
 # Measure
 # -------
-# ``timeline`` on 2 gloo ranks: both variants side by side, alternating steps; median step time
-# and median exposed wait over the measured steps.
+# ``timeline`` runs on 2 gloo ranks, both variants side by side, in alternating steps. It
+# reports the median step time and the median exposed wait over the measured steps.
 from mfsdp.launch import launch
 
 result = launch("mfsdp.examples.comm_timeline:timeline", 2,
@@ -39,7 +40,8 @@ for name, r in result.items():
 # %%
 # Draw the last step of each
 # --------------------------
-# One row per collective kind; a bar spans launch to completion as the training thread saw it.
+# One row per kind of collective. A bar spans launch to completion, as the training thread
+# saw them.
 import matplotlib.pyplot as plt
 
 fig, axes = plt.subplots(2, 1, figsize=(9, 4.5), sharex=True)
@@ -61,7 +63,8 @@ fig.tight_layout()
 # %%
 # Reading the result
 # ------------------
-# On a GPU, NCCL runs each process group on its own stream, so an all-gather on its own group does
-# not wait for a reduce-scatter launched before it. On this CPU machine both groups share two cores
-# and the loopback interface, so the gain (if any) is small; the numbers above are what was measured
-# when this page was built.
+# On a GPU, NCCL runs each process group on its own stream. So an all-gather on its own group
+# does not wait for a reduce-scatter launched before it.
+#
+# On this CPU machine both groups share two cores and the loopback interface, so the gain, if
+# any, is small. The numbers above are what was measured when this page was built.

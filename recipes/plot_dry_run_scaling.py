@@ -3,9 +3,9 @@ Dry run: memory per rank from 8 to 4,096 GPUs, measured on one CPU
 ===================================================================
 
 Build Llama-3-70B with the real engine at every world size from 8 to 4,096
-ranks, in this one process (torch's fake process group, every tensor on the
-meta device), and plot what one rank holds next to what ``mfsdp plan``
-predicts.
+ranks, all in this one process. torch's fake process group stands in for the
+ranks, and every tensor lives on the meta device, so nothing is allocated.
+Then plot what one rank holds next to what ``mfsdp plan`` predicts.
 
 **What you will learn**
 
@@ -24,9 +24,9 @@ The same from the shell, for one world size::
 # %%
 # Measure
 # -------
-# One dry run per world size and strategy. ``ranks=[0]`` builds rank 0 only:
-# every rank of a dense model holds the same shapes (the command line builds
-# the first and last rank of each group).
+# One dry run per world size and strategy. ``ranks=[0]`` builds rank 0 only,
+# since every rank of a dense model holds the same shapes. (The command line
+# builds the first and last rank of each group.)
 import time
 
 from mfsdp.tools.dry_run import dry_run
@@ -82,10 +82,13 @@ fig.tight_layout()
 # %%
 # What the numbers say
 # --------------------
-# Under ZeRO-3 everything divides by the world size, so state per rank falls
-# from hundreds of GiB to a fraction of one. Under ZeRO-1 only the main weights
-# and the optimizer state divide: the bf16 weights (2 bytes per parameter) and
-# the fp32 gradients (4) stay whole on every rank, about 395 GiB for 70B
-# parameters, so no world size makes ZeRO-1 fit an 80 GiB GPU. Activations are
-# not in this plot: they do not depend on the world size (see
+# Under ZeRO-3 everything divides by the world size. State per rank falls from
+# hundreds of GiB to a fraction of one.
+#
+# Under ZeRO-1 only the main weights and the optimizer state divide. The bf16
+# weights (2 bytes per parameter) and the fp32 gradients (4) stay whole on
+# every rank: about 395 GiB for 70B parameters. So no world size makes ZeRO-1
+# fit an 80 GiB GPU.
+#
+# Activations are not in this plot: they do not depend on the world size (see
 # :doc:`../planner`).

@@ -13,8 +13,8 @@ Start two gloo ranks on the CPU, all-reduce across them, and look at what each r
 # %%
 # Launch two ranks
 # ----------------
-# :func:`mfsdp.runtime.rank_info` runs on every rank: each contributes ``rank + 1`` to an
-# all-reduce, so with two ranks every rank must see ``1 + 2 = 3``.
+# :func:`mfsdp.runtime.rank_info` runs on every rank. Each rank adds ``rank + 1`` to an
+# all-reduce (a sum over all ranks), so with two ranks every rank must see ``1 + 2 = 3``.
 from mfsdp.launch import launch
 from mfsdp.runtime import rank_info
 

@@ -2,9 +2,12 @@
 HSDP and HFSDP: bytes per step on each group
 =============================================
 
-Train the same model on 4 ranks as FSDP (one shard group of 4), HSDP (shard over 2, replicate over
-2) and HFSDP (shard over 2, main weights also sharded over the outer 2), and measure what each
-process group carries in one step.
+Train the same model on 4 ranks three ways, and measure what each process group carries in
+one step:
+
+* FSDP: one shard group of 4;
+* HSDP: shard over 2, replicate over 2;
+* HFSDP: shard over 2, with the main weights also sharded over the outer 2.
 
 **What you will learn**
 
@@ -15,8 +18,9 @@ process group carries in one step.
 
 The code
 --------
-``mfsdp/examples/hsdp_bytes.py``: a ``ParallelLayout`` with ``dp_outer`` replicas, its groups
-passed to ``fully_shard``, and the bytes of each collective read from ``model.comm_log``.
+``mfsdp/examples/hsdp_bytes.py`` builds a ``ParallelLayout`` with ``dp_outer`` replicas and
+passes its groups to ``fully_shard``. It reads the bytes of each collective from
+``model.comm_log``.
 
 .. literalinclude:: ../../mfsdp/examples/hsdp_bytes.py
    :language: python

@@ -3,10 +3,11 @@ Train on Megatron indexed data: tokenize, preprocess, train sharded, validate
 =============================================================================
 
 Turn text into the ``.bin``/``.idx`` datasets Megatron-LM trains on, and train on them with
-``mfsdp train`` exactly as on a cluster: a tokenizer, ``mfsdp preprocess``, then ZeRO-3 on two
-CPU ranks with ``--data-path``, ``--split`` and validation. The corpus is this guide's own pages,
-one paragraph per document; the tokenizer is a word-level Hugging Face tokenizer trained on them
-(nothing is downloaded).
+``mfsdp train`` exactly as on a cluster. The steps: a tokenizer, ``mfsdp preprocess``, then
+ZeRO-3 on two CPU ranks with ``--data-path``, ``--split`` and validation.
+
+The corpus is this guide's own pages, one paragraph per document. The tokenizer is a
+word-level Hugging Face tokenizer trained on them, so nothing is downloaded.
 
 **What you will learn**
 
@@ -43,8 +44,9 @@ print(f"{len(paragraphs)} documents from {len(pages)} pages")
 # %%
 # A tokenizer
 # -----------
-# Any local Hugging Face tokenizer directory works (``--tokenizer-model``); here a word-level one
-# trained on the corpus, with ``</s>`` as its EOS (the EOD that ends every document).
+# Any local Hugging Face tokenizer directory works (``--tokenizer-model``). Here it is a
+# word-level one trained on the corpus. Its EOS, ``</s>``, is the EOD token that ends every
+# document.
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -84,8 +86,8 @@ print(tokenizer.decode(train[0][1][:40].tolist()), "...")
 # Train sharded, with validation
 # ------------------------------
 # The flags are Megatron-LM's: ``--data-path``, ``--split``, ``--tokenizer-*``,
-# ``--eval-interval`` and ``--eval-iters``. Under ``torchrun`` this is
-# ``torchrun --nproc-per-node 2 -m mfsdp.train ...``; here two gloo processes.
+# ``--eval-interval`` and ``--eval-iters``. On a cluster this is
+# ``torchrun --nproc-per-node 2 -m mfsdp.train ...``. Here it runs as two gloo processes.
 from mfsdp.launch import launch
 
 argv = ["--use-megatron-fsdp",

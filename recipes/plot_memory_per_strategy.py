@@ -2,8 +2,8 @@
 Memory per rank for each sharding strategy
 ==========================================
 
-Measure what every rank really holds for each ``zero_dp_strategy`` on 1, 2 and 4 ranks, and plot it
-against the theory of the strategy table.
+Measure what every rank really holds under each ``zero_dp_strategy``, on 1, 2 and 4 ranks.
+Then plot it against the theory of the strategy table.
 
 **What you will learn**
 
@@ -13,8 +13,9 @@ against the theory of the strategy table.
 
 The code
 --------
-``mfsdp/examples/memory.py``: shard, take one step, read what the buffers hold
-(``model.memory_by_kind()``) and the optimizer state (``optimizer.local_state_bytes()``).
+``mfsdp/examples/memory.py`` shards the model and takes one step. Then it reads what the
+buffers hold (``model.memory_by_kind()``) and the optimizer state
+(``optimizer.local_state_bytes()``).
 
 .. literalinclude:: ../../mfsdp/examples/memory.py
    :language: python
@@ -51,9 +52,12 @@ for s_i, s in enumerate(strategies):
 # %%
 # Where the bytes go
 # ------------------
-# On 4 ranks, by kind. ``model_weights`` is the full compute copy (replicated strategies),
-# ``model_shard`` the local slice under ZeRO-3; gradients are the full buffer (``grad_full``,
-# kept by ``optim`` only) and the reduced shard (``main_grads``).
+# On 4 ranks, by kind:
+#
+# * ``model_weights``: the full compute copy, under the replicated strategies;
+# * ``model_shard``: the local slice, under ZeRO-3;
+# * ``grad_full``: the full gradient buffer, which only ``optim`` keeps;
+# * ``main_grads``: the reduced gradient shard.
 import matplotlib.pyplot as plt
 import numpy as np
 

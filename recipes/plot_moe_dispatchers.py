@@ -2,10 +2,15 @@
 MoE token dispatchers side by side
 ==================================
 
-Run one MoE layer (8 experts, top-2) on 4 ranks with expert parallelism 4 and uneven token counts
-per rank, once per dispatcher, and compare what each does: how many rows each expert computed,
-how many bytes each rank sent, and how long a forward plus backward took. (Each dispatcher is
-also checked against a dense single-process reference, token by token, in ``tests/test_moe.py``.)
+Run one MoE layer (8 experts, top-2) on 4 ranks, with expert parallelism 4 and uneven token
+counts per rank, once per dispatcher. Then compare what each does:
+
+* how many rows each expert computed;
+* how many bytes each rank sent;
+* how long a forward plus backward took.
+
+``tests/test_moe.py`` also checks each dispatcher against a dense single-process reference,
+token by token.
 
 **What you will learn**
 
@@ -15,8 +20,9 @@ also checked against a dense single-process reference, token by token, in ``test
 
 The code
 --------
-``mfsdp/examples/moe_dispatch.py``: an ``MoELayer`` built from one seed on every rank,
-``shard_experts`` to keep this rank's experts, forward and backward on this rank's tokens.
+``mfsdp/examples/moe_dispatch.py`` builds an ``MoELayer`` from one seed on every rank. It
+calls ``shard_experts`` to keep this rank's experts, then runs forward and backward on this
+rank's tokens.
 
 .. literalinclude:: ../../mfsdp/examples/moe_dispatch.py
    :language: python
@@ -53,8 +59,8 @@ print("(KiB: the mean over ranks; ms: the median call on the slowest rank)")
 # %%
 # Tokens per expert
 # -----------------
-# Rank ``r`` holds experts ``2r`` and ``2r + 1``; its ``tokens_per_expert`` are the rows they
-# computed. The dispatchers agree row for row.
+# Rank ``r`` holds experts ``2r`` and ``2r + 1``. Its ``tokens_per_expert`` are the rows
+# they computed. The dispatchers agree row for row.
 per_expert = {name: [n for r in results for n in r[i]["tokens_per_expert"]]
               for i, name in enumerate(names)}
 for name, rows in per_expert.items():

@@ -2,8 +2,9 @@
 The per-module API: upstream's v2 ``fully_shard`` on CPU ranks
 ===============================================================
 
-Train one model with the per-module API (``mfsdp.experimental``, upstream Megatron-FSDP's
-"v2") and with the model-level API, as HSDP on four gloo ranks, and compare the curves.
+Train one model twice, as HSDP on four gloo ranks: once with the per-module API
+(``mfsdp.experimental``, upstream Megatron-FSDP's "v2"), once with the model-level API.
+Then compare the curves.
 
 **What you will learn**
 
@@ -14,15 +15,15 @@ Train one model with the per-module API (``mfsdp.experimental``, upstream Megatr
 
 The code
 --------
-This is ``mfsdp/examples/per_module.py``; ``torchrun --nproc-per-node 4 -m
-mfsdp.examples.per_module --dp-outer 2`` runs it as a script. The model:
+This is ``mfsdp/examples/per_module.py``. To run it as a script:
+``torchrun --nproc-per-node 4 -m mfsdp.examples.per_module --dp-outer 2``. The model:
 
 .. literalinclude:: ../../mfsdp/examples/per_module.py
    :language: python
    :pyobject: Net
 
-The per-module API: each block, then the model, sharded in place as HSDP (the optimizer state
-and gradients sharded over the ``shard`` axis, replicated over ``outer``):
+The per-module API shards each block, then the model, in place, as HSDP. The optimizer state
+and gradients are sharded over the ``shard`` axis and replicated over ``outer``:
 
 .. literalinclude:: ../../mfsdp/examples/per_module.py
    :language: python
@@ -44,7 +45,7 @@ Both on the same ranks:
 # %%
 # Train both ways
 # ---------------
-# Four gloo ranks as a ``(outer 2, shard 2)`` mesh, 12 steps of 2 micro-batches each; the
+# Four gloo ranks as a ``(outer 2, shard 2)`` mesh, 12 steps of 2 micro-batches each. The
 # outer all-reduce runs once per step, in the last micro-batch's backward.
 from mfsdp.launch import launch
 

@@ -2,9 +2,10 @@
 FSDP over tensor parallelism: a Llama with its Hugging Face TP plan
 ===================================================================
 
-Make a Hugging Face Llama tensor-parallel with PyTorch's ``parallelize_module`` and the model's own
-published plan, shard it with ``fully_shard`` over the data-parallel dimension of a ``(dp 2, tp 2)``
-mesh, train it on four CPU ranks, and check it against the same model without TP.
+Make a Hugging Face Llama tensor-parallel, with PyTorch's ``parallelize_module`` and the
+model's own published plan. Shard it with ``fully_shard`` over the data-parallel dimension of
+a ``(dp 2, tp 2)`` mesh. Train it on four CPU ranks, and check it against the same model
+without TP.
 
 **What you will learn**
 
@@ -15,7 +16,7 @@ mesh, train it on four CPU ranks, and check it against the same model without TP
 
 The code
 --------
-This is ``mfsdp/examples/tensor_parallel.py``; run it with
+This is ``mfsdp/examples/tensor_parallel.py``. Run it with
 ``torchrun --nproc-per-node 4 -m mfsdp.examples.tensor_parallel``.
 
 .. literalinclude:: ../../mfsdp/examples/tensor_parallel.py
@@ -30,8 +31,8 @@ This is ``mfsdp/examples/tensor_parallel.py``; run it with
 # %%
 # Train with and without the plan
 # -------------------------------
-# Four gloo ranks each time: two data-parallel replicas of a two-way tensor-parallel model, then
-# the same four ranks with the model whole on both TP ranks of a replica.
+# Four gloo ranks each time. First, two data-parallel replicas of a two-way tensor-parallel
+# model. Then the same four ranks, with the model whole on both TP ranks of a replica.
 from mfsdp.launch import launch
 
 run = "mfsdp.examples.tensor_parallel:train"
@@ -43,8 +44,8 @@ print("q_proj without it:   ", whole["q_proj"])
 # %%
 # What each rank keeps
 # --------------------
-# The projections are split over TP, the embeddings and the output layer (left alone by the
-# plan) are not; FSDP shards both over the data-parallel ranks.
+# The projections are split over TP. The embeddings and the output layer are not: the plan
+# leaves them alone. FSDP shards both kinds over the data-parallel ranks.
 print(f"main-weight bytes per rank: {tp['bytes']:,} with TP, {whole['bytes']:,} "
       f"without ({tp['bytes'] / whole['bytes']:.2f}x)")
 

@@ -2,9 +2,10 @@
 THD packing with uneven ranks: padding and trimming
 ===================================================
 
-Pack variable-length sequences into one token stream per rank, with a different number of tokens
-on each of two ranks (17 and 70), and run an MoE layer with the ``flex`` dispatcher's static-shape
-``torch`` backend. It pads both ranks to the same count and trims the padding off afterwards.
+Pack variable-length sequences into one token stream per rank, with a different number of
+tokens on each of two ranks (17 and 70). Then run an MoE layer with the ``flex`` dispatcher's
+static-shape ``torch`` backend. It pads both ranks to the same count, and trims the padding
+off afterwards.
 
 **What you will learn**
 

@@ -21,8 +21,8 @@ Same data, same initial weights: the loss curves must lie on each other.
 # %%
 # The commands
 # ------------
-# Each run is the command you would launch with ``torchrun`` (here from Python, to collect the
-# logs); ``--log-jsonl`` writes one JSON line per iteration.
+# Each run is the command you would launch with ``torchrun``. Here it runs from Python, to
+# collect the logs. ``--log-jsonl`` writes one JSON line per iteration.
 import json
 import os
 import subprocess

@@ -2,11 +2,15 @@
 A complete training script: accumulate, clip, schedule, save, resume
 =====================================================================
 
-Everything a real run has, in one script you can copy: the process group and device from
-``torchrun``'s environment, a ``ParallelLayout``, meta-device initialisation, ``fully_shard`` with a
-``MixedPrecisionPolicy`` (bf16 compute, fp32 main weights and gradients), gradient accumulation
-with ``no_sync``, clipping by the global norm, a warm-up + cosine LR schedule, ``save_checkpoint``
-and ``load_checkpoint``, and a resume on a different layout.
+Everything a real run has, in one script you can copy:
+
+* the process group and device, from ``torchrun``'s environment, and a ``ParallelLayout``;
+* meta-device initialisation;
+* ``fully_shard`` with a ``MixedPrecisionPolicy``: bf16 compute, fp32 main weights and
+  gradients;
+* gradient accumulation with ``no_sync``, and clipping by the global norm;
+* a warm-up + cosine LR schedule;
+* ``save_checkpoint`` and ``load_checkpoint``, and a resume on a different layout.
 
 **What you will learn**
 
@@ -47,9 +51,12 @@ The loop: accumulation, clipping, the schedule, checkpoints:
 # %%
 # Train, save, resume on another layout
 # -------------------------------------
-# Four gloo ranks, two runs of ``train``: 12 steps straight (plain FSDP, one shard group of 4),
-# saving a checkpoint after step 6 on the way; then a resume of that checkpoint as HSDP
-# (``dp_outer=2``: two replicas of a 2-rank shard group) up to step 12.
+# Four gloo ranks, two runs of ``train``:
+#
+# 1. 12 steps straight, as plain FSDP (one shard group of 4). On the way, it saves a
+#    checkpoint after step 6.
+# 2. A resume of that checkpoint as HSDP, up to step 12. ``dp_outer=2`` makes two replicas
+#    of a 2-rank shard group.
 import tempfile
 
 from mfsdp.launch import launch
@@ -72,7 +79,7 @@ assert worst < 1e-5
 # %%
 # Plot
 # ----
-# The resumed run starts where the checkpoint left the straight one and follows it; the
+# The resumed run starts where the checkpoint left the straight one, and follows it. The
 # learning rate it restored from the checkpoint continues the schedule.
 import matplotlib.pyplot as plt
 
