@@ -32,7 +32,7 @@ from mfsdp.checkpoint.io import load_converted, load_fsdp_dtensor
 from mfsdp.checkpoint.manifest import (CheckpointError, is_full_format, read_manifest,
                                        resolve_checkpoint)
 from mfsdp.checkpoint.megatron_lm import (fsdp_to_megatron_lm, load_megatron_lm,
-                                          megatron_lm_to_fsdp)
+                                          megatron_lm_to_fsdp, not_carried_line)
 from mfsdp.checkpoint.megatron_lm_dtensor import fsdp_to_megatron_lm_dtensor
 from mfsdp.checkpoint.safetensors_format import fsdp_to_safetensors, safetensors_to_fsdp
 from mfsdp.checkpoint.state import read_param_to_param_group_map
@@ -182,13 +182,16 @@ def convert(src_format: str, dst_format: str, src, out, options) -> str:
         if fn is None:
             raise SystemExit(f"mfsdp convert: {fmt.name} cannot be "
                              f"{'read' if fmt is source else 'written'} by mfsdp convert")
-    said = None
+    said, left = None, ""
     for fn, fmt, leg_src, leg_out in legs:
         said = fn(leg_src, leg_out, options)
+        if said and "\nnot carried: " in said:  # what the first leg left behind is said last
+            left = said[said.index("\nnot carried: "):]
         _barrier()  # the next leg reads what every rank wrote
     if len(legs) == 2:
         _remove_on_rank0(legs[0][3])
-    return said or f"wrote {dest.name} checkpoint {out}"
+    said = said or f"wrote {dest.name} checkpoint {out}"
+    return said if left and left in said else said + left
 
 
 def _barrier() -> None:
@@ -257,7 +260,8 @@ def _megatron_lm_to_common(src: Path, out: Path, o) -> str:
     written = megatron_lm_to_fsdp(src, out, getattr(o, "model_cfg", None),
                                   weights_only=getattr(o, "weights_only", False),
                                   progress=_progress(o))
-    return f"wrote fsdp_dtensor checkpoint {written} from the Megatron-LM checkpoint {src}"
+    return (f"wrote fsdp_dtensor checkpoint {written} from the Megatron-LM checkpoint {src}"
+            + not_carried_line(written))
 
 
 def _common_to_megatron_lm(src: Path, out: Path, o) -> str:

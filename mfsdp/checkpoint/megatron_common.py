@@ -22,6 +22,7 @@ from mfsdp.checkpoint.manifest import CheckpointError
 
 __all__ = ["COMMON", "SAFE_TYPES", "HYPER", "MAIN_FIELDS", "FUSED_NORMS", "WRITTEN_FUSED",
            "source_key", "target_key", "read_common_state", "optimizer_common", "mfsdp_groups",
+           "saved_steps", "not_carried", "carried_args",
            "mfsdp_name", "is_decayed", "megatron_args", "write_iteration",
            "config_from_megatron_args", "fsdp_model_config"]
 
@@ -125,6 +126,78 @@ def optimizer_common(common: dict) -> tuple[list[dict], str | None]:
                                   "weights alone with --weights-only")
         groups += found
     return groups, layout
+
+
+def saved_steps(common: dict, where: Path) -> dict[int, float]:
+    """The optimizer step of each of mfsdp's two groups (0: weight decay, 1: none, by
+    ``wd_mult``) as the checkpoint keeps it: ``step`` in the param groups (megatron-core's
+    distributed optimizer), else ``optimizer.state.common_step`` (its plain optimizer over
+    torch's Adam, which steps every parameter alike and saves the step once), else a ``step``
+    per parameter in the state. ``{}`` where there is none (SGD). A ``CheckpointError`` names
+    two groups of one kind with different steps."""
+    opt = common.get("optimizer") or {}
+    parts = [opt[k] for k in sorted(opt)] if opt and all(isinstance(k, int) for k in opt) else [opt]
+    steps: dict[int, float] = {}
+    for part in parts:
+        inner = part.get("optimizer", part) if isinstance(part, dict) else {}
+        state = inner.get("state") or {}
+        shared = state.get("common_step")
+        if shared is None:  # a step kept per parameter: one value when megatron-core saved it
+            found = {float(v["step"]) for v in state.values()
+                     if isinstance(v, dict) and v.get("step") is not None}
+            shared = found.pop() if len(found) == 1 else None
+        for g in inner.get("param_groups") or []:
+            value = g.get("step", shared)
+            if value is None:
+                continue
+            mine, value = int(g.get("wd_mult", 1.0) == 0.0), float(value)
+            if steps.setdefault(mine, value) != value:
+                raise CheckpointError(f"{where}: two optimizer groups of one kind have taken "
+                                      f"{steps[mine]:g} and {value:g} steps; mfsdp keeps one "
+                                      "step per group (weight decay and none)")
+    return steps
+
+
+# the common state's entries a conversion reads (into weights, optimizer state, ``extra``) or
+# that describe the source's own layout; everything else is named by not_carried
+_READ = ("args", "checkpoint_version", "iteration", "optimizer", "opt_param_scheduler",
+         "content_metadata", "num_floating_point_operations_so_far")
+_WHY_NOT = {
+    "rng_state": "Megatron-LM's per-rank Python, NumPy, torch and CUDA generator states; "
+                 "mfsdp train seeds its own from --seed",
+    "rerun_state_machine": "Megatron-LM's rerun state machine (fault detection); mfsdp has "
+                           "none",
+    "_extra_state": "Transformer Engine's per-layer FP8 metadata; mfsdp keeps none",
+}
+
+
+def not_carried(common: dict, entries, weights_only: bool = False) -> list[str]:
+    """What a conversion of a Megatron-LM checkpoint leaves behind, one ``KEY (why)`` each:
+    entries of the common state mfsdp has no counterpart for, the checkpoint's other objects
+    (``entries``: its DCP keys, ``rng_state/shard_...``) by their first name, Transformer
+    Engine's ``*._extra_state`` in one line, and with ``weights_only`` the optimizer."""
+    out = [f"{k} ({_WHY_NOT.get(k, 'no counterpart in mfsdp')})"
+           for k in sorted(common, key=str) if k not in _READ]
+    extra = sorted(k for k in entries if "._extra_state" in k)
+    if extra:
+        out.append(f"*._extra_state ({len(extra)} entries: {_WHY_NOT['_extra_state']})")
+    tops = sorted({k.split("/")[0].split(".")[0] for k in entries
+                   if "/" in k and "._extra_state" not in k and k != COMMON})
+    out += [f"{t} ({_WHY_NOT.get(t, 'no counterpart in mfsdp')})" for t in tops
+            if t not in common and t not in _READ]
+    if weights_only:
+        out += ["optimizer (--weights-only)"] if "optimizer" in common else []
+    return out
+
+
+def carried_args(args) -> dict:
+    """Megatron-LM's ``args`` as a plain dict for mfsdp's ``extra`` (values that are numbers,
+    strings, flags and lists of them; ``consumed_train_samples`` among them), so that an export
+    back to Megatron-LM and a reader of the converted checkpoint see them."""
+    plain = (bool, int, float, str, type(None))
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
+            if isinstance(v, plain) or (isinstance(v, (list, tuple))
+                                        and all(isinstance(x, plain) for x in v))}
 
 
 def mfsdp_groups(groups: list[dict], where: Path) -> list[dict]:

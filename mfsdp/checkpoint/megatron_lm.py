@@ -49,12 +49,13 @@ from mfsdp.checkpoint.detect import TRACKER, is_megatron_lm, megatron_lm_backend
 from mfsdp.checkpoint.manifest import CheckpointError
 from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, config_from_megatron_args,
                                               fsdp_model_config, is_decayed, megatron_args,
-                                              mfsdp_groups, mfsdp_name, optimizer_common,
-                                              read_common_state, source_key, target_key,
-                                              write_iteration)
+                                              carried_args, mfsdp_groups, mfsdp_name,
+                                              not_carried, optimizer_common,
+                                              read_common_state, saved_steps, source_key,
+                                              target_key, write_iteration)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "load_megatron_lm",
-           "megatron_lm_to_fsdp", "mfsdp_name", "read_common_state", "resolve_megatron_lm",
+           "megatron_lm_to_fsdp", "not_carried_line", "mfsdp_name", "read_common_state", "resolve_megatron_lm",
            "write_iteration"]
 
 FORMAT = "megatron_lm_torch_dist"
@@ -127,6 +128,14 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
                                 "source": FORMAT}
     if common.get("opt_param_scheduler"):
         extra["opt_param_scheduler"] = dict(common["opt_param_scheduler"])
+    if common.get("args") is not None:
+        extra["megatron_lm_args"] = carried_args(common["args"])
+        extra["consumed_train_samples"] = getattr(common["args"], "consumed_train_samples", None)
+    if "num_floating_point_operations_so_far" in common:
+        extra["num_floating_point_operations_so_far"] = common[
+            "num_floating_point_operations_so_far"]
+    # named at the end of the conversion (mfsdp convert, mfsdp train --load)
+    extra["not_carried"] = not_carried(common, source.blob_keys, weights_only)
     step = None
     if not weights_only and (state_keys or bucket_keys or common.get("optimizer")):
         step = _megatron_lm_optimizer(directory, common, bool(bucket_keys), fields, plan, model,
@@ -134,6 +143,16 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     blobs["extra"] = extra
     return _write_from_megatron_lm(dst, source, specs, origin, step, blobs, files, backend,
                                    directory, progress)
+
+
+def not_carried_line(converted: str | Path) -> str:
+    """``"\nnot carried: KEY (why), ..."`` for what the conversion that wrote ``converted`` (an
+    ``fsdp_dtensor`` checkpoint) left out of the Megatron-LM checkpoint it read; ``""`` where it
+    left nothing or is not such a conversion."""
+    source = DCPSource(converted, verify=False)
+    extra = source.blob("extra") if "extra" in source.blob_keys else {}
+    left = extra.get("not_carried") or []
+    return f"\nnot carried: {', '.join(left)}" if left else ""
 
 
 def _megatron_lm_model_config(directory: Path, backend: str, model_config: dict | None) -> dict:
@@ -185,10 +204,10 @@ def _megatron_lm_plan(directory: Path, source: DCPSource,
 
 def _megatron_lm_optimizer(directory: Path, common: dict, has_buckets: bool,
                            fields: dict[str, set[str]], plan: dict, model, ref: dict,
-                           specs: dict, origin: dict, blobs: dict, files: dict) -> float | None:
+                           specs: dict, origin: dict, blobs: dict, files: dict) -> dict[int, float]:
     """Add the optimizer state of the ``torch_dist`` checkpoint at ``directory`` to ``specs``,
     ``origin`` (by parameter name), ``blobs`` (the param groups) and ``files`` (the parameter ->
-    group map); return its ``step`` (``None`` where the groups keep none). A
+    group map); return the step of each mfsdp group (``{}`` where none is kept). A
     ``CheckpointError`` refuses the distributed optimizer's bucket layouts and partial state."""
     params = {n for n, _ in model.named_parameters()}  # the rest are buffers (expert bias)
     opt_common = common.get("optimizer") or {}
@@ -204,7 +223,8 @@ def _megatron_lm_optimizer(directory: Path, common: dict, has_buckets: bool,
             "weights alone with --weights-only")
     groups, _ = optimizer_common(common)
     mine = mfsdp_groups(groups, directory)
-    step = next((float(g["step"]) for g in groups if "step" in g), None)
+    steps = saved_steps(common, directory)
+    group_of = {n: 0 if is_decayed(n, p) else 1 for n, p in model.named_parameters()}
     for field, have in sorted(fields.items()):
         if field in MAIN_FIELDS:
             continue
@@ -217,19 +237,23 @@ def _megatron_lm_optimizer(directory: Path, common: dict, has_buckets: bool,
             out = f"optimizer.state.{name}.{field}"
             specs[out] = (tuple(ref[name].shape), torch.float32)
             origin[out] = (f"optimizer.state.{field}.{key}", index)
-    if step is not None and "exp_avg" in fields:  # torch.optim.Adam keeps it per parameter
+    if "exp_avg" in fields:  # torch.optim.Adam keeps the step per parameter
+        lacking = sorted({group_of[n] for n in params} - set(steps))
+        if lacking:
+            raise CheckpointError(f"{directory} has Adam's moments but no step counter for "
+                                  f"parameter group {lacking[0]} (none in its param_groups, no "
+                                  "optimizer.state.common_step); convert the weights alone with "
+                                  "--weights-only")
         for name in params:
             specs[f"optimizer.state.{name}.step"] = ((), torch.float32)
-            origin[f"optimizer.state.{name}.step"] = ("", ())
+            origin[f"optimizer.state.{name}.step"] = ("", (group_of[name],))
     blobs["optimizer.param_groups"] = mine
-    group_of = {n: 0 for n, p in model.named_parameters() if is_decayed(n, p)}
-    group_of.update({n: 1 for n, p in model.named_parameters() if not is_decayed(n, p)})
     files[MAP_FILE] = json.dumps(group_of, indent=1)
-    return step
+    return steps
 
 
 def _write_from_megatron_lm(dst: Path, source: DCPSource, specs: dict, origin: dict,
-                            step: float | None, blobs: dict, files: dict, backend: str,
+                            step: dict[int, float] | None, blobs: dict, files: dict, backend: str,
                             directory: Path, progress: bool) -> Path:
     """Write ``dst`` (``fsdp_dtensor``), streaming each tensor of ``specs`` from where ``origin``
     says in ``source`` (an empty source key: the optimizer's ``step``), in the checkpoint's
@@ -240,8 +264,8 @@ def _write_from_megatron_lm(dst: Path, source: DCPSource, specs: dict, origin: d
 
     def produce(key: str) -> torch.Tensor:
         source_key, index = origin[key]
-        if not source_key:
-            return torch.tensor(step, dtype=torch.float32)
+        if not source_key:  # the step of the parameter's group
+            return torch.tensor(step[index[0]], dtype=torch.float32)
         # one layer (one expert) of a stacked tensor: read from its own chunks
         t = source.get(source_key, index).float()
         report(tensor_nbytes(*specs[key]))

@@ -310,6 +310,8 @@ def load_for_training(checkpoint, training, model, opt, routers, cfg) -> int:
         path = tmp
     # --no-ckpt-verify skips the check; a conversion this job just wrote is not checked again
     extra = load_checkpoint(path, model, opt, verify=checkpoint.ckpt_verify and tmp is None)
+    if extra.get("not_carried") and dist.get_rank() == 0:  # what a conversion left behind
+        print(f"--load {root}: not carried: {', '.join(extra['not_carried'])}", flush=True)
     if int(extra["iteration"]) == 0 and dist.get_rank() == 0:
         print(f"--load {root}: loaded the weights of {path} (iteration 0, e.g. imported from "
               "Hugging Face); training starts from them", flush=True)
