@@ -281,9 +281,15 @@ def _common_to_megatron_lm(src: Path, out: Path, o) -> str:
         progress=_progress(o), transformer_impl=impl,
         expert_model_parallel_size=getattr(o, "expert_model_parallel_size", None) or 1,
         tensor_model_parallel_size=getattr(o, "tensor_model_parallel_size", None) or 1)
+    from mfsdp.checkpoint.megatron_common import read_common_state
+    from mfsdp.checkpoint.detect import resolve_megatron_lm
+
+    args = read_common_state(resolve_megatron_lm(written)[0]).get("args")
+    flag = ("" if weights_only or args is None or args.optimizer != "adam" else
+            "; Adam state: --use-distributed-optimizer" if args.use_distributed_optimizer
+            else "; Adam state: without --use-distributed-optimizer")
     return (f"wrote Megatron-LM torch_dist checkpoint {written} (load it with --ckpt-format "
-            "torch_dist" + ("" if weights_only else "; Adam state: --use-distributed-optimizer")
-            + ")")
+            f"torch_dist{flag})")
 
 
 def _megatron_fsdp_to_common(src: Path, out: Path, o) -> str:

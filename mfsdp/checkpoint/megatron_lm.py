@@ -301,7 +301,8 @@ def _check_tensor_parallel_split(cfg, tp: int) -> None:
                               f"model: {'; '.join(problems)}")
 
 
-def _export_plan(src: Path, source, model, cfg, transformer_impl: str, weights_only: bool):
+def _export_plan(src: Path, source, model, cfg, transformer_impl: str, weights_only: bool,
+                 ddp: bool = False):
     """What each output tensor of a ``torch_dist`` export is made of: the stacked (per layer or
     expert) and whole weights by megatron-core key, the optimizer's groups and state fields (none
     with ``weights_only``), ``origin`` (key -> (field or None for the weights, mfsdp names)) and
@@ -328,7 +329,7 @@ def _export_plan(src: Path, source, model, cfg, transformer_impl: str, weights_o
         fields = sorted(k.rpartition(".")[2] for k in source.tensors
                         if k.startswith(f"optimizer.state.{first}.")
                         and source.tensors[k][0] == tuple(ref[first].shape))
-    distributed = "exp_avg" in fields
+    distributed = "exp_avg" in fields and not ddp
     if groups is not None and not fields:
         raise CheckpointError(f"{src}: optimizer state of {sorted(source.tensors)[0]!r}... is "
                               "neither Adam's nor SGD's; write the weights alone with "
@@ -359,11 +360,12 @@ def _linear_extra_states(state: dict, weights: dict) -> None:
 
 
 def _export_common(source, extra: dict, groups, fields: list[str], model, cfg, iteration: int,
-                   expert_model_parallel_size: int, tensor_model_parallel_size: int) -> dict:
+                   expert_model_parallel_size: int, tensor_model_parallel_size: int,
+                   ddp: bool = False) -> dict:
     """The common state of a ``torch_dist`` export: version, iteration, the optimizer's groups
     (as megatron-core's distributed or plain optimizer holds them, chained per expert parallelism
     above 1), the schedule, ``args`` and the content metadata."""
-    distributed = "exp_avg" in fields
+    distributed = "exp_avg" in fields and not ddp
     first = next(iter(model.state_dict()))
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     common: dict[str, object] = {"checkpoint_version": 3.0, "iteration": iteration,
@@ -380,7 +382,7 @@ def _export_common(source, extra: dict, groups, fields: list[str], model, cfg, i
                        is_decoupled_lr=False, default_config=True,
                        max_lr=(scheduler or {}).get("max_lr", group["lr"]),
                        min_lr=(scheduler or {}).get("min_lr", group["lr"]))
-            if step is not None:
+            if step is not None and distributed:  # megatron-core's distributed optimizer
                 out["step"] = step
             megatron_groups.append(out)
         if distributed:
@@ -391,6 +393,8 @@ def _export_common(source, extra: dict, groups, fields: list[str], model, cfg, i
             if distributed:
                 return {"optimizer": {"param_groups": found},
                         "param_state_sharding_type": "fully_reshardable"}
+            if step is not None:  # torch's Adam under megatron-core's plain optimizer
+                return {"state": {"common_step": torch.tensor(step)}, "param_groups": found}
             return {"param_groups": found}
 
         if expert_model_parallel_size > 1 and cfg.num_experts:
@@ -406,7 +410,8 @@ def _export_common(source, extra: dict, groups, fields: list[str], model, cfg, i
             common["optimizer"] = part(megatron_groups)
         if scheduler:
             common["opt_param_scheduler"] = dict(scheduler)
-    common["args"] = megatron_args(cfg, None if groups is None else ("adam" if distributed else "sgd"),
+    kind = "adam" if "exp_avg" in fields else "sgd"
+    common["args"] = megatron_args(cfg, None if groups is None else kind,
                                    distributed, iteration, tensor_model_parallel_size)
     common["args"].expert_model_parallel_size = expert_model_parallel_size
     common["content_metadata"] = metadata
@@ -417,7 +422,8 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
                         weights_only: bool = False, progress: bool = True,
                         transformer_impl: str = "transformer_engine",
                         expert_model_parallel_size: int = 1, verify: bool = True,
-                        tensor_model_parallel_size: int = 1) -> Path:
+                        tensor_model_parallel_size: int = 1,
+                        distributed_optimizer: bool | None = None) -> Path:
     """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``torch_dist`` checkpoint (``dst`` is the root:
     ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed: stacked tensors are
     written one chunk per layer (or expert), as megatron-core writes them, so one weight is in
@@ -446,6 +452,10 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     sharded state dict places each rank's piece), so only the model must split: heads, query
     groups, the FFN and the vocabulary divisible by it, else a ``CheckpointError`` names which.
     ``verify``: check ``src``'s files against their SHA-256 sums first.
+    ``distributed_optimizer``: the loading job's ``--use-distributed-optimizer``; ``None``: as the
+    Megatron-LM job the checkpoint came from ran (its carried ``args``), else on. Off, Adam's
+    state is written as megatron-core's plain optimizer keeps it (no main weights, the step
+    once as ``optimizer.state.common_step``).
     """
     from mfsdp.models.gpt import GPT
 
@@ -457,8 +467,12 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     source = DCPSource(src, verify=verify)
     extra = source.blob("extra") if "extra" in source.blob_keys else {}
     iteration = int(extra.get("iteration", 0))
+    if distributed_optimizer is None:
+        distributed_optimizer = (extra.get("megatron_lm_args") or {}).get(
+            "use_distributed_optimizer", True)
+    ddp = not distributed_optimizer
     stacks, whole, groups, fields, origin, shapes = _export_plan(
-        src, source, model, cfg, transformer_impl, weights_only)
+        src, source, model, cfg, transformer_impl, weights_only, ddp)
     share = owned_keys({k: tensor_nbytes(s, torch.float32) for k, s in shapes.items()})
     report = Progress(f"writing {dst.name}",
                        sum(tensor_nbytes(shapes[k], torch.float32) for k in share), progress)
@@ -478,7 +492,7 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     if rank == 0:
         _linear_extra_states(state, {**stacks, **whole})
     common = _export_common(source, extra, groups, fields, model, cfg, iteration,
-                            expert_model_parallel_size, tensor_model_parallel_size)
+                            expert_model_parallel_size, tensor_model_parallel_size, ddp)
     # as megatron-core stores a ShardedObject: torch.save of [object], not flattened into keys
     state[COMMON] = [common]
     if rank != 0:

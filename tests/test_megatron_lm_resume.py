@@ -1,0 +1,135 @@
+"""A Megatron-LM job's whole state, moved to mfsdp: what a conversion does not carry is named,
+and ``mfsdp train --load`` continues the step count of megatron-core's DDP + Adam layout.
+
+The fixture ``tests/fixtures/megatron_lm/optim/adam-ddp`` is what megatron-core 0.19.2 writes for
+Megatron-LM without ``--use-distributed-optimizer``: torch's Adam under megatron-core's plain
+optimizer, its moments in model space and its step saved once, as
+``optimizer.state.common_step`` in the common state (``make_tp_fixture.py mcore --ddp-adam``).
+The first resumed step's parity with megatron-core is checked in
+``test_megatron_lm_checkpoints.py`` (``adam-ddp`` cases).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+FIXTURE = Path(__file__).parent / "fixtures" / "megatron_lm"
+DDP_ADAM = FIXTURE / "optim" / "adam-ddp"
+
+
+def _with_more_state(dst: Path, **common_more) -> Path:
+    """A copy of the DDP + Adam fixture rewritten with ``common_more`` added to its common state
+    and an ``rng_state`` object beside it (as Megatron-LM saves one without ``--no-save-rng``)."""
+    from mfsdp.checkpoint.dcp import DCPSource
+    from mfsdp.checkpoint.megatron_common import (COMMON, SAFE_TYPES, read_common_state,
+                                                  write_iteration)
+
+    directory = DDP_ADAM / "iter_0000002"
+    source = DCPSource(directory)
+    state: dict[str, object] = {k: torch.empty(shape, dtype=dtype, device="meta")
+                                for k, (shape, dtype) in source.tensors.items()}
+    state.update({k: source.object(k, SAFE_TYPES) for k in source.blob_keys if k != COMMON})
+    state[COMMON] = [read_common_state(directory) | common_more]
+    state["rng_state/shard_0_1"] = [{"random_rng_state": (3, (1, 2), None)}]
+    write_iteration(dst, 2, state, lambda key, i=None: source.get(key),
+                    metadata_json={"sharded_backend": "torch_dist",
+                                   "sharded_backend_version": 1})
+    return dst
+
+
+def test_what_a_conversion_does_not_carry_is_named(tmp_path, capsys):
+    """``mfsdp convert`` ends with one ``not carried: KEY (why)`` line: an entry of the common
+    state it cannot map (here ``my_job_state``), Megatron-LM's ``rng_state`` and Transformer
+    Engine's extra state, each with its reason; what it reads (step, moments, groups, schedule,
+    iteration, ``args`` with the consumed samples) is not in it, and lands in the checkpoint."""
+    from mfsdp.checkpoint.convert import main
+    from mfsdp.checkpoint.dcp import read_full
+
+    src = _with_more_state(tmp_path / "megatron", my_job_state={"seen": 3})
+    assert main(["--from", "megatron_lm", "--to", "fsdp_dtensor", "--no-progress", str(src),
+                 str(tmp_path / "m")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].startswith("not carried: "), lines
+    left = lines[-1][len("not carried: "):]
+    assert "my_job_state (no counterpart in mfsdp)" in left
+    assert "rng_state (Megatron-LM's per-rank Python, NumPy, torch and CUDA" in left
+    assert "*._extra_state (8 entries: Transformer Engine" in left
+    for carried in ("optimizer", "opt_param_scheduler", "args", "iteration", "common_step"):
+        assert carried not in left.replace("optimizer (", ""), carried
+    tensors, blobs, _ = read_full(tmp_path / "m")
+    extra = blobs["extra"]
+    assert extra["iteration"] == 2 and extra["consumed_train_samples"] == 4
+    assert extra["megatron_lm_args"]["num_attention_heads"] == 4
+    assert extra["opt_param_scheduler"]["num_steps"] == 2
+    steps = {v.item() for k, v in tensors.items() if k.endswith(".step")}
+    assert steps == {2.0}
+
+
+def test_adam_moments_without_a_step_are_refused(tmp_path):
+    """A checkpoint whose Adam moments come without any step counter is refused in one line
+    (torch's Adam would fail at the first step); the weights alone still convert."""
+    from mfsdp.checkpoint.manifest import CheckpointError
+    from mfsdp.checkpoint.megatron_common import read_common_state
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+
+    optimizer = read_common_state(DDP_ADAM / "iter_0000002")["optimizer"]
+    src = _with_more_state(tmp_path / "megatron",
+                           optimizer={"state": {}, "param_groups": optimizer["param_groups"]})
+    with pytest.raises(CheckpointError, match="has Adam's moments but no step counter"):
+        megatron_lm_to_fsdp(src, tmp_path / "m", progress=False)
+    assert not (tmp_path / "m").exists()
+    megatron_lm_to_fsdp(src, tmp_path / "w", weights_only=True, progress=False)
+
+
+TRAIN = ["-m", "mfsdp.train", "--use-megatron-fsdp", "--train-iters", "3", "--mock-data",
+         "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+         "--log-interval", "1", "--use-checkpoint-opt_param-scheduler", "--normalization",
+         "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
+         "--group-query-attention", "--num-query-groups", "2", "--num-layers", "2",
+         "--hidden-size", "64", "--ffn-hidden-size", "176", "--num-attention-heads", "4",
+         "--vocab-size", "256", "--norm-epsilon", "1e-5", "--rotary-base", "10000",
+         "--save-interval", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source,ranks", [
+    ("converted", 1), pytest.param("megatron_lm", 2, marks=pytest.mark.extended)])
+def test_trainer_continues_the_step_count_of_ddp_adam(source, ranks, tmp_path):
+    """``mfsdp convert`` then ``mfsdp train --load`` of the result (1 rank), or ``--load`` of
+    the Megatron-LM directory itself (2 ranks): iteration 3 runs (no ``KeyError: 'step'``), the
+    not-carried line is printed, and the checkpoint it saves holds Adam's step 3 for every
+    parameter, at iteration 3."""
+    from mfsdp.checkpoint.dcp import read_full
+    from mfsdp.checkpoint.manifest import resolve_checkpoint
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    load = tmp_path / "megatron"
+    shutil.copytree(DDP_ADAM, load)
+    if source == "converted":
+        out = subprocess.run([sys.executable, "-m", "mfsdp.cli", "convert", "--from", "torch_dist",
+                              "--to", "fsdp_dtensor", "--no-progress", str(load),
+                              str(tmp_path / "converted")],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "not carried: *._extra_state" in out.stdout, out.stdout
+        load = tmp_path / "converted"
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(ranks), *TRAIN, "--load", str(load), "--save", str(tmp_path / "saved")]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from iteration 2" in out.stdout, out.stdout
+    assert "iteration     3/3" in out.stdout, out.stdout
+    if source == "megatron_lm":
+        assert "not carried: *._extra_state" in out.stdout, out.stdout
+    tensors, blobs, _ = read_full(resolve_checkpoint(tmp_path / "saved"))
+    steps = {k: v.item() for k, v in tensors.items() if k.endswith(".step")}
+    assert len(steps) == len([k for k in tensors if k.startswith("model.")])
+    assert set(steps.values()) == {3.0}
+    assert blobs["extra"]["iteration"] == 3
