@@ -133,3 +133,89 @@ def test_trainer_continues_the_step_count_of_ddp_adam(source, ranks, tmp_path):
     assert len(steps) == len([k for k in tensors if k.startswith("model.")])
     assert set(steps.values()) == {3.0}
     assert blobs["extra"]["iteration"] == 3
+
+
+# --- the model of a checkpoint: Megatron-LM's saved arguments, or mfsdp train's model flags
+
+MODEL = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+         "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2",
+         "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "176",
+         "--vocab-size", "256", "--norm-epsilon", "1e-5", "--rotary-base", "10000",
+         "--untie-embeddings-and-output-weights"]
+
+
+def _convert(capsys, *argv) -> tuple[int, str]:
+    """``mfsdp convert ARGV`` in this process: its exit status and its last line (stdout on
+    success, the error on stderr)."""
+    from mfsdp.cli import main
+
+    code = main(["convert", "--no-progress", *map(str, argv)])
+    out = capsys.readouterr()
+    text = out.out if code == 0 else out.err
+    return code, text.strip().splitlines()[-1] if text.strip() else ""
+
+
+def test_model_flags_name_a_checkpoint_that_saved_no_arguments(tmp_path, capsys):
+    """``ckpt/`` (megatron-core's model saved without ``args``) converts with mfsdp train's model
+    flags, its weights as megatron-core saved them; without ``--num-attention-heads`` (which
+    the shapes cannot tell) it is refused naming the flag; with 8 heads in place of 4 the
+    refusal names the tensor whose shape disagrees and the flags given."""
+    from mfsdp.checkpoint.dcp import read_full
+
+    src = FIXTURE / "ckpt"
+    code, line = _convert(capsys, "--from", "megatron_lm", "--to", "fsdp_dtensor", src,
+                          tmp_path / "no-heads", *MODEL)
+    assert code == 2 and "lack num_attention_heads (--num-attention-heads)" in line, line
+    code, line = _convert(capsys, "--from", "megatron_lm", "--to", "fsdp_dtensor", src,
+                          tmp_path / "eight", *MODEL, "--num-attention-heads", "8")
+    assert code == 2 and "linear_qkv.weight the shape (128, 64)" in line, line
+    assert "(96, 64)" in line and "--num-attention-heads 8" in line, line
+    code, line = _convert(capsys, "--from", "megatron_lm", "--to", "fsdp_dtensor", src,
+                          tmp_path / "four", *MODEL, "--num-attention-heads", "4")
+    assert code == 0, line
+    tensors, _, _ = read_full(tmp_path / "four")
+    want = torch.load(FIXTURE / "expected.pt")["state_dict"]
+    assert torch.equal(tensors["model.layers.1.self_attention.linear_qkv.weight"],
+                       want["decoder.layers.1.self_attention.linear_qkv.weight"])
+    assert not any(p.name.startswith(("eight", "no-heads")) for p in tmp_path.iterdir())
+
+
+def test_a_flag_that_contradicts_the_saved_arguments_is_refused(tmp_path, capsys):
+    """A model flag against Megatron-LM's saved ``args`` is refused in one line naming both; one
+    that agrees is accepted."""
+    code, line = _convert(capsys, "--from", "megatron_lm", "--to", "fsdp_dtensor", DDP_ADAM,
+                          tmp_path / "m", "--num-attention-heads", "8")
+    assert code == 2, line
+    assert "--num-attention-heads 8 contradicts" in line and "num_attention_heads=4" in line
+    code, line = _convert(capsys, "--from", "megatron_lm", "--to", "fsdp_dtensor", DDP_ADAM,
+                          tmp_path / "m", "--num-attention-heads", "4")
+    assert code == 0, line
+
+
+def test_missing_arguments_are_named_all_at_once():
+    """Saved arguments that lack several fields are refused with every one of them, each with the
+    flag that supplies it."""
+    import argparse
+
+    from mfsdp.checkpoint.manifest import CheckpointError
+    from mfsdp.checkpoint.megatron_common import config_from_megatron_args
+
+    with pytest.raises(CheckpointError) as info:
+        config_from_megatron_args(argparse.Namespace(num_layers=2))
+    assert ("lack hidden_size (--hidden-size), num_attention_heads (--num-attention-heads), "
+            "padded_vocab_size (--vocab-size)") in str(info.value)
+
+
+def test_model_flags_and_configs_are_refused_where_they_cannot_act(tmp_path, capsys):
+    """Model flags name a Megatron-LM checkpoint's model, and are refused for other inputs; a
+    ``--model-config`` that names no head count is refused (GPTConfig's default would be taken
+    silently)."""
+    import json
+
+    code, line = _convert(capsys, "--from", "fsdp_dtensor", "--to", "hf", tmp_path / "a",
+                          tmp_path / "b", "--num-layers", "2")
+    assert code == 2 and "the model flags (--num-layers)" in line, line
+    (tmp_path / "cfg.json").write_text(json.dumps({"num_layers": 2, "hidden_size": 64}))
+    code, line = _convert(capsys, "--from", "megatron_lm", "--to", "fsdp_dtensor", DDP_ADAM,
+                          tmp_path / "m", "--model-config", tmp_path / "cfg.json")
+    assert code == 2 and "names no num_attention_heads" in line, line

@@ -259,7 +259,8 @@ def _dtype(options):
 def _megatron_lm_to_common(src: Path, out: Path, o) -> str:
     written = megatron_lm_to_fsdp(src, out, getattr(o, "model_cfg", None),
                                   weights_only=getattr(o, "weights_only", False),
-                                  progress=_progress(o))
+                                  progress=_progress(o),
+                                  model_flags=getattr(o, "model_flags", None))
     return (f"wrote fsdp_dtensor checkpoint {written} from the Megatron-LM checkpoint {src}"
             + not_carried_line(written))
 

@@ -22,7 +22,7 @@ from mfsdp.checkpoint.manifest import CheckpointError
 
 __all__ = ["COMMON", "SAFE_TYPES", "HYPER", "MAIN_FIELDS", "FUSED_NORMS", "WRITTEN_FUSED",
            "source_key", "target_key", "read_common_state", "optimizer_common", "mfsdp_groups",
-           "saved_steps", "not_carried", "carried_args",
+           "saved_steps", "not_carried", "carried_args", "merge_model_flags",
            "mfsdp_name", "is_decayed", "megatron_args", "write_iteration",
            "config_from_megatron_args", "fsdp_model_config"]
 
@@ -382,6 +382,34 @@ _NOT_ARCHITECTURE = ("vocab_size", "share_embeddings_and_output_weights", "recom
                      "moe_flex_dispatcher_backend", "moe_first_dense_layers")
 
 
+_FLAG_OF = {"padded_vocab_size": "--vocab-size", "add_bias_linear": "--disable-bias-linear"}
+# trainer flags whose Megatron-LM argument has another name or sense: flag -> (argument, value)
+_AS_ARGUMENT = {"vocab_size": lambda v: ("padded_vocab_size", v),
+                "disable_bias_linear": lambda v: ("add_bias_linear", not v)}
+
+
+def merge_model_flags(args, flags: dict, where: str = "the checkpoint") -> argparse.Namespace:
+    """Megatron-LM's saved ``args`` (``None``: none saved) with the model flags of ``mfsdp
+    convert`` merged in: ``flags`` maps each given flag's name, as ``mfsdp train`` spells it
+    (``num_attention_heads``, ``vocab_size``, ``disable_bias_linear``, ...), to its value. A flag
+    that contradicts a value the checkpoint's arguments hold is refused in one line naming both.
+
+    >>> import argparse
+    >>> merge_model_flags(argparse.Namespace(num_layers=2), {"vocab_size": 128}).padded_vocab_size
+    128
+    """
+    merged = dict(vars(args)) if args is not None else {}
+    for name, value in flags.items():
+        key, wanted = _AS_ARGUMENT.get(name, lambda v: (name, v))(value)
+        saved = merged.get(key)
+        if saved is not None and saved != wanted:
+            raise CheckpointError(f"--{name.replace('_', '-')} {value} contradicts {where}: its "
+                                  f"Megatron-LM arguments hold {key}={saved!r}; leave the flag "
+                                  "out, or convert the checkpoint it describes")
+        merged[key] = wanted
+    return argparse.Namespace(**merged)
+
+
 def config_from_megatron_args(args, where: str = "the checkpoint") -> dict:
     """The model configuration (a :class:`~mfsdp.models.gpt.GPTConfig` as a dict) that
     Megatron-LM's saved ``args`` describe, as its ``--use-checkpoint-args`` reads them: most
@@ -407,10 +435,12 @@ def config_from_megatron_args(args, where: str = "the checkpoint") -> dict:
     given = {k: v for k, v in vars(args).items() if v is not None}
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size")
                if k not in given]
-    if missing:
-        raise CheckpointError(f"{where}: its Megatron-LM arguments lack {', '.join(missing)}, so "
-                              "the model cannot be read from them; name it with --model-preset "
-                              "or --model-config")
+    if missing:  # every one at once, each with the flag of mfsdp convert that names it
+        named = ", ".join(f"{k} ({_FLAG_OF.get(k, '--' + k.replace('_', '-'))})"
+                          for k in missing)
+        raise CheckpointError(f"{where}: its Megatron-LM arguments lack {named}; pass those "
+                              "flags (the head count is not in the tensors' shapes), or "
+                              "--model-preset or --model-config")
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     cfg = {k: v for k, v in given.items() if k in fields and k not in _NOT_ARCHITECTURE}
     if not given.get("use_rope_scaling", False):

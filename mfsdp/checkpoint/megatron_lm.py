@@ -47,7 +47,8 @@ from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.io import load_converted
 from mfsdp.checkpoint.detect import TRACKER, is_megatron_lm, megatron_lm_backend, resolve_megatron_lm
 from mfsdp.checkpoint.manifest import CheckpointError
-from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, config_from_megatron_args,
+from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, SAFE_TYPES,
+                                              config_from_megatron_args, merge_model_flags,
                                               fsdp_model_config, is_decayed, megatron_args,
                                               carried_args, mfsdp_groups, mfsdp_name,
                                               not_carried, optimizer_common,
@@ -62,7 +63,8 @@ FORMAT = "megatron_lm_torch_dist"
 
 
 def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | None = None,
-                        weights_only: bool = False, progress: bool = True) -> Path:
+                        weights_only: bool = False, progress: bool = True,
+                        model_flags: dict | None = None) -> Path:
     """A Megatron-LM ``torch_dist`` checkpoint -> mfsdp ``fsdp_dtensor``, streamed: one weight
     (one layer's slice of a stacked tensor, read from its own chunks) is in memory at a time;
     ``progress`` reports on stderr.
@@ -78,7 +80,10 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     (weight decay and none, told apart by Megatron-LM's ``wd_mult``), the learning-rate schedule
     (``extra["opt_param_scheduler"]``) and the iteration. The model weights are the optimizer's
     fp32 main weights where it has them (``optimizer.state.param``). ``weights_only`` leaves the
-    optimizer out (and reads a ``dp_reshardable`` checkpoint's weights).
+    optimizer out (and reads a ``dp_reshardable`` checkpoint's weights). ``model_flags``: the
+    model flags of ``mfsdp convert`` by the trainer's names (``{"num_attention_heads": 4}``),
+    merged into the checkpoint's arguments (a contradiction is refused) or applied on top of
+    ``model_config``.
     """
     from mfsdp.models.gpt import GPT, GPTConfig
 
@@ -88,7 +93,7 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
                               "metadata.json beside a .metadata)")
     directory, iteration = found
     backend = megatron_lm_backend(directory)
-    model_config = _megatron_lm_model_config(directory, backend, model_config)
+    model_config = _megatron_lm_model_config(directory, backend, model_config, model_flags)
     if backend == "fsdp_dtensor":
         from mfsdp.checkpoint.megatron_lm_dtensor import megatron_lm_dtensor_to_fsdp
 
@@ -103,7 +108,14 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     ref = model.state_dict()
     source = DCPSource(directory)
     keys = set(source.tensors)
-    plan = _megatron_lm_plan(directory, source, ref)
+    try:
+        plan = _megatron_lm_plan(directory, source, ref)
+    except CheckpointError as exc:
+        if not model_flags:
+            raise
+        given = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                         for k, v in model_flags.items())
+        raise CheckpointError(f"{exc} (the model flags given: {given})") from None
     common = read_common_state(directory)
     if iteration is None:
         iteration = int(common.get("iteration") or 0)
@@ -155,21 +167,47 @@ def not_carried_line(converted: str | Path) -> str:
     return f"\nnot carried: {', '.join(left)}" if left else ""
 
 
-def _megatron_lm_model_config(directory: Path, backend: str, model_config: dict | None) -> dict:
-    """``model_config``, or where it is ``None`` the one the Megatron-LM arguments of the
-    ``torch_dist`` checkpoint at ``directory`` describe; a ``CheckpointError`` names
-    ``--model-preset``/``--model-config`` where neither is there."""
-    if model_config is None and backend == "torch_dist":
+def _megatron_lm_model_config(directory: Path, backend: str, model_config: dict | None,
+                              model_flags: dict | None = None) -> dict:
+    """``model_config``, or where it is ``None`` the one the Megatron-LM arguments saved in the
+    checkpoint at ``directory`` describe (``torch_dist``: in its common state; ``fsdp_dtensor``:
+    its ``args`` entry), with ``model_flags`` (the model flags of ``mfsdp convert``, by the
+    trainer's names) merged in or applied on top; a ``CheckpointError`` names the flags of
+    what neither tells."""
+    flags = model_flags or {}
+    if model_config is not None:
+        return _config_with_flags(model_config, flags)
+    if backend == "torch_dist":
         args = read_common_state(directory).get("args")
-        if args is None:
-            raise CheckpointError(f"{directory} carries no Megatron-LM arguments; name its model "
-                                  "with --model-preset or --model-config")
-        model_config = config_from_megatron_args(args, str(directory))
-    if model_config is None:
-        raise CheckpointError(f"{directory} is a Megatron-LM {backend} checkpoint, which keeps no "
-                              "arguments mfsdp can read; name its model with --model-preset or "
-                              "--model-config")
-    return model_config
+    else:
+        source = DCPSource(directory)
+        args = source.object("args", SAFE_TYPES) if "args" in source.blob_keys else None
+    if args is None and not flags:
+        raise CheckpointError(f"{directory} is a Megatron-LM {backend} checkpoint without its "
+                              "arguments; name its model with the model flags of mfsdp train "
+                              "(--num-layers, --hidden-size, --num-attention-heads, ...), "
+                              "--model-preset or --model-config")
+    return config_from_megatron_args(merge_model_flags(args, flags, str(directory)),
+                                     str(directory))
+
+
+def _config_with_flags(model_config: dict, flags: dict) -> dict:
+    """``model_config`` (a GPTConfig dict) with the model flags ``flags`` applied, as ``mfsdp
+    train`` applies its flags to a preset."""
+    from mfsdp.models.gpt import GPTConfig
+
+    cfg = dict(model_config)
+    for name, value in flags.items():
+        if name == "disable_bias_linear":
+            cfg["add_bias_linear"] = not value
+        elif name == "untie_embeddings_and_output_weights":
+            cfg["share_embeddings_and_output_weights"] = not value
+        elif name == "use_rope_scaling":
+            cfg["rope_scaling_factor"] = (flags.get("rope_scaling_factor", 8.0) if value
+                                          else None)
+        elif name != "group_query_attention":  # (--num-query-groups carries the number)
+            cfg[name] = value
+    return GPTConfig.from_dict(cfg).to_dict()
 
 
 def _megatron_lm_plan(directory: Path, source: DCPSource,
