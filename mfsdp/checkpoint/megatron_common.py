@@ -22,7 +22,7 @@ from mfsdp.checkpoint.manifest import CheckpointError
 
 __all__ = ["COMMON", "SAFE_TYPES", "HYPER", "MAIN_FIELDS", "FUSED_NORMS", "WRITTEN_FUSED",
            "source_key", "target_key", "read_common_state", "optimizer_common", "mfsdp_groups",
-           "saved_steps", "not_carried", "carried_args", "merge_model_flags",
+           "saved_steps", "not_carried", "carried_args", "merge_model_flags", "add_carried",
            "mfsdp_name", "is_decayed", "megatron_args", "write_iteration",
            "config_from_megatron_args", "fsdp_model_config"]
 
@@ -198,6 +198,19 @@ def carried_args(args) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
             if isinstance(v, plain) or (isinstance(v, (list, tuple))
                                         and all(isinstance(x, plain) for x in v))}
+
+
+def add_carried(extra: dict, args, flops, left: list[str]) -> None:
+    """Add to a conversion's ``extra`` what it carries of a Megatron-LM checkpoint beyond the
+    tensors, groups and schedule: ``args`` as a plain dict (``megatron_lm_args``) with its
+    ``consumed_train_samples``, the FLOPs counter ``flops`` (``None``: not saved), and ``left``,
+    what it does not carry (:func:`not_carried`), named at the end of the conversion."""
+    if args is not None:
+        extra["megatron_lm_args"] = carried_args(args)
+        extra["consumed_train_samples"] = getattr(args, "consumed_train_samples", None)
+    if flops is not None:
+        extra["num_floating_point_operations_so_far"] = flops
+    extra["not_carried"] = left
 
 
 def mfsdp_groups(groups: list[dict], where: Path) -> list[dict]:

@@ -50,7 +50,7 @@ from mfsdp.checkpoint.manifest import CheckpointError
 from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, SAFE_TYPES,
                                               config_from_megatron_args, merge_model_flags,
                                               fsdp_model_config, is_decayed, megatron_args,
-                                              carried_args, mfsdp_groups, mfsdp_name,
+                                              add_carried, mfsdp_groups, mfsdp_name,
                                               not_carried, optimizer_common,
                                               read_common_state, saved_steps, source_key,
                                               target_key, write_iteration)
@@ -108,46 +108,26 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     ref = model.state_dict()
     source = DCPSource(directory)
     keys = set(source.tensors)
-    try:
-        plan = _megatron_lm_plan(directory, source, ref)
-    except CheckpointError as exc:
-        if not model_flags:
-            raise
-        given = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
-                         for k, v in model_flags.items())
-        raise CheckpointError(f"{exc} (the model flags given: {given})") from None
+    plan = _megatron_lm_plan(directory, source, ref, model_flags)
     common = read_common_state(directory)
     if iteration is None:
         iteration = int(common.get("iteration") or 0)
     state_keys = [k for k in keys if k.startswith("optimizer.state.")]
     bucket_keys = [k for k in keys if k.startswith("optimizer.distributed.")]
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    origin: dict[str, tuple[str, tuple[int, ...]]] = {}
     blobs: dict[str, object] = {}
     files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
     fields: dict[str, set[str]] = {}  # optimizer field -> the model keys it has state for
     for key in state_keys:
         field, _, model_key = key[len("optimizer.state."):].partition(".")
         fields.setdefault(field, set()).add(model_key)
-    main_field = next((f for f in MAIN_FIELDS if f in fields), None)
-    for name, (key, index) in plan.items():
-        src_key = f"optimizer.state.{main_field}.{key}" if main_field else key
-        if main_field and key not in fields[main_field]:
-            src_key = key
-        specs[f"model.{name}"] = (tuple(ref[name].shape), torch.float32)
-        origin[f"model.{name}"] = (src_key, index)
+    specs, origin = _weight_specs(plan, ref, fields)
     extra: dict[str, object] = {"iteration": iteration, "data_position": iteration,
                                 "source": FORMAT}
     if common.get("opt_param_scheduler"):
         extra["opt_param_scheduler"] = dict(common["opt_param_scheduler"])
-    if common.get("args") is not None:
-        extra["megatron_lm_args"] = carried_args(common["args"])
-        extra["consumed_train_samples"] = getattr(common["args"], "consumed_train_samples", None)
-    if "num_floating_point_operations_so_far" in common:
-        extra["num_floating_point_operations_so_far"] = common[
-            "num_floating_point_operations_so_far"]
-    # named at the end of the conversion (mfsdp convert, mfsdp train --load)
-    extra["not_carried"] = not_carried(common, source.blob_keys, weights_only)
+    # what is left is named at the end of the conversion (mfsdp convert, mfsdp train --load)
+    add_carried(extra, common.get("args"), common.get("num_floating_point_operations_so_far"),
+                not_carried(common, source.blob_keys, weights_only))
     step = None
     if not weights_only and (state_keys or bucket_keys or common.get("optimizer")):
         step = _megatron_lm_optimizer(directory, common, bool(bucket_keys), fields, plan, model,
@@ -155,6 +135,21 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     blobs["extra"] = extra
     return _write_from_megatron_lm(dst, source, specs, origin, step, blobs, files, backend,
                                    directory, progress)
+
+
+def _weight_specs(plan: dict, ref: dict, fields: dict[str, set[str]]) -> tuple[dict, dict]:
+    """Each weight's shape (``specs``) and where it is read (``origin``: the optimizer's fp32
+    main weight where it keeps one, else the model's tensor), by mfsdp key."""
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    origin: dict[str, tuple[str, tuple[int, ...]]] = {}
+    main_field = next((f for f in MAIN_FIELDS if f in fields), None)
+    for name, (key, index) in plan.items():
+        src_key = f"optimizer.state.{main_field}.{key}" if main_field else key
+        if main_field and key not in fields[main_field]:
+            src_key = key
+        specs[f"model.{name}"] = (tuple(ref[name].shape), torch.float32)
+        origin[f"model.{name}"] = (src_key, index)
+    return specs, origin
 
 
 def not_carried_line(converted: str | Path) -> str:
@@ -210,11 +205,23 @@ def _config_with_flags(model_config: dict, flags: dict) -> dict:
     return GPTConfig.from_dict(cfg).to_dict()
 
 
-def _megatron_lm_plan(directory: Path, source: DCPSource,
-                      ref: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+def _megatron_lm_plan(directory: Path, source: DCPSource, ref: dict,
+                      model_flags: dict | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Each weight of the model's state dict ``ref`` -> (the ``torch_dist`` tensor it is read
     from, its layer/expert index in that stack); a ``CheckpointError`` names a tensor missing,
-    stacking too few, of the wrong shape or left over."""
+    stacking too few, of the wrong shape or left over, and the ``model_flags`` given."""
+    try:
+        return _plan(directory, source, ref)
+    except CheckpointError as exc:
+        if not model_flags:
+            raise
+        given = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                         for k, v in model_flags.items())
+        raise CheckpointError(f"{exc} (the model flags given: {given})") from None
+
+
+def _plan(directory: Path, source: DCPSource, ref: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """:func:`_megatron_lm_plan` without the flags."""
     keys = set(source.tensors)
     plan: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, t in ref.items():
@@ -490,10 +497,9 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     sharded state dict places each rank's piece), so only the model must split: heads, query
     groups, the FFN and the vocabulary divisible by it, else a ``CheckpointError`` names which.
     ``verify``: check ``src``'s files against their SHA-256 sums first.
-    ``distributed_optimizer``: the loading job's ``--use-distributed-optimizer``; ``None``: as the
-    Megatron-LM job the checkpoint came from ran (its carried ``args``), else on. Off, Adam's
-    state is written as megatron-core's plain optimizer keeps it (no main weights, the step
-    once as ``optimizer.state.common_step``).
+    ``distributed_optimizer``: the loading job's ``--use-distributed-optimizer`` (``None``: as
+    the job the checkpoint came from, else on); off, Adam's state is megatron-core's plain
+    optimizer's (no main weights, the step once as ``optimizer.state.common_step``).
     """
     from mfsdp.models.gpt import GPT
 
@@ -505,10 +511,8 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     source = DCPSource(src, verify=verify)
     extra = source.blob("extra") if "extra" in source.blob_keys else {}
     iteration = int(extra.get("iteration", 0))
-    if distributed_optimizer is None:
-        distributed_optimizer = (extra.get("megatron_lm_args") or {}).get(
-            "use_distributed_optimizer", True)
-    ddp = not distributed_optimizer
+    ddp = not (distributed_optimizer if distributed_optimizer is not None else
+               (extra.get("megatron_lm_args") or {}).get("use_distributed_optimizer", True))
     stacks, whole, groups, fields, origin, shapes = _export_plan(
         src, source, model, cfg, transformer_impl, weights_only, ddp)
     share = owned_keys({k: tensor_nbytes(s, torch.float32) for k, s in shapes.items()})
