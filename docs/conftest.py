@@ -26,6 +26,24 @@ ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = {"mfsdp": ["-m", "mfsdp.cli"], "torchrun": ["-m", "torch.distributed.run"]}
 
 
+def _in_process(argv: list[str]) -> tuple[int, str, str]:
+    """``mfsdp ARGV`` through :func:`mfsdp.cli.main` in this process, from the repository
+    root: its exit status, standard output and standard error."""
+    import contextlib
+    import io
+
+    from mfsdp.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        os.chdir(here)
+    return code, out.getvalue(), err.getvalue()
+
+
 def _setup(namespace: dict) -> None:
     """Give a page ``sh`` and its own ``$WORK``."""
     env = {**os.environ, "MLM": "tests/fixtures/megatron_lm", "OMP_NUM_THREADS": "1",
@@ -42,14 +60,18 @@ def _setup(namespace: dict) -> None:
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        if argv[0] in PROGRAMS:
-            argv = [sys.executable, *PROGRAMS[argv[0]], *argv[1:]]
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT,
-                              timeout=600)
-        print(done.stdout.rstrip().replace(env["WORK"], "$WORK"))
-        if done.returncode:
-            print(done.stderr.rstrip().splitlines()[-1] if done.stderr.strip() else "")
-            print(f"(exit status {done.returncode})")
+        if argv[0] == "mfsdp":  # in this process: the same entry point, without a start-up
+            code, out, err = _in_process(argv[1:])
+        else:
+            if argv[0] in PROGRAMS:
+                argv = [sys.executable, *PROGRAMS[argv[0]], *argv[1:]]
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT,
+                                  timeout=600)
+            code, out, err = done.returncode, done.stdout, done.stderr
+        print(out.rstrip().replace(env["WORK"], "$WORK"))
+        if code:
+            print(err.rstrip().splitlines()[-1] if err.strip() else "")
+            print(f"(exit status {code})")
 
     namespace["sh"] = sh
 
