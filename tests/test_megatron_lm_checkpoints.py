@@ -903,11 +903,12 @@ def test_an_export_converts_back_without_a_model_config(kind, tmp_path):
 
 def test_a_checkpoint_without_its_arguments_asks_for_a_model_config(tmp_path):
     """megatron-core's fixture carries a partial ``args`` (no vocabulary): the error names what is
-    missing and the two flags that supply the model."""
+    missing and the flags that supply the model."""
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
     with pytest.raises(CheckpointError, match="lack padded_vocab_size.*--model-preset or "
                                               "--model-config"):
         megatron_lm_to_fsdp(OPTIM / "adam", tmp_path / "x", progress=False)
-    with pytest.raises(CheckpointError, match="carries no Megatron-LM arguments"):
+    with pytest.raises(CheckpointError, match="without its arguments; name its model with the "
+                                              "model flags of mfsdp train"):
         megatron_lm_to_fsdp(FIXTURE / "ckpt", tmp_path / "y", progress=False)
