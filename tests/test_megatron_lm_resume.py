@@ -105,7 +105,7 @@ def test_trainer_continues_the_step_count_of_ddp_adam(source, ranks, tmp_path):
     """``mfsdp convert`` then ``mfsdp train --load`` of the result (1 rank), or ``--load`` of
     the Megatron-LM directory itself (2 ranks): iteration 3 runs (no ``KeyError: 'step'``), the
     not-carried line is printed, and the checkpoint it saves holds Adam's step 3 for every
-    parameter, at iteration 3."""
+    parameter, at iteration 3; exported, it is the job's layout again (``common_step`` 3)."""
     from mfsdp.checkpoint.dcp import read_full
     from mfsdp.checkpoint.manifest import resolve_checkpoint
 
@@ -133,6 +133,14 @@ def test_trainer_continues_the_step_count_of_ddp_adam(source, ranks, tmp_path):
     assert len(steps) == len([k for k in tensors if k.startswith("model.")])
     assert set(steps.values()) == {3.0}
     assert blobs["extra"]["iteration"] == 3
+    # back to Megatron-LM in the job's own layout: its plain optimizer, the step once
+    from mfsdp.checkpoint.megatron_common import read_common_state
+    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm
+
+    back = fsdp_to_megatron_lm(tmp_path / "saved", tmp_path / "back", progress=False)
+    common = read_common_state(back / "iter_0000003")
+    assert common["optimizer"]["state"]["common_step"].item() == 3.0
+    assert common["args"].use_distributed_optimizer is False
 
 
 # --- the model of a checkpoint: Megatron-LM's saved arguments, or mfsdp train's model flags
