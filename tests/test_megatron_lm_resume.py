@@ -99,23 +99,29 @@ TRAIN = ["-m", "mfsdp.train", "--use-megatron-fsdp", "--train-iters", "3", "--mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source,ranks", [
-    ("converted", 1), pytest.param("megatron_lm", 2, marks=pytest.mark.extended)])
-def test_trainer_continues_the_step_count_of_ddp_adam(source, ranks, tmp_path):
+@pytest.mark.parametrize("layout,source,ranks", [
+    ("adam-ddp", "converted", 1),
+    pytest.param("adam-ddp", "megatron_lm", 2, marks=pytest.mark.extended),
+    pytest.param("adam", "converted", 1, marks=pytest.mark.extended)])
+def test_trainer_continues_the_step_count(layout, source, ranks, tmp_path):
     """``mfsdp convert`` then ``mfsdp train --load`` of the result (1 rank), or ``--load`` of
-    the Megatron-LM directory itself (2 ranks): iteration 3 runs (no ``KeyError: 'step'``), the
-    not-carried line is printed, and the checkpoint it saves holds Adam's step 3 for every
-    parameter, at iteration 3; exported, it is the job's layout again (``common_step`` 3)."""
+    the Megatron-LM directory itself (2 ranks), for DDP + Adam and for the distributed
+    optimizer's ``fully_reshardable`` layout (``adam``, whose saved arguments lack the model:
+    the model flags name it): iteration 3 runs (no ``KeyError: 'step'``), the not-carried line
+    is printed, and the checkpoint it saves holds Adam's step 3 for every parameter, at
+    iteration 3; exported, it is the job's layout again (the step 3 where that layout keeps
+    it)."""
     from mfsdp.checkpoint.dcp import read_full
     from mfsdp.checkpoint.manifest import resolve_checkpoint
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     load = tmp_path / "megatron"
-    shutil.copytree(DDP_ADAM, load)
+    shutil.copytree(FIXTURE / "optim" / layout, load)
     if source == "converted":
+        model = [] if layout == "adam-ddp" else MODEL + ["--num-attention-heads", "4"]
         out = subprocess.run([sys.executable, "-m", "mfsdp.cli", "convert", "--from", "torch_dist",
                               "--to", "fsdp_dtensor", "--no-progress", str(load),
-                              str(tmp_path / "converted")],
+                              str(tmp_path / "converted"), *model],
                              capture_output=True, text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         assert "not carried: *._extra_state" in out.stdout, out.stdout
@@ -139,8 +145,12 @@ def test_trainer_continues_the_step_count_of_ddp_adam(source, ranks, tmp_path):
 
     back = fsdp_to_megatron_lm(tmp_path / "saved", tmp_path / "back", progress=False)
     common = read_common_state(back / "iter_0000003")
-    assert common["optimizer"]["state"]["common_step"].item() == 3.0
-    assert common["args"].use_distributed_optimizer is False
+    if layout == "adam-ddp":
+        assert common["optimizer"]["state"]["common_step"].item() == 3.0
+    else:
+        groups = common["optimizer"]["optimizer"]["param_groups"]
+        assert {g["step"] for g in groups} == {3.0}
+    assert common["args"].use_distributed_optimizer is (layout == "adam")
 
 
 # --- the model of a checkpoint: Megatron-LM's saved arguments, or mfsdp train's model flags
