@@ -237,3 +237,21 @@ def test_model_flags_and_configs_are_refused_where_they_cannot_act(tmp_path, cap
     code, line = _convert(capsys, "--from", "megatron_lm", "--to", "fsdp_dtensor", DDP_ADAM,
                           tmp_path / "m", "--model-config", tmp_path / "cfg.json")
     assert code == 2 and "names no num_attention_heads" in line, line
+
+
+def test_a_model_config_with_another_head_count_is_refused(tmp_path):
+    """A model configuration (the trainer's, for ``--load`` of Megatron-LM's directory, or
+    ``--model-config``) whose head count differs from the checkpoint's saved arguments gives the
+    same shapes: it is refused, naming both, instead of loading another model."""
+    from mfsdp.checkpoint.manifest import CheckpointError
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+    from mfsdp.models.gpt import GPTConfig
+
+    cfg = GPTConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=8,
+                    num_query_groups=4, kv_channels=8, vocab_size=256, swiglu=True,
+                    normalization="RMSNorm", position_embedding_type="rope",
+                    add_bias_linear=False, share_embeddings_and_output_weights=False)
+    with pytest.raises(CheckpointError, match="num_attention_heads=8 contradicts .* hold "
+                                              "num_attention_heads=4"):
+        megatron_lm_to_fsdp(DDP_ADAM, tmp_path / "m", cfg.to_dict(), progress=False)
+    assert not (tmp_path / "m").exists()

@@ -170,13 +170,21 @@ def _megatron_lm_model_config(directory: Path, backend: str, model_config: dict 
     trainer's names) merged in or applied on top; a ``CheckpointError`` names the flags of
     what neither tells."""
     flags = model_flags or {}
-    if model_config is not None:
-        return _config_with_flags(model_config, flags)
     if backend == "torch_dist":
         args = read_common_state(directory).get("args")
     else:
         source = DCPSource(directory)
         args = source.object("args", SAFE_TYPES) if "args" in source.blob_keys else None
+    if model_config is not None:
+        model_config = _config_with_flags(model_config, flags)
+        # the one dimension the shapes cannot check: a job's config must agree with the args
+        saved = getattr(args, "num_attention_heads", None)
+        if saved is not None and saved != model_config["num_attention_heads"]:
+            raise CheckpointError(f"the model's num_attention_heads="
+                                  f"{model_config['num_attention_heads']} contradicts "
+                                  f"{directory}: its Megatron-LM arguments hold "
+                                  f"num_attention_heads={saved} (the shapes alone cannot tell)")
+        return model_config
     if args is None and not flags:
         raise CheckpointError(f"{directory} is a Megatron-LM {backend} checkpoint without its "
                               "arguments; name its model with the model flags of mfsdp train "
