@@ -54,7 +54,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 # The subcommands: name -> (module with build_parser(parser), the function that runs the parsed
 # arguments, the one-line summary of `mfsdp --help`).
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "convert": ("mfsdp.checkpoint.convert", "run_distributed",
+    "convert": ("mfsdp.tools.convert_cli", "run_distributed",
                 "convert checkpoints: fsdp_dtensor, Megatron-LM (torch_dist), mfsdp_full, "
                 "safetensors and Hugging Face (hf)"),
     "plan": ("mfsdp.tools.plan_cli", "run",

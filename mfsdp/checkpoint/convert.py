@@ -262,6 +262,12 @@ def _run(args: argparse.Namespace) -> int:
     model_config = None
     if args.model_config:
         model_config = json.loads(Path(args.model_config).read_text())
+        if "num_attention_heads" not in model_config and "num_attention_heads" not in (
+                getattr(args, "model_flags", None) or {}):
+            # the shapes cannot tell 4 heads of 16 channels from 8 of 8: never a default
+            raise SystemExit(f"mfsdp convert: --model-config {args.model_config} names no "
+                             "num_attention_heads, which the tensors' shapes cannot tell; add "
+                             "it, or pass --num-attention-heads")
     elif args.model_preset:
         from mfsdp.models.gpt import GPT_PRESETS
 

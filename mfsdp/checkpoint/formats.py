@@ -32,7 +32,7 @@ from mfsdp.checkpoint.io import load_converted, load_fsdp_dtensor
 from mfsdp.checkpoint.manifest import (CheckpointError, is_full_format, read_manifest,
                                        resolve_checkpoint)
 from mfsdp.checkpoint.megatron_lm import (fsdp_to_megatron_lm, load_megatron_lm,
-                                          megatron_lm_to_fsdp)
+                                          megatron_lm_to_fsdp, not_carried_line)
 from mfsdp.checkpoint.megatron_lm_dtensor import fsdp_to_megatron_lm_dtensor
 from mfsdp.checkpoint.safetensors_format import fsdp_to_safetensors, safetensors_to_fsdp
 from mfsdp.checkpoint.state import read_param_to_param_group_map
@@ -182,13 +182,16 @@ def convert(src_format: str, dst_format: str, src, out, options) -> str:
         if fn is None:
             raise SystemExit(f"mfsdp convert: {fmt.name} cannot be "
                              f"{'read' if fmt is source else 'written'} by mfsdp convert")
-    said = None
+    said, left = None, ""
     for fn, fmt, leg_src, leg_out in legs:
         said = fn(leg_src, leg_out, options)
+        if said and "\nnot carried: " in said:  # what the first leg left behind is said last
+            left = said[said.index("\nnot carried: "):]
         _barrier()  # the next leg reads what every rank wrote
     if len(legs) == 2:
         _remove_on_rank0(legs[0][3])
-    return said or f"wrote {dest.name} checkpoint {out}"
+    said = said or f"wrote {dest.name} checkpoint {out}"
+    return said if left and left in said else said + left
 
 
 def _barrier() -> None:
@@ -256,8 +259,10 @@ def _dtype(options):
 def _megatron_lm_to_common(src: Path, out: Path, o) -> str:
     written = megatron_lm_to_fsdp(src, out, getattr(o, "model_cfg", None),
                                   weights_only=getattr(o, "weights_only", False),
-                                  progress=_progress(o))
-    return f"wrote fsdp_dtensor checkpoint {written} from the Megatron-LM checkpoint {src}"
+                                  progress=_progress(o),
+                                  model_flags=getattr(o, "model_flags", None))
+    return (f"wrote fsdp_dtensor checkpoint {written} from the Megatron-LM checkpoint {src}"
+            + not_carried_line(written))
 
 
 def _common_to_megatron_lm(src: Path, out: Path, o) -> str:
@@ -277,9 +282,15 @@ def _common_to_megatron_lm(src: Path, out: Path, o) -> str:
         progress=_progress(o), transformer_impl=impl,
         expert_model_parallel_size=getattr(o, "expert_model_parallel_size", None) or 1,
         tensor_model_parallel_size=getattr(o, "tensor_model_parallel_size", None) or 1)
+    from mfsdp.checkpoint.megatron_common import read_common_state
+    from mfsdp.checkpoint.detect import resolve_megatron_lm
+
+    args = read_common_state(resolve_megatron_lm(written)[0]).get("args")
+    flag = ("" if weights_only or args is None or args.optimizer != "adam" else
+            "; Adam state: --use-distributed-optimizer" if args.use_distributed_optimizer
+            else "; Adam state: without --use-distributed-optimizer")
     return (f"wrote Megatron-LM torch_dist checkpoint {written} (load it with --ckpt-format "
-            "torch_dist" + ("" if weights_only else "; Adam state: --use-distributed-optimizer")
-            + ")")
+            f"torch_dist{flag})")
 
 
 def _megatron_fsdp_to_common(src: Path, out: Path, o) -> str:

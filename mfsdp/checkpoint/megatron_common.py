@@ -22,6 +22,7 @@ from mfsdp.checkpoint.manifest import CheckpointError
 
 __all__ = ["COMMON", "SAFE_TYPES", "HYPER", "MAIN_FIELDS", "FUSED_NORMS", "WRITTEN_FUSED",
            "source_key", "target_key", "read_common_state", "optimizer_common", "mfsdp_groups",
+           "saved_steps", "not_carried", "carried_args", "merge_model_flags", "add_carried",
            "mfsdp_name", "is_decayed", "megatron_args", "write_iteration",
            "config_from_megatron_args", "fsdp_model_config"]
 
@@ -125,6 +126,91 @@ def optimizer_common(common: dict) -> tuple[list[dict], str | None]:
                                   "weights alone with --weights-only")
         groups += found
     return groups, layout
+
+
+def saved_steps(common: dict, where: Path) -> dict[int, float]:
+    """The optimizer step of each of mfsdp's two groups (0: weight decay, 1: none, by
+    ``wd_mult``) as the checkpoint keeps it: ``step`` in the param groups (megatron-core's
+    distributed optimizer), else ``optimizer.state.common_step`` (its plain optimizer over
+    torch's Adam, which steps every parameter alike and saves the step once), else a ``step``
+    per parameter in the state. ``{}`` where there is none (SGD). A ``CheckpointError`` names
+    two groups of one kind with different steps."""
+    opt = common.get("optimizer") or {}
+    parts = [opt[k] for k in sorted(opt)] if opt and all(isinstance(k, int) for k in opt) else [opt]
+    steps: dict[int, float] = {}
+    for part in parts:
+        inner = part.get("optimizer", part) if isinstance(part, dict) else {}
+        state = inner.get("state") or {}
+        shared = state.get("common_step")
+        if shared is None:  # a step kept per parameter: one value when megatron-core saved it
+            found = {float(v["step"]) for v in state.values()
+                     if isinstance(v, dict) and v.get("step") is not None}
+            shared = found.pop() if len(found) == 1 else None
+        for g in inner.get("param_groups") or []:
+            value = g.get("step", shared)
+            if value is None:
+                continue
+            mine, value = int(g.get("wd_mult", 1.0) == 0.0), float(value)
+            if steps.setdefault(mine, value) != value:
+                raise CheckpointError(f"{where}: two optimizer groups of one kind have taken "
+                                      f"{steps[mine]:g} and {value:g} steps; mfsdp keeps one "
+                                      "step per group (weight decay and none)")
+    return steps
+
+
+# the common state's entries a conversion reads (into weights, optimizer state, ``extra``) or
+# that describe the source's own layout; everything else is named by not_carried
+_READ = ("args", "checkpoint_version", "iteration", "optimizer", "opt_param_scheduler",
+         "content_metadata", "num_floating_point_operations_so_far")
+_WHY_NOT = {
+    "rng_state": "Megatron-LM's per-rank Python, NumPy, torch and CUDA generator states; "
+                 "mfsdp train seeds its own from --seed",
+    "rerun_state_machine": "Megatron-LM's rerun state machine (fault detection); mfsdp has "
+                           "none",
+    "_extra_state": "Transformer Engine's per-layer FP8 metadata; mfsdp keeps none",
+}
+
+
+def not_carried(common: dict, entries, weights_only: bool = False) -> list[str]:
+    """What a conversion of a Megatron-LM checkpoint leaves behind, one ``KEY (why)`` each:
+    entries of the common state mfsdp has no counterpart for, the checkpoint's other objects
+    (``entries``: its DCP keys, ``rng_state/shard_...``) by their first name, Transformer
+    Engine's ``*._extra_state`` in one line, and with ``weights_only`` the optimizer."""
+    out = [f"{k} ({_WHY_NOT.get(k, 'no counterpart in mfsdp')})"
+           for k in sorted(common, key=str) if k not in _READ]
+    extra = sorted(k for k in entries if "._extra_state" in k)
+    if extra:
+        out.append(f"*._extra_state ({len(extra)} entries: {_WHY_NOT['_extra_state']})")
+    tops = sorted({k.split("/")[0].split(".")[0] for k in entries
+                   if "/" in k and "._extra_state" not in k and k != COMMON})
+    out += [f"{t} ({_WHY_NOT.get(t, 'no counterpart in mfsdp')})" for t in tops
+            if t not in common and t not in _READ]
+    if weights_only:
+        out += ["optimizer (--weights-only)"] if "optimizer" in common else []
+    return out
+
+
+def carried_args(args) -> dict:
+    """Megatron-LM's ``args`` as a plain dict for mfsdp's ``extra`` (values that are numbers,
+    strings, flags and lists of them; ``consumed_train_samples`` among them), so that an export
+    back to Megatron-LM and a reader of the converted checkpoint see them."""
+    plain = (bool, int, float, str, type(None))
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
+            if isinstance(v, plain) or (isinstance(v, (list, tuple))
+                                        and all(isinstance(x, plain) for x in v))}
+
+
+def add_carried(extra: dict, args, flops, left: list[str]) -> None:
+    """Add to a conversion's ``extra`` what it carries of a Megatron-LM checkpoint beyond the
+    tensors, groups and schedule: ``args`` as a plain dict (``megatron_lm_args``) with its
+    ``consumed_train_samples``, the FLOPs counter ``flops`` (``None``: not saved), and ``left``,
+    what it does not carry (:func:`not_carried`), named at the end of the conversion."""
+    if args is not None:
+        extra["megatron_lm_args"] = carried_args(args)
+        extra["consumed_train_samples"] = getattr(args, "consumed_train_samples", None)
+    if flops is not None:
+        extra["num_floating_point_operations_so_far"] = flops
+    extra["not_carried"] = left
 
 
 def mfsdp_groups(groups: list[dict], where: Path) -> list[dict]:
@@ -309,6 +395,34 @@ _NOT_ARCHITECTURE = ("vocab_size", "share_embeddings_and_output_weights", "recom
                      "moe_flex_dispatcher_backend", "moe_first_dense_layers")
 
 
+_FLAG_OF = {"padded_vocab_size": "--vocab-size", "add_bias_linear": "--disable-bias-linear"}
+# trainer flags whose Megatron-LM argument has another name or sense: flag -> (argument, value)
+_AS_ARGUMENT = {"vocab_size": lambda v: ("padded_vocab_size", v),
+                "disable_bias_linear": lambda v: ("add_bias_linear", not v)}
+
+
+def merge_model_flags(args, flags: dict, where: str = "the checkpoint") -> argparse.Namespace:
+    """Megatron-LM's saved ``args`` (``None``: none saved) with the model flags of ``mfsdp
+    convert`` merged in: ``flags`` maps each given flag's name, as ``mfsdp train`` spells it
+    (``num_attention_heads``, ``vocab_size``, ``disable_bias_linear``, ...), to its value. A flag
+    that contradicts a value the checkpoint's arguments hold is refused in one line naming both.
+
+    >>> import argparse
+    >>> merge_model_flags(argparse.Namespace(num_layers=2), {"vocab_size": 128}).padded_vocab_size
+    128
+    """
+    merged = dict(vars(args)) if args is not None else {}
+    for name, value in flags.items():
+        key, wanted = _AS_ARGUMENT.get(name, lambda v: (name, v))(value)
+        saved = merged.get(key)
+        if saved is not None and saved != wanted:
+            raise CheckpointError(f"--{name.replace('_', '-')} {value} contradicts {where}: its "
+                                  f"Megatron-LM arguments hold {key}={saved!r}; leave the flag "
+                                  "out, or convert the checkpoint it describes")
+        merged[key] = wanted
+    return argparse.Namespace(**merged)
+
+
 def config_from_megatron_args(args, where: str = "the checkpoint") -> dict:
     """The model configuration (a :class:`~mfsdp.models.gpt.GPTConfig` as a dict) that
     Megatron-LM's saved ``args`` describe, as its ``--use-checkpoint-args`` reads them: most
@@ -334,10 +448,12 @@ def config_from_megatron_args(args, where: str = "the checkpoint") -> dict:
     given = {k: v for k, v in vars(args).items() if v is not None}
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size")
                if k not in given]
-    if missing:
-        raise CheckpointError(f"{where}: its Megatron-LM arguments lack {', '.join(missing)}, so "
-                              "the model cannot be read from them; name it with --model-preset "
-                              "or --model-config")
+    if missing:  # every one at once, each with the flag of mfsdp convert that names it
+        named = ", ".join(f"{k} ({_FLAG_OF.get(k, '--' + k.replace('_', '-'))})"
+                          for k in missing)
+        raise CheckpointError(f"{where}: its Megatron-LM arguments lack {named}; pass those "
+                              "flags (the head count is not in the tensors' shapes), or "
+                              "--model-preset or --model-config")
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     cfg = {k: v for k, v in given.items() if k in fields and k not in _NOT_ARCHITECTURE}
     if not given.get("use_rope_scaling", False):

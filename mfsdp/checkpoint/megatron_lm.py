@@ -47,21 +47,24 @@ from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.io import load_converted
 from mfsdp.checkpoint.detect import TRACKER, is_megatron_lm, megatron_lm_backend, resolve_megatron_lm
 from mfsdp.checkpoint.manifest import CheckpointError
-from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, config_from_megatron_args,
+from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, SAFE_TYPES,
+                                              config_from_megatron_args, merge_model_flags,
                                               fsdp_model_config, is_decayed, megatron_args,
-                                              mfsdp_groups, mfsdp_name, optimizer_common,
-                                              read_common_state, source_key, target_key,
-                                              write_iteration)
+                                              add_carried, mfsdp_groups, mfsdp_name,
+                                              not_carried, optimizer_common,
+                                              read_common_state, saved_steps, source_key,
+                                              target_key, write_iteration)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "load_megatron_lm",
-           "megatron_lm_to_fsdp", "mfsdp_name", "read_common_state", "resolve_megatron_lm",
+           "megatron_lm_to_fsdp", "not_carried_line", "mfsdp_name", "read_common_state", "resolve_megatron_lm",
            "write_iteration"]
 
 FORMAT = "megatron_lm_torch_dist"
 
 
 def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | None = None,
-                        weights_only: bool = False, progress: bool = True) -> Path:
+                        weights_only: bool = False, progress: bool = True,
+                        model_flags: dict | None = None) -> Path:
     """A Megatron-LM ``torch_dist`` checkpoint -> mfsdp ``fsdp_dtensor``, streamed: one weight
     (one layer's slice of a stacked tensor, read from its own chunks) is in memory at a time;
     ``progress`` reports on stderr.
@@ -77,7 +80,10 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     (weight decay and none, told apart by Megatron-LM's ``wd_mult``), the learning-rate schedule
     (``extra["opt_param_scheduler"]``) and the iteration. The model weights are the optimizer's
     fp32 main weights where it has them (``optimizer.state.param``). ``weights_only`` leaves the
-    optimizer out (and reads a ``dp_reshardable`` checkpoint's weights).
+    optimizer out (and reads a ``dp_reshardable`` checkpoint's weights). ``model_flags``: the
+    model flags of ``mfsdp convert`` by the trainer's names (``{"num_attention_heads": 4}``),
+    merged into the checkpoint's arguments (a contradiction is refused) or applied on top of
+    ``model_config``.
     """
     from mfsdp.models.gpt import GPT, GPTConfig
 
@@ -87,7 +93,7 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
                               "metadata.json beside a .metadata)")
     directory, iteration = found
     backend = megatron_lm_backend(directory)
-    model_config = _megatron_lm_model_config(directory, backend, model_config)
+    model_config = _megatron_lm_model_config(directory, backend, model_config, model_flags)
     if backend == "fsdp_dtensor":
         from mfsdp.checkpoint.megatron_lm_dtensor import megatron_lm_dtensor_to_fsdp
 
@@ -102,31 +108,26 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     ref = model.state_dict()
     source = DCPSource(directory)
     keys = set(source.tensors)
-    plan = _megatron_lm_plan(directory, source, ref)
+    plan = _megatron_lm_plan(directory, source, ref, model_flags)
     common = read_common_state(directory)
     if iteration is None:
         iteration = int(common.get("iteration") or 0)
     state_keys = [k for k in keys if k.startswith("optimizer.state.")]
     bucket_keys = [k for k in keys if k.startswith("optimizer.distributed.")]
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    origin: dict[str, tuple[str, tuple[int, ...]]] = {}
     blobs: dict[str, object] = {}
     files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
     fields: dict[str, set[str]] = {}  # optimizer field -> the model keys it has state for
     for key in state_keys:
         field, _, model_key = key[len("optimizer.state."):].partition(".")
         fields.setdefault(field, set()).add(model_key)
-    main_field = next((f for f in MAIN_FIELDS if f in fields), None)
-    for name, (key, index) in plan.items():
-        src_key = f"optimizer.state.{main_field}.{key}" if main_field else key
-        if main_field and key not in fields[main_field]:
-            src_key = key
-        specs[f"model.{name}"] = (tuple(ref[name].shape), torch.float32)
-        origin[f"model.{name}"] = (src_key, index)
+    specs, origin = _weight_specs(plan, ref, fields)
     extra: dict[str, object] = {"iteration": iteration, "data_position": iteration,
                                 "source": FORMAT}
     if common.get("opt_param_scheduler"):
         extra["opt_param_scheduler"] = dict(common["opt_param_scheduler"])
+    # what is left is named at the end of the conversion (mfsdp convert, mfsdp train --load)
+    add_carried(extra, common.get("args"), common.get("num_floating_point_operations_so_far"),
+                not_carried(common, source.blob_keys, weights_only))
     step = None
     if not weights_only and (state_keys or bucket_keys or common.get("optimizer")):
         step = _megatron_lm_optimizer(directory, common, bool(bucket_keys), fields, plan, model,
@@ -136,28 +137,99 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
                                    directory, progress)
 
 
-def _megatron_lm_model_config(directory: Path, backend: str, model_config: dict | None) -> dict:
-    """``model_config``, or where it is ``None`` the one the Megatron-LM arguments of the
-    ``torch_dist`` checkpoint at ``directory`` describe; a ``CheckpointError`` names
-    ``--model-preset``/``--model-config`` where neither is there."""
-    if model_config is None and backend == "torch_dist":
+def _weight_specs(plan: dict, ref: dict, fields: dict[str, set[str]]) -> tuple[dict, dict]:
+    """Each weight's shape (``specs``) and where it is read (``origin``: the optimizer's fp32
+    main weight where it keeps one, else the model's tensor), by mfsdp key."""
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    origin: dict[str, tuple[str, tuple[int, ...]]] = {}
+    main_field = next((f for f in MAIN_FIELDS if f in fields), None)
+    for name, (key, index) in plan.items():
+        src_key = f"optimizer.state.{main_field}.{key}" if main_field else key
+        if main_field and key not in fields[main_field]:
+            src_key = key
+        specs[f"model.{name}"] = (tuple(ref[name].shape), torch.float32)
+        origin[f"model.{name}"] = (src_key, index)
+    return specs, origin
+
+
+def not_carried_line(converted: str | Path) -> str:
+    """``"\nnot carried: KEY (why), ..."`` for what the conversion that wrote ``converted`` (an
+    ``fsdp_dtensor`` checkpoint) left out of the Megatron-LM checkpoint it read; ``""`` where it
+    left nothing or is not such a conversion."""
+    source = DCPSource(converted, verify=False)
+    extra = source.blob("extra") if "extra" in source.blob_keys else {}
+    left = extra.get("not_carried") or []
+    return f"\nnot carried: {', '.join(left)}" if left else ""
+
+
+def _megatron_lm_model_config(directory: Path, backend: str, model_config: dict | None,
+                              model_flags: dict | None = None) -> dict:
+    """``model_config``, or where it is ``None`` the one the Megatron-LM arguments saved in the
+    checkpoint at ``directory`` describe (``torch_dist``: in its common state; ``fsdp_dtensor``:
+    its ``args`` entry), with ``model_flags`` (the model flags of ``mfsdp convert``, by the
+    trainer's names) merged in or applied on top; a ``CheckpointError`` names the flags of
+    what neither tells."""
+    flags = model_flags or {}
+    if backend == "torch_dist":
         args = read_common_state(directory).get("args")
-        if args is None:
-            raise CheckpointError(f"{directory} carries no Megatron-LM arguments; name its model "
-                                  "with --model-preset or --model-config")
-        model_config = config_from_megatron_args(args, str(directory))
-    if model_config is None:
-        raise CheckpointError(f"{directory} is a Megatron-LM {backend} checkpoint, which keeps no "
-                              "arguments mfsdp can read; name its model with --model-preset or "
-                              "--model-config")
-    return model_config
+    else:
+        source = DCPSource(directory)
+        args = source.object("args", SAFE_TYPES) if "args" in source.blob_keys else None
+    if model_config is not None:
+        model_config = _config_with_flags(model_config, flags)
+        # the one dimension the shapes cannot check: a job's config must agree with the args
+        saved = getattr(args, "num_attention_heads", None)
+        if saved is not None and saved != model_config["num_attention_heads"]:
+            raise CheckpointError(f"the model's num_attention_heads="
+                                  f"{model_config['num_attention_heads']} contradicts "
+                                  f"{directory}: its Megatron-LM arguments hold "
+                                  f"num_attention_heads={saved} (the shapes alone cannot tell)")
+        return model_config
+    if args is None and not flags:
+        raise CheckpointError(f"{directory} is a Megatron-LM {backend} checkpoint without its "
+                              "arguments; name its model with the model flags of mfsdp train "
+                              "(--num-layers, --hidden-size, --num-attention-heads, ...), "
+                              "--model-preset or --model-config")
+    return config_from_megatron_args(merge_model_flags(args, flags, str(directory)),
+                                     str(directory))
 
 
-def _megatron_lm_plan(directory: Path, source: DCPSource,
-                      ref: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+def _config_with_flags(model_config: dict, flags: dict) -> dict:
+    """``model_config`` (a GPTConfig dict) with the model flags ``flags`` applied, as ``mfsdp
+    train`` applies its flags to a preset."""
+    from mfsdp.models.gpt import GPTConfig
+
+    cfg = dict(model_config)
+    for name, value in flags.items():
+        if name == "disable_bias_linear":
+            cfg["add_bias_linear"] = not value
+        elif name == "untie_embeddings_and_output_weights":
+            cfg["share_embeddings_and_output_weights"] = not value
+        elif name == "use_rope_scaling":
+            cfg["rope_scaling_factor"] = (flags.get("rope_scaling_factor", 8.0) if value
+                                          else None)
+        elif name != "group_query_attention":  # (--num-query-groups carries the number)
+            cfg[name] = value
+    return GPTConfig.from_dict(cfg).to_dict()
+
+
+def _megatron_lm_plan(directory: Path, source: DCPSource, ref: dict,
+                      model_flags: dict | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Each weight of the model's state dict ``ref`` -> (the ``torch_dist`` tensor it is read
     from, its layer/expert index in that stack); a ``CheckpointError`` names a tensor missing,
-    stacking too few, of the wrong shape or left over."""
+    stacking too few, of the wrong shape or left over, and the ``model_flags`` given."""
+    try:
+        return _plan(directory, source, ref)
+    except CheckpointError as exc:
+        if not model_flags:
+            raise
+        given = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                         for k, v in model_flags.items())
+        raise CheckpointError(f"{exc} (the model flags given: {given})") from None
+
+
+def _plan(directory: Path, source: DCPSource, ref: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """:func:`_megatron_lm_plan` without the flags."""
     keys = set(source.tensors)
     plan: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, t in ref.items():
@@ -185,10 +257,10 @@ def _megatron_lm_plan(directory: Path, source: DCPSource,
 
 def _megatron_lm_optimizer(directory: Path, common: dict, has_buckets: bool,
                            fields: dict[str, set[str]], plan: dict, model, ref: dict,
-                           specs: dict, origin: dict, blobs: dict, files: dict) -> float | None:
+                           specs: dict, origin: dict, blobs: dict, files: dict) -> dict[int, float]:
     """Add the optimizer state of the ``torch_dist`` checkpoint at ``directory`` to ``specs``,
     ``origin`` (by parameter name), ``blobs`` (the param groups) and ``files`` (the parameter ->
-    group map); return its ``step`` (``None`` where the groups keep none). A
+    group map); return the step of each mfsdp group (``{}`` where none is kept). A
     ``CheckpointError`` refuses the distributed optimizer's bucket layouts and partial state."""
     params = {n for n, _ in model.named_parameters()}  # the rest are buffers (expert bias)
     opt_common = common.get("optimizer") or {}
@@ -204,7 +276,8 @@ def _megatron_lm_optimizer(directory: Path, common: dict, has_buckets: bool,
             "weights alone with --weights-only")
     groups, _ = optimizer_common(common)
     mine = mfsdp_groups(groups, directory)
-    step = next((float(g["step"]) for g in groups if "step" in g), None)
+    steps = saved_steps(common, directory)
+    group_of = {n: 0 if is_decayed(n, p) else 1 for n, p in model.named_parameters()}
     for field, have in sorted(fields.items()):
         if field in MAIN_FIELDS:
             continue
@@ -217,19 +290,23 @@ def _megatron_lm_optimizer(directory: Path, common: dict, has_buckets: bool,
             out = f"optimizer.state.{name}.{field}"
             specs[out] = (tuple(ref[name].shape), torch.float32)
             origin[out] = (f"optimizer.state.{field}.{key}", index)
-    if step is not None and "exp_avg" in fields:  # torch.optim.Adam keeps it per parameter
+    if "exp_avg" in fields:  # torch.optim.Adam keeps the step per parameter
+        lacking = sorted({group_of[n] for n in params} - set(steps))
+        if lacking:
+            raise CheckpointError(f"{directory} has Adam's moments but no step counter for "
+                                  f"parameter group {lacking[0]} (none in its param_groups, no "
+                                  "optimizer.state.common_step); convert the weights alone with "
+                                  "--weights-only")
         for name in params:
             specs[f"optimizer.state.{name}.step"] = ((), torch.float32)
-            origin[f"optimizer.state.{name}.step"] = ("", ())
+            origin[f"optimizer.state.{name}.step"] = ("", (group_of[name],))
     blobs["optimizer.param_groups"] = mine
-    group_of = {n: 0 for n, p in model.named_parameters() if is_decayed(n, p)}
-    group_of.update({n: 1 for n, p in model.named_parameters() if not is_decayed(n, p)})
     files[MAP_FILE] = json.dumps(group_of, indent=1)
-    return step
+    return steps
 
 
 def _write_from_megatron_lm(dst: Path, source: DCPSource, specs: dict, origin: dict,
-                            step: float | None, blobs: dict, files: dict, backend: str,
+                            step: dict[int, float] | None, blobs: dict, files: dict, backend: str,
                             directory: Path, progress: bool) -> Path:
     """Write ``dst`` (``fsdp_dtensor``), streaming each tensor of ``specs`` from where ``origin``
     says in ``source`` (an empty source key: the optimizer's ``step``), in the checkpoint's
@@ -240,8 +317,8 @@ def _write_from_megatron_lm(dst: Path, source: DCPSource, specs: dict, origin: d
 
     def produce(key: str) -> torch.Tensor:
         source_key, index = origin[key]
-        if not source_key:
-            return torch.tensor(step, dtype=torch.float32)
+        if not source_key:  # the step of the parameter's group
+            return torch.tensor(step[index[0]], dtype=torch.float32)
         # one layer (one expert) of a stacked tensor: read from its own chunks
         t = source.get(source_key, index).float()
         report(tensor_nbytes(*specs[key]))
@@ -277,7 +354,8 @@ def _check_tensor_parallel_split(cfg, tp: int) -> None:
                               f"model: {'; '.join(problems)}")
 
 
-def _export_plan(src: Path, source, model, cfg, transformer_impl: str, weights_only: bool):
+def _export_plan(src: Path, source, model, cfg, transformer_impl: str, weights_only: bool,
+                 ddp: bool = False):
     """What each output tensor of a ``torch_dist`` export is made of: the stacked (per layer or
     expert) and whole weights by megatron-core key, the optimizer's groups and state fields (none
     with ``weights_only``), ``origin`` (key -> (field or None for the weights, mfsdp names)) and
@@ -304,7 +382,7 @@ def _export_plan(src: Path, source, model, cfg, transformer_impl: str, weights_o
         fields = sorted(k.rpartition(".")[2] for k in source.tensors
                         if k.startswith(f"optimizer.state.{first}.")
                         and source.tensors[k][0] == tuple(ref[first].shape))
-    distributed = "exp_avg" in fields
+    distributed = "exp_avg" in fields and not ddp
     if groups is not None and not fields:
         raise CheckpointError(f"{src}: optimizer state of {sorted(source.tensors)[0]!r}... is "
                               "neither Adam's nor SGD's; write the weights alone with "
@@ -335,11 +413,12 @@ def _linear_extra_states(state: dict, weights: dict) -> None:
 
 
 def _export_common(source, extra: dict, groups, fields: list[str], model, cfg, iteration: int,
-                   expert_model_parallel_size: int, tensor_model_parallel_size: int) -> dict:
+                   expert_model_parallel_size: int, tensor_model_parallel_size: int,
+                   ddp: bool = False) -> dict:
     """The common state of a ``torch_dist`` export: version, iteration, the optimizer's groups
     (as megatron-core's distributed or plain optimizer holds them, chained per expert parallelism
     above 1), the schedule, ``args`` and the content metadata."""
-    distributed = "exp_avg" in fields
+    distributed = "exp_avg" in fields and not ddp
     first = next(iter(model.state_dict()))
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     common: dict[str, object] = {"checkpoint_version": 3.0, "iteration": iteration,
@@ -356,7 +435,7 @@ def _export_common(source, extra: dict, groups, fields: list[str], model, cfg, i
                        is_decoupled_lr=False, default_config=True,
                        max_lr=(scheduler or {}).get("max_lr", group["lr"]),
                        min_lr=(scheduler or {}).get("min_lr", group["lr"]))
-            if step is not None:
+            if step is not None and distributed:  # megatron-core's distributed optimizer
                 out["step"] = step
             megatron_groups.append(out)
         if distributed:
@@ -367,6 +446,8 @@ def _export_common(source, extra: dict, groups, fields: list[str], model, cfg, i
             if distributed:
                 return {"optimizer": {"param_groups": found},
                         "param_state_sharding_type": "fully_reshardable"}
+            if step is not None:  # torch's Adam under megatron-core's plain optimizer
+                return {"state": {"common_step": torch.tensor(step)}, "param_groups": found}
             return {"param_groups": found}
 
         if expert_model_parallel_size > 1 and cfg.num_experts:
@@ -382,7 +463,8 @@ def _export_common(source, extra: dict, groups, fields: list[str], model, cfg, i
             common["optimizer"] = part(megatron_groups)
         if scheduler:
             common["opt_param_scheduler"] = dict(scheduler)
-    common["args"] = megatron_args(cfg, None if groups is None else ("adam" if distributed else "sgd"),
+    kind = "adam" if "exp_avg" in fields else "sgd"
+    common["args"] = megatron_args(cfg, None if groups is None else kind,
                                    distributed, iteration, tensor_model_parallel_size)
     common["args"].expert_model_parallel_size = expert_model_parallel_size
     common["content_metadata"] = metadata
@@ -393,7 +475,8 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
                         weights_only: bool = False, progress: bool = True,
                         transformer_impl: str = "transformer_engine",
                         expert_model_parallel_size: int = 1, verify: bool = True,
-                        tensor_model_parallel_size: int = 1) -> Path:
+                        tensor_model_parallel_size: int = 1,
+                        distributed_optimizer: bool | None = None) -> Path:
     """mfsdp ``fsdp_dtensor`` -> a Megatron-LM ``torch_dist`` checkpoint (``dst`` is the root:
     ``latest_checkpointed_iteration.txt`` and ``iter_XXXXXXX/``), streamed: stacked tensors are
     written one chunk per layer (or expert), as megatron-core writes them, so one weight is in
@@ -422,6 +505,9 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     sharded state dict places each rank's piece), so only the model must split: heads, query
     groups, the FFN and the vocabulary divisible by it, else a ``CheckpointError`` names which.
     ``verify``: check ``src``'s files against their SHA-256 sums first.
+    ``distributed_optimizer``: the loading job's ``--use-distributed-optimizer`` (``None``: as
+    the job the checkpoint came from, else on); off, Adam's state is megatron-core's plain
+    optimizer's (no main weights, the step once as ``optimizer.state.common_step``).
     """
     from mfsdp.models.gpt import GPT
 
@@ -433,8 +519,10 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     source = DCPSource(src, verify=verify)
     extra = source.blob("extra") if "extra" in source.blob_keys else {}
     iteration = int(extra.get("iteration", 0))
+    ddp = not (distributed_optimizer if distributed_optimizer is not None else
+               (extra.get("megatron_lm_args") or {}).get("use_distributed_optimizer", True))
     stacks, whole, groups, fields, origin, shapes = _export_plan(
-        src, source, model, cfg, transformer_impl, weights_only)
+        src, source, model, cfg, transformer_impl, weights_only, ddp)
     share = owned_keys({k: tensor_nbytes(s, torch.float32) for k, s in shapes.items()})
     report = Progress(f"writing {dst.name}",
                        sum(tensor_nbytes(shapes[k], torch.float32) for k in share), progress)
@@ -454,7 +542,7 @@ def fsdp_to_megatron_lm(src: str | Path, dst: str | Path, model_config: dict | N
     if rank == 0:
         _linear_extra_states(state, {**stacks, **whole})
     common = _export_common(source, extra, groups, fields, model, cfg, iteration,
-                            expert_model_parallel_size, tensor_model_parallel_size)
+                            expert_model_parallel_size, tensor_model_parallel_size, ddp)
     # as megatron-core stores a ShardedObject: torch.save of [object], not flattened into keys
     state[COMMON] = [common]
     if rank != 0:

@@ -45,9 +45,9 @@ from mfsdp.checkpoint.dcp import (MAP_FILE, MODEL_CONFIG_FILE, DCPSource, Progre
 from mfsdp.checkpoint.detect import MODULE_PREFIX, is_fsdp_dtensor_keys
 from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.manifest import CheckpointError
-from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, fsdp_model_config, is_decayed,
-                                              megatron_args, mfsdp_groups, mfsdp_name, source_key,
-                                              write_iteration)
+from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, add_carried, fsdp_model_config,
+                                              is_decayed, megatron_args, mfsdp_groups, mfsdp_name,
+                                              not_carried, source_key, write_iteration)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm_dtensor", "is_fsdp_dtensor_keys",
            "megatron_lm_dtensor_to_fsdp", "megatron_key", "split_key"]
@@ -150,6 +150,8 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
                  if k.startswith("opt_param_scheduler.")}
     if scheduler:
         extra["opt_param_scheduler"] = scheduler
+    add_carried(extra, value("args"), value("num_floating_point_operations_so_far"),
+                _left_behind(blobs_present | keys, weights_only))
     files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
     blobs: dict[str, object] = {}
     by_field: dict[str, dict[str, dict[str | None, str]]] = {}  # field -> param -> half -> key
@@ -178,6 +180,15 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
     specs = {k: specs[k] for k in order}
     return write_streaming(dst, specs, produce, blobs, "fsdp_dtensor",
                            {"source": FORMAT, "backend": "fsdp_dtensor"}, files)
+
+
+def _left_behind(entries: set[str], weights_only: bool) -> list[str]:
+    """What a conversion of the checkpoint whose DCP keys are ``entries`` does not carry (DCP
+    flattened Megatron-LM's state into dotted keys: their first names are its entries)."""
+    tops = {k.split(".")[0]: None for k in entries
+            if "._extra_state" not in k and not k.startswith(("model.", "optimizer."))}
+    tops.update({"optimizer": None} if any(k.startswith("optimizer.") for k in entries) else {})
+    return not_carried(tops, [k for k in entries if "._extra_state" in k], weights_only)
 
 
 def _dtensor_plan(directory: Path, source: DCPSource, ref: dict) -> dict[str, list[str]]:

@@ -34,6 +34,10 @@ class Checkpointer:
         self.expert_model_parallel_size = expert_model_parallel_size
         # the model's configuration, saved beside the weights (model_config.json)
         self.cfg = cfg
+        # what the --load checkpoint carried from the Megatron-LM job it came from
+        # (megatron_lm_args), kept in every save: an export back writes that job's optimizer
+        # layout (with or without the distributed optimizer)
+        self.carried: dict = {}
 
     def save(self, model, opt, iteration: int, routers) -> None:
         """Save iteration ``iteration`` into ``--save`` in ``--ckpt-format``.
@@ -56,7 +60,7 @@ class Checkpointer:
     def _save(self, model, opt, iteration: int, routers) -> None:
         """:meth:`save` without its error message."""
         _save_step(self.checkpoint, self.training, self.expert_model_parallel_size, model, opt,
-                   iteration, routers, self.cfg)
+                   iteration, routers, self.cfg, self.carried)
 
     def load(self, model, opt, routers) -> int:
         """Resume from ``--load`` (see :func:`~mfsdp.trainer.checkpointing.load_for_training`);
@@ -64,7 +68,7 @@ class Checkpointer:
         if not self.checkpoint.load:
             return 0
         resumed = load_for_training(self.checkpoint, self.training, model, opt, routers,
-                                    self.cfg)
+                                    self.cfg, self.carried)
         check_save_not_newer(self.checkpoint, resumed)
         return resumed
 
@@ -125,16 +129,16 @@ def previous_checkpoint(root) -> str:
 
 
 def _save_step(checkpoint, training, ep: int, model, opt, iteration: int, routers,
-               cfg) -> None:
+               cfg, carried: dict | None = None) -> None:
     """Write iteration ``iteration`` into ``checkpoint.save`` in ``checkpoint.ckpt_format``: a
-    sharded save, converted on rank 0 for the other formats."""
+    sharded save, converted on rank 0 for the other formats; ``carried`` joins its ``extra``."""
     from mfsdp.checkpoint import save_checkpoint
     from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE
     from mfsdp.checkpoint.full import fsdp_to_full
 
     extra = {"expert_bias": {n: m.expert_bias.detach().cpu().clone() for n, m in routers},
              "data_position": iteration,
-             "opt_param_scheduler": scheduler_state(training, iteration)}
+             "opt_param_scheduler": scheduler_state(training, iteration), **(carried or {})}
     files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
     root = Path(checkpoint.save)
     slow_save_for_tests()
@@ -258,10 +262,12 @@ def check_load_exists(root) -> None:
                          "--exit-on-missing-checkpoint asks to stop")
 
 
-def load_for_training(checkpoint, training, model, opt, routers, cfg) -> int:
+def load_for_training(checkpoint, training, model, opt, routers, cfg,
+                      carried: dict | None = None) -> int:
     """Resume from ``checkpoint.load`` in any format mfsdp reads; return the iteration to
     continue after (0 for a new or empty directory). Refuses what is not a checkpoint (see the
-    trainer page); the schedule follows ``restore_scheduler``."""
+    trainer page); the schedule follows ``restore_scheduler``. ``carried`` receives what later
+    saves keep of the checkpoint (``megatron_lm_args``)."""
     from mfsdp.checkpoint import load_checkpoint, read_manifest
     from mfsdp.checkpoint.full import full_to_fsdp
     from mfsdp.checkpoint.manifest import is_full_format
@@ -310,6 +316,8 @@ def load_for_training(checkpoint, training, model, opt, routers, cfg) -> int:
         path = tmp
     # --no-ckpt-verify skips the check; a conversion this job just wrote is not checked again
     extra = load_checkpoint(path, model, opt, verify=checkpoint.ckpt_verify and tmp is None)
+    if extra.get("not_carried") and dist.get_rank() == 0:  # what a conversion left behind
+        print(f"--load {root}: not carried: {', '.join(extra['not_carried'])}", flush=True)
     if int(extra["iteration"]) == 0 and dist.get_rank() == 0:
         print(f"--load {root}: loaded the weights of {path} (iteration 0, e.g. imported from "
               "Hugging Face); training starts from them", flush=True)
@@ -321,4 +329,6 @@ def load_for_training(checkpoint, training, model, opt, routers, cfg) -> int:
             if name in extra.get("expert_bias", {}):
                 m.expert_bias.copy_(extra["expert_bias"][name])
     restore_scheduler(training, checkpoint, extra.get("opt_param_scheduler"))
+    if carried is not None and "megatron_lm_args" in extra:
+        carried["megatron_lm_args"] = extra["megatron_lm_args"]
     return int(extra["iteration"])
