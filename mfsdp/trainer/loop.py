@@ -11,12 +11,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mfsdp.trainer.arguments import build_parser, check_args
-from mfsdp.trainer.build import model_config
+from mfsdp.trainer.arguments import build_parser, checked_config
 from mfsdp.trainer.checkpointing import check_load_exists
 from mfsdp.trainer.config import TrainConfig
 from mfsdp.trainer.guard import SaveLock, Watch, report_error
-from mfsdp.trainer.profiling import check_profile_args
 from mfsdp.trainer.signals import install_early, install_terminate, leaving
 from mfsdp.trainer.trainer import Trainer
 
@@ -24,18 +22,16 @@ from mfsdp.trainer.trainer import Trainer
 def run(args: argparse.Namespace) -> list[dict]:
     """Train with parsed ``args`` in an initialised process group; return rank 0's log records.
 
-    The arguments are checked (``mfsdp.trainer.arguments.check_args``) and become a
-    :class:`~mfsdp.trainer.config.TrainConfig`, which is all the run reads from then on.
+    The arguments become a :class:`~mfsdp.trainer.config.TrainConfig` validated for this world
+    and device (``mfsdp.trainer.arguments.checked_config``), which is all the run reads from
+    then on.
     ``--save``'s directory is locked for the run (:class:`~mfsdp.trainer.guard.SaveLock`) and a
     :class:`~mfsdp.trainer.guard.Watch` reports hangs (and, under torchrun, a dead launcher)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend() == "nccl" else torch.device("cpu"))
-    is_cpu = device.type == "cpu"
-    config = TrainConfig.from_args(args)  # (the Namespace stops here)
-    cfg = model_config(config)
-    num_micro = check_args(args, world, cfg)
-    check_profile_args(config.profiling, config.logging.tensorboard_dir, is_cpu)
+    config, cfg = checked_config(args, world, device.type)  # (the Namespace stops here)
+    num_micro = config.micro_batches(world)
     log = print if rank == 0 else (lambda *a, **k: None)
     ckpt = config.checkpoint
     if ckpt.load and ckpt.exit_on_missing_checkpoint:  # before the lock creates --save

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 from mfsdp.trainer.config import LoggingConfig
-from mfsdp.trainer.config.job import check_wandb_args  # noqa: F401 (its home was here)
 
 # what the trainer's per-iteration record calls each scalar -> the name Megatron-LM logs it under
 TRAINING_SCALARS = (("lm loss", "loss"), ("learning-rate", "lr"), ("grad-norm", "grad_norm"),

@@ -86,22 +86,25 @@ class Trainer:
     @classmethod
     def from_config(cls, config: TrainConfig, log=print, watch: Watch | None = None) -> Trainer:
         """A Trainer for ``config`` in an initialised process group (every rank calls it): the
-        model's configuration and the micro-batches per rank follow from ``config``; the device
-        is the process group's (CUDA under NCCL, else the CPU). ``watch``: the hang report
+        model's configuration and the micro-batches per rank follow from ``config``, which is
+        validated for this world and device first (:meth:`TrainConfig.validate`: the rules the
+        command line meets, refused with a ``ValueError``); the device is the process group's
+        (CUDA under NCCL, else the CPU). ``watch``: the hang report
         (default: one with ``--distributed-timeout-minutes``, not started by anything here)."""
         from mfsdp.trainer.build import model_config
 
         world = dist.get_world_size()
         device = (torch.device("cuda", torch.cuda.current_device())
                   if dist.get_backend() == "nccl" else torch.device("cpu"))
-        p, t = config.parallel, config.training
-        dp = world // (p.tensor_model_parallel_size * p.context_parallel_size)
-        num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+        cfg = model_config(config)
+        # the same rules as the command line's (mfsdp.trainer.config.rules): a ValueError
+        config.validate(world, model=cfg, device=device.type)
+        num_micro = config.micro_batches(world)
         owns = watch is None
         if owns:
             watch = Watch(config.job.distributed_timeout_minutes * 60)
         log = log if dist.get_rank() == 0 else (lambda *a, **k: None)
-        trainer = cls(config, model_config(config), num_micro, device, log, watch)
+        trainer = cls(config, cfg, num_micro, device, log, watch)
         trainer.owns_watch = owns
         return trainer
 
