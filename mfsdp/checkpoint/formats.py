@@ -71,6 +71,11 @@ class CheckpointFormat:
     resolves_latest: bool = False  # INPUT may be a root whose ``latest`` names the checkpoint
     streams: bool = False  # its converters spread tensors over the ranks of torchrun
     train_save: bool = False  # mfsdp train --ckpt-format can write it
+    # train_write(written, root, iteration, options): how mfsdp train writes an iteration it
+    # saved in the common form (``written``) into its --save ``root`` in this format, on rank
+    # 0 (options: ``model_cfg``, ``expert_model_parallel_size``); None: the common form is
+    # saved into ``root`` as it is (fsdp_dtensor)
+    train_write: Callable[[Path, Path, int, Any], None] | None = None
 
     def display_name(self) -> str:
         """The name as the guide writes it (an alias first: ``torch_dist`` (or ``megatron_lm``))."""
@@ -332,6 +337,42 @@ def _common_to_safetensors(src: Path, out: Path, o) -> None:
     fsdp_to_safetensors(src, out, getattr(o, "swiglu", False), _dtype(o), config)
 
 
+def _train_write_megatron_lm(written: Path, root: Path, iteration: int, o: Any) -> None:
+    """Megatron-LM's ``torch_dist`` into the save root, as Megatron-LM lays it out (experts for
+    the job's EP size): the iteration directory moved in whole, then the tracker replaced (a
+    crash in between leaves the previous iteration the one that loads)."""
+    import os
+
+    from mfsdp.checkpoint.detect import TRACKER
+
+    tmp_root = root / f".export-iter_{iteration:07d}"
+    shutil.rmtree(tmp_root, ignore_errors=True)
+    try:
+        fsdp_to_megatron_lm(written, tmp_root, o.model_cfg, progress=False, verify=False,
+                            expert_model_parallel_size=o.expert_model_parallel_size)
+        name = f"iter_{iteration:07d}"
+        final = root / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp_root / name, final)
+        (root / f".{TRACKER}.tmp").write_text(str(iteration))
+        os.replace(root / f".{TRACKER}.tmp", root / TRACKER)
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+
+
+def _train_write_full(written: Path, root: Path, iteration: int, o: Any) -> None:
+    """mfsdp's full-tensor form into the save root, then ``latest`` pointed at it."""
+    import os
+
+    final = root / written.name
+    if final.exists():
+        shutil.rmtree(final)
+    fsdp_to_full(written, final, verify=False)  # hashed by this very save
+    (root / ".latest-tmp").write_text(written.name + "\n")
+    os.replace(root / ".latest-tmp", root / "latest")
+
+
 def _load_megatron_lm(path, model, optimizer=None, verify: bool = True) -> dict:
     return load_megatron_lm(path, model, optimizer)
 
@@ -355,7 +396,7 @@ register(CheckpointFormat(
 register(CheckpointFormat(
     name="megatron_lm", aliases=("torch_dist",), recognise=_recognise_megatron_lm,
     to_common=_megatron_lm_to_common, from_common=_common_to_megatron_lm,
-    load=_load_megatron_lm, streams=True, train_save=True,
+    load=_load_megatron_lm, streams=True, train_save=True, train_write=_train_write_megatron_lm,
     holds="Megatron-LM's `--ckpt-format torch_dist` (tracker, `iter_XXXXXXX/`, layers stacked, "
           "optimizer state by weight); as `megatron_lm` also its `--ckpt-format fsdp_dtensor` "
           "(Megatron-LM with `--use-megatron-fsdp`: a plain DCP, `model.module.<name>` per layer)",
@@ -364,6 +405,7 @@ register(CheckpointFormat(
 register(CheckpointFormat(
     name="mfsdp_full", recognise=_recognise_mfsdp("mfsdp_full"), to_common=_full_to_common,
     from_common=_common_to_full, resolves_latest=True, train_save=True,
+    train_write=_train_write_full,
     holds="full tensors: `model.<name>`, optimizer state by *position* (as "
           "`optimizer.state_dict()`), `param_to_param_group_map.json`",
     written_by="a single-process PyTorch job (`save_full_checkpoint`), `mfsdp train "

@@ -5,8 +5,8 @@ the figures the logs report (FLOPs per token, resident memory)."""
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import fields
+from typing import Any
 
 import torch
 
@@ -14,6 +14,7 @@ from mfsdp.data.batches import is_indexed_prefix, tokenizer_of
 from mfsdp.models.config import GPTConfig
 
 from mfsdp.trainer.config import DTYPES, TrainConfig
+from mfsdp.trainer.state import LRScheduler
 
 
 def saved_config(load: str | None) -> dict | None:
@@ -173,13 +174,12 @@ def make_optimizer(groups: list[dict], training) -> torch.optim.Optimizer:
                              eps=training.adam_eps)
 
 
-def learning_rate(training, iteration: int) -> float:
+def learning_rate(training: Any, iteration: int) -> float:
     """The learning rate iteration ``iteration`` (1-based) trains with, as Megatron-LM's
     ``OptimizerParamScheduler`` gives it: the rate after ``iteration - 1`` steps (so with warm-up
-    the first step uses ``--lr-warmup-init``), linear warm-up over ``--lr-warmup-iters``, then
-    ``--lr-decay-style`` down to ``--min-lr`` at ``--lr-decay-iters`` (default ``--train-iters``),
-    ``--min-lr`` after it. ``training``: the :class:`~mfsdp.trainer.config.TrainingConfig` (or
-    anything with its fields).
+    the first step uses ``--lr-warmup-init``) of the
+    :class:`~mfsdp.trainer.state.LRScheduler` of ``training`` (the
+    :class:`~mfsdp.trainer.config.TrainingConfig`, or anything with its fields).
 
     >>> from types import SimpleNamespace as NS
     >>> a = NS(lr=1e-3, min_lr=0.0, lr_warmup_iters=2, lr_warmup_init=0.0, lr_decay_iters=None,
@@ -188,33 +188,7 @@ def learning_rate(training, iteration: int) -> float:
     >>> [round(learning_rate(a, i), 6) for i in range(1, 8)]
     [0.0, 0.0005, 0.001, 0.00075, 0.0005, 0.00025, 0.0]
     """
-    steps, warmup = iteration - 1, training.lr_warmup_iters
-    decay = training.lr_decay_iters or training.train_iters
-    max_lr, min_lr = training.lr, training.min_lr
-    if warmup > 0 and steps <= warmup:
-        return training.lr_warmup_init + (max_lr - training.lr_warmup_init) * steps / warmup
-    if training.lr_decay_style == "constant":
-        return max_lr
-    if steps > decay:
-        return min_lr
-    if training.lr_decay_style == "inverse-square-root":
-        return max(min_lr, max_lr * max(warmup, 1) ** 0.5 / max(steps, 1) ** 0.5)
-    ratio = (steps - warmup) / (decay - warmup)
-    if training.lr_decay_style == "linear":
-        coeff = 1.0 - ratio
-    elif training.lr_decay_style == "cosine":
-        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    else:  # WSD: constant, then the last --lr-wsd-decay-iters anneal
-        wsd = training.lr_wsd_decay_iters
-        start = decay - wsd
-        if steps <= start:
-            coeff = 1.0
-        else:
-            r = (steps - start) / wsd
-            coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
-                     "exponential": 2.0 * 0.5 ** r - 1.0,
-                     "minus_sqrt": 1.0 - math.sqrt(r)}[training.lr_wsd_decay_style]
-    return min_lr + coeff * (max_lr - min_lr)
+    return LRScheduler.from_config(training).lr_at(iteration - 1)
 
 
 def routers_of(model):
