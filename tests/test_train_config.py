@@ -104,3 +104,30 @@ def test_the_parsed_flags_are_copied_not_kept():
     config = TrainConfig.from_args(args)
     args.lr = 7.0
     assert config.logging.run_config["lr"] == 0.5 and config.training.lr == 0.5
+
+
+def _untyped_parameters() -> list[str]:
+    """``file:function(parameter)`` for every parameter without a type in ``mfsdp/trainer``
+    (``self`` and ``cls`` of methods excepted; lambdas cannot carry types)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for file in sorted((root / "mfsdp" / "trainer").rglob("*.py")):
+        tree = ast.parse(file.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs,
+                      *([a.vararg] if a.vararg else []), *([a.kwarg] if a.kwarg else [])]
+            for p in params:
+                if p.annotation is None and p.arg not in ("self", "cls"):
+                    found.append(f"{file.relative_to(root)}:{node.name}({p.arg})")
+    return found
+
+
+def test_every_parameter_of_the_trainer_has_a_type():
+    untyped = _untyped_parameters()
+    assert not untyped, f"{len(untyped)} untyped parameters: {untyped[:20]}"

@@ -13,7 +13,9 @@ import torch
 from mfsdp.data.batches import is_indexed_prefix, tokenizer_of
 from mfsdp.models.config import GPTConfig
 
-from mfsdp.trainer.config import DTYPES, TrainConfig
+from mfsdp.config import MixedPrecisionPolicy
+from mfsdp.trainer.config import (DTYPES, ModelConfig, MoEConfig, PrecisionConfig, TrainConfig,
+                                  TrainingConfig)
 from mfsdp.trainer.state import LRScheduler
 
 
@@ -99,7 +101,7 @@ def _note_padding(vocab: int, size: int) -> None:
               f"(new size: {size})", flush=True)
 
 
-def overridden_config(base, model, moe):
+def overridden_config(base: GPTConfig, model: ModelConfig, moe: MoEConfig) -> GPTConfig:
     """``base`` (a preset's or a checkpoint's config) with every flag of the ``model`` and ``moe``
     groups (:class:`~mfsdp.trainer.config.ModelConfig`, :class:`~mfsdp.trainer.config.MoEConfig`)
     that was given applied; a flag not given keeps ``base``'s value."""
@@ -123,7 +125,7 @@ def overridden_config(base, model, moe):
     return cfg
 
 
-def model_family(model_preset: str | None, cfg) -> str:
+def model_family(model_preset: str | None, cfg: GPTConfig) -> str:
     """What the log calls the model: its preset, or its Hugging Face family."""
     from mfsdp.models.hf import UnsupportedModel, hf_model_type
 
@@ -135,7 +137,7 @@ def model_family(model_preset: str | None, cfg) -> str:
         return "gpt"
 
 
-def precision_policy(precision):
+def precision_policy(precision: PrecisionConfig | argparse.Namespace) -> MixedPrecisionPolicy:
     """The :class:`~mfsdp.MixedPrecisionPolicy` of the precision group
     (:class:`~mfsdp.trainer.config.PrecisionConfig`: ``--bf16``, ``--grad-reduce-in-bf16`` and
     the ``--megatron-fsdp-*-dtype`` flags; the two gradient-communication flags agree: see
@@ -152,7 +154,7 @@ def precision_policy(precision):
     return MixedPrecisionPolicy(main_params_dtype=main, main_grads_dtype=grads, grad_comm_dtype=comm)
 
 
-def build_param_groups(model, training) -> list[dict]:
+def build_param_groups(model: torch.nn.Module, training: TrainingConfig) -> list[dict]:
     """The optimizer's two parameter groups (``training.weight_decay`` on matrices, none on norms
     and biases); ``training``: a :class:`~mfsdp.trainer.config.TrainingConfig`."""
     decay, no_decay = [], []
@@ -164,7 +166,7 @@ def build_param_groups(model, training) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(groups: list[dict], training) -> torch.optim.Optimizer:
+def make_optimizer(groups: list[dict], training: TrainingConfig) -> torch.optim.Optimizer:
     """The optimizer ``--optimizer`` names, with ``--lr``, ``--weight-decay``, Adam's betas and
     ``--adam-eps`` (``training``: the :class:`~mfsdp.trainer.config.TrainingConfig`)."""
     if training.optimizer == "sgd":
@@ -191,7 +193,7 @@ def learning_rate(training: Any, iteration: int) -> float:
     return LRScheduler.from_config(training).lr_at(iteration - 1)
 
 
-def routers_of(model):
+def routers_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(name, router)`` of every MoE router of the model (their expert bias is saved and updated)."""
     from mfsdp.moe.router import TopKRouter
 
@@ -211,7 +213,7 @@ def rss_mib() -> float:
     return float("nan")
 
 
-def flops_per_token(cfg, seq_length: int) -> float:
+def flops_per_token(cfg: GPTConfig, seq_length: int) -> float:
     """Training FLOPs per token: ``6 x`` the parameters a token passes through (the embedding
     lookups excluded, routed experts counted ``topk / num_experts``) plus causal attention's
     ``6 x layers x seq x hidden``."""

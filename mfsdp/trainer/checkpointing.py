@@ -144,7 +144,7 @@ def _pointers(root: Path):
             continue
 
 
-def latest_iteration(root) -> int | None:
+def latest_iteration(root: str | Path) -> int | None:
     """The iteration ``root``'s ``latest`` (or Megatron-LM's tracker) names, or None."""
     for _, text in _pointers(Path(root)):
         digits = text.removeprefix("iter_")
@@ -153,7 +153,7 @@ def latest_iteration(root) -> int | None:
     return None
 
 
-def check_save_not_newer(checkpoint, resumed: int) -> None:
+def check_save_not_newer(checkpoint: CheckpointConfig, resumed: int) -> None:
     """Refuse to train on when ``--save`` (another directory than ``--load``) already holds a
     checkpoint newer than the iteration resumed from: the run would overwrite it with a
     history it never had (a requeued job given an old --load, or two runs' paths swapped)."""
@@ -174,7 +174,7 @@ def check_save_not_newer(checkpoint, resumed: int) -> None:
                          f"{save}), or choose a new --save")
 
 
-def previous_checkpoint(root) -> str:
+def previous_checkpoint(root: str | Path) -> str:
     """Which checkpoint of ``root`` still loads (what ``latest`` or Megatron-LM's tracker
     names), for the message of a failed save."""
     root = Path(root)
@@ -205,7 +205,7 @@ def restore_scheduler(training: Any, checkpoint: Any, saved: dict | None) -> LRS
     return scheduler
 
 
-def convert_on_rank0(tmp: Path, convert) -> None:
+def convert_on_rank0(tmp: Path, convert: Callable[[Path], Any]) -> None:
     """``convert(tmp)`` on rank 0 (a stale ``tmp`` removed first); every rank stops with the
     reason if it fails, none waits at a barrier for a rank that raised."""
     from mfsdp.checkpoint.dcp import on_rank_zero
@@ -220,7 +220,7 @@ def convert_on_rank0(tmp: Path, convert) -> None:
         raise SystemExit(f"--load: {error}")
 
 
-def check_load_exists(root) -> None:
+def check_load_exists(root: str | Path) -> None:
     """``--exit-on-missing-checkpoint``: stop (every rank, one line) when ``--load`` is a new or
     empty directory."""
     from mfsdp.checkpoint.detect import is_empty_directory

@@ -18,9 +18,13 @@ What cannot work here (a CPU run, no ``--tensorboard-dir``) is refused at start 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from mfsdp.trainer.config import ProfilingConfig
 
 __all__ = ["Profiler"]
 
@@ -29,7 +33,8 @@ class Profiler:
     """Starts and stops the profiler of ``--profile`` around the chosen iterations, and dumps
     ``--record-memory-history`` snapshots; every method is a no-op when the flags are off."""
 
-    def __init__(self, profiling, tensorboard_dir: str | None, device: torch.device):
+    def __init__(self, profiling: ProfilingConfig, tensorboard_dir: str | None,
+                 device: torch.device) -> None:
         # the profiling group (ProfilingConfig) and --tensorboard-dir, which the trace goes into
         self.profiling = profiling
         self.tensorboard_dir = tensorboard_dir

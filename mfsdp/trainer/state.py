@@ -86,7 +86,7 @@ class LRScheduler:
                                        and checkpoint.use_checkpoint_opt_param_scheduler))
 
     def lr_at(self, steps: int) -> float:
-        """The learning rate after ``steps`` optimizer steps (of the step numbered ``steps + 1``)."""
+        """The learning rate after ``steps`` optimizer steps (that of step ``steps + 1``)."""
         warmup, decay = self.warmup_steps, self.decay_steps
         max_lr, min_lr = self.max_lr, self.min_lr
         if warmup > 0 and steps <= warmup:

@@ -12,7 +12,7 @@ import json
 import math
 import sys
 import time
-from typing import Callable
+from typing import Callable, TextIO
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,8 @@ class Trainer:
         self.t_start = 0.0
 
     @classmethod
-    def from_config(cls, config: TrainConfig, log=print, watch: Watch | None = None) -> Trainer:
+    def from_config(cls, config: TrainConfig, log: Callable[..., None] = print,
+                    watch: Watch | None = None) -> Trainer:
         """A Trainer for ``config`` in an initialised process group (every rank calls it): the
         model's configuration and the micro-batches per rank follow from ``config``, which is
         validated for this world and device first (:meth:`TrainConfig.validate`: the rules the
@@ -430,7 +431,7 @@ class Trainer:
                     raise
 
 
-def _write_log(jsonl, flag_value: str, rec: dict) -> None:
+def _write_log(jsonl: TextIO, flag_value: str, rec: dict) -> None:
     """One JSON line into ``--log-jsonl`` (rank 0), or a user error naming the file."""
     try:
         jsonl.write(json.dumps(rec) + "\n")

@@ -91,7 +91,8 @@ class TrainConfig:
         """Check the rules that need the world size, the model's configuration ``model`` (a
         :class:`~mfsdp.models.config.GPTConfig`, as
         :func:`~mfsdp.trainer.build.model_config` gives it), the file system and the device
-        (``"cpu"`` or ``"cuda"``; None leaves its rules out): :data:`~mfsdp.trainer.config.rules.LAYOUT_RULES`; a
+        (``"cpu"`` or ``"cuda"``; None leaves its rules out):
+        :data:`~mfsdp.trainer.config.rules.LAYOUT_RULES`; a
         ``ValueError`` with the first broken rule's line."""
         rules.check(self, world_size, model, device)
 

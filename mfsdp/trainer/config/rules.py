@@ -127,7 +127,8 @@ def _needs_fsdp(dest: str, reason: str, **kw: Any) -> Needs:
     return Needs(dest=dest, present=_fsdp, why=f"needs --use-megatron-fsdp ({reason})", **kw)
 
 
-_VALID = "needs an indexed --data-path (validation reads its valid split; mock and byte data have none)"
+_VALID = ("needs an indexed --data-path (validation reads its valid split; mock and byte data "
+          "have none)")
 
 NEEDS: tuple[Needs, ...] = (
     # sharding-engine options: the DDP path has no engine to hand them to
