@@ -63,10 +63,13 @@ READERS: dict[str, tuple[str, ...]] = {
         "num_query_groups", "disable_bias_linear",
         "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "bf16",
         "grad_reduce_in_bf16", "megatron_fsdp_main_params_dtype",
-        "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype", "lr", "min_lr",
-        "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "lr_warmup_init",
-        "lr_wsd_decay_iters", "lr_wsd_decay_style", "weight_decay", "optimizer", "sgd_momentum",
-        "adam_beta1", "adam_beta2", "adam_eps")},
+        "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype", "lr",
+        "weight_decay", "optimizer", "sgd_momentum", "adam_beta1", "adam_beta2", "adam_eps")},
+    # the learning-rate scheduler and Megatron-LM's rule for a loaded schedule
+    **{dest: (f"{T}/state.py",) for dest in (
+        "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "lr_warmup_init",
+        "lr_wsd_decay_iters", "lr_wsd_decay_style", "override_opt_param_scheduler",
+        "use_checkpoint_opt_param_scheduler")},
     # the sharding engine's options, handed to fully_shard by the trainer's model builder
     # (build_sharded_model, which mfsdp plan --dry-run calls too)
     **{dest: (f"{T}/parallel.py",) for dest in (
@@ -90,8 +93,7 @@ READERS: dict[str, tuple[str, ...]] = {
     "expert_tensor_parallel_size": (f"{T}/config/rules.py",),  # only ever 1: checked there
     "train_samples": (f"{T}/config/__init__.py",),  # sets train_iters in TrainConfig
     **{dest: (f"{T}/checkpointing.py",) for dest in (
-        "load", "exit_on_missing_checkpoint", "override_opt_param_scheduler",
-        "use_checkpoint_opt_param_scheduler", "ckpt_verify", "ckpt_format")},
+        "load", "exit_on_missing_checkpoint", "ckpt_verify", "ckpt_format")},
     **{dest: (f"{T}/signals.py",) for dest in ("exit_signal_handler", "exit_duration_in_mins")},
     # fields of LoggingConfig (config/job.py), which metrics.py and trainer.py are given
     **{dest: (f"{T}/metrics.py",) for dest in ("wandb_project", "wandb_exp_name", "wandb_entity")},
