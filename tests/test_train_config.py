@@ -131,3 +131,4 @@ def _untyped_parameters() -> list[str]:
 def test_every_parameter_of_the_trainer_has_a_type():
     untyped = _untyped_parameters()
     assert not untyped, f"{len(untyped)} untyped parameters: {untyped[:20]}"
+

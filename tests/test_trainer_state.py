@@ -12,7 +12,8 @@ What these tests prove:
   checkpoint's, or keep this one), without changing the run's configuration;
 * a checkpoint written with the keys the trainer wrote before these components existed (no
   ``trainer`` entry) still resumes: the Trainer takes its iteration, its schedule and its
-  routers' bias, and the resumed losses equal an uninterrupted run's (one gloo rank, SGD).
+  routers' bias, and the resumed losses equal an uninterrupted run's (one gloo rank, SGD); and
+  ``Trainer.from_config`` refuses a config the command line refuses.
 """
 
 from __future__ import annotations
@@ -92,24 +93,26 @@ def test_a_loaded_schedule_follows_megatron_lms_rule_and_leaves_the_config_alone
     assert (copy.iteration, copy.consumed_samples) == (1, 8)
 
 
-def _resume_from_an_old_checkpoint(root: str) -> tuple[list[float], list[float], int]:
+def _resume_from_an_old_checkpoint(root: str) -> tuple[list[float], list[float], int, str]:
     """One rank: an uninterrupted run of 4 iterations; a run of 2 saved with the keys the
-    trainer wrote before its components owned their state; a resumed run from it."""
+    trainer wrote before its components owned their state; a resumed run from it. And what
+    ``Trainer.from_config`` says of a global batch that does not split."""
     from mfsdp.checkpoint import save_checkpoint
     from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE
     from mfsdp.trainer.checkpointing import scheduler_state
     from mfsdp.trainer.trainer import Trainer
 
     def config(**kw) -> TrainConfig:
-        return TrainConfig.from_fields(use_megatron_fsdp=True, optimizer="sgd", train_iters=4,
-                                       global_batch_size=4, micro_batch_size=2,
-                                       model_preset="deepseek-proxy", moe_aux_loss_coeff=0.0,
-                                       **kw)
+        values = dict(use_megatron_fsdp=True, optimizer="sgd", train_iters=4,
+                      global_batch_size=4, micro_batch_size=2, num_experts=4,
+                      moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.0)
+        return TrainConfig.from_fields(**{**values, **kw})
 
     quiet = dict(log=lambda *a, **k: None)
     straight = Trainer.from_config(config(), **quiet).run()
     first = Trainer.from_config(config(exit_interval=2), **quiet)
     first.run()
+    assert first.routers, "the model has routers with a balancing bias"
     extra = {"expert_bias": {n: m.expert_bias.detach().cpu().clone() for n, m in first.routers},
              "data_position": 2, "opt_param_scheduler": scheduler_state(config().training, 2)}
     save_checkpoint(root, first.model, first.opt, iteration=2, extra=extra,
@@ -117,12 +120,20 @@ def _resume_from_an_old_checkpoint(root: str) -> tuple[list[float], list[float],
     resumed = Trainer.from_config(config(load=root), **quiet)
     records = resumed.run()
     assert resumed.state.consumed_samples == 4 * 4  # iteration 2's 8 samples taken as given
+    try:
+        Trainer.from_config(config(global_batch_size=5), **quiet)
+        refused = "accepted"
+    except ValueError as exc:
+        refused = str(exc)
     return ([r["loss"] for r in straight[2:]], [r["loss"] for r in records],
-            resumed.scheduler.num_steps)
+            resumed.scheduler.num_steps, refused)
 
 
 def test_a_checkpoint_without_the_trainer_state_still_resumes(tmp_path):
-    straight, resumed, steps = launch(_resume_from_an_old_checkpoint, 1,
-                                      args=(str(tmp_path / "ckpt"),))[0]
+    straight, resumed, steps, refused = launch(_resume_from_an_old_checkpoint, 1,
+                                               args=(str(tmp_path / "ckpt"),))[0]
     assert resumed == straight  # bit-identical: weights, optimizer, schedule, bias, RNG
     assert steps == 4
+    # Trainer.from_config meets the command line's rules (TrainConfig.validate)
+    assert refused == ("--global-batch-size 5 is not divisible by --micro-batch-size x "
+                       "data-parallel size = 2 x 1; pick a multiple of 2")

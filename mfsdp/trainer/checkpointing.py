@@ -235,35 +235,19 @@ def load_for_training(checkpoint: CheckpointConfig, model: torch.nn.Module,
                       opt: torch.optim.Optimizer, cfg: GPTConfig) -> dict[str, Any]:
     """Load ``checkpoint.load``, in any format mfsdp reads, into ``model`` and ``opt``; return
     the checkpoint's ``extra`` (``iteration``: the one to continue after, 0 for a new or empty
-    directory; the components' states by name). Refuses what is not a checkpoint (see the
-    trainer page)."""
-    from mfsdp.checkpoint import load_checkpoint, read_manifest
-    from mfsdp.checkpoint.full import full_to_fsdp
-    from mfsdp.checkpoint.manifest import is_full_format
-    from mfsdp.checkpoint.manifest import resolve_checkpoint
-    from mfsdp.checkpoint.detect import resolve_megatron_lm
-    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
-
+    directory; the components' states by name). The format registry
+    (:mod:`mfsdp.checkpoint.formats`) recognises the format and says how it is read: loaded as
+    it is, or converted into the common form inside the ``--load`` root first
+    (``train_converts``). Refuses what is not a checkpoint (see the trainer page)."""
+    from mfsdp.checkpoint import formats, load_checkpoint
     from mfsdp.checkpoint.detect import (describe_non_checkpoint, describe_unreadable,
                                          is_empty_directory)
-    from mfsdp.checkpoint.formats import detect
+    from mfsdp.checkpoint.manifest import resolve_checkpoint
 
     root = Path(checkpoint.load)
-    found = detect(root)  # the format registry's answer (mfsdp/checkpoint/formats.py)
-    if found == "megatron_fsdp":
-        load_checkpoint(root, model, opt)
-        if dist.get_rank() == 0:
-            print(f"--load {root}: loaded an upstream Megatron-FSDP checkpoint (weights and "
-                  "optimizer state); training starts at iteration 0", flush=True)
-        return {"iteration": 0}
-    tmp = None
-    if found == "megatron_lm":
-        # Megatron-LM's torch_dist or fsdp_dtensor: rank 0 converts it with this job's model config
-        directory, _ = resolve_megatron_lm(root)
-        tmp = root / f".from-megatron_lm-{directory.name}"
-        convert_on_rank0(tmp, lambda out: megatron_lm_to_fsdp(root, out, cfg.to_dict()))
-        path = tmp
-    else:
+    found = formats.detect(root)
+    fmt = formats.get(found) if found is not None else None
+    if fmt is None or (fmt.load is None and not fmt.train_converts):
         unreadable = describe_unreadable(root)
         if unreadable:  # never a silent fresh start over a checkpoint we cannot read
             raise SystemExit(f"--load: {unreadable}")
@@ -274,19 +258,23 @@ def load_for_training(checkpoint: CheckpointConfig, model: torch.nn.Module,
                 print(f"--load {root}: no checkpoint there yet, starting from iteration 0",
                       flush=True)
             return {"iteration": 0}
-        if not ((root / "latest").exists() or (root / "manifest.json").exists()):
-            # anything else is refused: a fresh start would later overwrite what is there
-            raise SystemExit(f"mfsdp train: --load: {describe_non_checkpoint(root)}"
-                             if dist.get_rank() == 0 else 1)
-        path = resolve_checkpoint(root)
-    if tmp is None and is_full_format(read_manifest(path)):
-        tmp = root / f".from-mfsdp_full-{path.name}"
-        convert_on_rank0(tmp, lambda out: full_to_fsdp(path, out, verify=checkpoint.ckpt_verify))
+        # anything else is refused: a fresh start would later overwrite what is there
+        raise SystemExit(f"mfsdp train: --load: {describe_non_checkpoint(root)}"
+                         if dist.get_rank() == 0 else 1)
+    path = resolve_checkpoint(root) if fmt.resolves_latest else root
+    tmp = None
+    if fmt.train_converts:  # rank 0 converts it with this job's model configuration
+        tmp = root / f".from-{fmt.name}-{path.name}"
+        options = SimpleNamespace(model_cfg=cfg.to_dict(), verify=checkpoint.ckpt_verify)
+        source = path
+        convert_on_rank0(tmp, lambda out: fmt.to_common(source, out, options))
         path = tmp
     # --no-ckpt-verify skips the check; a conversion this job just wrote is not checked again
     extra = load_checkpoint(path, model, opt, verify=checkpoint.ckpt_verify and tmp is None)
-    if int(extra["iteration"]) == 0 and dist.get_rank() == 0:
-        print(f"--load {root}: loaded the weights of {path} (iteration 0, e.g. imported from "
+    if int(extra.get("iteration", 0)) == 0 and dist.get_rank() == 0:
+        print(f"--load {root}: loaded {fmt.train_note}; training starts at iteration 0"
+              if fmt.train_note else
+              f"--load {root}: loaded the weights of {path} (iteration 0, e.g. imported from "
               "Hugging Face); training starts from them", flush=True)
     dist.barrier()
     if tmp is not None and dist.get_rank() == 0:
