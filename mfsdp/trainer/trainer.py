@@ -49,7 +49,7 @@ class Trainer:
         # saves to --save and resumes from --load: the model, the optimizer and self.states
         self.checkpointer = Checkpointer(config.checkpoint, cfg,
                                          config.parallel.expert_model_parallel_size)
-        # micro-batches per rank and iteration (from check_args): gradient accumulation
+        # micro-batches per rank and iteration (gradient accumulation; TrainConfig.micro_batches)
         self.num_micro = num_micro
         # where this rank computes; the log prints on rank 0 only
         self.device = device
