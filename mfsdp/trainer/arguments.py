@@ -1,7 +1,7 @@
 """The trainer's command line: Megatron-LM's flags (``build_parser``, generated from the config
 classes) and the parsed arguments turned into a validated
 :class:`~mfsdp.trainer.config.TrainConfig` (``checked_config``): the rules themselves live in
-:mod:`mfsdp.trainer.config.rules`, where a config built in code meets them too."""
+``mfsdp.trainer.config.rules``, where a config built in code meets them too."""
 
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def checked_config(args: argparse.Namespace, world: int, device: str | None = None,
                    model: Any = None) -> tuple[TrainConfig, Any]:
     """The :class:`~mfsdp.trainer.config.TrainConfig` of parsed arguments ``args`` (the
-    Namespace stops here), validated for ``world`` ranks (:meth:`TrainConfig.validate`) and
+    Namespace stops here), validated for ``world`` ranks (:meth:`~mfsdp.trainer.config.TrainConfig.validate`) and
     ``device`` (None: the device's rules are left out, as for a dry run), with the model's
-    configuration (``model``, else :func:`~mfsdp.trainer.build.model_config`'s). A refusal is
+    configuration (``model``, else ``mfsdp.trainer.build.model_config``'s). A refusal is
     a ``SystemExit`` with its one line: the command line's form of the ``ValueError`` a config
     built in code gets."""
     from mfsdp.trainer.build import model_config

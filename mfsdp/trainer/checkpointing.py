@@ -1,5 +1,5 @@
 """The trainer's checkpoints: ``--save`` in the ``--ckpt-format`` the format registry
-(:mod:`mfsdp.checkpoint.formats`) writes, ``--load`` of every format mfsdp reads, and the
+(``mfsdp.checkpoint.formats``) writes, ``--load`` of every format mfsdp reads, and the
 components' states saved beside the model and optimizer.
 
 :class:`Checkpointer` is the component the :class:`~mfsdp.trainer.trainer.Trainer` holds, in
@@ -236,7 +236,7 @@ def load_for_training(checkpoint: CheckpointConfig, model: torch.nn.Module,
     """Load ``checkpoint.load``, in any format mfsdp reads, into ``model`` and ``opt``; return
     the checkpoint's ``extra`` (``iteration``: the one to continue after, 0 for a new or empty
     directory; the components' states by name). The format registry
-    (:mod:`mfsdp.checkpoint.formats`) recognises the format and says how it is read: loaded as
+    (``mfsdp.checkpoint.formats``) recognises the format and says how it is read: loaded as
     it is, or converted into the common form inside the ``--load`` root first
     (``train_converts``). Refuses what is not a checkpoint (see the trainer page)."""
     from mfsdp.checkpoint import formats, load_checkpoint

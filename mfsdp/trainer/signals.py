@@ -6,13 +6,10 @@ from __future__ import annotations
 import os
 import time
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from mfsdp.trainer.config import CheckpointConfig
+from mfsdp.trainer.config import CheckpointConfig
 
 
 class StopRequest:
@@ -44,7 +41,7 @@ class StopRequest:
     def reason(self, checkpoint: CheckpointConfig, t_start: float,
                device: torch.device) -> str | None:
         """Why to stop now ('' to go on), the same on every rank (``checkpoint``: the
-        :class:`~mfsdp.trainer.config.CheckpointConfig`, which holds the exit flags)."""
+        :class:`~mfsdp.trainer.config.job.CheckpointConfig`, which holds the exit flags)."""
         if not (checkpoint.exit_signal_handler or checkpoint.exit_duration_in_mins):
             return ""
         minutes = (time.perf_counter() - t_start) / 60

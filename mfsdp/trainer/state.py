@@ -73,7 +73,7 @@ class LRScheduler:
     def from_config(cls, training: Any, checkpoint: Any = None,
                     optimizer: torch.optim.Optimizer | None = None) -> LRScheduler:
         """The schedule of the ``training`` group (a
-        :class:`~mfsdp.trainer.config.TrainingConfig`, or anything with its fields), with the
+        :class:`~mfsdp.trainer.config.training.TrainingConfig`, or anything with its fields), with the
         ``checkpoint`` group's rule for a loaded schedule."""
         return cls(optimizer, max_lr=training.lr, min_lr=training.min_lr,
                    warmup_steps=training.lr_warmup_iters,

@@ -99,7 +99,7 @@ class Trainer:
                     watch: Watch | None = None) -> Trainer:
         """A Trainer for ``config`` in an initialised process group (every rank calls it): the
         model's configuration and the micro-batches per rank follow from ``config``, which is
-        validated for this world and device first (:meth:`TrainConfig.validate`: the rules the
+        validated for this world and device first (:meth:`~mfsdp.trainer.config.TrainConfig.validate`: the rules the
         command line meets, refused with a ``ValueError``); the device is the process group's
         (CUDA under NCCL, else the CPU). ``watch``: the hang report
         (default: one with ``--distributed-timeout-minutes``, not started by anything here)."""

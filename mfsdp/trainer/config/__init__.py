@@ -6,8 +6,8 @@ classes (:func:`mfsdp.trainer.arguments.build_parser`, Megatron-LM's flag names)
 :class:`~mfsdp.trainer.trainer.Trainer` and its components are given: the argparse
 ``Namespace`` stops there.
 
-The rules across groups live in :mod:`mfsdp.trainer.config.rules`: ``TrainConfig.__post_init__``
-checks those that need nothing else, :meth:`TrainConfig.validate` those that need the world
+The rules across groups live in ``mfsdp.trainer.config.rules``: ``TrainConfig.__post_init__``
+checks those that need nothing else, :meth:`~mfsdp.trainer.config.TrainConfig.validate` those that need the world
 size and the model. A config built in code meets the same rules as the command line, with the
 same message (a ``ValueError``). The groups are frozen: a run never changes its configuration.
 
@@ -47,7 +47,7 @@ __all__ = ["CheckpointConfig", "DTYPES", "DataConfig", "GROUPS", "JobConfig", "L
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     """Everything a training run is configured with, one typed group per flag group; the rules
-    across groups (:data:`~mfsdp.trainer.config.rules.RULES`) are checked when it is built,
+    across groups (``mfsdp.trainer.config.rules.RULES``) are checked when it is built,
     those that need the world size and the model by :meth:`validate`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -90,9 +90,9 @@ class TrainConfig:
     def validate(self, world_size: int, *, model: Any, device: str | None = "cpu") -> None:
         """Check the rules that need the world size, the model's configuration ``model`` (a
         :class:`~mfsdp.models.config.GPTConfig`, as
-        :func:`~mfsdp.trainer.build.model_config` gives it), the file system and the device
+        ``mfsdp.trainer.build.model_config`` gives it), the file system and the device
         (``"cpu"`` or ``"cuda"``; None leaves its rules out):
-        :data:`~mfsdp.trainer.config.rules.LAYOUT_RULES`; a
+        ``mfsdp.trainer.config.rules.LAYOUT_RULES``; a
         ``ValueError`` with the first broken rule's line."""
         rules.check(self, world_size, model, device)
 

@@ -138,7 +138,7 @@ class LoggingConfig:
 @dataclass(kw_only=True, frozen=True)
 class ProfilingConfig:
     """Profiler traces and CUDA memory history (checked with the device and
-    ``--tensorboard-dir`` by the rules of :mod:`mfsdp.trainer.config.rules`)."""
+    ``--tensorboard-dir`` by the rules of ``mfsdp.trainer.config.rules``)."""
 
     profile: bool = flag(default=False)
     """profile iterations --profile-step-start to --profile-step-end (an nsys capture range on GPUs;
