@@ -5,8 +5,10 @@ What these tests prove: for each rule across the flag groups (the list is
 added later is walked here without an edit), a :class:`~mfsdp.trainer.config.TrainConfig` built
 in code from the rule's example is refused with a ``ValueError`` (at construction, or by
 ``validate(world_size, model=...)``), and the same example given as ``mfsdp train`` flags is
-refused by the command line's check with the very same line. The groups are frozen, and a
-config that breaks nothing validates.
+refused by the command line's check with the very same line. A group's own rules (its
+``__post_init__``) are walked too: each has an example, and a rule added without one fails
+``test_every_rule_of_a_group_has_an_example``. The groups are frozen, a config that breaks
+nothing validates, and every parameter in ``mfsdp/trainer`` has a type.
 """
 
 from __future__ import annotations
@@ -132,3 +134,56 @@ def test_every_parameter_of_the_trainer_has_a_type():
     untyped = _untyped_parameters()
     assert not untyped, f"{len(untyped)} untyped parameters: {untyped[:20]}"
 
+
+
+# A group's own rules live in its __post_init__; each has an example here (cli: whether the
+# command line reaches the rule, or its parser refuses the value first).
+GROUP_REFUSALS: list[tuple[dict, bool]] = [
+    ({"distributed_timeout_minutes": -1.0}, False),
+    ({**{"use_megatron_fsdp": True, "load": "somewhere"}, "override_opt_param_scheduler": True,
+      "use_checkpoint_opt_param_scheduler": True}, True),
+    ({"save_interval": 2}, True),
+    ({"log_interval": 0}, False),
+    ({"wandb_exp_name": "e"}, True),
+    ({"wandb_project": "p"}, True),
+    ({"profile": True, "use_pytorch_profiler": True, "tensorboard_dir": "tb",
+      "profile_step_end": 3}, True),
+    ({"use_pytorch_profiler": True}, True),
+    ({"group_query_attention": True}, True),
+    ({"use_megatron_fsdp": True, "outer_dp_sharding_strategy": "optim"}, True),
+    ({"lr_decay_style": "WSD"}, True),
+    ({"lr_warmup_iters": 30}, True),
+    ({"clip_grad": -1.0}, False),
+    ({"tokenizer_model": "somewhere"}, True),
+]
+# rules no example can reach here: LoggingConfig's "needs the wandb package" (it is installed)
+UNREACHABLE = 1
+
+
+def test_every_rule_of_a_group_has_an_example():
+    """Each ``raise ValueError`` in a group's ``__post_init__`` is one rule: a rule added later
+    without an example above fails here."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "mfsdp" / "trainer" / "config"
+    raises = 0
+    for file in ("job.py", "model.py", "parallel.py", "training.py"):
+        for node in ast.walk(ast.parse((root / file).read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name == "__post_init__":
+                raises += sum(isinstance(n, ast.Raise) for n in ast.walk(node))
+    assert raises == len(GROUP_REFUSALS) + UNREACHABLE
+
+
+@pytest.mark.parametrize("example, cli", GROUP_REFUSALS,
+                         ids=lambda v: "-".join(v) if isinstance(v, dict) else str(v))
+def test_a_groups_own_rule_refuses_in_code_as_on_the_command_line(example, cli):
+    with pytest.raises(ValueError) as code:
+        TrainConfig.from_fields(**example)
+    args = rules.command_line(TrainConfig, example)
+    with pytest.raises(SystemExit) as line:
+        checked_config(build_parser().parse_args(args), 1, "cpu")
+    if cli:
+        assert line.value.code == str(code.value)
+    else:  # the parser's type refuses the value first (status 2, its own message)
+        assert line.value.code == 2
