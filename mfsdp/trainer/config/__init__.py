@@ -48,7 +48,8 @@ __all__ = ["CheckpointConfig", "DTYPES", "DataConfig", "GROUPS", "JobConfig", "L
 class TrainConfig:
     """Everything a training run is configured with, one typed group per flag group; the rules
     across groups (``mfsdp.trainer.config.rules.RULES``) are checked when it is built,
-    those that need the world size and the model by :meth:`validate`."""
+    those that need the world size and the model by
+    :meth:`~mfsdp.trainer.config.TrainConfig.validate`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model's sizes, norms, positions, attention and recomputation; a field left at None
