@@ -3,9 +3,10 @@ mfsdp against DDP and PyTorch FSDP2, side by side
 ==================================================
 
 Train the same model on the same data with DDP, PyTorch FSDP2 (with and without resharding after
-forward) and mfsdp under each strategy, in one run on 2 ranks, interleaving the systems step by
-step. This is the small configuration that runs inside the docs build; the full benchmark (about 9M
-parameters, 2 and 4 ranks) is the same command with its defaults, and its results are on the
+forward) and mfsdp under each strategy. All run in one run on 2 ranks, taking turns step by step.
+
+This is the small configuration that runs inside the docs build. The full benchmark (about 9M
+parameters, 2 and 4 ranks) is the same command with its defaults; its results are on the
 performance page.
 
 **What you will learn**

@@ -2,12 +2,15 @@
 bf16 gradient reduction at 2 to 1,024 ranks, bit for bit
 =========================================================
 
-Reducing gradients in bf16 halves the bytes of the reduce-scatter. What it costs depends on *where*
-the sums are rounded: mfsdp's gloo path sends bf16 values and sums them in fp32 (one rounding),
-while NCCL's ring reduce-scatter adds one rank per hop and rounds every partial sum to bf16. This
-recipe computes the gradients of a Llama-style model on 1,024 different micro-batches, reduces
-them as each path does (bit for bit, in the ring's real order) for 2 to 1,024 ranks, and compares
-with the exact mean. Nothing is extrapolated.
+Reducing gradients in bf16 halves the bytes of the reduce-scatter. What it costs depends on
+*where* the sums are rounded:
+
+* mfsdp's gloo path sends bf16 values and sums them in fp32: one rounding;
+* NCCL's ring reduce-scatter adds one rank per hop, and rounds every partial sum to bf16.
+
+This recipe computes the gradients of a Llama-style model on 1,024 different micro-batches. It
+reduces them as each path does, bit for bit and in the ring's real order, for 2 to 1,024 ranks,
+and compares with the exact mean. Nothing is extrapolated.
 
 **What you will learn**
 

@@ -2,11 +2,13 @@
 Fine-tune a Hugging Face model sharded, and give it back to ``transformers``
 ============================================================================
 
-Take a model in Hugging Face format, convert it to a sharded ``fsdp_dtensor`` checkpoint, fine-tune
-it with ``mfsdp train`` on two CPU ranks (ZeRO-3, expert parallelism 2), export the result to
-Hugging Face format and run it with ``transformers``. The model is a tiny random Qwen2-MoE built
-by ``transformers`` itself (nothing is downloaded); the commands are the ones you would run on a
-real checkpoint such as ``Qwen/Qwen1.5-MoE-A2.7B`` or ``meta-llama/Llama-3.1-8B``.
+Take a model in Hugging Face format and convert it to a sharded ``fsdp_dtensor`` checkpoint.
+Fine-tune it with ``mfsdp train`` on two CPU ranks (ZeRO-3, expert parallelism 2). Then export
+the result to Hugging Face format, and run it with ``transformers``.
+
+The model is a tiny random Qwen2-MoE built by ``transformers`` itself: nothing is downloaded. The
+commands are the ones you would run on a real checkpoint, such as ``Qwen/Qwen1.5-MoE-A2.7B`` or
+``meta-llama/Llama-3.1-8B``.
 
 **What you will learn**
 

@@ -59,6 +59,8 @@ outer = [r[1].get("dp_outer", 0) for r in rows]
 ax.barh(names, inner, label="shard group (inside a node)")
 ax.barh(names, outer, left=inner, label="outer group (between nodes)")
 ax.set_xlabel("MiB sent per rank per step")
+# room right of the longest bar (a stacked bar of width 0 would pin the axis to its end)
+ax.set_xlim(0, 1.05 * max(i + o for i, o in zip(inner, outer)))
 ax.invert_yaxis()
 # the legend above the axes: inside, it would cover the longest bars
 fig.legend(loc="outside upper center", ncols=2, frameon=False)

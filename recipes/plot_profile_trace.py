@@ -68,11 +68,14 @@ assert {"mfsdp::all_gather", "mfsdp::reduce_scatter"} <= set(labels)
 # Draw the last iteration
 # -----------------------
 # The trainer labels its phases too (``mfsdp::forward``, ``mfsdp::backward`` per micro-batch,
-# ``mfsdp::optimizer_step``), so the last iteration is the span from its first forward to its
-# optimizer step. One row per label: with 2 micro-batches of ZeRO-3, each unit is all-gathered
-# before its forward and again before its backward, and reduce-scattered after its backward (on
-# CPU with gloo the bars are the time to launch an asynchronous collective; waiting for one shows
-# up in the phase that needs its result).
+# ``mfsdp::optimizer_step``). So the last iteration is the span from its first forward to its
+# optimizer step.
+#
+# The plot has one row per label. With 2 micro-batches of ZeRO-3, each unit is all-gathered
+# before its forward and again before its backward, and reduce-scattered after its backward.
+#
+# On CPU with gloo, the bars are the time to launch an asynchronous collective. Waiting for one
+# shows up in the phase that needs its result.
 import matplotlib.pyplot as plt
 
 step = max((e for e in events if e["name"] == "mfsdp::optimizer_step"),

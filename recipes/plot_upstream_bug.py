@@ -52,9 +52,10 @@ print(f"step 1: gradient-norm ratio {first.grad_norm_ratio:.4f}, "
 # %%
 # Check the workaround before you ship it
 # ---------------------------------------
-# Until you run a release with #5976, reset the optimizer right after ``fully_shard``. The
-# function below is what your script calls; ``--after-shard`` (``after_shard=``) runs it inside
-# the check, on every rank, after upstream's engine has sharded the model.
+# Until you run a release with the fix (NVIDIA/Megatron-LM#5976), reset the optimizer
+# right after ``fully_shard``. The function below is what your script calls;
+# ``--after-shard`` (``after_shard=``) runs it inside the check, on every rank, after
+# upstream's engine has sharded the model.
 import inspect
 
 from mfsdp.check.engines.upstream import reset_optimizer_step

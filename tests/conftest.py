@@ -48,7 +48,6 @@ SAMPLED = {
     "test_four_ranks_match_reference": 2,                # test_hsdp_ep.py: 18
     "test_dispatcher_matches_dense_reference": 2,        # test_moe.py: 18
     "test_torchrun_two_ranks_lowers_the_loss": 2,        # test_train.py: 5 torchrun jobs
-    "test_activation_recompute_gives_the_same_loss_curve": 2,  # test_train.py: 6
 }
 
 

@@ -333,25 +333,46 @@ def test_every_field_is_declared_where_its_class_is_initialised():
 _LONG_FUNCTIONS_LEFT: set[str] = set()
 
 
-def _long_functions(limit: int = 80) -> set[str]:
-    """``path::name`` of every function of trainer/ and checkpoint/ longer than ``limit`` lines
-    (its decorators, signature and docstring included)."""
+_FUNCTION_LINES = 80  # the most lines a function of trainer/ or checkpoint/ may take
+
+
+def _long_functions(limit: int = _FUNCTION_LINES, root: Path = PKG) -> set[str]:
+    """``path::name`` of every function of ``root``'s trainer/ and checkpoint/ longer than
+    ``limit`` lines (its decorators, signature and docstring included)."""
     found = set()
     for package in ("trainer", "checkpoint"):
-        for path in sorted((PKG / package).rglob("*.py")):
+        for path in sorted((root / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
                         node.end_lineno - node.lineno + 1 > limit:
-                    found.add(f"{path.relative_to(PKG.parent).as_posix()}::{node.name}")
+                    found.add(f"{path.relative_to(root.parent).as_posix()}::{node.name}")
     return found
 
 
 def test_no_function_of_the_trainer_or_checkpoints_over_80_lines():
     """torchtitan's trainer reads in screens: no function in trainer/ or checkpoint/ over 80
     lines, but the conversions listed in _LONG_FUNCTIONS_LEFT (which may only shrink)."""
+    assert _FUNCTION_LINES == 80
     long = _long_functions()
     assert long <= _LONG_FUNCTIONS_LEFT, sorted(long - _LONG_FUNCTIONS_LEFT)
     assert _LONG_FUNCTIONS_LEFT <= long, ("split already: remove from _LONG_FUNCTIONS_LEFT",
                                           sorted(_LONG_FUNCTIONS_LEFT - long))
-    assert _long_functions(limit=10**6) == set()  # (the walk sees functions at all:)
-    assert _long_functions(limit=5)
+
+
+def test_the_long_function_walk_finds_a_function_one_line_over_the_limit(tmp_path):
+    """A seeded package: a method of 81 lines (nested in a class, in a sub-package) is found at
+    the real limit, one of exactly 80 lines and one in a package outside the walk are not."""
+    def function(name: str, lines: int, indent: str = "") -> str:
+        body = "".join(f"{indent}    x{i} = {i}\n" for i in range(lines - 2))
+        return f"{indent}def {name}():\n{body}{indent}    return 0\n"
+
+    (tmp_path / "mfsdp" / "trainer" / "sub").mkdir(parents=True)
+    (tmp_path / "mfsdp" / "checkpoint").mkdir()
+    (tmp_path / "mfsdp" / "models").mkdir()
+    (tmp_path / "mfsdp" / "trainer" / "sub" / "a.py").write_text(
+        "class A:\n" + function("over", _FUNCTION_LINES + 1, "    "))
+    (tmp_path / "mfsdp" / "checkpoint" / "b.py").write_text(function("at", _FUNCTION_LINES))
+    (tmp_path / "mfsdp" / "models" / "c.py").write_text(function("elsewhere", 200))
+    assert _long_functions(root=tmp_path / "mfsdp") == {"mfsdp/trainer/sub/a.py::over"}
+    assert _long_functions(limit=_FUNCTION_LINES - 1, root=tmp_path / "mfsdp") == {
+        "mfsdp/trainer/sub/a.py::over", "mfsdp/checkpoint/b.py::at"}

@@ -163,7 +163,8 @@ def test_fsdp2_fails_the_loss_averaged_twice_and_a_parameter_left_out():
                            optimizer_factory=f"{FAULTS}:optimizer_without_final_norm",
                            **_quiet())
     (r,) = left_out.layouts
-    assert not r.passed and r.steps[0].worst_param in ("norm.weight", "norm.bias")
+    assert not r.passed and r.steps, r.reason  # a rank that raised has no steps: say why
+    assert r.steps[0].worst_param in ("norm.weight", "norm.bias"), r.reason
     assert r.steps[0].worst_param_error == pytest.approx(1.0)
 
 
@@ -215,7 +216,8 @@ def test_upstream_fails_the_loss_averaged_twice_and_a_parameter_left_out():
                            optimizer_factory=f"{FAULTS}:optimizer_without_final_norm",
                            **_quiet())
     (r,) = left_out.layouts
-    assert not r.passed and r.steps[0].worst_param in ("norm.weight", "norm.bias")
+    assert not r.passed and r.steps, r.reason  # a rank that raised has no steps: say why
+    assert r.steps[0].worst_param in ("norm.weight", "norm.bias"), r.reason
     assert r.steps[0].worst_param_error == pytest.approx(1.0)
 
 

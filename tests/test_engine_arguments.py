@@ -26,6 +26,7 @@ from mfsdp.launch import launch
 from mfsdp.models.toy import ToyModel
 
 HERE = "tests/test_engine_arguments.py"
+COMM_LOG = "test_overlap_and_bucketing_show_in_the_communication_log"
 ARGUMENTS: dict[str, tuple] = {
     # name: ("acts", "tests/file.py::test_name") or ("refused", value, message start)
     "module": ("acts", "tests/test_engine.py::test_matches_single_process_reference"),
@@ -47,7 +48,7 @@ ARGUMENTS: dict[str, tuple] = {
     "param_init_fn": ("acts", "tests/test_model_families.py::test_meta_init_of_a_transformers_llama"),
     "mixed_precision_policy": ("acts", "tests/test_upstream_surface.py::"
                                        "test_param_and_grad_buffer_view_and_maxpool_double_buffer"),
-    "overlap_grad_reduce": ("acts", "tests/test_engine.py::test_shared_frozen_unused_and_options"),
+    "overlap_grad_reduce": ("acts", f"{HERE}::{COMM_LOG}"),
     "overlap_param_gather": ("acts", "tests/test_engine_memory.py::"
                                      "test_zero3_gathered_weights_never_exceed_two_units"),
     "sync_model_each_microbatch": ("acts", f"{HERE}::test_bookkeeping_arguments_take_effect"),
@@ -55,7 +56,7 @@ ARGUMENTS: dict[str, tuple] = {
     "calculate_per_token_loss": ("acts", "tests/test_engine.py::test_matches_single_process_reference"),
     "fsdp_double_buffer": ("acts", "tests/test_double_buffer.py::"
                                    "test_gradients_of_every_non_root_unit_live_in_the_two_slots"),
-    "disable_bucketing": ("acts", "tests/test_engine.py::test_shared_frozen_unused_and_options"),
+    "disable_bucketing": ("acts", f"{HERE}::{COMM_LOG}"),
     "fsdp_group_ag": ("acts", f"{HERE}::test_bookkeeping_arguments_take_effect"),
     "expt_fsdp_group_ag": ("acts", f"{HERE}::test_bookkeeping_arguments_take_effect"),
     "max_inflight_reduce": ("acts", "tests/test_backward_idioms.py::"
@@ -270,3 +271,85 @@ def test_bookkeeping_arguments_take_effect():
         assert r["ag_groups"] == ["dp_shard_ag"] and r["expt_ag"]
         assert r["params_handed_out_False"] and not r["params_handed_out_True"]
         assert r["dtypes"] == {(torch.float32, torch.bfloat16)}
+
+
+# -- overlap_grad_reduce and disable_bucketing, read in the communication log -------------------
+BLOCKS = 4  # ToyModel's Block units; the root unit (input projection, head) is one more
+SCHEDULES = {"overlap": {}, "no overlap": {"overlap_grad_reduce": False},
+             "one bucket": {"disable_bucketing": True},
+             "one bucket, no overlap": {"disable_bucketing": True, "overlap_grad_reduce": False}}
+
+
+def _reduction_schedules() -> dict:
+    """One SGD step of ToyModel per schedule; its communication log with markers added from
+    autograd hooks: when the gradient of block 0's output is computed (blocks 1..3 and the head
+    have run their backward), when the input projection's output's is (every block has) and when
+    the input's is (the graph's last node); a fourth after ``loss.backward()`` returns."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, kwargs in SCHEDULES.items():
+        torch.manual_seed(0)
+        inner = ToyModel(32, 64, BLOCKS)
+        opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+        model, opt = mfsdp.fully_shard(inner, opt, fsdp_unit_modules=[type(inner.blocks[0])],
+                                       zero_dp_strategy="optim_grads_params", **kwargs)
+        log = model.comm_log
+
+        def mark(label: str):
+            return lambda grad: log.add(op=label) and None  # (a hook returning None keeps grad)
+
+        for module, label in ((inner.blocks[0], "blocks 1-3 done"), (inner.inp, "blocks done")):
+            module.register_forward_hook(  # the gradient of the module's output: a marker
+                lambda m, args, output, label=label: output.register_hook(mark(label)) and None)
+        x, y = _schedule_batch(world)
+        x = x[rank * 4:(rank + 1) * 4].requires_grad_()
+        x.register_hook(mark("input gradient"))
+        log.clear()
+        torch.nn.functional.mse_loss(model(x), y[rank * 4:(rank + 1) * 4]).backward()
+        log.add(op="backward returned")
+        opt.step()
+        out[name] = {"ops": [r["op"] for r in log.records if r["op"] != "all_gather"],
+                     "params": model.full_parameters()}
+    return out
+
+
+def _schedule_batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4 * world, 32, generator=g), torch.randn(4 * world, 32, generator=g)
+
+
+def test_overlap_and_bucketing_show_in_the_communication_log():
+    """``overlap_grad_reduce`` launches each bucket's reduce-scatter during backward, as soon as
+    its gradients are ready: blocks 3, 2 and 1 are reduced before block 0's output has its
+    gradient, all four blocks before the input projection's output has its, and the root unit
+    before the input has its. Without it every reduce-scatter is launched after the graph's last
+    gradient (still inside ``loss.backward()``: in its end-of-backward callback).
+    ``disable_bucketing`` puts every parameter in one bucket (upstream: "force assign all
+    parameters to a single bucket"): one reduce-scatter instead of one per unit. All four match
+    one step of plain single-process SGD on the whole batch (1e-5 relative)."""
+    got = launch(_reduction_schedules, 2, timeout=300)[0]
+
+    def before(ops: list[str], marker: str) -> int:
+        return ops[:ops.index(marker)].count("reduce_scatter")
+
+    for name, run in got.items():
+        ops = run["ops"]
+        buckets = 1 if SCHEDULES[name].get("disable_bucketing") else BLOCKS + 1
+        assert ops.count("reduce_scatter") == buckets, (name, ops)
+        assert before(ops, "backward returned") == buckets, (name, ops)  # all within backward
+        overlap = SCHEDULES[name].get("overlap_grad_reduce", True) and buckets > 1
+        assert before(ops, "blocks 1-3 done") == (BLOCKS - 1 if overlap else 0), (name, ops)
+        assert before(ops, "blocks done") == (BLOCKS if overlap else 0), (name, ops)
+        # the root unit's (or the one bucket's) gradients are complete before the input's
+        launched = SCHEDULES[name].get("overlap_grad_reduce", True)
+        assert before(ops, "input gradient") == (buckets if launched else 0), (name, ops)
+
+    torch.manual_seed(0)
+    ref = ToyModel(32, 64, BLOCKS)
+    x, y = _schedule_batch(2)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    for name, run in got.items():
+        for n, p in ref.named_parameters():
+            err = (run["params"][n] - p.detach()).norm() / p.detach().norm()
+            assert err < 1e-5, (name, n, err.item())

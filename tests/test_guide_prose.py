@@ -219,3 +219,36 @@ def test_recipe_docstring_commands_fit_the_column():
                  for i in range(1, end)
                  if re.search(r"(?<!\\)(\\\\)*\\$", lines[i])]
     assert not wide, "\n".join(wide)
+
+
+# An issue number with no repository ("#5976") is not turned into a link by
+# docs/_ext/external_links.py; tests/test_browser.py finds it on the built page, this finds it
+# in the source in a second.
+BARE_ISSUE = re.compile(r"(?<![\w/.\-\]\[])#\d{3,}\b")
+NOT_TEXT = re.compile(r"`[^`]*`|\[[^\]]*\]\([^)]*\)|<[^>]*>")
+
+
+def bare_issue_refs(text: str) -> list[str]:
+    """Issue numbers written without their repository in the running text of a page."""
+    return [m.group(0) for _, p in paragraphs(text) for m in BARE_ISSUE.finditer(NOT_TEXT.sub("", p))]
+
+
+def test_a_bare_issue_number_is_found():
+    assert bare_issue_refs("until a release with #5976 ships") == ["#5976"]
+    assert bare_issue_refs("NVIDIA/Megatron-LM#5976 and [#5976](https://x) and `#5976`") == []
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
+def test_issue_numbers_name_their_repository(page):
+    bare = bare_issue_refs((ROOT / "docs" / page).read_text())
+    assert not bare, f"docs/{page}: write OWNER/REPO#N (becomes a link): {bare}"
+
+
+def test_recipe_comments_name_the_repository_of_an_issue():
+    bare = {}
+    for recipe in sorted((ROOT / "recipes").glob("*.py")):
+        comments = "\n".join(line.lstrip("# ") for line in recipe.read_text().splitlines()
+                             if line.lstrip().startswith("#"))
+        if found := bare_issue_refs(comments):
+            bare[recipe.name] = found
+    assert not bare, f"write OWNER/REPO#N (becomes a link): {bare}"

@@ -1,5 +1,6 @@
 """The compatibility matrix (``mfsdp.check.matrix``, ``docs/compatibility.md``): its refused cells
-are exactly what the public ``mfsdp.fully_shard`` refuses, with the same message; its measured
+are exactly what the public ``mfsdp.fully_shard`` refuses, with the same message, and what
+upstream ``megatron_fsdp.fully_shard_model`` refuses (an independent source); its measured
 cells agree with plain ``mfsdp check`` runs of the same layouts and with the docs build's cached
 data; a broken model makes it say **fails**."""
 
@@ -14,7 +15,8 @@ import torch
 from torch import nn
 
 import mfsdp
-from mfsdp.check.matrix import combinations, measure_matrix, refusal, render_table
+from mfsdp.check.matrix import OUTERS, combinations, measure_matrix, refusal, render_table
+from mfsdp.launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
@@ -48,14 +50,60 @@ def _api_refuses(strategy: str, outer: str, precision: str) -> str | None:
     raise AssertionError("fully_shard built a model without a process group")
 
 
+def _upstream_refuses(combos: list[tuple[str, str, str]]) -> list[str | None]:
+    """Inside a launched rank (a one-rank gloo group): what upstream ``megatron_fsdp``'s
+    ``fully_shard_model`` says of each combination, given a CPU ``DeviceMesh`` with an outer, a
+    shard and a TP dimension: its ``ValueError`` (refused) or ``None`` when its validation passed
+    (it then builds, or on a machine without CUDA stops at the first CUDA call)."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.filterwarnings("ignore")  # (Transformer Engine and Apex are not installed)
+    from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model
+
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("outer", "shard", "tp"))
+    hybrid = mesh["outer", "shard"]._flatten().get_group()
+    said = []
+    for strategy, outer, precision in combos:
+        dp_outer, outer_strategy = OUTERS[outer]
+        hsdp = dict(dp_outer_dim="outer", hybrid_fsdp_group=hybrid) if dp_outer > 1 else {}
+        if precision == "bf16":
+            policy = MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                          main_grads_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy(
+                grad_comm_dtype=torch.bfloat16 if precision == "bf16_comm" else None)
+        try:
+            fully_shard_model(nn.Linear(4, 4), device_mesh=mesh, dp_shard_dim="shard",
+                              tp_dim="tp", zero_dp_strategy=strategy,
+                              outer_dp_sharding_strategy=outer_strategy,
+                              mixed_precision_policy=policy, **hsdp)
+            said.append(None)
+        except ValueError as exc:
+            said.append(str(exc))
+        except AssertionError as exc:  # past validation, at the first CUDA call
+            assert not torch.cuda.is_available() and "CUDA" in str(exc), exc
+            said.append(None)
+    return said
+
+
 def test_refused_cells_are_exactly_what_the_api_refuses():
     assert not torch.distributed.is_initialized()
     said = {combo: _api_refuses(*combo) for combo in combinations()}
     assert {combo: refusal(*combo) for combo in combinations()} == said
     refused = [c for c, message in said.items() if message]
     assert refused and len(refused) < len(said)  # the matrix has both kinds of cell
-    for strategy, outer, _ in refused:
-        assert outer == "HFSDP" and strategy != "optim_grads_params"
+
+
+def test_refused_cells_are_exactly_what_upstream_refuses():
+    """The independent check of the table: upstream Megatron-FSDP, asked each combination on a
+    real (one-rank gloo) process group, refuses the same cells (with its own words: "...
+    requires zero_dp_strategy to use FSDP ('optim_grads_params', 3) ...")."""
+    combos = combinations()
+    upstream = dict(zip(combos, launch(_upstream_refuses, 1, args=(combos,), timeout=300)[0]))
+    assert {c for c, m in upstream.items() if m} == {c for c in combos if refusal(*c)}
+    assert all("optim_grads_params" in m for m in upstream.values() if m)
 
 
 def test_the_page_shows_each_refusal_in_the_apis_words():

@@ -102,19 +102,17 @@ def _wait(predicate, what: str, job: subprocess.Popen, timeout: float = 180) -> 
         time.sleep(0.2)
 
 
-def _sigterm_torchrun_after(job: subprocess.Popen, log: Path, iteration: int) -> float:
-    """SIGTERM to torchrun alone (it forwards it to the ranks) once ``iteration`` is logged;
-    returns when."""
+def _sigterm_torchrun_after(job: subprocess.Popen, log: Path, iteration: int) -> None:
+    """SIGTERM to torchrun alone (it forwards it to the ranks) once ``iteration`` is logged, then
+    wait for torchrun to end (the timeout is a safety net)."""
     try:
         _wait(lambda: f"iteration {iteration:>5}/" in log.read_text(), f"iteration {iteration}",
               job)
         os.kill(job.pid, signal.SIGTERM)
-        sent = time.monotonic()
         job.wait(timeout=180)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-    return sent
 
 
 @pytest.mark.slow

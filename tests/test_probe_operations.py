@@ -269,3 +269,35 @@ def test_data_tokenized_with_a_larger_vocabulary_is_refused_at_start(tmp_path):
         "(--tokenizer-model, --vocab-size), or write it again with mfsdp preprocess and this "
         "run's tokenizer")
     assert read_data(config.data, config.training, 128256) is not None
+
+
+def test_a_damaged_data_index_cache_is_rebuilt_with_one_line(tmp_path, capsys):
+    """A --data-cache-path file truncated (a purge or a half-finished copy of the cache
+    directory) or holding indices of another dataset: the sample index is built again, the
+    same as the first time, with one line naming the files; training never reads it."""
+    import numpy
+
+    from mfsdp.data.gpt_dataset import GPTSamples
+    from mfsdp.data.indexed import IndexedDataset
+
+    data = IndexedDataset(str(Path(__file__).parent / "fixtures" / "megatron_data" / "a"))
+    docs = numpy.arange(len(data.sequence_lengths))
+    cache = tmp_path / "cache"
+
+    def build():
+        s = GPTSamples(data, docs, 8, 16, 1234, cache_dir=str(cache))
+        return [numpy.asarray(s[i]).tolist() for i in range(len(s))]
+
+    first = build()
+    assert capsys.readouterr().err == ""
+    shuffle = next(cache.glob("*-shuffle_index.npy"))
+    shuffle.write_bytes(shuffle.read_bytes()[:60])
+    assert build() == first
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(shuffle) in err[0] and "building the sample index again" in err[0]
+    index = next(cache.glob("*-document_index.npy"))
+    numpy.save(index, numpy.full_like(numpy.load(index), len(docs) + 7))
+    assert build() == first
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its indices do not fit this dataset" in err[0]
+    assert build() == first and capsys.readouterr().err == ""  # repaired for the next job

@@ -135,34 +135,41 @@ def test_a_second_job_cannot_save_into_a_locked_directory(tmp_path):
 
 
 def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
-    """SIGKILL to torchrun leaves its ranks running (PyTorch's design); mfsdp's ranks notice
-    within seconds that their launcher is gone and stop without saving again."""
+    """SIGKILL to torchrun leaves its ranks running (PyTorch's design); mfsdp's ranks notice that
+    their launcher is gone and stop without saving again. Read from what the ranks wrote, not
+    from a clock: the first reason a rank gives for stopping is that its launcher is gone and it
+    stops without saving (the watch acted, not a failing store or a timeout; the other rank may
+    then stop because its peer did), and ``latest`` names a complete checkpoint. (The wait for
+    the ranks to end is a safety net, not a bound.)"""
     save = tmp_path / "ckpt"
-    job = _start(["--train-iters", "100000", "--save", str(save), "--save-interval", "3"],
-                 tmp_path / "job.log")
+    log = tmp_path / "job.log"
+    job = _start(["--train-iters", "100000", "--save", str(save), "--save-interval", "3"], log)
     _wait_for(lambda: (save / "latest").exists(), what="the first save")
     ranks = _children(job.pid)
     assert len(ranks) == 2
     os.kill(job.pid, signal.SIGKILL)
     job.wait()
-    killed_at = time.monotonic()
     try:
-        _wait_for(lambda: not any(_alive(r) for r in ranks), timeout=30,
+        _wait_for(lambda: not any(_alive(r) for r in ranks), timeout=120,
                   what="the orphaned ranks to stop")
     finally:
         for r in ranks:
             if _alive(r):
                 os.kill(r, signal.SIGKILL)
-    assert time.monotonic() - killed_at < 10
-    latest = (save / "latest").read_text()
-    time.sleep(2)
-    assert (save / "latest").read_text() == latest
-    assert "the launcher that started this process" in (tmp_path / "job.log").read_text()
+    said = _ours(log.read_text())
+    stops = [line for line in said if " stop" in line]  # (why a rank stopped, in order)
+    assert stops and "the launcher that started this process" in stops[0], said[-5:]
+    assert re.match(r"mfsdp train: rank [01]: .* is gone; stopping now, without saving",
+                    stops[0]), stops[0]
+    latest = (save / "latest").read_text().strip()
+    assert (save / latest / "manifest.json").exists()  # what it names was written whole
 
 
 def test_a_stalled_rank_is_named_before_the_timeout(tmp_path):
     """Rank 1 stopped with SIGSTOP: within --distributed-timeout-minutes (0.25 here) one line
-    says rank 1 is behind and where rank 0 waits; the job then ends with an error, not a hang."""
+    says rank 1 is behind and where rank 0 waits; the job then ends with an error, not a hang.
+    "Within" is the report's own figure (rank 0's time without progress, under the 15 s timeout),
+    and no timeout error precedes it in the log; the test's waits are safety nets only."""
     job = _start(["--train-iters", "100000", "--distributed-timeout-minutes", "0.25"],
                  tmp_path / "job.log")
     log = tmp_path / "job.log"
@@ -171,18 +178,22 @@ def test_a_stalled_rank_is_named_before_the_timeout(tmp_path):
         rank1 = next(r for r in _children(job.pid)
                      if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{r}/environ").read_bytes())
         os.kill(rank1, signal.SIGSTOP)
-        stopped = time.monotonic()
-        _wait_for(lambda: "no progress for" in log.read_text(), timeout=60, what="the report")
-        assert time.monotonic() - stopped < 15  # before the 15 s timeout
+        _wait_for(lambda: "no progress for" in log.read_text(), timeout=120, what="the report")
         os.kill(rank1, signal.SIGKILL)
         job.wait(timeout=120)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-    said = _ours(log.read_text())
+    text = log.read_text()
+    said = _ours(text)
     report = [s for s in said if "no progress for" in s]
     assert job.returncode != 0
     assert len(report) == 1, said
+    waited = int(re.search(r"no progress for (\d+) s \(--distributed-timeout-minutes 0.25\)",
+                           report[0])[1])
+    assert waited < 15, report[0]  # rank 0's own count, under the 15 s timeout
+    assert not re.search(r"timed out|Timeout|timeout error", text[:text.index(report[0])],
+                         re.IGNORECASE), text[:text.index(report[0])][-2000:]
     assert "rank(s) 1 unresponsive for" in report[0], report[0]
     assert "(the process is stopped or its host is gone); rank(s) 0 wait at 'iteration" in report[0]
 

@@ -456,3 +456,48 @@ def test_provenance_and_per_rank_logs_are_in_every_training_script():
         if sbatch.PRESETS[name].template == "train":
             assert '--log-dir "$1/ranks/node-$SLURM_NODEID"' in text and "--tee 3" in text
             assert '--tensorboard-dir\n' not in text and '--tensorboard-dir "$TENSORBOARD_DIR"' in text
+
+
+GUIDE_FLAGS = json.loads((ROOT / "tests" / "fixtures" / "megatron_fsdp_guide_flags.json")
+                         .read_text())
+
+
+@pytest.mark.parametrize("name", [n for n, p in sbatch.PRESETS.items()
+                                  if p.template == "train" and p.values["gpus_per_node"]])
+def test_megatron_lm_renders_carry_the_flags_of_upstreams_guide_scripts(name):
+    """Every flag that all of upstream's Megatron-FSDP example scripts pass
+    (tools/upstream_fsdp_flags.py wrote them from Megatron-LM's examples/megatron_fsdp/) is on
+    the Megatron-LM render's command line, and parses with Megatron-LM's parser."""
+    shared = set.intersection(*(set(f) for f in GUIDE_FLAGS["scripts"].values()))
+    assert {"--use-distributed-optimizer", "--no-gradient-accumulation-fusion"} <= shared
+    argv = _array(sbatch.render(name, {"trainer": "megatron-lm"}), "TRAIN_ARGS")
+    assert not shared - set(argv), f"{name}: missing {sorted(shared - set(argv))}"
+    args = SnapshotParser().parse_args(argv + ["--mock-data"])
+    assert args.use_distributed_optimizer and not args.gradient_accumulation_fusion
+    assert args.overlap_grad_reduce and args.overlap_param_gather
+    assert args.calculate_per_token_loss
+
+
+@pytest.mark.parametrize("trainer", ["mfsdp", "megatron-lm"])
+@pytest.mark.parametrize("name", [n for n, p in sbatch.PRESETS.items() if p.template == "train"
+                                  and (p.values["gpus_per_node"] or n == "cpu-smoke")])
+def test_every_preset_warms_up_and_decays(name, trainer):
+    """The learning rate starts low, reaches --lr after the warm-up and decays to --min-lr: the
+    render's flags read by each trainer's own parser (Megatron-LM's snapshot, mfsdp train's)."""
+    if trainer == "megatron-lm" and name == "cpu-smoke":
+        pytest.skip("Megatron-LM renders are GPU jobs")
+    argv = _array(sbatch.render(name, {"trainer": trainer}), "TRAIN_ARGS") + ["--mock-data"]
+    parser = SnapshotParser() if trainer == "megatron-lm" else train.build_parser()
+    args = parser.parse_args(argv)
+    assert args.lr_warmup_iters > 0 and args.lr_decay_style == "cosine"
+    assert 0 < args.min_lr < args.lr and args.lr_warmup_iters < args.train_iters
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"min_lr": "1"}, "min_lr=1.0 must be from 0 to lr"),
+    ({"lr_warmup_iters": "20"}, "lr_warmup_iters=20 must be less than train_iters=10"),
+    ({"lr_decay_style": "WSD"}, "lr_decay_style"),
+])
+def test_a_schedule_the_trainers_would_refuse_fails_at_render_time(overrides, message):
+    with pytest.raises(sbatch.RenderError, match=re.escape(message)):
+        sbatch.render("cpu-smoke", overrides)

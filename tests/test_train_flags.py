@@ -1,14 +1,19 @@
-"""Every flag of ``mfsdp train --help`` is either read by the trainer or refused.
+"""Every flag of ``mfsdp train --help`` acts, or is refused.
 
 What these tests prove:
 
-* ``test_every_flag_is_read_or_refused`` walks the parser's actions (all of them: a flag added
+* ``test_every_flag_acts_or_is_refused`` walks the parser's actions (all of them: a flag added
   later without an entry here fails it). For each flag it parses a command that sets the flag to a
-  value other than its default and checks that the parsed field changed. Then the flag is either
-  in :data:`READERS`, which names the modules that read its field, and a scan of those modules'
-  syntax tree finds the field read there (``x.<field>``, ``getattr(x, "<field>")``; model flags:
-  a field of ``GPTConfig``, which ``overridden_config`` copies from the flags by name, read by the
-  model), or it is refused on its own, with a message naming it.
+  value other than its default and checks that the parsed field changed. Then it checks the
+  flag's effect, observed through the code that acts on it (:data:`OBSERVERS`): the model config
+  the trainer's model builder makes (``model_config``), the mixed-precision policy handed to
+  ``fully_shard``, the optimizer and learning-rate schedule the trainer builds, or the sharded
+  model ``build_sharded_model`` builds on a fake process group of 8 ranks (engine strategy,
+  options and groups, each parameter's shape, dtype and sum). The observation with the flag must
+  differ from the one without it: a flag whose value is dropped on its way fails. A flag whose
+  reader acts only while training (:data:`RUN_TIME`: loop, checkpoints, data files, logs,
+  profiler, signals) must set exactly the typed config field it documents and no other; one that
+  is refused on its own must be refused with a message naming it.
 * ``test_a_flag_is_refused_where_it_would_do_nothing`` takes every rule of
   :data:`mfsdp.trainer.refusals.NEEDS` (again all of them): without the flags it works with, the
   flag is refused with a line that starts with its spelling; with them, it is accepted.
@@ -17,19 +22,17 @@ What these tests prove:
   ``--grad-reduce-in-bf16`` sets the gradient-communication dtype (with an agreeing
   ``--megatron-fsdp-grad-comm-dtype`` too); and a refusal is one line with exit status 2 at the CLI.
 
-What they do not prove: that the code which reads a field changes the training result. That is
-what each feature's own tests do (tests/test_train.py, tests/test_data.py, ...); a read that
-leads nowhere would pass the scan.
+What they do not prove: that a changed build changes the training result, or that a run-time
+field is used while training. That is what each feature's own tests do (tests/test_train.py,
+tests/test_data.py, tests/test_reliability.py, ...).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import subprocess
 import sys
-from dataclasses import fields
-from functools import cache
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import pytest
@@ -39,102 +42,257 @@ from mfsdp.trainer.config import TrainConfig, rules
 from mfsdp.trainer.refusals import ALWAYS, NEEDS, check_combinations, flag_of
 
 ROOT = Path(__file__).resolve().parents[1]
-T, D, C = "mfsdp/trainer", "mfsdp/data", "mfsdp/checkpoint"
-MODEL = "GPTConfig"  # read through overridden_config: a GPTConfig field of the same name
+TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+        "--ffn-hidden-size", "32", "--vocab-size", "64"]
+WORLD = 8  # the fake process group's size the engine flags are built on
 
-# flag destination -> the modules (files, or folders) that read it; not the parser
-READERS: dict[str, tuple[str, ...]] = {
-    **{dest: (MODEL,) for dest in (
-        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
-        "swiglu", "normalization", "norm_epsilon", "position_embedding_type", "rotary_base",
-        "rotary_interleaved", "kv_channels", "add_qkv_bias", "qk_layernorm",
-        "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-        "qk_pos_emb_head_dim", "v_head_dim", "init_method_std", "recompute_granularity",
-        "recompute_method", "recompute_num_layers", "num_experts", "moe_router_topk",
-        "moe_first_dense_layers", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-        "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
-        "moe_shared_expert_gate", "moe_router_num_groups", "moe_router_group_topk",
-        "moe_router_enable_expert_bias", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-        "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-        "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_grouped_gemm")},
-    # model flags whose value means something else than the field of that name (build.py)
-    **{dest: (f"{T}/build.py",) for dest in (
-        "model_preset", "max_position_embeddings", "use_rope_scaling", "rope_scaling_factor",
-        "num_query_groups", "disable_bias_linear",
-        "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "bf16",
+
+def _fields(obj, prefix: str = "") -> dict:
+    """A dataclass's fields, nested ones flattened as ``group.field``."""
+    out = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if is_dataclass(value):
+            out.update(_fields(value, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = value
+    return out
+
+
+def _model(args) -> dict:
+    """The :class:`~mfsdp.models.config.GPTConfig` the trainer's model builder makes."""
+    from mfsdp.trainer.build import model_config
+
+    return _fields(model_config(args))
+
+
+def _precision(args) -> str:
+    """The mixed-precision policy the trainer hands to ``fully_shard``."""
+    from mfsdp.trainer.build import precision_policy
+    from mfsdp.trainer.config import TrainConfig
+
+    return repr(precision_policy(TrainConfig.from_args(args, logging=False).precision))
+
+
+def _optimizer(args) -> tuple:
+    """The optimizer the trainer builds (its class and hyperparameters per group) and the
+    learning rate of its first 60 iterations."""
+    import torch
+
+    from mfsdp.trainer.build import build_param_groups, learning_rate, make_optimizer
+    from mfsdp.trainer.config import TrainConfig
+
+    training = TrainConfig.from_args(args, logging=False).training
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    opt = make_optimizer(build_param_groups(model, training), training)
+    return (type(opt).__name__, [{k: v for k, v in g.items() if k != "params"}
+                                 for g in opt.param_groups],
+            [learning_rate(training, i) for i in range(1, 61)])
+
+
+def _engine(args) -> dict:
+    """What the trainer's model builder (``build_sharded_model``, as ``mfsdp plan --dry-run``
+    calls it) makes of the flags on rank 0 of a fake process group of :data:`WORLD` ranks, on
+    the CPU: the wrapper, the engine's strategy, precision and options, the groups, each
+    parameter's shape, dtype and sum, and the optimizer's groups."""
+    import gc
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from mfsdp.trainer.build import model_config
+    from mfsdp.trainer.config import TrainConfig
+    from mfsdp.trainer.parallel import build_sharded_model
+
+    config, cfg = TrainConfig.from_args(args, logging=False), model_config(args)
+    out: dict = {}
+
+    def build():  # (a thread of its own, as the dry run's: DTensor caches meshes per thread)
+        dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
+        try:
+            model, inner, opt, par = build_sharded_model(config, cfg, WORLD, torch.device("cpu"),
+                                                         log=lambda *a, **k: None)
+            state = getattr(model, "state", None)
+            out["built"] = {
+                "wrapper": type(model).__name__,
+                "engine": None if state is None else (
+                    state.strategy, repr(state.mp_policy), repr(state.options),
+                    [(c.name, c.size) for c in state.comms.distinct()]),
+                "layout": (repr(par.layout), par.sequence_parallel, par.cp, par.dp_size),
+                "params": [(n, tuple(p.shape), str(p.dtype),
+                            None if p.is_meta else round(float(p.detach().float().sum()), 4))
+                           for n, p in inner.named_parameters()],
+                "optimizer": [{k: v for k, v in g.items() if k != "params"}
+                              for g in opt.param_groups]}
+        except BaseException as exc:  # handed to the test's thread
+            out["error"] = exc
+        finally:
+            dist.destroy_process_group()
+            gc.collect()
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["built"]
+
+
+# How each flag's effect is observed: by the code that acts on it, given the parsed flags. A flag
+# passes when the observation with it differs from the observation without it.
+OBSERVERS = {
+    "model": (_model, [], (
+        "model_preset", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+        "vocab_size", "max_position_embeddings", "swiglu", "normalization", "norm_epsilon",
+        "position_embedding_type", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
+        "rotary_interleaved", "group_query_attention", "num_query_groups", "kv_channels",
+        "disable_bias_linear", "add_qkv_bias", "qk_layernorm", "multi_latent_attention",
+        "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+        "init_method_std", "recompute_granularity", "recompute_method", "recompute_num_layers",
+        "num_experts", "moe_router_topk", "moe_first_dense_layers", "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size", "moe_router_score_function",
+        "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_shared_expert_gate",
+        "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
+        "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
+        "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type",
+        "moe_flex_dispatcher_backend", "moe_grouped_gemm", "seq_length",
+        "make_vocab_size_divisible_by")),
+    "precision": (_precision, ["--use-megatron-fsdp"], (
         "grad_reduce_in_bf16", "megatron_fsdp_main_params_dtype",
-        "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype", "lr",
-        "weight_decay", "optimizer", "sgd_momentum", "adam_beta1", "adam_beta2", "adam_eps")},
-    # the learning-rate scheduler and Megatron-LM's rule for a loaded schedule
-    **{dest: (f"{T}/state.py",) for dest in (
-        "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "lr_warmup_init",
-        "lr_wsd_decay_iters", "lr_wsd_decay_style", "override_opt_param_scheduler",
-        "use_checkpoint_opt_param_scheduler")},
-    # the sharding engine's options, handed to fully_shard by the trainer's model builder
-    # (build_sharded_model, which mfsdp plan --dry-run calls too)
-    **{dest: (f"{T}/parallel.py",) for dest in (
-        "outer_dp_sharding_strategy", "fsdp_double_buffer", "init_model_with_meta_device",
-        "overlap_grad_reduce", "overlap_param_gather", "seed")},
-    # the Trainer's own
-    **{dest: (f"{T}/trainer.py",) for dest in (
-        "data_parallel_sharding_strategy", "calculate_per_token_loss", "micro_batch_size",
-        "global_batch_size", "clip_grad", "check_for_nan_in_loss_and_grad",
-        "moe_router_bias_update_rate", "eval_interval", "eval_iters", "exit_interval",
-        "save_interval", "dump_param_to_param_group_map", "train_iters")},
-    # the entry: the hang watch, error reports, and --save's lock (taken under mfsdp only)
-    **{dest: (f"{T}/loop.py",) for dest in ("distributed_timeout_minutes", "debug")},
-    **{dest: (f"{T}/loop.py", f"{T}/trainer.py") for dest in ("use_megatron_fsdp", "save")},
-    **{dest: (f"{T}/parallel.py",) for dest in (
+        "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")),
+    "optimizer": (_optimizer, [], (
+        "lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "lr_warmup_init",
+        "lr_wsd_decay_iters", "lr_wsd_decay_style", "weight_decay", "optimizer", "sgd_momentum",
+        "adam_beta1", "adam_beta2", "adam_eps", "train_iters", "train_samples")),
+    "engine": (_engine, TINY, (
+        "use_megatron_fsdp", "data_parallel_sharding_strategy", "outer_dp_sharding_strategy",
         "num_distributed_optimizer_instances", "expert_model_parallel_size",
         "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size",
-        "create_all_gather_group")},
-    # only with --num-query-groups, which it asks for: checked by ModelConfig
-    "group_query_attention": (f"{T}/config/model.py",),
-    "expert_tensor_parallel_size": (f"{T}/config/rules.py",),  # only ever 1: checked there
-    "train_samples": (f"{T}/config/__init__.py",),  # sets train_iters in TrainConfig
-    **{dest: (f"{T}/checkpointing.py",) for dest in (
-        "load", "exit_on_missing_checkpoint", "ckpt_verify", "ckpt_format")},
-    **{dest: (f"{T}/signals.py",) for dest in ("exit_signal_handler", "exit_duration_in_mins")},
-    # fields of LoggingConfig (config/job.py), which metrics.py and trainer.py are given
-    **{dest: (f"{T}/metrics.py",) for dest in ("wandb_project", "wandb_exp_name", "wandb_entity")},
-    **{dest: (f"{T}/trainer.py",) for dest in ("log_interval", "log_jsonl", "log_throughput")},
-    "wandb_save_dir": (f"{T}/config/job.py",),  # (LoggingConfig.wandb_dir: it or --save/wandb)
-    "tensorboard_dir": (f"{T}/metrics.py", f"{T}/profiling.py"),  # (--profile's trace too)
-    **{dest: (f"{T}/profiling.py",) for dest in (
-        "profile", "use_pytorch_profiler", "profile_step_start", "profile_step_end",
-        "profile_ranks", "pytorch_profiler_collect_shapes", "pytorch_profiler_collect_callstack",
-        "record_memory_history", "memory_snapshot_path")},
-    **{dest: (f"{D}/batches.py",) for dest in (
-        "mock_data", "data_path", "split", "data_cache_path", "tokenizer_type", "tokenizer_model",
-        "sequence_packing", "seq_length")},
+        "create_all_gather_group", "fsdp_double_buffer", "init_model_with_meta_device",
+        "overlap_grad_reduce", "overlap_param_gather", "calculate_per_token_loss", "bf16",
+        "seed")),
 }
-# the config's rules check these against the other flags; nothing else reads them
-_CHECKED_IN_CONFIG = {"expert_tensor_parallel_size": f"{T}/config/rules.py",
-                      "train_samples": f"{T}/config/__init__.py"}
+# Flags whose effect is at run time only (the loop, checkpoints, data files, logs, profiler,
+# signals): here the value must reach the one typed config field it documents (the field whose
+# docstring is its --help) and no other; each feature's own tests run it (tests/test_train.py,
+# tests/test_data.py, tests/test_reliability.py, tests/test_preemption.py, ...).
+RUN_TIME = (
+    "micro_batch_size", "global_batch_size", "clip_grad", "check_for_nan_in_loss_and_grad",
+    "moe_router_bias_update_rate", "mock_data", "data_path", "split", "data_cache_path",
+    "tokenizer_type", "tokenizer_model", "eval_interval", "eval_iters", "sequence_packing",
+    "distributed_timeout_minutes", "debug", "save", "load", "exit_on_missing_checkpoint",
+    "exit_signal_handler", "exit_duration_in_mins", "exit_interval", "save_interval",
+    "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler", "ckpt_verify",
+    "ckpt_format", "dump_param_to_param_group_map", "log_interval", "log_jsonl",
+    "tensorboard_dir", "log_throughput", "wandb_project", "wandb_exp_name", "wandb_save_dir",
+    "wandb_entity", "profile", "use_pytorch_profiler", "profile_step_start", "profile_step_end",
+    "profile_ranks", "pytorch_profiler_collect_shapes", "pytorch_profiler_collect_callstack",
+    "record_memory_history", "memory_snapshot_path", "expert_tensor_parallel_size")
+# The typed fields a run-time flag sets, where they are not the group field of the flag's name
+# (W&B, once on, keeps its files in --save/wandb unless --wandb-save-dir names a directory)
+RUN_TIME_FIELDS = {"wandb_save_dir": {"logging.wandb_save_dir", "logging.wandb_dir"},
+                   **{d: {f"logging.{d}", "logging.wandb_dir"} for d in (
+                       "wandb_project", "wandb_exp_name")}}
+# Accepted, and observably without effect on every model mfsdp builds (the flag only undoes a
+# preset's tied embeddings, and no preset ties them): checked to still change nothing.
+NO_EFFECT = {"untie_embeddings_and_output_weights": "model"}
+
+# Values that act where the generic "other value" would not (it equals the preset's, or the
+# layout cannot take it on WORLD ranks), and the words each flag needs beside it.
+OTHER: dict[str, list[str]] = {
+    "hidden_size": ["--hidden-size", "96"], "num_attention_heads": ["--num-attention-heads", "8"],
+    "normalization": ["--normalization", "RMSNorm"],
+    "position_embedding_type": ["--position-embedding-type", "rope"],
+    "moe_router_score_function": ["--moe-router-score-function", "sigmoid"],
+    "moe_token_drop_policy": ["--moe-token-drop-policy", "position"],
+    "num_query_groups": ["--num-query-groups", "2"], "kv_channels": ["--kv-channels", "8"],
+    "model_preset": ["--model-preset", "llama-tiny"],
+    "recompute_method": ["--recompute-method", "block"],
+    "lr_warmup_iters": ["--lr-warmup-iters", "5"], "lr_decay_iters": ["--lr-decay-iters", "20"],
+    "lr_wsd_decay_iters": ["--lr-wsd-decay-iters", "10"], "train_iters": ["--train-iters", "40"],
+    "recompute_granularity": ["--recompute-granularity", "selective"],
+    "recompute_num_layers": ["--recompute-num-layers", "2"],
+    "split": ["--split", "90,10,0"],
+    "profile_step_end": ["--profile-step-end", "30"],  # (after --profile-step-start's 10)
+    "train_samples": ["--train-samples", "64", "--global-batch-size", "2"],
+    "num_distributed_optimizer_instances": ["--num-distributed-optimizer-instances", "2"],
+    "expert_model_parallel_size": ["--expert-model-parallel-size", "2"],
+    "tensor_model_parallel_size": ["--tensor-model-parallel-size", "2"],
+    "context_parallel_size": ["--context-parallel-size", "2"],
+}
+BESIDE: dict[str, list[str]] = {
+    "multi_latent_attention": ["--position-embedding-type", "rope"],
+    "recompute_method": ["--recompute-granularity", "full", "--recompute-num-layers", "1",
+                         "--recompute-method", "uniform"],
+    "recompute_num_layers": ["--recompute-granularity", "full", "--recompute-method", "block",
+                             "--recompute-num-layers", "1"],
+    **{d: ["--num-experts", "4"] for d in (
+        "moe_router_topk", "moe_first_dense_layers", "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size", "moe_router_score_function",
+        "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_shared_expert_gate",
+        "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
+        "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
+        "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type",
+        "moe_grouped_gemm", "expert_model_parallel_size")},
+    "moe_flex_dispatcher_backend": ["--num-experts", "4", "--moe-token-dispatcher-type", "flex"],
+    "moe_router_group_topk": ["--num-experts", "4", "--moe-router-num-groups", "2"],
+    # (expert parallelism needs the engine: a rule of TrainConfig)
+    "expert_model_parallel_size": ["--num-experts", "4", "--use-megatron-fsdp"],
+    "make_vocab_size_divisible_by": ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
+    "sgd_momentum": ["--optimizer", "sgd"],
+    **{d: ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "10", "--train-iters", "40"]
+       for d in ("lr_wsd_decay_style",)},
+    "lr_wsd_decay_iters": ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "5",
+                           "--train-iters", "40"],
+    **{d: ["--lr-warmup-iters", "5"] for d in ("lr_warmup_init",)},
+    **{d: ["--train-iters", "40"] for d in ("lr_decay_iters", "lr_decay_style", "min_lr")},
+    "outer_dp_sharding_strategy": ["--num-distributed-optimizer-instances", "2"],
+    "sequence_parallel": ["--use-megatron-fsdp", "--tensor-model-parallel-size", "2"],
+    **{d: ["--use-megatron-fsdp"] for d in (  # (the others have it from COMBOS)
+        "num_distributed_optimizer_instances", "tensor_model_parallel_size",
+        "context_parallel_size", "calculate_per_token_loss", "bf16", "seed")},
+    "tokenizer_model": ["--tokenizer-type", "HuggingFaceTokenizer"],
+    # (--save and --load need the engine: a rule of TrainConfig)
+    **{d: ["--use-megatron-fsdp"] for d in ("save", "load")},
+    "save_interval": ["--save", "somewhere", "--use-megatron-fsdp"],
+    **{d: ["--wandb-project", "p", "--wandb-exp-name", "e", "--save", "somewhere",
+           "--use-megatron-fsdp"] for d in ("wandb_save_dir", "wandb_entity")},
+    **{d: ["--save", "somewhere", "--use-megatron-fsdp"] for d in (
+        "wandb_project", "wandb_exp_name")},
+    # (the torch.profiler trace is an option of --profile, written into --tensorboard-dir)
+    "use_pytorch_profiler": ["--profile", "--tensorboard-dir", "tb"],
+}
+# Flags that only go in pairs (each alone is refused): the partner comes with the flag.
+TOGETHER: dict[str, list[str]] = {
+    "group_query_attention": ["--num-query-groups", "2"],
+    "num_query_groups": ["--group-query-attention"],
+    "wandb_project": ["--wandb-exp-name", "e"], "wandb_exp_name": ["--wandb-project", "p"],
+}
 
 
-@cache
-def _reads(where: str) -> frozenset[str]:
-    """Attribute names read (``x.name``, ``getattr(x, "name")``) in a module or package,
-    the parser's ``build_parser`` left out."""
-    path = ROOT / where
-    names: set[str] = set()
-    for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-        tree = ast.parse(file.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and node.name == "build_parser":
-                node.body = []  # (add_argument's keywords are not reads)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-                names.add(node.attr)
-            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr"
-                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
-                names.add(node.args[1].value)
-    return frozenset(names)
+def _parse(words: list[str]):
+    parser = build_parser()
+    args = parser.parse_args(words)
+    check_combinations(args, parser)  # (the flags' own rules: a combination that would be
+    return args                         # refused is no test of an effect)
+
+
+def _flag_actions():
+    return [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+
+
+def _walked(action) -> bool:
+    """The "on" spelling of a switch that is on by default is walked by its "off" spelling."""
+    return not (action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+                and action.const == action.default)
 
 
 def _other_value(action: argparse.Action) -> list[str]:
     """Command-line words that set ``action`` to a value other than its default."""
+    if action.dest in OTHER:
+        return OTHER[action.dest]
     if action.nargs == 0:  # a switch
         if isinstance(action, argparse.BooleanOptionalAction):
             return [action.option_strings[1 if action.default else 0]]
@@ -150,43 +308,59 @@ def _other_value(action: argparse.Action) -> list[str]:
     return [action.option_strings[0], value]
 
 
-def _flag_actions():
-    return [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+def _observer(dest: str) -> str | None:
+    found = [name for name, (_, _, dests) in OBSERVERS.items() if dest in dests]
+    assert len(found) <= 1, (dest, found)
+    return found[0] if found else NO_EFFECT.get(dest)
 
 
-@pytest.mark.parametrize("action", _flag_actions(), ids=lambda a: a.option_strings[0])
-def test_every_flag_is_read_or_refused(action):
+@pytest.mark.parametrize("action", [a for a in _flag_actions() if _walked(a)],
+                         ids=lambda a: a.option_strings[0])
+def test_every_flag_acts_or_is_refused(action):
+    """Every flag of ``mfsdp train --help`` changes what the trainer builds, or reaches the one
+    typed config field its run-time reader takes, or is refused on its own."""
+    from mfsdp.trainer.config import TrainConfig
+
     parser = build_parser()
-    if action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction) \
-            and action.const == action.default:  # the "on" spelling of a default that is on
-        assert any(a.dest == action.dest and a.const != a.default for a in parser._actions)
-        return  # (its dest is walked with the spelling that turns it off)
     words = _other_value(action)
-    args = parser.parse_args(words)
-    assert getattr(args, action.dest) != parser.get_default(action.dest), words
-    if action.dest in ALWAYS:
-        assert action.dest not in READERS, action.dest
-        with pytest.raises(SystemExit, match=f"^{flag_of(parser, action.dest)}: "):
-            check_combinations(args, parser)
+    dest = action.dest
+    assert getattr(parser.parse_args(words), dest) != parser.get_default(dest), words
+    if dest in ALWAYS:
+        assert _observer(dest) is None and dest not in RUN_TIME, dest
+        with pytest.raises(SystemExit, match=f"^{flag_of(parser, dest)}: "):
+            check_combinations(parser.parse_args(words), parser)
         return
-    assert action.dest in READERS, (f"{words[0]} is neither read (add it to READERS with the "
-                                     "module that reads it) nor refused")
-    for where in READERS[action.dest]:
-        if where == MODEL:
-            from mfsdp.models.config import GPTConfig
-
-            assert action.dest in {f.name for f in fields(GPTConfig)}, action.dest
-            assert action.dest in _reads("mfsdp/models"), action.dest
-        else:
-            assert action.dest in _reads(where), (action.dest, where)
-    if action.dest in _CHECKED_IN_CONFIG:
-        assert READERS[action.dest] == (_CHECKED_IN_CONFIG[action.dest],)
+    base = COMBOS.get(dest, ([], []))[1] + BESIDE.get(dest, [])
+    words = words + TOGETHER.get(dest, [])
+    name = _observer(dest)
+    if name is None:  # run time: the value lands in its typed field, and nothing else moves
+        assert dest in RUN_TIME, f"{words[0]} is observed nowhere: add it to OBSERVERS or RUN_TIME"
+        before = _fields(TrainConfig.from_args(_parse(base)))
+        after = _fields(TrainConfig.from_args(_parse(base + words)))
+        moved = {k for k in before if before[k] != after[k]} - {"logging.run_config"}
+        partners = {a.dest for a in parser._actions if set(a.option_strings) & set(
+            TOGETHER.get(dest, []))}
+        assert moved == set().union(*(RUN_TIME_FIELDS.get(d) or {
+            next(k for k in before if k.endswith("." + d))} for d in {dest} | partners)), (
+            words, moved)
+        return
+    observe, observer_base, _ = OBSERVERS[name]
+    before = observe(_parse(observer_base + base))
+    after = observe(_parse(observer_base + base + words))
+    if dest in NO_EFFECT:
+        assert after == before, f"{words[0]} acts now: move it from NO_EFFECT to OBSERVERS"
+    else:
+        assert after != before, f"{words} changes nothing the {name} builder makes"
 
 
 def test_the_tables_name_only_real_flags():
     dests = {a.dest for a in _flag_actions()}
-    assert set(READERS) | set(ALWAYS) == dests
+    observed = [d for _, _, ds in OBSERVERS.values() for d in ds]
+    assert len(observed) == len(set(observed))  # one observer each
+    assert set(observed) | set(RUN_TIME) | set(NO_EFFECT) | set(ALWAYS) == dests
+    assert not set(observed) & set(RUN_TIME)
     assert {rule.dest for rule in NEEDS} <= dests
+    assert set(OTHER) | set(BESIDE) | set(TOGETHER) <= dests
 
 
 # NEEDS rule -> (words that leave the flag without effect, words that give it its effect)

@@ -33,6 +33,14 @@ PROJECTS: dict[str, str] = {
     "FSDP2": "https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html",
     "torchrun": "https://docs.pytorch.org/docs/stable/elastic/run.html",
     "Hugging Face": "https://huggingface.co/",
+    "TinyLlama": "https://github.com/jzhang38/TinyLlama",
+    "DeepEP": "https://github.com/deepseek-ai/DeepEP",
+    "tqdm": "https://github.com/tqdm/tqdm",
+    "py-spy": "https://github.com/benfred/py-spy",
+    "Nsight Systems": "https://developer.nvidia.com/nsight-systems",
+    "pyxis": "https://github.com/NVIDIA/pyxis",
+    "enroot": "https://github.com/NVIDIA/enroot",
+    "cuDNN": "https://developer.nvidia.com/cudnn",
 }
 """Projects the guide names, and where a reader finds them."""
 

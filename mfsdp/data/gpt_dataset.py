@@ -187,6 +187,9 @@ class GPTSamples:
                           os.path.getmtime(dataset.prefix + ".idx"), int(documents[0]) if
                           len(documents) else 0, len(documents), num_samples, seq_length, seed])
         cached = _cache_load(cache_dir, key, ("document_index", "shuffle_index"))
+        if cached is not None and not _cache_fits(cached, documents, epochs, total):
+            _cache_damaged(cache_dir, key, "its indices do not fit this dataset")
+            cached = None
         if cached is not None:
             self.document_index, self.shuffle_index = cached
         else:
@@ -338,7 +341,37 @@ def _cache_load(cache_dir: str | None, key: str, names):
     paths = _cache_paths(cache_dir, key, names)
     if not all(p.is_file() for p in paths.values()):
         return None
-    return tuple(numpy.load(paths[n], mmap_mode="r") for n in names)
+    try:
+        return tuple(numpy.load(paths[n], mmap_mode="r") for n in names)
+    except (OSError, ValueError, EOFError) as exc:  # truncated, zeroed, half-copied
+        _cache_damaged(cache_dir, key, f"{exc}")
+        return None
+
+
+def _cache_fits(cached, documents: numpy.ndarray, epochs: int, total: int) -> bool:
+    """Whether cached sample indices can belong to this dataset: a document index over its
+    documents, ``epochs`` times, and a shuffle of at most ``total`` samples."""
+    doc_index, shuffle = cached
+    if doc_index.ndim != 1 or shuffle.ndim != 1 or len(doc_index) != epochs * len(documents):
+        return False
+    if len(shuffle) and (shuffle.min() < 0 or shuffle.max() >= total):
+        return False
+    return bool(numpy.isin(numpy.unique(doc_index), documents).all())
+
+
+def _cache_damaged(cache_dir: str, key: str, why: str) -> None:
+    """Say once (rank 0) that a cache file is unusable; the caller builds the indices again and
+    overwrites it, so nothing is lost."""
+    import sys
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        names = ", ".join(str(p) for p in _cache_paths(cache_dir, key,
+                                                       ("document_index", "shuffle_index"))
+                          .values())
+        print(f"mfsdp train: --data-cache-path: {names} cannot be used ({why}); building the "
+              "sample index again and replacing it", file=sys.stderr, flush=True)
 
 
 def _cache_save(cache_dir: str | None, key: str, arrays: dict) -> None:

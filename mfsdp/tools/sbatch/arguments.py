@@ -109,6 +109,13 @@ def train_args(v: dict) -> list[str]:
     a: list[str] = ["--use-megatron-fsdp",
                     "--data-parallel-sharding-strategy", v["strategy"],
                     "--num-distributed-optimizer-instances", str(v["outer"])]
+    if megatron:
+        # what upstream's guide scripts (examples/megatron_fsdp/) pass with Megatron-FSDP: the
+        # distributed optimizer, no fused weight-gradient accumulation, and the overlap of the
+        # gradient reduction and the parameter gather with compute (both off by default in
+        # Megatron-LM; mfsdp train overlaps by default)
+        a += ["--use-distributed-optimizer", "--no-gradient-accumulation-fusion",
+              "--overlap-grad-reduce", "--overlap-param-gather"]
     if v["outer"] > 1:
         a += ["--outer-dp-sharding-strategy", v["outer_strategy"]]
     if v["ep"] > 1:
@@ -128,12 +135,21 @@ def train_args(v: dict) -> list[str]:
           "--global-batch-size", str(v["global_batch_size"]),
           "--seq-length", str(v["seq_length"]), "--train-iters", str(v["train_iters"]),
           "--lr", repr(float(v["lr"]))]
+    a += ["--min-lr", repr(float(v["min_lr"])), "--lr-decay-style", v["lr_decay_style"]]
+    if v["lr_warmup_iters"]:
+        a += ["--lr-warmup-iters", str(v["lr_warmup_iters"])]
+    if v["lr_decay_iters"]:
+        a += ["--lr-decay-iters", str(v["lr_decay_iters"])]
+    if v["per_token_loss"]:
+        a.append("--calculate-per-token-loss")
     for key, flag in (("bf16", "--bf16"), ("meta_init", "--init-model-with-meta-device"),
                       ("all_gather_group", "--create-all-gather-group"),
                       ("grad_reduce_in_bf16", "--grad-reduce-in-bf16"),
                       ("double_buffer", "--fsdp-double-buffer"), ("nccl_ub", "--use-nccl-ub")):
         if v[key]:
             a.append(flag)
+    if megatron and v["nccl_ub"]:  # registers the user buffers once, as upstream's scripts do
+        a.append("--fsdp-manual-registration")
     if v["save"]:
         a += ["--save", Var("CHECKPOINT_DIR"), "--save-interval", str(v["save_interval"])]
         if v["signal_seconds"] > 0:

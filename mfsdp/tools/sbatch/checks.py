@@ -165,6 +165,15 @@ def _check_train(v: dict) -> None:
                           f"time={v['time']} ({limit} s): the signal would come before the start")
     if v["lr"] <= 0:
         raise RenderError(f"lr={v['lr']} must be positive")
+    if not 0 <= v["min_lr"] <= v["lr"]:
+        raise RenderError(f"min_lr={v['min_lr']} must be from 0 to lr={v['lr']}")
+    if v["lr_warmup_iters"] < 0 or v["lr_decay_iters"] < 0:
+        raise RenderError("lr_warmup_iters and lr_decay_iters must be 0 or more")
+    decay = v["lr_decay_iters"] or v["train_iters"]
+    if v["lr_decay_style"] != "constant" and v["lr_warmup_iters"] >= decay:
+        raise RenderError(f"lr_warmup_iters={v['lr_warmup_iters']} must be less than "
+                          f"{'lr_decay_iters' if v['lr_decay_iters'] else 'train_iters'}="
+                          f"{decay}: the decay comes after the warm-up")
     if v["distributed_timeout_minutes"] <= 0:
         raise RenderError("distributed_timeout_minutes must be positive")
     if v["split"] and not re.match(r"^\d+(\.\d+)?(,\d+(\.\d+)?){0,2}$", v["split"]):

@@ -60,7 +60,15 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "global_batch_size": (int, "--global-batch-size"),
     "seq_length": (int, "--seq-length"),
     "train_iters": (int, "--train-iters"),
-    "lr": (float, "--lr"),
+    "lr": (float, "--lr: the peak learning rate"),
+    "min_lr": (float, "--min-lr: where the decay ends"),
+    "lr_warmup_iters": (int, "--lr-warmup-iters: linear warm-up from 0 to lr over this many "
+                             "iterations"),
+    "lr_decay_style": (str, "--lr-decay-style: from lr to min_lr after the warm-up"),
+    "lr_decay_iters": (int, "--lr-decay-iters: iterations of warm-up and decay together (0: "
+                            "train_iters)"),
+    "per_token_loss": (bool, "--calculate-per-token-loss: the loss is averaged over the tokens "
+                             "of the whole global batch, not per micro-batch"),
     "bf16": (bool, "--bf16"),
     "meta_init": (bool, "--init-model-with-meta-device"),
     "all_gather_group": (bool, "--create-all-gather-group"),
@@ -108,6 +116,7 @@ CHOICES = {
     "dispatcher": ("allgather", "alltoall", "flex"),
     "flex_backend": ("torch", "deepep", "hybridep", "ncclep"),
     "ckpt_format": ("fsdp_dtensor", "torch_dist"),
+    "lr_decay_style": ("constant", "linear", "cosine"),
     "from_format": _FORMATS,
     "to_format": _FORMATS,
 }
@@ -122,11 +131,13 @@ _TRAIN = dict(_SLURM, launcher="torchrun", rdzv_port=0, requeue=True, strategy="
               grad_reduce_in_bf16=False, double_buffer=False, nccl_ub=False, save="",
               save_interval=1000, ckpt_format="fsdp_dtensor", load="", signal_seconds=120,
               max_restarts=0, log_interval=1, log_jsonl="", wandb_project="", extra_args="",
-              bf16=False, data_path="", mock_data=False, split="969,30,1", tokenizer_model="")
+              bf16=False, data_path="", mock_data=False, split="969,30,1", tokenizer_model="",
+              min_lr=0.0, lr_warmup_iters=0, lr_decay_style="linear", lr_decay_iters=0,
+              per_token_loss=False)
 
 # Whole 8-GPU nodes, one rank per GPU: what every GPU preset asks of Slurm.
 _GPU_NODES = dict(gpus_per_node=8, ranks_per_node=8, cpus_per_task=64, output="%x-%j.log",
-                  exclusive=True, grad_reduce_in_bf16=True)
+                  exclusive=True, grad_reduce_in_bf16=True, per_token_loss=True)
 # What the upstream guide's Megatron-LM scripts add for Megatron-FSDP on GPUs: the persistent
 # double buffer and NCCL user buffers (Megatron-LM only: mfsdp train refuses --use-nccl-ub).
 _MEGATRON_LM_GPU = dict(double_buffer=True, nccl_ub=True)
@@ -134,6 +145,25 @@ _MEGATRON_LM_GPU = dict(double_buffer=True, nccl_ub=True)
 # The real architectures (RMSNorm, RoPE, grouped-query or multi-latent attention, SwiGLU) are
 # the trainer's presets; the planner reads the same definitions (``mfsdp plan``).
 _LLAMA3_8B = "--model-preset llama3-8b"
+
+# The learning-rate schedules and batch sizes of published pretraining recipes, so that a preset
+# submitted as it is trains on the schedule its model was tuned with (the time limit is one job's:
+# a job saves on the time-limit signal and requeues until train_iters). Sources:
+# - Llama 3 (8B, 8B at 64K tokens, 70B, 3.1 405B): Megatron-Bridge's
+#   recipes/llama/llama3.py (llama3_8b_pretrain_config, llama3_8b_64k_pretrain_config,
+#   llama3_70b_pretrain_config, llama31_405b_pretrain_config): 1,168,251 iterations of 512
+#   sequences, 2,000 warm-up iterations, cosine decay from 3e-4 to 3e-5 (recipes/common.py,
+#   _pretrain_common).
+# - DeepSeek-V3: Megatron-Bridge's recipes/deepseek/deepseek_v3.py
+#   (deepseek_v3_pretrain_config_32nodes, 32 nodes as here): 1,000,000 iterations of 4,096
+#   sequences, 2,000 warm-up iterations, the same cosine decay from 3e-4 to 3e-5.
+_BRIDGE_LLAMA3 = dict(global_batch_size=512, train_iters=1_168_251, lr=3e-4, min_lr=3e-5,
+                      lr_warmup_iters=2000, lr_decay_style="cosine")
+_FROM_BRIDGE = (" Batch and learning-rate schedule: Megatron-Bridge's {} (512 x {} iterations, "
+                "cosine from 3e-4 to 3e-5 after 2,000 warm-up iterations), in {} jobs that save "
+                "and requeue until done.")
+_BRIDGE_DEEPSEEK_V3 = dict(global_batch_size=4096, train_iters=1_000_000, lr=3e-4, min_lr=3e-5,
+                           lr_warmup_iters=2000, lr_decay_style="cosine")
 _FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 _DEEPSEEK_V3 = ("--model-preset deepseek-v3 --moe-aux-loss-coeff 0.0001 --moe-grouped-gemm "
                 + _FULL_RECOMPUTE)
@@ -156,45 +186,52 @@ PRESETS: dict[str, Preset] = {
                             ranks_per_node=2, cpus_per_task=2, time="00:10:00",
                             output="mfsdp-cpu-smoke-%j.log", model_args="--model-preset gpt-tiny",
                             micro_batch_size=2, global_batch_size=8, seq_length=64, train_iters=10,
-                            lr=0.003, mock_data=True)),
+                            # the recipes' shape (cosine to lr/10), warm-up cut to 2 of the
+                            # 10 iterations so that every phase of the schedule runs
+                            lr=0.003, min_lr=0.0003, lr_warmup_iters=2,
+                            lr_decay_style="cosine", mock_data=True)),
     "llama3-8b": Preset("train", "Llama-3-8B-style dense model on 2 nodes x 8 GPUs with ZeRO-3 "
-                        "(optim_grads_params), bf16 compute, fp32 main weights.", dict(
+                        "(optim_grads_params), bf16 compute, fp32 main weights." + _FROM_BRIDGE.format("llama3_8b_pretrain_config", "1,168,251", "4-hour"), dict(
                             _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2,
                             time="04:00:00", model_args=_LLAMA3_8B,
-                            micro_batch_size=1, global_batch_size=128, seq_length=8192,
-                            train_iters=1000, lr=0.0003, bf16=True, meta_init=True,
+                            micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
+                            bf16=True, meta_init=True,
                             save="checkpoints/llama3-8b", save_interval=500,
                             log_jsonl="llama3-8b.jsonl"), _MEGATRON_LM_GPU),
     "llama3-8b-container": Preset(
         "train", "The llama3-8b job in NGC's PyTorch container (pyxis/enroot): the image's torch, "
-        "mfsdp mounted from its source checkout.", dict(
+        "mfsdp mounted from its source checkout." + _FROM_BRIDGE.format(
+            "llama3_8b_pretrain_config", "1,168,251", "4-hour"), dict(
             _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2, time="04:00:00",
-            model_args=_LLAMA3_8B, micro_batch_size=1, global_batch_size=128, seq_length=8192,
-            train_iters=1000, lr=0.0003, bf16=True, meta_init=True, save="checkpoints/llama3-8b",
+            model_args=_LLAMA3_8B, micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
+            bf16=True, meta_init=True, save="checkpoints/llama3-8b",
             save_interval=500, log_jsonl="llama3-8b.jsonl",
             container_image="nvcr.io#nvidia/pytorch:25.10-py3"), _MEGATRON_LM_GPU),
     "deepseek-v3": Preset("train", "DeepSeek-V3-style MoE (256 routed experts, top-8, "
                           "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 8 inside a "
                           "node, HFSDP over 4 outer groups (optimizer state sharded across them too), flex "
-                          "dispatcher with DeepEP.", dict(
+                          "dispatcher with DeepEP. Batch and learning-rate schedule: Megatron-Bridge's "
+                          "deepseek_v3_pretrain_config_32nodes (4,096 x 1,000,000 iterations, "
+                          "cosine from 3e-4 to 3e-5 after 2,000 warm-up iterations), in 24-hour "
+                          "jobs that save and requeue until done.", dict(
                               _TRAIN, **_GPU_NODES, job_name="mfsdp-deepseek-v3", nodes=32,
                               time="24:00:00", model_args=_DEEPSEEK_V3,
                               outer=4, outer_strategy="optim", ep=8, num_experts=256,
                               dispatcher="flex", flex_backend="deepep", micro_batch_size=1,
-                              global_batch_size=512, seq_length=4096, train_iters=10000,
-                              lr=0.0002, bf16=True, meta_init=True, all_gather_group=True,
+                              seq_length=4096, **_BRIDGE_DEEPSEEK_V3,
+                              bf16=True, meta_init=True, all_gather_group=True,
                               save="checkpoints/deepseek-v3", save_interval=500,
                               log_jsonl="deepseek-v3.jsonl"),
                           dict(_MEGATRON_LM_GPU, flex_backend="hybridep")),
     "llama3-70b": Preset("train", "Llama-3-70B-style dense model on 8 nodes x 8 GPUs: tensor "
                          "parallelism 4 with sequence parallelism inside a node, ZeRO-3 over the "
                          "16 data-parallel ranks, selective recompute, bf16 compute, meta-device "
-                         "initialisation.", dict(
+                         "initialisation." + _FROM_BRIDGE.format("llama3_70b_pretrain_config", "1,168,251", "24-hour"), dict(
                              _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-70b", nodes=8,
                              time="24:00:00", model_args="--model-preset llama3-70b --recompute-granularity "
                                         "selective",
-                             tp=4, micro_batch_size=1, global_batch_size=128, seq_length=8192,
-                             train_iters=1000, lr=0.00015, bf16=True, meta_init=True,
+                             tp=4, micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
+                             bf16=True, meta_init=True,
                              save="checkpoints/llama3-70b", save_interval=250,
                              log_jsonl="llama3-70b.jsonl"), _MEGATRON_LM_GPU),
     "llama3.1-405b": Preset("train", "Llama-3.1-405B-shaped dense model on 32 nodes x 8 GPUs: "
@@ -202,24 +239,24 @@ PRESETS: dict[str, Preset] = {
                             "Megatron-Bridge's published Megatron-FSDP run (128 GB200s, which "
                             "hold 186 GiB; on 80 GiB GPUs the planner needs 256), ZeRO-3 over "
                             "128 data-parallel ranks, full recompute, bf16 compute, meta-device "
-                            "initialisation.", dict(
+                            "initialisation." + _FROM_BRIDGE.format("llama31_405b_pretrain_config", "1,168,251", "48-hour"), dict(
                                 _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3.1-405b", nodes=32,
                                 time="48:00:00",
                                 model_args="--model-preset llama3.1-405b " + _FULL_RECOMPUTE,
                                 tp=2, sequence_parallel=True, micro_batch_size=1,
-                                global_batch_size=256, seq_length=8192, train_iters=1000,
-                                lr=0.0001, bf16=True, meta_init=True, all_gather_group=True,
+                                seq_length=8192, **_BRIDGE_LLAMA3,
+                                bf16=True, meta_init=True, all_gather_group=True,
                                 save="checkpoints/llama3.1-405b", save_interval=100,
                                 log_jsonl="llama3.1-405b.jsonl"), _MEGATRON_LM_GPU),
     "llama3-8b-long": Preset("train", "Llama-3-8B-style model on 64K-token sequences, 2 nodes x 8 "
                              "GPUs: context parallelism 2 (each rank holds 32K tokens of a "
                              "sequence, attention exact over all of it), ZeRO-3 over the 16 ranks, "
-                             "full recompute, bf16 compute.", dict(
+                             "full recompute, bf16 compute." + _FROM_BRIDGE.format("llama3_8b_64k_pretrain_config", "1,168,251", "12-hour"), dict(
                                  _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b-long", nodes=2,
                                  time="12:00:00",
                                  model_args="--model-preset llama3-8b " + _FULL_RECOMPUTE,
-                                 cp=2, micro_batch_size=1, global_batch_size=16,
-                                 seq_length=65536, train_iters=1000, lr=0.0003, bf16=True,
+                                 cp=2, micro_batch_size=1, seq_length=65536,
+                                 **_BRIDGE_LLAMA3, bf16=True,
                                  meta_init=True, save="checkpoints/llama3-8b-long",
                                  save_interval=250, log_jsonl="llama3-8b-long.jsonl"),
                              _MEGATRON_LM_GPU),
