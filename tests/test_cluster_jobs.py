@@ -145,10 +145,10 @@ def test_wandb_logs_the_scalars_tensorboard_gets(tmp_path):
 ])
 def test_wandb_flags_that_cannot_act_are_refused_at_start(argv, said):
     from mfsdp.trainer.arguments import build_parser
-    from mfsdp.trainer.metrics import check_wandb_args
+    from mfsdp.trainer.config import TrainConfig
 
     with pytest.raises(SystemExit, match=said):
-        check_wandb_args(build_parser().parse_args(argv))
+        TrainConfig.from_args(build_parser().parse_args(argv))
 
 
 @pytest.mark.slow

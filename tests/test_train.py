@@ -623,12 +623,10 @@ def test_profile_writes_a_trace_with_mfsdps_labels(tmp_path):
 ], ids=["memory-history-on-cpu", "nsys-on-cpu", "no-trace-dir", "empty-window"])
 def test_profiling_flags_that_cannot_work_are_refused_at_start(flags, message):
     from mfsdp.train import build_parser
-    from mfsdp.trainer.config import TrainConfig
-    from mfsdp.trainer.profiling import check_profile_args
+    from mfsdp.trainer.arguments import checked_config
 
-    config = TrainConfig.from_args(build_parser().parse_args(flags))
     with pytest.raises(SystemExit, match=re.escape(message)):
-        check_profile_args(config.profiling, config.logging.tensorboard_dir, is_cpu=True)
+        checked_config(build_parser().parse_args(flags), 1, "cpu")
 
 
 @pytest.mark.extended  # four trainer launches (about a minute on an idle 2-core machine)

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from mfsdp.trainer.arguments import build_parser
+from mfsdp.trainer.arguments import build_parser, checked_config
+from mfsdp.trainer.config import TrainConfig, rules
 from mfsdp.trainer.refusals import ALWAYS, NEEDS, check_combinations, flag_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,6 +215,7 @@ OTHER: dict[str, list[str]] = {
     "recompute_granularity": ["--recompute-granularity", "selective"],
     "recompute_num_layers": ["--recompute-num-layers", "2"],
     "split": ["--split", "90,10,0"],
+    "profile_step_end": ["--profile-step-end", "30"],  # (after --profile-step-start's 10)
     "train_samples": ["--train-samples", "64", "--global-batch-size", "2"],
     "num_distributed_optimizer_instances": ["--num-distributed-optimizer-instances", "2"],
     "expert_model_parallel_size": ["--expert-model-parallel-size", "2"],
@@ -236,6 +238,8 @@ BESIDE: dict[str, list[str]] = {
         "moe_grouped_gemm", "expert_model_parallel_size")},
     "moe_flex_dispatcher_backend": ["--num-experts", "4", "--moe-token-dispatcher-type", "flex"],
     "moe_router_group_topk": ["--num-experts", "4", "--moe-router-num-groups", "2"],
+    # (expert parallelism needs the engine: a rule of TrainConfig)
+    "expert_model_parallel_size": ["--num-experts", "4", "--use-megatron-fsdp"],
     "make_vocab_size_divisible_by": ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
     "sgd_momentum": ["--optimizer", "sgd"],
     **{d: ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "10", "--train-iters", "40"]
@@ -250,10 +254,15 @@ BESIDE: dict[str, list[str]] = {
         "num_distributed_optimizer_instances", "tensor_model_parallel_size",
         "context_parallel_size", "calculate_per_token_loss", "bf16", "seed")},
     "tokenizer_model": ["--tokenizer-type", "HuggingFaceTokenizer"],
-    "save_interval": ["--save", "somewhere"],
-    **{d: ["--wandb-project", "p", "--wandb-exp-name", "e", "--save", "somewhere"] for d in (
-        "wandb_save_dir", "wandb_entity")},
-    **{d: ["--save", "somewhere"] for d in ("wandb_project", "wandb_exp_name")},
+    # (--save and --load need the engine: a rule of TrainConfig)
+    **{d: ["--use-megatron-fsdp"] for d in ("save", "load")},
+    "save_interval": ["--save", "somewhere", "--use-megatron-fsdp"],
+    **{d: ["--wandb-project", "p", "--wandb-exp-name", "e", "--save", "somewhere",
+           "--use-megatron-fsdp"] for d in ("wandb_save_dir", "wandb_entity")},
+    **{d: ["--save", "somewhere", "--use-megatron-fsdp"] for d in (
+        "wandb_project", "wandb_exp_name")},
+    # (the torch.profiler trace is an option of --profile, written into --tensorboard-dir)
+    "use_pytorch_profiler": ["--profile", "--tensorboard-dir", "tb"],
 }
 # Flags that only go in pairs (each alone is refused): the partner comes with the flag.
 TOGETHER: dict[str, list[str]] = {
@@ -362,6 +371,8 @@ COMBOS: dict[str, tuple[list[str], list[str]]] = {
         "overlap_param_gather", "grad_reduce_in_bf16", "megatron_fsdp_main_params_dtype",
         "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype",
         "dump_param_to_param_group_map")},
+    "outer_dp_sharding_strategy": ([], ["--use-megatron-fsdp",
+                                        "--num-distributed-optimizer-instances", "2"]),
     "rope_scaling_factor": ([], ["--use-rope-scaling"]),
     "moe_flex_dispatcher_backend": ([], ["--moe-token-dispatcher-type", "flex"]),
     "mock_data": (["--data-path", "bundled"], []),
@@ -370,14 +381,16 @@ COMBOS: dict[str, tuple[list[str], list[str]]] = {
     **{d: ([], ["--data-path", "1", "a", "1", "b"]) for d in ("eval_interval", "eval_iters")},
     "sgd_momentum": ([], ["--optimizer", "sgd"]),
     **{d: (["--optimizer", "sgd"], []) for d in ("adam_beta1", "adam_beta2", "adam_eps")},
-    **{d: ([], ["--lr-decay-style", "WSD"]) for d in ("lr_wsd_decay_style", "lr_wsd_decay_iters")},
-    "ckpt_format": ([], ["--save", "somewhere"]),
-    **{d: ([], ["--load", "somewhere"]) for d in (
+    **{d: ([], ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"])
+       for d in ("lr_wsd_decay_style", "lr_wsd_decay_iters")},
+    "ckpt_format": ([], ["--save", "somewhere", "--use-megatron-fsdp"]),
+    **{d: ([], ["--load", "somewhere", "--use-megatron-fsdp"]) for d in (
         "ckpt_verify", "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler",
         "exit_on_missing_checkpoint")},
     **{d: ([], ["--profile"]) for d in ("profile_step_start", "profile_step_end",
                                         "profile_ranks")},
-    **{d: (["--profile"], ["--profile", "--use-pytorch-profiler"]) for d in (
+    **{d: (["--profile"], ["--profile", "--use-pytorch-profiler", "--tensorboard-dir", "tb"])
+       for d in (
         "pytorch_profiler_collect_shapes", "pytorch_profiler_collect_callstack")},
     "memory_snapshot_path": ([], ["--record-memory-history"]),
 }
@@ -385,16 +398,20 @@ COMBOS: dict[str, tuple[list[str], list[str]]] = {
 
 @pytest.mark.parametrize("rule", NEEDS, ids=lambda r: r.dest)
 def test_a_flag_is_refused_where_it_would_do_nothing(rule):
+    """The flag with a value of the rule's example (what it needs besides included) and the
+    words that leave it without effect is refused in one line starting with its spelling; the
+    flag alone with the words that give it its effect is accepted."""
     parser = build_parser()
-    action = next(a for a in parser._actions if a.dest == rule.dest)
+    example = next(r for r in rules.examples(TrainConfig) if r.name == rule.dest).example
     without, with_ = COMBOS[rule.dest]
-    args = parser.parse_args(_other_value(action) + without)
+    args = parser.parse_args(rules.command_line(TrainConfig, example) + without)
     with pytest.raises(SystemExit) as refused:
         check_combinations(args, parser)
     line = str(refused.value.code)
     assert line.startswith(flag_of(parser, rule.dest, getattr(args, rule.dest)) + " "), line
     assert "\n" not in line
-    check_combinations(parser.parse_args(_other_value(action) + with_), parser)  # accepted
+    alone = rules.command_line(TrainConfig, {rule.dest: example[rule.dest]})
+    check_combinations(parser.parse_args(alone + with_), parser)  # accepted
 
 
 def test_every_rule_is_walked():
@@ -487,18 +504,14 @@ def test_a_refusal_at_the_command_line_is_one_line_and_status_2():
 def test_the_expert_bias_rate_needs_the_expert_bias():
     """``--moe-router-bias-update-rate`` is refused for a model without the balancing bias, and
     accepted with it, from the flag or from the preset (deepseek-proxy has it)."""
-    from mfsdp.trainer.build import model_config
-    from mfsdp.trainer.refusals import check_with_model
-
     parser = build_parser()
     rate = ["--moe-router-bias-update-rate", "0.01"]
     args = parser.parse_args(rate + ["--num-experts", "4"])
     with pytest.raises(SystemExit, match=r"^--moe-router-bias-update-rate 0.01 needs"):
-        check_with_model(args, model_config(args), parser)
+        checked_config(args, 1)
     for words in (["--num-experts", "4", "--moe-router-enable-expert-bias"],
                   ["--model-preset", "deepseek-proxy"]):
-        args = parser.parse_args(rate + words)
-        check_with_model(args, model_config(args), parser)
+        checked_config(parser.parse_args(rate + words), 1)
 
 
 def test_the_logging_flags_become_a_logging_config():
@@ -521,8 +534,10 @@ def test_the_logging_flags_become_a_logging_config():
     assert (default.log_interval, default.log_jsonl, default.wandb_dir) == (100, None, "")
     with pytest.raises(ValueError, match=r"^LoggingConfig: log_interval=0 must be at least 1"):
         LoggingConfig(log_interval=0)
-    with pytest.raises(ValueError, match=r"^LoggingConfig: wandb_project='p' needs"):
-        LoggingConfig(wandb_project="p", wandb_exp_name="e")
+    with pytest.raises(ValueError, match=r"^--wandb-project needs --wandb-exp-name"):
+        LoggingConfig(wandb_project="p")
+    with pytest.raises(ValueError, match=r"^--wandb-project needs --wandb-save-dir"):
+        TrainConfig(logging=LoggingConfig(wandb_project="p", wandb_exp_name="e"))
 
 
 def test_the_parser_is_generated_from_the_config_groups():

@@ -5,7 +5,8 @@ its two converters to and from the common form, mfsdp's ``fsdp_dtensor`` (the fo
 converter already reads or writes). Everything that needs to know the formats reads
 :data:`REGISTRY`: detection (:func:`~mfsdp.checkpoint.formats.detect`), ``load_checkpoint`` and ``mfsdp train --load``,
 ``mfsdp convert`` (its ``--from``/``--to`` choices, and each conversion a lookup: source -> common
-form -> destination, see :func:`convert`), ``--ckpt-format`` (the formats a training job writes)
+form -> destination, see :func:`convert`), ``--ckpt-format`` (the formats a training job writes,
+and how: ``train_write``; how its ``--load`` reads each: ``train_converts``)
 and the format table of ``docs/conversion.md`` (:func:`guide_table`, checked by the tests).
 
 A new format is one :func:`register` call (``tests/test_checkpoint_formats.py`` registers a tiny
@@ -71,6 +72,17 @@ class CheckpointFormat:
     resolves_latest: bool = False  # INPUT may be a root whose ``latest`` names the checkpoint
     streams: bool = False  # its converters spread tensors over the ranks of torchrun
     train_save: bool = False  # mfsdp train --ckpt-format can write it
+    # train_write(written, root, iteration, options): how mfsdp train writes an iteration it
+    # saved in the common form (``written``) into its --save ``root`` in this format, on rank
+    # 0 (options: ``model_cfg``, ``expert_model_parallel_size``); None: the common form is
+    # saved into ``root`` as it is (fsdp_dtensor)
+    train_write: Callable[[Path, Path, int, Any], None] | None = None
+    # mfsdp train --load converts it into the common form inside the --load root first (with
+    # the job's model configuration), instead of reading it with its loader
+    train_converts: bool = False
+    # what mfsdp train --load says it loaded when it starts from it at iteration 0 ("": the
+    # weights of an iteration-0 checkpoint, e.g. imported from Hugging Face)
+    train_note: str = ""
 
     def display_name(self) -> str:
         """The name as the guide writes it (an alias first: ``torch_dist`` (or ``megatron_lm``))."""
@@ -326,7 +338,8 @@ def _common_to_hf(src: Path, out: Path, o) -> None:
 
 
 def _full_to_common(src: Path, out: Path, o) -> None:
-    full_to_fsdp(src, out, getattr(o, "param_to_param_group_map", None))
+    full_to_fsdp(src, out, getattr(o, "param_to_param_group_map", None),
+                 verify=getattr(o, "verify", True))
 
 
 def _common_to_full(src: Path, out: Path, o) -> None:
@@ -341,6 +354,42 @@ def _common_to_safetensors(src: Path, out: Path, o) -> None:
     config_path = getattr(o, "config", None)
     config = json.loads(Path(config_path).read_text()) if config_path else None
     fsdp_to_safetensors(src, out, getattr(o, "swiglu", False), _dtype(o), config)
+
+
+def _train_write_megatron_lm(written: Path, root: Path, iteration: int, o: Any) -> None:
+    """Megatron-LM's ``torch_dist`` into the save root, as Megatron-LM lays it out (experts for
+    the job's EP size): the iteration directory moved in whole, then the tracker replaced (a
+    crash in between leaves the previous iteration the one that loads)."""
+    import os
+
+    from mfsdp.checkpoint.detect import TRACKER
+
+    tmp_root = root / f".export-iter_{iteration:07d}"
+    shutil.rmtree(tmp_root, ignore_errors=True)
+    try:
+        fsdp_to_megatron_lm(written, tmp_root, o.model_cfg, progress=False, verify=False,
+                            expert_model_parallel_size=o.expert_model_parallel_size)
+        name = f"iter_{iteration:07d}"
+        final = root / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp_root / name, final)
+        (root / f".{TRACKER}.tmp").write_text(str(iteration))
+        os.replace(root / f".{TRACKER}.tmp", root / TRACKER)
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+
+
+def _train_write_full(written: Path, root: Path, iteration: int, o: Any) -> None:
+    """mfsdp's full-tensor form into the save root, then ``latest`` pointed at it."""
+    import os
+
+    final = root / written.name
+    if final.exists():
+        shutil.rmtree(final)
+    fsdp_to_full(written, final, verify=False)  # hashed by this very save
+    (root / ".latest-tmp").write_text(written.name + "\n")
+    os.replace(root / ".latest-tmp", root / "latest")
 
 
 def _load_megatron_lm(path, model, optimizer=None, verify: bool = True) -> dict:
@@ -366,7 +415,8 @@ register(CheckpointFormat(
 register(CheckpointFormat(
     name="megatron_lm", aliases=("torch_dist",), recognise=_recognise_megatron_lm,
     to_common=_megatron_lm_to_common, from_common=_common_to_megatron_lm,
-    load=_load_megatron_lm, streams=True, train_save=True,
+    load=_load_megatron_lm, streams=True, train_save=True, train_write=_train_write_megatron_lm,
+    train_converts=True,
     holds="Megatron-LM's `--ckpt-format torch_dist` (tracker, `iter_XXXXXXX/`, layers stacked, "
           "optimizer state by weight); as `megatron_lm` also its `--ckpt-format fsdp_dtensor` "
           "(Megatron-LM with `--use-megatron-fsdp`: a plain DCP, `model.module.<name>` per layer)",
@@ -375,6 +425,7 @@ register(CheckpointFormat(
 register(CheckpointFormat(
     name="mfsdp_full", recognise=_recognise_mfsdp("mfsdp_full"), to_common=_full_to_common,
     from_common=_common_to_full, resolves_latest=True, train_save=True,
+    train_write=_train_write_full, train_converts=True,
     holds="full tensors: `model.<name>`, optimizer state by *position* (as "
           "`optimizer.state_dict()`), `param_to_param_group_map.json`",
     written_by="a single-process PyTorch job (`save_full_checkpoint`), `mfsdp train "
@@ -393,6 +444,7 @@ register(CheckpointFormat(
     name="megatron_fsdp", recognise=lambda p: is_megatron_fsdp(p),
     to_common=_megatron_fsdp_to_common, from_common=_common_to_megatron_fsdp,
     load=_load_megatron_fsdp, streams=True,
+    train_note="an upstream Megatron-FSDP checkpoint (weights and optimizer state)",
     holds="upstream Megatron-FSDP's README checkpoint: `model.module.<name>`, optimizer state by "
           "position, param groups per field (no manifest)",
     written_by="the `megatron_fsdp` package"))

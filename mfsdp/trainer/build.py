@@ -5,15 +5,18 @@ the figures the logs report (FLOPs per token, resident memory)."""
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import fields
+from typing import Any
 
 import torch
 
 from mfsdp.data.batches import is_indexed_prefix, tokenizer_of
 from mfsdp.models.config import GPTConfig
 
-from mfsdp.trainer.config import DTYPES, TrainConfig
+from mfsdp.config import MixedPrecisionPolicy
+from mfsdp.trainer.config import (DTYPES, ModelConfig, MoEConfig, PrecisionConfig, TrainConfig,
+                                  TrainingConfig)
+from mfsdp.trainer.state import LRScheduler
 
 
 def saved_config(load: str | None) -> dict | None:
@@ -98,7 +101,7 @@ def _note_padding(vocab: int, size: int) -> None:
               f"(new size: {size})", flush=True)
 
 
-def overridden_config(base, model, moe):
+def overridden_config(base: GPTConfig, model: ModelConfig, moe: MoEConfig) -> GPTConfig:
     """``base`` (a preset's or a checkpoint's config) with every flag of the ``model`` and ``moe``
     groups (:class:`~mfsdp.trainer.config.ModelConfig`, :class:`~mfsdp.trainer.config.MoEConfig`)
     that was given applied; a flag not given keeps ``base``'s value."""
@@ -122,7 +125,7 @@ def overridden_config(base, model, moe):
     return cfg
 
 
-def model_family(model_preset: str | None, cfg) -> str:
+def model_family(model_preset: str | None, cfg: GPTConfig) -> str:
     """What the log calls the model: its preset, or its Hugging Face family."""
     from mfsdp.models.hf import UnsupportedModel, hf_model_type
 
@@ -134,7 +137,7 @@ def model_family(model_preset: str | None, cfg) -> str:
         return "gpt"
 
 
-def precision_policy(precision):
+def precision_policy(precision: PrecisionConfig | argparse.Namespace) -> MixedPrecisionPolicy:
     """The :class:`~mfsdp.MixedPrecisionPolicy` of the precision group
     (:class:`~mfsdp.trainer.config.PrecisionConfig`: ``--bf16``, ``--grad-reduce-in-bf16`` and
     the ``--megatron-fsdp-*-dtype`` flags; the two gradient-communication flags agree: see
@@ -151,7 +154,7 @@ def precision_policy(precision):
     return MixedPrecisionPolicy(main_params_dtype=main, main_grads_dtype=grads, grad_comm_dtype=comm)
 
 
-def build_param_groups(model, training) -> list[dict]:
+def build_param_groups(model: torch.nn.Module, training: TrainingConfig) -> list[dict]:
     """The optimizer's two parameter groups (``training.weight_decay`` on matrices, none on norms
     and biases); ``training``: a :class:`~mfsdp.trainer.config.TrainingConfig`."""
     decay, no_decay = [], []
@@ -163,7 +166,7 @@ def build_param_groups(model, training) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(groups: list[dict], training) -> torch.optim.Optimizer:
+def make_optimizer(groups: list[dict], training: TrainingConfig) -> torch.optim.Optimizer:
     """The optimizer ``--optimizer`` names, with ``--lr``, ``--weight-decay``, Adam's betas and
     ``--adam-eps`` (``training``: the :class:`~mfsdp.trainer.config.TrainingConfig`)."""
     if training.optimizer == "sgd":
@@ -173,13 +176,12 @@ def make_optimizer(groups: list[dict], training) -> torch.optim.Optimizer:
                              eps=training.adam_eps)
 
 
-def learning_rate(training, iteration: int) -> float:
+def learning_rate(training: Any, iteration: int) -> float:
     """The learning rate iteration ``iteration`` (1-based) trains with, as Megatron-LM's
     ``OptimizerParamScheduler`` gives it: the rate after ``iteration - 1`` steps (so with warm-up
-    the first step uses ``--lr-warmup-init``), linear warm-up over ``--lr-warmup-iters``, then
-    ``--lr-decay-style`` down to ``--min-lr`` at ``--lr-decay-iters`` (default ``--train-iters``),
-    ``--min-lr`` after it. ``training``: the :class:`~mfsdp.trainer.config.TrainingConfig` (or
-    anything with its fields).
+    the first step uses ``--lr-warmup-init``) of the
+    :class:`~mfsdp.trainer.state.LRScheduler` of ``training`` (the
+    :class:`~mfsdp.trainer.config.TrainingConfig`, or anything with its fields).
 
     >>> from types import SimpleNamespace as NS
     >>> a = NS(lr=1e-3, min_lr=0.0, lr_warmup_iters=2, lr_warmup_init=0.0, lr_decay_iters=None,
@@ -188,36 +190,10 @@ def learning_rate(training, iteration: int) -> float:
     >>> [round(learning_rate(a, i), 6) for i in range(1, 8)]
     [0.0, 0.0005, 0.001, 0.00075, 0.0005, 0.00025, 0.0]
     """
-    steps, warmup = iteration - 1, training.lr_warmup_iters
-    decay = training.lr_decay_iters or training.train_iters
-    max_lr, min_lr = training.lr, training.min_lr
-    if warmup > 0 and steps <= warmup:
-        return training.lr_warmup_init + (max_lr - training.lr_warmup_init) * steps / warmup
-    if training.lr_decay_style == "constant":
-        return max_lr
-    if steps > decay:
-        return min_lr
-    if training.lr_decay_style == "inverse-square-root":
-        return max(min_lr, max_lr * max(warmup, 1) ** 0.5 / max(steps, 1) ** 0.5)
-    ratio = (steps - warmup) / (decay - warmup)
-    if training.lr_decay_style == "linear":
-        coeff = 1.0 - ratio
-    elif training.lr_decay_style == "cosine":
-        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    else:  # WSD: constant, then the last --lr-wsd-decay-iters anneal
-        wsd = training.lr_wsd_decay_iters
-        start = decay - wsd
-        if steps <= start:
-            coeff = 1.0
-        else:
-            r = (steps - start) / wsd
-            coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
-                     "exponential": 2.0 * 0.5 ** r - 1.0,
-                     "minus_sqrt": 1.0 - math.sqrt(r)}[training.lr_wsd_decay_style]
-    return min_lr + coeff * (max_lr - min_lr)
+    return LRScheduler.from_config(training).lr_at(iteration - 1)
 
 
-def routers_of(model):
+def routers_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(name, router)`` of every MoE router of the model (their expert bias is saved and updated)."""
     from mfsdp.moe.router import TopKRouter
 
@@ -237,7 +213,7 @@ def rss_mib() -> float:
     return float("nan")
 
 
-def flops_per_token(cfg, seq_length: int) -> float:
+def flops_per_token(cfg: GPTConfig, seq_length: int) -> float:
     """Training FLOPs per token: ``6 x`` the parameters a token passes through (the embedding
     lookups excluded, routed experts counted ``topk / num_experts``) plus causal attention's
     ``6 x layers x seq x hidden``."""

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterable
 
 import torch.distributed as dist
 
@@ -53,7 +54,7 @@ def _store():
         return None
 
 
-def _first(store, key: str) -> bool:
+def _first(store: dist.Store | None, key: str) -> bool:
     """Whether this rank is the first of the job to claim ``key`` (``store.add`` is atomic)."""
     if store is None:
         return True
@@ -63,7 +64,7 @@ def _first(store, key: str) -> bool:
         return True
 
 
-def _reported(store) -> bool:
+def _reported(store: dist.Store | None) -> bool:
     """Whether a rank of this job has already said what ended it (see :func:`report_error`)."""
     if store is None:
         return False
@@ -404,7 +405,7 @@ class Watch:
         self._thread.join(timeout=5)
 
 
-def _places(pos: dict, ranks, verb: str) -> str:
+def _places(pos: dict, ranks: Iterable[int], verb: str) -> str:
     """``rank(s) 0-3 wait at 'x'; rank(s) 5 wait at 'y'``: the given ranks grouped by phrase."""
     by_phrase: dict[str, list[int]] = {}
     for r in sorted(ranks):
@@ -434,7 +435,7 @@ def is_peer_lost(exc: BaseException) -> bool:
                             "Broken pipe", "remote process exited", "Socket closed"))
 
 
-def lost_ranks(store, world: int, me: int, wait_s: float = 2.0) -> str:
+def lost_ranks(store: dist.Store | None, world: int, me: int, wait_s: float = 2.0) -> str:
     """Which ranks stopped, from the progress board: those on this host whose process is gone,
     and those whose heartbeat stopped (``rank 1 (pid 4242 on node3, last posted at 'iteration
     5: ...')``, the board being up to ``ALIVE_S`` seconds behind), but not those that left on

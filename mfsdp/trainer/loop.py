@@ -7,35 +7,35 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from mfsdp.trainer.arguments import build_parser, check_args
-from mfsdp.trainer.build import model_config
+from mfsdp.models.config import GPTConfig
+from mfsdp.trainer.arguments import build_parser, checked_config
 from mfsdp.trainer.checkpointing import check_load_exists
 from mfsdp.trainer.config import TrainConfig
 from mfsdp.trainer.guard import SaveLock, Watch, report_error
-from mfsdp.trainer.profiling import check_profile_args
-from mfsdp.trainer.signals import install_early, install_terminate, leaving
+from mfsdp.trainer.signals import StopRequest, install_terminate, leaving
 from mfsdp.trainer.trainer import Trainer
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def run(args: argparse.Namespace, stop: StopRequest | None = None) -> list[dict]:
     """Train with parsed ``args`` in an initialised process group; return rank 0's log records.
 
-    The arguments are checked (``mfsdp.trainer.arguments.check_args``) and become a
-    :class:`~mfsdp.trainer.config.TrainConfig`, which is all the run reads from then on.
+    The arguments become a :class:`~mfsdp.trainer.config.TrainConfig` validated for this world
+    and device (``mfsdp.trainer.arguments.checked_config``), which is all the run reads from
+    then on.
     ``--save``'s directory is locked for the run (:class:`~mfsdp.trainer.guard.SaveLock`) and a
-    :class:`~mfsdp.trainer.guard.Watch` reports hangs (and, under torchrun, a dead launcher)."""
+    :class:`~mfsdp.trainer.guard.Watch` reports hangs (and, under torchrun, a dead launcher).
+    ``stop``: the stop request the entry point made before the process group (else the
+    Trainer makes its own)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend() == "nccl" else torch.device("cpu"))
-    is_cpu = device.type == "cpu"
-    config = TrainConfig.from_args(args)  # (the Namespace stops here)
-    cfg = model_config(config)
-    num_micro = check_args(args, world, cfg)
-    check_profile_args(config.profiling, config.logging.tensorboard_dir, is_cpu)
+    config, cfg = checked_config(args, world, device.type)  # (the Namespace stops here)
+    num_micro = config.micro_batches(world)
     log = print if rank == 0 else (lambda *a, **k: None)
     ckpt = config.checkpoint
     if ckpt.load and ckpt.exit_on_missing_checkpoint:  # before the lock creates --save
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     take_save_lock(lock, log)
     watch = Watch(config.job.distributed_timeout_minutes * 60, lock if rank == 0 else None)
     try:
-        return train(config, cfg, num_micro, device, log, watch)
+        return train(config, cfg, num_micro, device, log, watch, stop)
     finally:  # (nothing here may raise: it would hide what ended the run)
         watch.stop()
         note = lock.release() if lock is not None else ""
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             log(f"note: {note}", flush=True)
 
 
-def take_save_lock(lock: SaveLock | None, log) -> None:
+def take_save_lock(lock: SaveLock | None, log: Callable[..., None]) -> None:
     """Rank 0 takes ``--save``'s lock; every rank stops with its message when it cannot."""
     error = [None]
     if lock is not None and dist.get_rank() == 0:
@@ -68,10 +68,11 @@ def take_save_lock(lock: SaveLock | None, log) -> None:
         log(f"note: {note}", flush=True)
 
 
-def train(config: TrainConfig, cfg, num_micro: int, device, log, watch: Watch) -> list[dict]:
+def train(config: TrainConfig, cfg: GPTConfig, num_micro: int, device: torch.device,
+          log: Callable[..., None], watch: Watch, stop: StopRequest | None = None) -> list[dict]:
     """Build, load and train (the body of :func:`run`, once the save directory is ours) with a
     :class:`~mfsdp.trainer.trainer.Trainer`; ``watch`` hears where this rank is."""
-    return Trainer(config, cfg, num_micro, device, log, watch).run()
+    return Trainer(config, cfg, num_micro, device, log, watch, stop).run()
 
 
 def run_in_rank(argv: list[str]) -> list[dict]:
@@ -89,7 +90,9 @@ def main_parsed(args: argparse.Namespace) -> int:
     """Run parsed ``mfsdp train`` arguments as a job: start the process group when none is, train,
     and end the process cleanly (see :func:`mfsdp.runtime.shutdown`)."""
     started = False
-    install_early(args.exit_signal_handler)  # a SIGTERM from here on is kept, not fatal
+    # with --exit-signal-handler a SIGTERM from here on is kept, not fatal: the Trainer is
+    # handed this request and stops on it after its next iteration
+    stop = StopRequest(True) if args.exit_signal_handler else None
     if not args.exit_signal_handler:
         install_terminate()  # a SIGTERM ends the rank with one line, not silently
     if not dist.is_initialized():
@@ -105,7 +108,7 @@ def main_parsed(args: argparse.Namespace) -> int:
     from mfsdp.runtime import shutdown
 
     try:
-        run(args)
+        run(args, stop)
     except BaseException as exc:  # noqa: BLE001 - said once, in one line when it is the user's
         if not started:
             raise

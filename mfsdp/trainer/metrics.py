@@ -9,9 +9,9 @@ values there are the same reduced ones.)
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from mfsdp.trainer.config import LoggingConfig
-from mfsdp.trainer.config.job import check_wandb_args  # noqa: F401 (its home was here)
 
 # what the trainer's per-iteration record calls each scalar -> the name Megatron-LM logs it under
 TRAINING_SCALARS = (("lm loss", "loss"), ("learning-rate", "lr"), ("grad-norm", "grad_norm"),
@@ -48,7 +48,7 @@ def wandb_run(config: LoggingConfig):
 class MetricSinks:
     """The run's TensorBoard writer and W&B run (either may be absent), written together."""
 
-    def __init__(self, board, run):
+    def __init__(self, board: Any, run: Any) -> None:
         self.board = board  # torch SummaryWriter, or None
         self.run = run  # wandb Run, or None
 

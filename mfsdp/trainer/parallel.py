@@ -11,9 +11,14 @@ tokens (``dp x cp`` and the outer replicas), never over TP.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from mfsdp.models.config import GPTConfig
+    from mfsdp.trainer.config import ParallelConfig, TrainConfig
 
 from mfsdp.models.context_parallel import (ContextParallelSplit, next_token_targets,
                                            pad_sequences)
@@ -45,7 +50,7 @@ class TrainParallel:
         """How many ranks the engine averages gradients over, ``dp x cp`` (different tokens)."""
         return self.dp_size * self.cp
 
-    def read_once(self, read):
+    def read_once(self, read: Callable[[], Any]) -> Any:
         """``read()`` on this data-parallel place's first TP and CP rank only, its result sent
         to the other TP and CP ranks (as Megatron-LM's TP rank 0 reads and broadcasts the
         batch): a replica reads its samples once, whatever its TP x CP size."""
@@ -66,7 +71,8 @@ class TrainParallel:
             dist.all_reduce(t, group=self.cp_group)
 
 
-def build_parallel(parallel, world: int, cfg, device: torch.device, log) -> TrainParallel:
+def build_parallel(parallel: ParallelConfig, world: int, cfg: GPTConfig, device: torch.device,
+                   log: Callable[..., None]) -> TrainParallel:
     """Create the groups the ``parallel`` group asks for (a
     :class:`~mfsdp.trainer.config.ParallelConfig`; a collective call) and say where this rank
     is."""
@@ -101,7 +107,8 @@ def build_parallel(parallel, world: int, cfg, device: torch.device, log) -> Trai
                          sp, groups["cp"] if cp > 1 else None, cp)
 
 
-def build_sharded_model(config, cfg, world: int, device: torch.device, log):
+def build_sharded_model(config: TrainConfig, cfg: GPTConfig, world: int, device: torch.device,
+                        log: Callable[..., None]) -> tuple:
     """The trainer's model: every rank builds the same :class:`~mfsdp.models.gpt.GPT` of ``cfg``,
     splits it over TP and shards it over the data-parallel ranks (``--use-megatron-fsdp``) or
     replicates it (PyTorch's DDP), with its optimizer; returns ``(model, inner, optimizer,
@@ -186,7 +193,8 @@ class MicroBatch:
     valid: torch.Tensor  # which fed tokens predict one (not padding, not a sequence's last)
     real: torch.Tensor  # which fed tokens are not padding
 
-    def loss(self, model, routers=()) -> tuple[torch.Tensor, int]:
+    def loss(self, model: torch.nn.Module, routers: Sequence[tuple[str, torch.nn.Module]] = ()
+             ) -> tuple[torch.Tensor, int]:
         """``(summed next-token cross-entropy, predicted tokens)`` of this rank's tokens; the
         ``routers`` (``(name, router)`` pairs) count only real tokens toward their load."""
         padded = not bool(self.real.all())

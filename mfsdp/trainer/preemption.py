@@ -25,6 +25,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 __all__ = ["GRACE_ENV", "MARKER_ENV", "SAVE_TIME_FILE", "SaveBudget", "grace",
            "torchrun_shutdown_timeout", "write_marker"]
@@ -124,7 +125,7 @@ class SaveBudget:
     """Rank 0's clock on saves: measures each, keeps the last in ``ROOT/save_time.json`` and says
     once per job, in one line, when a save does not fit the grace (:func:`grace`)."""
 
-    def __init__(self, root: str | None, log, saves_on_signal: bool = True,
+    def __init__(self, root: str | None, log: Callable[..., None], saves_on_signal: bool = True,
                  env: dict | None = None) -> None:
         # --save (None: nothing is saved, nothing to measure)
         self.root = Path(root) if root else None

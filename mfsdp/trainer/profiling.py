@@ -10,45 +10,31 @@
 - ``--record-memory-history``: the CUDA caching allocator's history, dumped to
   ``--memory-snapshot-path`` after every logged iteration (open it at
   https://pytorch.org/memory_viz); CUDA only (the CPU has no caching allocator to record).
+
+What cannot work here (a CPU run, no ``--tensorboard-dir``) is refused at start by the rules of
+:mod:`mfsdp.trainer.config.rules`.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Profiler", "check_profile_args"]
+if TYPE_CHECKING:
+    from mfsdp.trainer.config import ProfilingConfig
 
-
-def check_profile_args(profiling, tensorboard_dir: str | None, is_cpu: bool) -> None:
-    """Refuse, at start, profiling flags (``profiling``: the
-    :class:`~mfsdp.trainer.config.ProfilingConfig`) that cannot work here, together or without
-    ``--tensorboard-dir`` (SystemExit)."""
-    if profiling.profile and profiling.profile_step_end <= profiling.profile_step_start:
-        raise SystemExit(f"--profile-step-end {profiling.profile_step_end} must exceed "
-                         f"--profile-step-start {profiling.profile_step_start}")
-    if profiling.profile and profiling.use_pytorch_profiler and not tensorboard_dir:
-        raise SystemExit("--profile --use-pytorch-profiler writes its trace into "
-                         "--tensorboard-dir, as Megatron-LM does: pass --tensorboard-dir DIR")
-    if profiling.profile and not profiling.use_pytorch_profiler and is_cpu:
-        raise SystemExit("--profile without --use-pytorch-profiler marks an nsys capture range "
-                         "(cudaProfilerStart/Stop), which needs CUDA; on CPU add "
-                         "--use-pytorch-profiler for a torch.profiler trace")
-    if profiling.use_pytorch_profiler and not profiling.profile:
-        raise SystemExit("--use-pytorch-profiler chooses how --profile profiles: add --profile")
-    if profiling.record_memory_history and is_cpu:
-        raise SystemExit("--record-memory-history records the CUDA caching allocator, which a "
-                         "CPU run does not use; on CPU the log's rss and state_mib columns "
-                         "(--log-jsonl) show memory per iteration")
+__all__ = ["Profiler"]
 
 
 class Profiler:
     """Starts and stops the profiler of ``--profile`` around the chosen iterations, and dumps
     ``--record-memory-history`` snapshots; every method is a no-op when the flags are off."""
 
-    def __init__(self, profiling, tensorboard_dir: str | None, device: torch.device):
+    def __init__(self, profiling: ProfilingConfig, tensorboard_dir: str | None,
+                 device: torch.device) -> None:
         # the profiling group (ProfilingConfig) and --tensorboard-dir, which the trace goes into
         self.profiling = profiling
         self.tensorboard_dir = tensorboard_dir

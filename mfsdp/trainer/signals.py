@@ -9,28 +9,39 @@ import time
 import torch
 import torch.distributed as dist
 
+from mfsdp.trainer.config import CheckpointConfig
+
 
 class StopRequest:
     """SIGTERM (with ``--exit-signal-handler``) and ``--exit-duration-in-mins``, agreed by all ranks.
 
     The handler only records the signal; the loop checks it after each iteration, so the
     checkpoint is written between steps, by every rank, and the process exits with status 0.
+
+    The :class:`~mfsdp.trainer.trainer.Trainer` owns its StopRequest: the entry point makes one
+    as soon as the arguments are parsed (a preemption warning that comes while the process
+    group forms, the model is built or a checkpoint loads is kept, and the run saves after its
+    first iteration instead of dying with the signal) and hands it to the Trainer; a Trainer
+    given none makes its own when the loop starts.
     """
 
-    def __init__(self, handle_signal: bool):
+    def __init__(self, handle_signal: bool) -> None:
         import signal
 
-        self.received = None
+        # the signal number once SIGTERM arrived (None until then): read by reason()
+        self.received: int | None = None
+        # the SIGTERM handler before ours, put back by restore()
         self._previous = None
         if handle_signal:
             self._previous = signal.signal(signal.SIGTERM, self._handler)
 
-    def _handler(self, signum, frame) -> None:
+    def _handler(self, signum: int, frame: object) -> None:
         self.received = signum
 
-    def reason(self, checkpoint, t_start: float, device) -> str | None:
+    def reason(self, checkpoint: CheckpointConfig, t_start: float,
+               device: torch.device) -> str | None:
         """Why to stop now ('' to go on), the same on every rank (``checkpoint``: the
-        :class:`~mfsdp.trainer.config.CheckpointConfig`, which holds the exit flags)."""
+        :class:`~mfsdp.trainer.config.job.CheckpointConfig`, which holds the exit flags)."""
         if not (checkpoint.exit_signal_handler or checkpoint.exit_duration_in_mins):
             return ""
         minutes = (time.perf_counter() - t_start) / 60
@@ -52,25 +63,6 @@ class StopRequest:
 
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
-
-
-# The StopRequest the entry point installed before the process group existed (install_early).
-_EARLY: list[StopRequest] = []
-
-
-def install_early(handle_signal: bool) -> None:
-    """Catch SIGTERM from the moment the arguments are parsed (``--exit-signal-handler``), not
-    only once the loop starts: a preemption warning that comes while the process group forms,
-    the model is built or a checkpoint loads is then kept, and the run saves after its first
-    iteration instead of dying with the signal."""
-    if handle_signal and not _EARLY:
-        _EARLY.append(StopRequest(True))
-
-
-def stop_request(handle_signal: bool) -> StopRequest:
-    """The run's StopRequest: the one :func:`install_early` made (with any signal it already
-    caught), else a new one."""
-    return _EARLY.pop() if _EARLY else StopRequest(handle_signal)
 
 
 class Terminated(BaseException):
@@ -104,7 +96,7 @@ def install_terminate() -> None:
     a peer died: torchrun SIGTERMs the others. :func:`leaving` ends it."""
     import signal
 
-    def handler(signum, frame):
+    def handler(signum: int, frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the rank is on its way out
         note_terminated()  # (before a failed collective can be what this rank reports)
         raise Terminated()

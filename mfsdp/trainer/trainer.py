@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import time
+from typing import Callable, TextIO
 
 import torch
 import torch.distributed as dist
@@ -19,15 +20,17 @@ from torch.profiler import record_function
 
 from mfsdp.data.batches import MegatronData, global_batch, read_data
 from mfsdp.models.tensor_parallel import loss_parallel_context
-from mfsdp.trainer.build import flops_per_token, learning_rate, model_family, routers_of, rss_mib
-from mfsdp.trainer.checkpointing import Checkpointer
+from mfsdp.models.config import GPTConfig
+from mfsdp.trainer.build import flops_per_token, model_family, routers_of, rss_mib
+from mfsdp.trainer.checkpointing import Checkpointer, Stateful
 from mfsdp.trainer.config import TrainConfig
 from mfsdp.trainer.guard import Watch
 from mfsdp.trainer.metrics import MetricSinks
 from mfsdp.trainer.parallel import build_sharded_model, micro_batch
 from mfsdp.trainer.preemption import SaveBudget, write_marker
 from mfsdp.trainer.profiling import Profiler
-from mfsdp.trainer.signals import StopRequest, stop_request
+from mfsdp.trainer.signals import StopRequest
+from mfsdp.trainer.state import LRScheduler, RouterState, TrainState
 
 
 class Trainer:
@@ -35,17 +38,18 @@ class Trainer:
     process group whose ``--save`` directory is already ours; ``run()`` returns rank 0's log
     records. From code: :meth:`from_config`."""
 
-    def __init__(self, config: TrainConfig, cfg, num_micro: int, device: torch.device,
-                 log, watch: Watch) -> None:
+    def __init__(self, config: TrainConfig, cfg: GPTConfig, num_micro: int,
+                 device: torch.device, log: Callable[..., None], watch: Watch,
+                 stop: StopRequest | None = None) -> None:
         # the run's typed configuration (checked) and the model's configuration it gives
         self.config = config
         self.cfg = cfg
         # what rank 0 reports and where (--log-*, TensorBoard, W&B)
         self.logging = config.logging
-        # saves to --save and resumes from --load (the checkpoint and training groups)
-        self.checkpointer = Checkpointer(config.checkpoint, config.training,
-                                         config.parallel.expert_model_parallel_size, cfg)
-        # micro-batches per rank and iteration (from check_args): gradient accumulation
+        # saves to --save and resumes from --load: the model, the optimizer and self.states
+        self.checkpointer = Checkpointer(config.checkpoint, cfg,
+                                         config.parallel.expert_model_parallel_size)
+        # micro-batches per rank and iteration (gradient accumulation; TrainConfig.micro_batches)
         self.num_micro = num_micro
         # where this rank computes; the log prints on rank 0 only
         self.device = device
@@ -64,13 +68,20 @@ class Trainer:
         self.inner: torch.nn.Module | None = None
         self.opt = None
         self.routers: list = []
+        # the components whose state a checkpoint keeps, by their name in it (made by build()):
+        # the learning-rate schedule (its steps), this Trainer's progress, the routers' bias
+        self.scheduler: LRScheduler | None = None
+        self.state = TrainState()
+        self.states: dict[str, Stateful] = {}
         # the iteration --load resumed from (0: a fresh start)
         self.start = 0
         # opened by open_outputs(), closed by close(): --log-jsonl's file (rank 0), TensorBoard
         # and W&B, the agreed stop (signals, --exit-duration-in-mins) and --profile's profiler
         self.jsonl = None
         self.sinks: MetricSinks | None = None
-        self.stop: StopRequest | None = None
+        # the stop request this Trainer owns: handed in by the entry point (made before the
+        # process group, so an early SIGTERM is kept), else made by open_outputs()
+        self.stop: StopRequest | None = stop
         # why the agreed stop ended the run ('' while none did): a save on SIGTERM writes the
         # marker the job script reads (preemption.write_marker)
         self.stop_why = ""
@@ -84,24 +95,28 @@ class Trainer:
         self.t_start = 0.0
 
     @classmethod
-    def from_config(cls, config: TrainConfig, log=print, watch: Watch | None = None) -> Trainer:
+    def from_config(cls, config: TrainConfig, log: Callable[..., None] = print,
+                    watch: Watch | None = None) -> Trainer:
         """A Trainer for ``config`` in an initialised process group (every rank calls it): the
-        model's configuration and the micro-batches per rank follow from ``config``; the device
-        is the process group's (CUDA under NCCL, else the CPU). ``watch``: the hang report
+        model's configuration and the micro-batches per rank follow from ``config``, which is
+        validated for this world and device first (:meth:`~mfsdp.trainer.config.TrainConfig.validate`: the rules the
+        command line meets, refused with a ``ValueError``); the device is the process group's
+        (CUDA under NCCL, else the CPU). ``watch``: the hang report
         (default: one with ``--distributed-timeout-minutes``, not started by anything here)."""
         from mfsdp.trainer.build import model_config
 
         world = dist.get_world_size()
         device = (torch.device("cuda", torch.cuda.current_device())
                   if dist.get_backend() == "nccl" else torch.device("cpu"))
-        p, t = config.parallel, config.training
-        dp = world // (p.tensor_model_parallel_size * p.context_parallel_size)
-        num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+        cfg = model_config(config)
+        # the same rules as the command line's (mfsdp.trainer.config.rules): a ValueError
+        config.validate(world, model=cfg, device=device.type)
+        num_micro = config.micro_batches(world)
         owns = watch is None
         if owns:
             watch = Watch(config.job.distributed_timeout_minutes * 60)
         log = log if dist.get_rank() == 0 else (lambda *a, **k: None)
-        trainer = cls(config, model_config(config), num_micro, device, log, watch)
+        trainer = cls(config, cfg, num_micro, device, log, watch)
         trainer.owns_watch = owns
         return trainer
 
@@ -122,8 +137,17 @@ class Trainer:
             dump_param_to_param_group_map(self.model, self.opt, dump)
             self.log(f"wrote the parameter-to-group map to {dump}",
                      flush=True)
+        self.scheduler = LRScheduler.from_config(c.training, c.checkpoint, self.opt)
+        self.states = {"trainer": self.state, "opt_param_scheduler": self.scheduler,
+                       "expert_bias": RouterState(self.routers)}
         self.watch.mark(f"loading --load {c.checkpoint.load}")
-        self.start = self.checkpointer.load(self.model, self.opt, self.routers)
+        self.start = self.checkpointer.load(self.model, self.opt, self.states)
+        if self.state.iteration != self.start:  # a checkpoint from before the state was kept
+            self.state.load_state_dict({"iteration": self.start, "consumed_samples":
+                                        self.start * c.training.global_batch_size})
+        # steps are iterations here (a Megatron-LM run trained by --train-samples counts
+        # samples in its scheduler's num_steps)
+        self.scheduler.num_steps = self.start
         if self.start:
             self.log(f"resumed from iteration {self.start} of {c.checkpoint.load}", flush=True)
         self._announce()
@@ -161,7 +185,8 @@ class Trainer:
         self.sinks = MetricSinks.open(logging, self.rank)
         self.token_flops = (flops_per_token(self.cfg, c.training.seq_length)
                             if logging.log_throughput else None)
-        self.stop = stop_request(c.checkpoint.exit_signal_handler)
+        if self.stop is None:
+            self.stop = StopRequest(c.checkpoint.exit_signal_handler)
         # (only a run that saves on SIGTERM has a grace to fit, and records its saves' times)
         self.budget = SaveBudget(c.checkpoint.save if c.parallel.use_megatron_fsdp else None,
                                  self.log, saves_on_signal=c.checkpoint.exit_signal_handler)
@@ -265,12 +290,12 @@ class Trainer:
         the micro-batches, step; return the iteration's record."""
         t0 = time.perf_counter()
         mine, global_tokens, global_pieces = self._read_batch(iteration)
-        lr = learning_rate(self.config.training, iteration)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
+        lr = self.scheduler.apply()  # (the rate after iteration - 1 steps)
         self.opt.zero_grad()
         loss_sum = self._accumulate(iteration, mine, global_tokens)
         grad_norm = self._step_optimizer(iteration, loss_sum, global_tokens)
+        self.scheduler.step()
+        self.state.advance(self.config.training.global_batch_size)
         now = time.perf_counter()
         rec = {"iteration": iteration, "loss": loss_sum.item() / global_tokens,
                "grad_norm": float(grad_norm), "lr": lr,
@@ -380,7 +405,7 @@ class Trainer:
                 or iteration == c.training.train_iters or leaving):
             self.watch.mark(f"iteration {iteration}: saving")
             t0 = time.perf_counter()
-            self.checkpointer.save(self.model, self.opt, iteration, self.routers)
+            self.checkpointer.save(self.model, self.opt, iteration, self.states)
             seconds = time.perf_counter() - t0
             self.log(f"saved iteration {iteration} to {c.checkpoint.save} ({c.checkpoint.ckpt_format})",
                      flush=True)
@@ -406,7 +431,7 @@ class Trainer:
                     raise
 
 
-def _write_log(jsonl, flag_value: str, rec: dict) -> None:
+def _write_log(jsonl: TextIO, flag_value: str, rec: dict) -> None:
     """One JSON line into ``--log-jsonl`` (rank 0), or a user error naming the file."""
     try:
         jsonl.write(json.dumps(rec) + "\n")

@@ -25,15 +25,15 @@ import functools
 import inspect
 import textwrap
 from dataclasses import MISSING, field, fields
-from typing import Any
+from typing import Any, Callable
 
 
 # actions that take no value: their help never shows a default
 _SWITCHES = ("store_true", "store_false", "store_const", "count")
 
 
-def flag(*names: str, default: Any = None, default_factory=None,
-         also: tuple[tuple[str, ...], dict] | None = None, **argparse_kw: Any):
+def flag(*names: str, default: Any = None, default_factory: Callable[[], Any] | None = None,
+         also: tuple[tuple[str, ...], dict] | None = None, **argparse_kw: Any) -> Any:
     """A config field that is a flag: ``names`` where they are not the field's name with dashes,
     argparse's ``add_argument`` keywords in ``argparse_kw`` (``choices`` may be a function, called
     when the parser is built); ``also``: a second spelling with its own keywords writing the same
@@ -87,9 +87,9 @@ def flag_arguments(cls, f: dataclasses.Field) -> tuple[tuple[str, ...], dict[str
     return names, dict(kw, dest=f.name, default=default)
 
 
-def add_flags(group, cls) -> None:
-    """Add a flag per flag field of config class ``cls`` to ``group`` (the field's name is the
-    destination, its default the flag's default)."""
+def add_flags(group: Any, cls: type) -> None:
+    """Add a flag per flag field of config class ``cls`` to ``group`` (an argparse parser or
+    argument group; the field's name is the destination, its default the flag's default)."""
     for f in flag_fields(cls):
         names, kw = flag_arguments(cls, f)
         group.add_argument(*names, **kw)

@@ -12,7 +12,7 @@ from mfsdp.argtypes import positive_float, positive_int, timeout_minutes
 from mfsdp.trainer.config.flags import flag, from_namespace
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class JobConfig:
     """The job's timeout and error form."""
 
@@ -27,7 +27,7 @@ class JobConfig:
             raise ValueError("--distributed-timeout-minutes must be positive")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
     """Saving, loading, stopping, and the checkpoint's schedule and format."""
 
@@ -76,28 +76,6 @@ class CheckpointConfig:
             raise ValueError("--save-interval needs --save DIR")
 
 
-def check_wandb_args(args: argparse.Namespace) -> None:
-    """Refuse at start what Megatron-LM would fail on later: ``--wandb-project`` without
-    ``--wandb-exp-name``, or without a directory (``--wandb-save-dir``, else ``--save``/wandb);
-    the other ``--wandb-*`` flags without ``--wandb-project``; a missing ``wandb`` package."""
-    if not args.wandb_project:
-        for dest in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
-            if getattr(args, dest):
-                raise SystemExit(f"--{dest.replace('_', '-')} has no effect without "
-                                 f"--wandb-project: add --wandb-project NAME to log to W&B")
-        return
-    if not args.wandb_exp_name:
-        raise SystemExit("--wandb-project needs --wandb-exp-name NAME (the run's name in W&B), "
-                         "as in Megatron-LM")
-    if not (args.wandb_save_dir or args.save):
-        raise SystemExit("--wandb-project needs --wandb-save-dir DIR (or --save, whose wandb/ "
-                         "subdirectory is then used): W&B keeps its local files there")
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise SystemExit("--wandb-project needs the wandb package (pip install wandb)") from None
-
-
 @dataclass(kw_only=True, frozen=True)
 class LoggingConfig:
     """What rank 0 reports, and where (``--log-*``, ``--tensorboard-dir``, ``--wandb-*``):
@@ -122,19 +100,31 @@ class LoggingConfig:
     """the W&B team or user (default: the API key's)"""
     wandb_dir: str = ""
     """The directory for W&B's local files (``--wandb-save-dir``, else ``--save``/wandb), needed
-    with :attr:`wandb_project`; set by :meth:`from_args`."""
+    with :attr:`wandb_project`; set by :meth:`from_args` and by ``TrainConfig`` (which sees
+    ``--save``) when left empty."""
 
     run_config: dict = field(default_factory=dict)
-    """Every argument of the run, recorded as the W&B run's config (as Megatron-LM does)."""
+    """Every argument of the run, recorded as the W&B run's config (as Megatron-LM does): a copy
+    of the parsed flags (:meth:`from_args`); a config built in code records its own fields."""
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
             raise ValueError(f"LoggingConfig: log_interval={self.log_interval!r} must be at least "
                              "1 (print every N iterations); pass 1 to print every iteration")
-        if self.wandb_project and not (self.wandb_exp_name and self.wandb_dir):
-            raise ValueError(f"LoggingConfig: wandb_project={self.wandb_project!r} needs "
-                             f"wandb_exp_name and wandb_dir, got {self.wandb_exp_name!r} and "
-                             f"{self.wandb_dir!r}; set both (--wandb-exp-name, --wandb-save-dir)")
+        if not self.wandb_project:
+            for name in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
+                if getattr(self, name):
+                    raise ValueError(f"--{name.replace('_', '-')} has no effect without "
+                                     "--wandb-project: add --wandb-project NAME to log to W&B")
+            return
+        if not self.wandb_exp_name:
+            raise ValueError("--wandb-project needs --wandb-exp-name NAME (the run's name in "
+                             "W&B), as in Megatron-LM")
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ValueError("--wandb-project needs the wandb package (pip install "
+                             "wandb)") from None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LoggingConfig:
@@ -142,13 +132,13 @@ class LoggingConfig:
         ``--save``/wandb, as Megatron-LM's)."""
         wandb_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb")
                                             if args.wandb_project and args.save else "")
-        return from_namespace(cls, args, wandb_dir=wandb_dir, run_config=vars(args))
+        return from_namespace(cls, args, wandb_dir=wandb_dir, run_config=dict(vars(args)))
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class ProfilingConfig:
     """Profiler traces and CUDA memory history (checked with the device and
-    ``--tensorboard-dir`` by ``mfsdp.trainer.profiling.check_profile_args``)."""
+    ``--tensorboard-dir`` by the rules of ``mfsdp.trainer.config.rules``)."""
 
     profile: bool = flag(default=False)
     """profile iterations --profile-step-start to --profile-step-end (an nsys capture range on GPUs;
@@ -170,3 +160,11 @@ class ProfilingConfig:
     logged iteration (GPU only)"""
     memory_snapshot_path: str = flag(default="snapshot.pickle")
     """where --record-memory-history writes"""
+
+    def __post_init__(self) -> None:
+        if self.profile and self.profile_step_end <= self.profile_step_start:
+            raise ValueError(f"--profile-step-end {self.profile_step_end} must exceed "
+                             f"--profile-step-start {self.profile_step_start}")
+        if self.use_pytorch_profiler and not self.profile:
+            raise ValueError("--use-pytorch-profiler chooses how --profile profiles: add "
+                             "--profile")

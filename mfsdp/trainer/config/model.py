@@ -34,7 +34,7 @@ def _flex_backends():
     return FLEX_BACKENDS
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     """Megatron-LM's model flags: sizes, norms, positions, attention, recomputation."""
 
@@ -112,7 +112,7 @@ class ModelConfig:
                              "Megatron-LM): pass both, or neither for multi-head attention")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class MoEConfig:
     """The mixture-of-experts flags: experts, router, capacity, dispatcher."""
 

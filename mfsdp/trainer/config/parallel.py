@@ -19,7 +19,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The dtypes the ``--megatron-fsdp-*-dtype`` flags name."""
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     """The engine and the parallel layout: ZeRO level, HSDP, EP, TP, SP, CP, overlap."""
 
@@ -69,7 +69,7 @@ class ParallelConfig:
                              "--num-distributed-optimizer-instances of at least 2")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class PrecisionConfig:
     """bf16 compute and the dtypes of main weights, main gradients and their reduction."""
 

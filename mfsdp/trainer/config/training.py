@@ -12,7 +12,7 @@ from mfsdp.argtypes import (adam_beta, non_negative_float, non_negative_int, pos
 from mfsdp.trainer.config.flags import flag
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class TrainingConfig:
     """Batch sizes, iterations, the learning-rate schedule and the optimizer."""
 
@@ -79,7 +79,7 @@ class TrainingConfig:
                              "positive, or 0 to turn clipping off")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class DataConfig:
     """Mock data, indexed datasets or a text file, split, cache, tokenizer, ``--train-samples``,
     and the evaluation's interval and size."""
