@@ -87,7 +87,7 @@ def check_dtype(name: str, value: Any, allow_none: bool = True) -> torch.dtype |
     return value
 
 
-@dataclass
+@dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """Which dtypes hold the main weights, accumulate gradients and carry them over the wire.
 

@@ -40,9 +40,9 @@ print(sorted(p.name for p in (work / "tiny-llama").iterdir()))
 # passes, 1 when one fails). From Python it is one call; each layout prints a line as it finishes.
 # Without ``layouts`` every layout that fits ``nproc`` runs (ZeRO 0-3, bf16, bf16 communication,
 # a resume into another strategy).
-import mfsdp
+from mfsdp.check import check
 
-report = mfsdp.check(str(work / "tiny-llama"), nproc=2, steps=3,
+report = check(str(work / "tiny-llama"), nproc=2, steps=3,
                      layouts=["optim_grads_params", "bf16"])
 print(report.table())
 
@@ -59,7 +59,7 @@ assert report.passed and report.units == ["LlamaDecoderLayer"]
 # engine already averages gradients over ranks: every update is half the reference's at two
 # ranks, the class of upstream's NVIDIA/Megatron-LM#5974. With SGD (the default) it shows in the
 # update-norm ratio from the first step.
-faulty = mfsdp.check("mfsdp.check.faults:loss_averaged_twice", nproc=2, steps=3,
+faulty = check("mfsdp.check.faults:loss_averaged_twice", nproc=2, steps=3,
                      layouts=["optim_grads_params"])
 print(faulty.layouts[0].reason)
 ratio = faulty.layouts[0].steps[0].update_norm_ratio

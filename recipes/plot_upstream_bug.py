@@ -32,10 +32,10 @@ CPU ranks next to a single-process reference and flags it at step 1.
 # README does: ``fully_shard(module, optimizer, device_mesh=..., zero_dp_strategy=...)``. On
 # these CPU ranks its CUDA stream and event calls are replaced for the run; the report lists
 # each replacement.
-import mfsdp
+from mfsdp.check import check
 
 settings = dict(engine="megatron_fsdp", steps=5, layouts=["optim_grads_params"])
-bug = mfsdp.check("mfsdp.check.faults:attention", optimizer="adamw", **settings)
+bug = check("mfsdp.check.faults:attention", optimizer="adamw", **settings)
 print(bug.table())
 assert bug.engine_version == "megatron-fsdp 0.6.1" and not bug.passed
 
@@ -61,7 +61,7 @@ from mfsdp.check.engines.upstream import reset_optimizer_step
 
 print(inspect.getsource(reset_optimizer_step))
 workaround = "mfsdp.check.engines.upstream:reset_optimizer_step"
-fixed = mfsdp.check("mfsdp.check.faults:attention", optimizer="adamw",
+fixed = check("mfsdp.check.faults:attention", optimizer="adamw",
                     after_shard=workaround, **settings)
 print(fixed.table())
 assert fixed.passed
@@ -71,7 +71,7 @@ assert fixed.passed
 # ----------------
 # SGD keeps no step count, so the same engine passes with it: a check with SGD alone would have
 # missed the bug. Check with the optimizer you train with, and with SGD for scale faults.
-sgd = mfsdp.check("mfsdp.check.faults:attention", optimizer="sgd", **settings)
+sgd = check("mfsdp.check.faults:attention", optimizer="sgd", **settings)
 worst = max(s.worst_param_error for s in sgd.layouts[0].steps)
 print("SGD:", "PASS" if sgd.passed else "FAIL", f"(worst parameter error {worst:.1e})")
 assert sgd.passed

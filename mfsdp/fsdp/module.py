@@ -89,6 +89,7 @@ class FullyShardedModule(nn.Module):
         # fully_shard_optimizer and plain optimizers find this model from its parameters
         registry.register_parameters(self, [sp.sharded for sp in state.sparams])
         state.reducer = GradReducer(state, opts.max_inflight_reduce)
+        state.main_versions = state.sharded_versions()
         for unit in state.units:
             unit.register_hooks()
         # checkpoint name of a parameter where it differs from its own (experts: global index)
@@ -245,20 +246,10 @@ class FullyShardedModule(nn.Module):
                 "micro-batch of each step outside no_sync() (or inside sync()) before "
                 "optimizer.step()")
 
-    @torch.no_grad()
     def install_main_weights(self, buckets: list[Bucket] | None = None) -> None:
         """Copy main weights into the model weights after an optimizer step, then re-replicate
         (``buckets``: those only; default every bucket)."""
-        for b in self.buckets if buckets is None else buckets:
-            mine = b.model_sub_shard()
-            if not b.main_aliases_model():
-                mine.copy_(b.main_shard)
-            if b.outer_factor > 1:  # HFSDP: collect the inner shard from the outer ranks
-                self.state.param_sync.append(
-                    self.outer_comm.all_gather(b.model_shard, mine.clone()))
-            if not b.sharded_params and not b.replicated:  # (HFSDP is ZeRO-3 only)
-                self.state.param_sync.append(
-                    b.ag_comm.all_gather(b.full_comm, b.model_shard.clone()))
+        self.state.install_main_weights(buckets)
 
     def zero_grad_buffers(self) -> None:
         """Zero the reduced gradients (and any accumulated full gradients)."""
@@ -371,6 +362,7 @@ class FullyShardedModule(nn.Module):
                                "fsdp_double_buffer cannot hold; use fsdp_double_buffer=False")
         if self.user_unsharded:
             return
+        self.state.install_stepped_main_weights()
         self.wait_param_sync()
         for unit in self.units:
             unit.gather()
@@ -472,6 +464,9 @@ class FullyShardedModule(nn.Module):
         ``main=True`` returns the main weights (the optimizer's fp32 copy), otherwise the model
         weights in compute dtype.
         """
+        if not main:
+            self.state.install_stepped_main_weights()
+            self.wait_param_sync()
         full = {}
         for b in self.buckets:
             src = b.main_shard if main else b.model_shard

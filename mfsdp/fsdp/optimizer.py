@@ -49,6 +49,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "before its first step (state is created for the local shard only)")
         self.optimizer = optimizer  # the torch.optim optimizer whose step() steps the shards
         self.model = model  # the sharded model whose main-weight rows are stepped
+        model.state.installed_by_optimizer = True  # step() installs the main weights itself
         self.dcp_state_dict = dcp_state_dict  # state_dict() hands out DTensors (for DCP)
         # every parameter stepped, in param_groups order: state_dict()'s indices name them
         self._sparams: list = []

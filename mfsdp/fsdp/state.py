@@ -203,6 +203,13 @@ class ShardingState:
     reducer: Any = None  # the GradReducer
     # Weights all-gathered after an optimizer step (ZeRO-1/2, HFSDP), waited for before next use.
     param_sync: list[Handle] = field(default_factory=list)
+    # A ShardedOptimizer steps this model and installs the main weights after its step itself;
+    # otherwise (a plain torch.optim optimizer over the model's parameters, FSDP2's pattern) the
+    # next forward installs what changed: see [Note: main weights a plain optimizer stepped].
+    installed_by_optimizer: bool = False
+    # The version counter of each parameter's sharded face (the DTensor a plain optimizer steps)
+    # when the model weights last agreed with the main weights.
+    main_versions: list[int] = field(default_factory=list)
 
     @property
     def buckets(self) -> list:
@@ -265,9 +272,54 @@ class ShardingState:
         self.sync.unreduced = False
         self.sync.installed = False
 
+    @torch.no_grad()
+    def install_main_weights(self, buckets: list | None = None) -> None:
+        """Copy main weights into the model weights after an optimizer step, then re-replicate
+        (``buckets``: those only; default every bucket)."""
+        for b in self.buckets if buckets is None else buckets:
+            mine = b.model_sub_shard()
+            if not b.main_aliases_model():
+                mine.copy_(b.main_shard)
+            if b.outer_factor > 1:  # HFSDP: collect the inner shard from the outer ranks
+                self.param_sync.append(self.comms.outer.all_gather(b.model_shard, mine.clone()))
+            if not b.sharded_params and not b.replicated:  # (HFSDP is ZeRO-3 only)
+                self.param_sync.append(b.ag_comm.all_gather(b.full_comm, b.model_shard.clone()))
+        self.main_versions = self.sharded_versions()
+
+    def sharded_versions(self) -> list[int]:
+        """The version counter of every parameter's sharded face, in model order."""
+        return [sp.sharded._version for sp in self.sparams]
+
+    def install_stepped_main_weights(self) -> None:
+        """Install the main weights if an optimizer other than a ``ShardedOptimizer`` changed
+        them since the model weights last agreed with them.
+
+        [Note: main weights a plain optimizer stepped] ``torch.optim.AdamW(model.parameters())``
+        built after ``fully_shard`` (FSDP2's pattern) steps in place on the DTensors the modules
+        hold, whose local tensors are views of the buckets' main weights; an in-place step bumps
+        the version counter of each DTensor it changed (not of its local tensor: DTensor's
+        dispatch runs below autograd's version bump). The model weights (compute dtype; replicated under ZeRO-1/2) are
+        brought up to date here, before the next forward or ``unshard()``, as FSDP2 casts and
+        gathers its sharded parameters in the next forward: no optimizer hook is needed. Where
+        installing is collective (ZeRO-1/2, HFSDP) the ranks agree on it first, so that a rank
+        whose rows no step touched still joins the all-gathers."""
+        if self.installed_by_optimizer:
+            return
+        buckets = self.buckets
+        changed = self.sharded_versions() != self.main_versions
+        if any(b.outer_factor > 1 or (not b.sharded_params and not b.replicated)
+               for b in buckets) and dist.is_initialized():
+            flag = torch.tensor([float(changed)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            changed = bool(flag.item())
+        if changed:
+            self.install_main_weights()
+
     def begin_forward(self) -> None:
-        """Before the root's forward: wait for the weights of the last optimizer step and check
-        that no parameter was frozen or unfrozen since wrapping."""
+        """Before the root's forward: bring the model weights up to date with the main weights,
+        wait for the weights of the last optimizer step and check that no parameter was frozen
+        or unfrozen since wrapping."""
+        self.install_stepped_main_weights()
         self.wait_param_sync()
         if torch.is_grad_enabled():
             for sp in self.sparams:
