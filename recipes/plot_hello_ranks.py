@@ -13,10 +13,10 @@ Start two gloo ranks on the CPU, all-reduce across them, and look at what each r
 # %%
 # Launch two ranks
 # ----------------
-# :func:`mfsdp.runtime.rank_info` runs on every rank: each contributes ``rank + 1`` to an
-# all-reduce, so with two ranks every rank must see ``1 + 2 = 3``.
+# :func:`mfsdp.examples.hello.rank_info` runs on every rank: each contributes ``rank + 1``
+# to an all-reduce, so with two ranks every rank must see ``1 + 2 = 3``.
 from mfsdp.launch import launch
-from mfsdp.runtime import rank_info
+from mfsdp.examples.hello import rank_info
 
 results = launch(rank_info, world_size=2)
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp.launch import LaunchTimeout, RankError, launch
-from mfsdp.runtime import rank_info
+from mfsdp.examples.hello import rank_info
 
 
 def _rank_and_gather(scale):
