@@ -172,6 +172,8 @@ _FOREIGN_PRIVATE = {
     # torch tensors, autograd, AMP
     "_local_tensor": "DTensor's local tensor itself (to_local() goes through autograd)",
     "_version": "a tensor's version counter: how the engine sees a plain optimizer's step",
+    "_backward_hooks": "a parameter's register_hook hooks, carried to the parameter trained",
+    "_post_accumulate_grad_hooks": "a parameter's post-accumulate-grad hooks (refused)",
     "_per_optimizer_states": "GradScaler's found-inf record, which ranks must agree on",
     "_execution_engine": "autograd's queue_callback: the end-of-backward callback",
     "_C": "torch._C: the current graph task id (is a backward running?)",
