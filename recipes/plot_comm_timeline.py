@@ -15,7 +15,7 @@ The code
 --------
 ``mfsdp/examples/comm_timeline.py``: a layout's groups with a second group for all-gathers
 (``create_groups(all_gather_groups=True)``), passed as ``fsdp_group_ag``; every collective's
-launch and completion is in ``model.comm_log``.
+launch and completion is in ``model.fsdp_state().comms.log``.
 
 .. literalinclude:: ../../mfsdp/examples/comm_timeline.py
    :language: python

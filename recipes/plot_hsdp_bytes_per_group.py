@@ -16,7 +16,8 @@ process group carries in one step.
 The code
 --------
 ``mfsdp/examples/hsdp_bytes.py``: a ``ParallelLayout`` with ``dp_outer`` replicas, its groups
-passed to ``fully_shard``, and the bytes of each collective read from ``model.comm_log``.
+passed to ``fully_shard``, and the bytes of each collective read from
+``model.fsdp_state().comms.log``.
 
 .. literalinclude:: ../../mfsdp/examples/hsdp_bytes.py
    :language: python

@@ -14,7 +14,8 @@ against the theory of the strategy table.
 The code
 --------
 ``mfsdp/examples/memory.py``: shard, take one step, read what the buffers hold
-(``model.memory_by_kind()``) and the optimizer state (``optimizer.local_state_bytes()``).
+(``model.fsdp_state().memory_by_kind()``) and the optimizer state
+(``optimizer.local_state_bytes()``).
 
 .. literalinclude:: ../../mfsdp/examples/memory.py
    :language: python

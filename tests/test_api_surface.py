@@ -139,3 +139,48 @@ def test_a_gradient_hook_registered_before_fully_shard_acts_as_under_ddp(strateg
         for a, b in zip(ours, ddp):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert out["refused"].startswith("parameter 'weight' has a post-accumulate-grad hook")
+
+
+# The model's public names beyond nn.Module's: behaviour (FSDP2's FSDPModule: unshard, reshard,
+# set_requires_gradient_sync), upstream Megatron-FSDP's names (MegatronFSDP's methods and its
+# module / mp_policy / device / param_and_grad_buffer attributes), and one accessor for the rest.
+MODEL_SURFACE = {
+    "fsdp_state",  # introspection: units, buckets, communicators, memory counters
+    "unshard", "reshard", "unsharded", "set_requires_gradient_sync", "gather_recursively",
+    "full_parameters", "wait_param_sync",
+    # upstream Megatron-FSDP (megatron_fsdp.MegatronFSDP)
+    "module", "mp_policy", "device", "param_and_grad_buffer", "model_auto_sync", "no_sync", "sync",
+    "set_model_auto_sync", "mixed_precision_context", "reset_mixed_precision_policy",
+    "start_param_sync", "start_grad_sync", "finish_grad_sync", "zero_grad_buffer",
+    "install_optimized_model_weights",
+}
+
+
+def _public_names() -> dict:
+    """On one gloo rank: the public names of a sharded model beyond ``nn.Module``'s."""
+    from torch import nn
+
+    from mfsdp import fully_shard
+
+    model, _ = fully_shard(nn.Sequential(nn.Linear(2, 2)))
+    plain = set(dir(nn.Sequential()))
+    return {"names": sorted(n for n in dir(model) if not n.startswith("_") and n not in plain),
+            "state": type(model.fsdp_state()).__name__}
+
+
+def test_the_sharded_model_advertises_behaviour_and_one_state_accessor():
+    """A sharded model's public names (its class's and its instance's) are exactly
+    ``MODEL_SURFACE``: 23 names instead of 51; buckets, the reducer, pools and communicators are
+    reached through ``fsdp_state()``. Every upstream name on the list is one MegatronFSDP has."""
+    from megatron_fsdp.megatron_fsdp import MegatronFSDP
+
+    from mfsdp.launch import launch
+
+    out = launch(_public_names, 1, timeout=120)[0]
+    assert set(out["names"]) == MODEL_SURFACE
+    assert len(out["names"]) == 23
+    assert out["state"] == "ShardingState"
+    upstream = {"no_sync", "sync", "set_model_auto_sync", "mixed_precision_context",
+                "reset_mixed_precision_policy", "start_param_sync", "start_grad_sync",
+                "finish_grad_sync", "zero_grad_buffer", "install_optimized_model_weights"}
+    assert upstream <= set(dir(MegatronFSDP)) and upstream <= MODEL_SURFACE

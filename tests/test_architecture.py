@@ -103,7 +103,7 @@ def _ownership_and_phases() -> dict:
     module = ToyModel(dim=32)
     model, opt = fully_shard(module, torch.optim.SGD(module.parameters(), lr=0.1),
                              fsdp_unit_modules=[Block])
-    state = model.state
+    state = model.fsdp_state()
     holders = []
     objects = {"state": state, "reducer": state.reducer, "comms": state.comms,
                **{f"unit {u.name or '(root)'}": u for u in state.units}}

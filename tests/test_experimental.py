@@ -45,12 +45,12 @@ def _v1_precision_rank(strategies: list[str]) -> dict:
                                                 grad_comm_dtype=comm)
             with model.mixed_precision_context(policy):
                 seen.append((model.mp_policy.main_params_dtype, model.mp_policy.grad_comm_dtype,
-                             {b.comm_dtype for b in model.buckets}))
+                             {b.comm_dtype for b in model.fsdp_state().buckets}))
                 nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
             seen.append((model.mp_policy.main_params_dtype, model.mp_policy.grad_comm_dtype,
-                         {b.comm_dtype for b in model.buckets}))
+                         {b.comm_dtype for b in model.fsdp_state().buckets}))
         try:
             with model.mixed_precision_context(mfsdp.MixedPrecisionPolicy(
                     grad_comm_dtype=torch.bfloat16)):
@@ -58,7 +58,7 @@ def _v1_precision_rank(strategies: list[str]) -> dict:
         except KeyError:
             pass
         seen.append((model.mp_policy.main_params_dtype, model.mp_policy.grad_comm_dtype,
-                     {b.comm_dtype for b in model.buckets}))
+                     {b.comm_dtype for b in model.fsdp_state().buckets}))
         out[strategy] = (seen, {k: v.clone() for k, v in model.full_parameters().items()})
     return out
 
@@ -247,9 +247,10 @@ def _v2_case(case: dict) -> dict:
             mine = slice(2 * rank, 2 * rank + 2)
             with microbatch(context, is_last=m == micro - 1):
                 loss = nn.functional.mse_loss(model(x[mine]), y[mine]) / micro
-                model.engine.comm_log.clear()
+                model.engine.fsdp_state().comms.log.clear()
                 loss.backward()
-            out["outer"].append(sum(r["group"] == "dp_outer" for r in model.engine.comm_log.records))
+            log = model.engine.fsdp_state().comms.log
+            out["outer"].append(sum(r["group"] == "dp_outer" for r in log.records))
             nn.functional.mse_loss(ref(x), y).div(micro).backward()
         out["phases"].update(m.phase.name for m in model.modules() if isinstance(m, FsdpModule))
         opt.step()
@@ -455,7 +456,7 @@ def _v2_snapshot(model, opt) -> dict:
     out = {}
     for n, p in model.named_parameters():
         out[f"w.{n}"] = p.full_tensor()
-        sp = model.engine.sharded_param(p)
+        sp = model.engine.fsdp_state().sharded_param(p)
         for k, v in opt.state.get(p, {}).items():
             # torch.optim's state of an uneven DTensor is a plain DTensor: gather its rows as
             # the parameter's

@@ -83,7 +83,7 @@ def build(device: torch.device, dp_outer: int = 1, ep: int = 1, moe: bool = Fals
             grad_comm_dtype=grad_comm_dtype),  # and reduce them in fp32 (or bf16)
     )
     # checkpoints name experts by their global index
-    model.set_global_names(global_names)
+    model.fsdp_state().set_global_names(global_names)
     opt_class = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
     sharded_opt = mfsdp.fully_shard_optimizer(opt_class(model.parameters(), lr=lr))
 

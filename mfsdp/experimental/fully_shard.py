@@ -239,7 +239,7 @@ def microbatch(context: FsdpContext, is_last: bool) -> Iterator[None]:
     context.is_last_microbatch = bool(is_last)
     with contextlib.ExitStack() as stack:
         for engine in context.engines:
-            if engine.outer_comm is not None:  # (only an outer reduction is deferred)
+            if engine.fsdp_state().comms.outer is not None:  # (only an outer reduction is deferred)
                 stack.enter_context(engine.sync() if is_last else engine.no_sync())
         try:
             yield

@@ -110,7 +110,7 @@ class FsdpContext:
             r.module._fsdp_attach(engine, name, r is root)
             self.modules.append(r.module)
             if r.grad_divisor != 1:
-                for b in engine.unit_by_name[name].buckets:
+                for b in engine.fsdp_state().unit_by_name[name].buckets:
                     b.grad_scale /= r.grad_divisor
         module.register_forward_pre_hook(_zero_cleared_grads(ref))
         module.register_state_dict_post_hook(_state_dict_hook(ref))
@@ -130,18 +130,18 @@ def _zero_cleared_grads(ref):
         if engine is None or in_backward() or not torch.is_grad_enabled():
             return
         copies = []
-        for sp in engine.sharded_params:
+        for sp in engine.fsdp_state().sparams:
             if sp.grad is None:
                 continue
             face = sp.sharded.grad
             if face is None:  # set_to_none=True
-                engine.zero_grad_buffers()
+                engine.zero_grad_buffer()
                 return
             if sp.bucket.grad_shard is not None and sp.bucket.grad_shard.dtype != sp.local.dtype:
                 copies.append(face._local_tensor if isinstance(face, DTensor) else face)
         copies = [c for c in copies if c.numel()]
         if copies and not torch.stack([c.abs().max() for c in copies]).any().item():
-            engine.zero_grad_buffers()
+            engine.zero_grad_buffer()
 
     return hook
 
@@ -156,7 +156,7 @@ def _state_dict_hook(ref):
         if engine is None:
             return
         engine.wait_param_sync()
-        for sp in engine.sharded_params:
+        for sp in engine.fsdp_state().sparams:
             for name in sp.names:
                 if prefix + name in state_dict:
                     state_dict[prefix + name] = sp.wrap(sp.local.detach())
@@ -221,7 +221,7 @@ class FsdpParameterGroup(ParameterGroupView):
         """Copy the main weights into the model weights and start re-gathering them where they
         are replicated (the next forward waits); the optimizer adapter calls it after every
         step, once per group."""
-        self._engine.install_main_weights([self._bucket])
+        self._engine.fsdp_state().install_main_weights([self._bucket])
 
 
 class FsdpModule:
@@ -263,7 +263,7 @@ class FsdpModule:
             return super()._apply(fn, recurse)
         mine = {id(m) for m in self.modules()}
         hidden = []
-        for sp in engine.sharded_params:
+        for sp in engine.fsdp_state().sparams:
             for module, attr in sp.uses:
                 if id(module) in mine and attr in module._parameters:
                     hidden.append((module, attr, module._parameters.pop(attr)))
@@ -281,7 +281,8 @@ class FsdpModule:
         # The views are made once: the optimizer adapter syncs through them (and code written
         # for upstream may hold on to them).
         object.__setattr__(self, "_fsdp_groups", tuple(
-            FsdpParameterGroup(b, engine, prefix) for b in engine.unit_by_name[name].buckets))
+            FsdpParameterGroup(b, engine, prefix)
+            for b in engine.fsdp_state().unit_by_name[name].buckets))
 
     @property
     def context(self) -> FsdpContext:
@@ -316,7 +317,7 @@ class FsdpModule:
 
     def _unit(self):
         self.context.ensure_finalized()
-        return self.engine.unit_by_name[self.name]
+        return self.engine.fsdp_state().unit_by_name[self.name]
 
     @property
     def parameter_groups(self) -> tuple[FsdpParameterGroup, ...]:

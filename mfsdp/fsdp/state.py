@@ -207,6 +207,13 @@ class ShardingState:
     # otherwise (a plain torch.optim optimizer over the model's parameters, FSDP2's pattern) the
     # next forward installs what changed: see [Note: main weights a plain optimizer stepped].
     installed_by_optimizer: bool = False
+    # Any face of a parameter (the module's from before sharding, the full view, the DTensor,
+    # the main-weight rows) -> its ShardedParam; weak keys (a WeakIdKeyDictionary).
+    sparam_of: Any = None
+    # The checkpoint name of a parameter where it differs from its own (experts: global index).
+    global_names: dict[str, str] = field(default_factory=dict)
+    # The 1-D mesh over the world that checkpoint DTensors name their ranks by (built on use).
+    _world_mesh: DeviceMesh | None = None
     # The version counter of each parameter's sharded face (the DTensor a plain optimizer steps)
     # when the model weights last agreed with the main weights.
     main_versions: list[int] = field(default_factory=list)
@@ -215,6 +222,48 @@ class ShardingState:
     def buckets(self) -> list:
         """Every bucket of every unit, in unit order."""
         return [b for u in self.units for b in u.buckets]
+
+    def sharded_param(self, param: torch.Tensor):
+        """The :class:`~mfsdp.fsdp.param.ShardedParam` of ``param``, any of its faces (the module's
+        parameter from before sharding, the full view, the DTensor, the main-weight rows), or
+        ``None`` if ``param`` is not one of this model's."""
+        return self.sparam_of.get(param) if self.sparam_of is not None else None
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        """The mesh that checkpoint DTensors name their ranks by, one dimension over every rank on
+        this model's device type (each DTensor carries its own chunk metadata, see
+        ``mfsdp/fsdp/dtensor.py``)."""
+        if self._world_mesh is None:
+            self._world_mesh = DeviceMesh.from_group(dist.group.WORLD, self.device.type)
+        return self._world_mesh
+
+    def set_global_names(self, mapping: dict[str, str]) -> None:
+        """Name parameters differently in checkpoints (local expert index -> global index)."""
+        self.global_names = dict(mapping)
+
+    def global_name(self, name: str) -> str:
+        """The checkpoint name of parameter ``name`` (its own name unless remapped)."""
+        return self.global_names.get(name, name)
+
+    def named_main_shards(self) -> list[tuple[str, torch.Tensor, Any, int]]:
+        """(name, local main-weight rows, bucket, index) for every parameter, in model order."""
+        return [(sp.name, sp.bucket.local_view(sp.bucket.main_shard, sp.index), sp.bucket,
+                 sp.index) for sp in self.sparams]
+
+    def comm_scratch_bytes(self) -> int:
+        """Bytes of the communication scratch buffers this rank keeps for reuse (gloo only: the
+        receive buffers of reduce-scatters, see [Note: gloo all-gather as point-to-point] in
+        ``mfsdp/fsdp/collectives.py``); not part of :meth:`memory_by_kind`."""
+        return sum(c.scratch_bytes for c in self.comms.distinct())
+
+    def memory_by_kind(self) -> dict[str, int]:
+        """Bytes held by this rank's buckets right now, by kind (shared storage counted once)."""
+        total: dict[str, int] = {}
+        for b in self.buckets:
+            for k, v in b.bytes_by_kind().items():
+                total[k] = total.get(k, 0) + v
+        return total
 
     @property
     def double_buffer(self) -> bool:
@@ -247,7 +296,7 @@ class ShardingState:
     @torch.no_grad()
     def zero_grads(self, set_to_none: bool = True) -> None:
         """Zero the reduced gradients and any accumulated full gradients, and drop the
-        parameters' ``.grad`` (``model.zero_grad_buffers()``, the sharded optimizer's
+        parameters' ``.grad`` (``model.zero_grad_buffer()``, the sharded optimizer's
         ``zero_grad()``); ``set_to_none=False`` zeroes a held ``.grad`` in place instead."""
         for b in self.buckets:
             b.used = [0.0] * len(b.names)

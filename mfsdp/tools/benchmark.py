@@ -65,7 +65,7 @@ def bench_time(systems: list[str], cfg: dict | None = None) -> dict:
         for s in systems:
             model, opt = built[s]
             if hasattr(model, "comm_log"):
-                model.comm_log.clear()
+                model.fsdp_state().comms.log.clear()
             dist.barrier()
             before = loopback_bytes() if rank == 0 else 0
             dt, loss = timed_step(model, opt, x, y, loss_fn(cfg))
@@ -76,7 +76,7 @@ def bench_time(systems: list[str], cfg: dict | None = None) -> dict:
                 wire[s].append((after - before) / world)
                 losses[s].append(loss)
                 if hasattr(model, "comm_log"):
-                    asked[s] = model.comm_log.total("sent_bytes")
+                    asked[s] = model.fsdp_state().comms.log.total("sent_bytes")
     # Every rank's times: the step is as slow as its slowest rank.
     gathered = [None] * world
     dist.all_gather_object(gathered, times)
@@ -116,8 +116,9 @@ def bench_memory(system: str, cfg: dict | None = None) -> dict:
         torch.cuda.synchronize()
         out["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
     if hasattr(model, "memory_by_kind"):
-        out["state_bytes"] = {**model.memory_by_kind(), "optimizer_state": opt.local_state_bytes()}
-        out["comm_scratch_bytes"] = model.comm_scratch_bytes()
+        out["state_bytes"] = {**model.fsdp_state().memory_by_kind(),
+                              "optimizer_state": opt.local_state_bytes()}
+        out["comm_scratch_bytes"] = model.fsdp_state().comm_scratch_bytes()
     return out
 
 

@@ -278,7 +278,7 @@ class Trainer:
                "elapsed_s": now - self.t_start, "tokens": global_tokens + global_pieces,
                "rss_mib": rss_mib()}
         if self.config.parallel.use_megatron_fsdp:
-            rec["state_mib"] = (sum(self.model.memory_by_kind().values())
+            rec["state_mib"] = (sum(self.model.fsdp_state().memory_by_kind().values())
                                 + self.opt.local_state_bytes()) / 2**20
         if self.token_flops is not None:
             rec["tflops_per_rank"] = self.token_flops * rec["tokens_per_s"] / self.world / 1e12
