@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from mfsdp.config import EngineOptions, MixedPrecisionPolicy, ShardingStrategy
 from mfsdp.fsdp.buffers import BufferView, ParameterGroupView
@@ -29,8 +29,35 @@ from mfsdp.fsdp.state import UnitPhase
 from mfsdp.fsdp.unit import in_backward
 from mfsdp.layout import ProcessGroups
 
-__all__ = ["FsdpContext", "FsdpModule", "FsdpParameter", "FsdpParameterGroup", "Registration",
-           "make_fsdp_module"]
+__all__ = ["FsdpContext", "FsdpModule", "FsdpParameter", "FsdpParameterGroup", "ModuleOrder",
+           "Registration", "make_fsdp_module"]
+
+
+class ModuleOrder:
+    """Sharded modules in a fixed order, each with its successor (upstream's ``IndexedOrder``:
+    ``list(order)``, ``order.next_item(module)``)."""
+
+    def __init__(self) -> None:
+        self._items: list[nn.Module] = []  # in order
+        self._index: dict[int, int] = {}  # id(module) -> its position
+
+    def append(self, module: nn.Module) -> None:
+        """Put ``module`` last; a module already in the order is refused."""
+        if id(module) in self._index:
+            raise ValueError(f"{type(module).__name__} is already in the order")
+        self._index[id(module)] = len(self._items)
+        self._items.append(module)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def next_item(self, module: nn.Module) -> nn.Module | None:
+        """The module after ``module`` (``None`` after the last)."""
+        i = self._index[id(module)] + 1
+        return self._items[i] if i < len(self._items) else None
 
 
 @dataclass
@@ -54,6 +81,10 @@ class FsdpContext:
         self.is_last_microbatch = True  # set by microbatch(); outside it, every backward is last
         self.engines: list[FullyShardedModule] = []  # one per root, after finalize()
         self.modules: list[nn.Module] = []  # every sharded module, after finalize()
+        # Every sharded module, root by root (in the order they were sharded), each root's in
+        # its named_modules() order: the static order upstream prefetches by (mfsdp prefetches
+        # by the order it records in the first forward, mfsdp/fsdp/state.py's ForwardOrder).
+        self.forward_order = ModuleOrder()
         self._registrations: list[Registration] = []  # until finalize()
         self._finalized = False
 
@@ -105,10 +136,12 @@ class FsdpContext:
             options=EngineOptions(init_model_with_meta_device=meta),
             outer_strategy=outer or ShardingStrategy.NO_SHARD, hooks_on_module=True)
         ref = weakref.ref(engine)
-        for r in members:
-            name = next(n for n, m in module.named_modules() if m is r.module)
+        names = {id(m): n for n, m in module.named_modules()}
+        for r in sorted(members, key=lambda r: list(names).index(id(r.module))):
+            name = names[id(r.module)]
             r.module._fsdp_attach(engine, name, r is root)
             self.modules.append(r.module)
+            self.forward_order.append(r.module)
             if r.grad_divisor != 1:
                 for b in engine.fsdp_state().unit_by_name[name].buckets:
                     b.grad_scale /= r.grad_divisor
@@ -205,13 +238,35 @@ class MainWeightView(BufferView):
         self.layout = SimpleNamespace(size=bucket.plan.padded_numel)
 
 
+class UnshardedWeightView:
+    """A group's gathered model weights (upstream's ``_unsharded_model_weight``): ``local_buffer``
+    is the bucket's full buffer in compute dtype, whose storage is released between uses under
+    ZeRO-3 (0 bytes) and kept under the other strategies."""
+
+    def __init__(self, bucket, ndim: int):
+        self._bucket = bucket
+        self.placements = (Replicate(),) * ndim  # every rank holds all of it
+
+    @property
+    def local_buffer(self) -> torch.Tensor:
+        """The full flat buffer (read when asked: a pool slot may back it)."""
+        return self._bucket.full
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._bucket.full.dtype
+
+
 class FsdpParameterGroup(ParameterGroupView):
     """One bucket of a module's unit, with upstream v2's names (``fsdp_parameters``,
-    ``main_weight``, ``main_grad``, ``model_weight``) beside v1's."""
+    ``main_weight``, ``main_grad``, ``model_weight``, ``_unsharded_model_weight``) beside v1's."""
 
     def __init__(self, bucket, engine: FullyShardedModule, prefix: str):
         super().__init__(bucket)
         self._engine = engine
+        # upstream's name (its test reads the storage of the gathered weights through it)
+        ndim = 2 if engine.fsdp_state().comms.outer is not None else 1
+        self._unsharded_model_weight = UnshardedWeightView(bucket, ndim)
         self.fsdp_parameters = tuple(FsdpParameter(sp, prefix) for sp in bucket.sparams)
         self.model_weight = self.model_weight_buffer
         self.main_weight = MainWeightView(bucket)

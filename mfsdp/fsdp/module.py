@@ -74,6 +74,7 @@ class FullyShardedModule(nn.Module):
                               Comms.build(groups, outer_strategy, device, hybrid_groups),
                               sync=GradSync(auto=opts.sync_model_each_microbatch))
         self._state = state
+        state.root_keeps_weights = not hooks_on_module  # (upstream v2 releases its root too)
         # The root unit's hooks go on this wrapper, whose forward callers use; the per-module
         # front door (mfsdp.experimental) leaves the model in place and calls ``module`` itself.
         built = build_units(state, module, module if hooks_on_module else self, unit_classes)

@@ -192,6 +192,9 @@ class ShardingState:
     # unshard() holds every unit gathered with the full views in the modules: hooks then neither
     # release nor swap weights.
     user_unsharded: bool = False
+    # The root unit keeps its gathered weights from forward to its backward, which runs first (as
+    # FSDP2 does); the per-module front door releases them, as upstream v2 does.
+    root_keeps_weights: bool = True
     # Filled by construction: the units (root first), their pool, every parameter in model order.
     units: list = field(default_factory=list)
     unit_by_name: dict = field(default_factory=dict)
