@@ -43,7 +43,7 @@ print(sorted(p.name for p in (work / "tiny-llama").iterdir()))
 from mfsdp.check import check
 
 report = check(str(work / "tiny-llama"), nproc=2, steps=3,
-                     layouts=["optim_grads_params", "bf16"])
+               layouts=["optim_grads_params", "bf16"])
 print(report.table())
 
 # %%
@@ -60,7 +60,7 @@ assert report.passed and report.units == ["LlamaDecoderLayer"]
 # ranks, the class of upstream's NVIDIA/Megatron-LM#5974. With SGD (the default) it shows in the
 # update-norm ratio from the first step.
 faulty = check("mfsdp.check.faults:loss_averaged_twice", nproc=2, steps=3,
-                     layouts=["optim_grads_params"])
+               layouts=["optim_grads_params"])
 print(faulty.layouts[0].reason)
 ratio = faulty.layouts[0].steps[0].update_norm_ratio
 assert not faulty.passed and abs(ratio - 0.5) < 1e-3

@@ -62,7 +62,7 @@ from mfsdp.check.engines.upstream import reset_optimizer_step
 print(inspect.getsource(reset_optimizer_step))
 workaround = "mfsdp.check.engines.upstream:reset_optimizer_step"
 fixed = check("mfsdp.check.faults:attention", optimizer="adamw",
-                    after_shard=workaround, **settings)
+              after_shard=workaround, **settings)
 print(fixed.table())
 assert fixed.passed
 
