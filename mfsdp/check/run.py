@@ -15,10 +15,9 @@ from torch import nn
 from mfsdp.check.layouts import Layout
 from mfsdp.check.models import (build_model, load_callable, make_batches, next_token_loss,
                                 resolve_units, vocab_size)
+from mfsdp.config import dtype_named
 
 __all__ = ["Settings", "make_optimizer", "mixed_precision_policy", "run_reference", "run_layout"]
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
 
 
 class Settings(dict):
@@ -62,7 +61,7 @@ def run_reference(s: Settings, compute_dtype: str = "fp32") -> dict[str, Any]:
     weights the optimizer steps on (as the sharded layouts keep them)."""
     model = build_model(s["model"], s["seed"])
     batches = _batches(s, model)
-    dtype = _DTYPES[compute_dtype]
+    dtype = dtype_named(compute_dtype)
     model = model.to(dtype)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     work = [p for p in model.parameters() if p.requires_grad]
@@ -101,7 +100,7 @@ def mixed_precision_policy(layout: Layout):
     if layout.compute_dtype == "bf16":
         return MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                     main_grads_dtype=torch.float32)
-    return MixedPrecisionPolicy(grad_comm_dtype=_DTYPES[layout.grad_comm_dtype])
+    return MixedPrecisionPolicy(grad_comm_dtype=dtype_named(layout.grad_comm_dtype))
 
 
 def _sharded(s: Settings, layout: Layout, strategy: str):

@@ -22,7 +22,7 @@ from mfsdp.config import MixedPrecisionPolicy, ShardingConfig, resolve_unit_clas
 from mfsdp.fsdp import registry
 from mfsdp.fsdp.module import FullyShardedModule
 from mfsdp.fsdp.optimizer import ShardedOptimizer
-from mfsdp.layout import ProcessGroups
+from mfsdp.layout import ProcessGroups, rank_device
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 
@@ -68,9 +68,7 @@ def _default_device(module: nn.Module | None = None) -> torch.device:
     if not dist.is_initialized():
         return torch.device("cpu")
     config = str(dist.get_backend_config()).lower()
-    if "nccl" in config and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return rank_device(cuda="nccl" in config and torch.cuda.is_available())
 
 
 def fully_shard_model(
@@ -255,8 +253,8 @@ def _resolve_groups(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_device
             raise ValueError(f"dp_shard_dim is required for a {device_mesh.ndim}-D device_mesh "
                              f"(dims {tuple(device_mesh.mesh_dim_names or ())})")
         groups.dp_shard = _mesh_group(device_mesh, dp_shard_dim, "dp_shard_dim")
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if device_mesh.device_type == "cuda" else torch.device(device_mesh.device_type))
+        device = (rank_device(cuda=True) if device_mesh.device_type == "cuda"
+                  else torch.device(device_mesh.device_type))
     elif dp_shard_dim is not None or tp_dim is not None or dp_outer_dim is not None:
         raise ValueError("dp_shard_dim / dp_outer_dim / tp_dim name dimensions of device_mesh, "
                          "but no device_mesh was given")

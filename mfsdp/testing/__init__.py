@@ -19,6 +19,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from mfsdp.config import dtype_named
 from mfsdp.layout import ParallelLayout
 from mfsdp.models.toy import Block, ToyModel
 from mfsdp.models.toy_moe import MoEBlock, ToyMoE, keep_local_experts
@@ -34,8 +35,6 @@ DEFAULTS = dict(
     model="toy", num_experts=4, dp_outer=1, ep=1, outer_strategy="no_shard", ag_groups=False,
     device_mesh=False, global_batch=None, sync_micro_batches=False, save_dir=None, save_at=None, load_dir=None, grad_norms=False,
 )
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
 
 
 def _cfg(cfg: dict) -> dict:
@@ -82,7 +81,7 @@ def _optimizer(c: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
 def train_reference(cfg: dict, world_size: int) -> dict:
     """Train one process on the concatenated global batch; fp32 main weights for bf16 compute."""
     c = _cfg(cfg)
-    dtype = _DTYPES[c["dtype"]]
+    dtype = dtype_named(c["dtype"])
     model = _model(c).to(dtype)
     master = _model(c)
     with torch.no_grad():  # main weights start from the model's (possibly bf16) values
@@ -130,7 +129,7 @@ def train_sharded(cfg: dict) -> dict:
 
     c = _cfg(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = _DTYPES[c["dtype"]]
+    dtype = dtype_named(c["dtype"])
     if c["meta_init"]:
         model = _model(c, "meta").to(dtype)
     else:
@@ -157,8 +156,8 @@ def train_sharded(cfg: dict) -> dict:
         ep_group = groups["ep"]
     global_names = keep_local_experts(model, ep_group) if c["model"] == "moe" else {}
     opt = _optimizer(c, model)
-    policy = MixedPrecisionPolicy(main_grads_dtype=_DTYPES[c["main_grads_dtype"]],
-                                  grad_comm_dtype=_DTYPES[c["grad_comm_dtype"]])
+    policy = MixedPrecisionPolicy(main_grads_dtype=dtype_named(c["main_grads_dtype"]),
+                                  grad_comm_dtype=dtype_named(c["grad_comm_dtype"]))
     model, opt = fully_shard(model, opt, fsdp_unit_modules=[Block, MoEBlock],
                              zero_dp_strategy=c["strategy"], process_groups=groups,
                              outer_dp_sharding_strategy=c["outer_strategy"],
@@ -250,5 +249,5 @@ def train_sharded_many(cfgs: list[dict]) -> list[dict]:
 def initial_parameters(cfg: dict) -> dict[str, torch.Tensor]:
     """The toy model's main weights before training (as both runs start them), in fp32."""
     c = _cfg(cfg)
-    return {n: p.detach().to(_DTYPES[c["dtype"]]).float()
+    return {n: p.detach().to(dtype_named(c["dtype"])).float()
             for n, p in _model(c).named_parameters()}

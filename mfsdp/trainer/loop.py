@@ -8,9 +8,9 @@ import argparse
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 
+from mfsdp.layout import rank_device
 from mfsdp.trainer.arguments import build_parser, check_args
 from mfsdp.trainer.build import model_config
 from mfsdp.trainer.checkpointing import check_load_exists
@@ -29,8 +29,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     ``--save``'s directory is locked for the run (:class:`~mfsdp.trainer.guard.SaveLock`) and a
     :class:`~mfsdp.trainer.guard.Watch` reports hangs (and, under torchrun, a dead launcher)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    device = rank_device()
     is_cpu = device.type == "cpu"
     config = TrainConfig.from_args(args)  # (the Namespace stops here)
     cfg = model_config(config)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from mfsdp.data.batches import MegatronData, global_batch, read_data
+from mfsdp.layout import rank_device
 from mfsdp.models.tensor_parallel import loss_parallel_context
 from mfsdp.trainer.build import flops_per_token, learning_rate, model_family, routers_of, rss_mib
 from mfsdp.trainer.checkpointing import Checkpointer
@@ -92,8 +93,7 @@ class Trainer:
         from mfsdp.trainer.build import model_config
 
         world = dist.get_world_size()
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if dist.get_backend() == "nccl" else torch.device("cpu"))
+        device = rank_device()
         p, t = config.parallel, config.training
         dp = world // (p.tensor_model_parallel_size * p.context_parallel_size)
         num_micro = t.global_batch_size // (t.micro_batch_size * dp)
