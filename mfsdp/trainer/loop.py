@@ -10,6 +10,7 @@ import sys
 
 import torch.distributed as dist
 
+from mfsdp.checkpoint.dcp import on_rank_zero
 from mfsdp.layout import rank_device
 from mfsdp.trainer.arguments import build_parser, check_args
 from mfsdp.trainer.build import model_config
@@ -53,16 +54,10 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def take_save_lock(lock: SaveLock | None, log) -> None:
     """Rank 0 takes ``--save``'s lock; every rank stops with its message when it cannot."""
-    error = [None]
-    if lock is not None and dist.get_rank() == 0:
-        try:
-            lock.acquire()
-        except SystemExit as exc:
-            error[0] = str(exc.code)
-    if lock is not None and dist.get_world_size() > 1:
-        dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise SystemExit(error[0])
+    error = (on_rank_zero(lock.acquire, catch=SystemExit, describe=lambda exc: str(exc.code))
+             if lock is not None else None)
+    if error:
+        raise SystemExit(error)
     for note in lock.notes if lock is not None else ():
         log(f"note: {note}", flush=True)
 
