@@ -177,8 +177,8 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
                      f"({result.seconds:.1f} s)")
     report = CheckReport(model=model if isinstance(model, str) else _qualname(model),
                          engine=engine, engine_version=version, replacements=replaced,
-                         nproc=nproc, steps=steps, optimizer=optimizer, lr=s["lr"],
-                         units=s["units"], layouts=results, skipped=skipped,
+                         nproc=nproc, steps=steps, optimizer=optimizer, lr=s.lr,
+                         units=s.units, layouts=results, skipped=skipped,
                          skip_reasons=skip_reasons,
                          bypassed_units=bypassed, recursive_gather=list(recursive_gather or []))
     if json_path:

@@ -23,6 +23,7 @@ The conversions are the ``mfsdp convert`` command a user runs, in a process of i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -121,9 +122,9 @@ def measure_checkpoints(*, lr: float = 0.1, cells: Iterable[tuple[str, str]] | N
         raise ValueError(f"cells={unknown[0]!r} is not a combination of the table; give "
                          f"(strategy, route) from {STRATEGIES}, {ROUTES}")
     units = [c.__name__ for c in resolve_units(build_model(model, seed), None)]
-    base = dict(model=model, lr=lr, steps=2, global_batch=2 * NPROC, seq_len=16,
-                seed=seed, units=units, optimizer_factory=None, recursive_gather=None)
-    references = {opt: run_reference(Settings(base, optimizer=opt, resume_fn=None))
+    base = Settings(model=model, optimizer="sgd", lr=lr, steps=2, global_batch=2 * NPROC,
+                    seq_len=16, seed=seed, units=units)
+    references = {opt: run_reference(dataclasses.replace(base, optimizer=opt))
                   for opt in sorted({OPTIMIZER[r] for _, r in chosen})}
     results: dict[tuple, Cell] = {}
     launches = 0
@@ -132,9 +133,9 @@ def measure_checkpoints(*, lr: float = 0.1, cells: Iterable[tuple[str, str]] | N
         if not combos:
             continue
         fmt = _FORMAT.get(route)
-        s = Settings(base, optimizer=OPTIMIZER[route],
-                     resume_fn=functools.partial(_importable_round_trip(), fmt=fmt,
-                                                 preset=model) if fmt else None)
+        s = dataclasses.replace(base, optimizer=OPTIMIZER[route],
+                                resume_fn=functools.partial(_importable_round_trip(), fmt=fmt,
+                                                            preset=model) if fmt else None)
         layouts = [_layout(*c) for c in combos]
         ranks0, n = run_layouts(s, layouts, timeout)
         launches += n
