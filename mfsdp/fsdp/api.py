@@ -299,12 +299,12 @@ def _check_hybrid_groups(groups, outer_size: int, hybrid_fsdp_group,
 # [Note: optimizers from before fully_shard] An optimizer built on a module's parameters before
 # fully_shard and not handed to it would step tensors the sharded model no longer reads: training
 # would silently stand still. fully_shard never sees that optimizer, so the one place to refuse it
-# is its step: while some parameter a model took over is alive, a step pre-hook (registered by
-# fully_shard_model, never at import, removed once no such parameter is left) checks the
-# optimizer's parameters. Optimizers over the sharded model's own parameters need no hook: the
+# is its step: a step pre-hook, registered by the first fully_shard_model (never at import),
+# checks the optimizer's parameters while some parameter a model took over is alive (and returns
+# at once otherwise; it stays registered: torch iterates its hooks while calling them). Optimizers over the sharded model's own parameters need no hook: the
 # next forward installs what their step changed ([Note: main weights a plain optimizer stepped]
 # in mfsdp/fsdp/state.py).
-_STALE_WATCH: list[RemovableHandle] = []  # the pre-hook's handle while registered
+_STALE_WATCH: list[RemovableHandle] = []  # the pre-hook's handle, once registered
 
 
 def _watch_stale_optimizers() -> None:
@@ -317,7 +317,6 @@ def _refuse_stale_step(optimizer, args, kwargs) -> None:
     """Before an optimizer's step: refuse one that holds a parameter some sharded model took
     over (see [Note: optimizers from before fully_shard])."""
     if not registry.any_taken_over():
-        _STALE_WATCH.pop().remove()  # nothing left to guard
         return
     for g, group in enumerate(optimizer.param_groups):
         for j, p in enumerate(group["params"]):
