@@ -8,6 +8,14 @@ Start two gloo ranks on the CPU, all-reduce across them, and look at what each r
 
 * how :func:`mfsdp.launch.launch` starts ranks and returns their results in rank order;
 * that the ranks are separate processes talking through ``torch.distributed``.
+
+The code
+--------
+``mfsdp/examples/hello.py``: what every rank runs.
+
+.. literalinclude:: ../../mfsdp/examples/hello.py
+   :language: python
+   :pyobject: rank_info
 """
 
 # %%
