@@ -71,10 +71,11 @@ def test_mixed_precision_policy_is_frozen():
     assert hash(policy) == hash(MixedPrecisionPolicy(main_grads_dtype=torch.float32))
 
 
-def _hooked_training(strategy: str) -> dict:
-    """On each rank: the same model trained 3 SGD steps under DDP and under mfsdp, with a
-    gradient hook registered on the first layer's weight before wrapping that records the
-    gradient's norm and returns it doubled; returns what each saw and the final weights."""
+def _hooked_training(strategies: list[str]) -> dict:
+    """On each rank: the same model trained 3 SGD steps under DDP and under mfsdp (each of
+    ``strategies``), with a gradient hook registered on the first layer's weight before wrapping
+    that records the gradient's norm and returns it doubled; returns what each saw and the final
+    weights, the refusal of a post-accumulate-grad hook, and a sharded model's public names."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -106,22 +107,35 @@ def _hooked_training(strategy: str) -> dict:
         return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
                 for p in model.parameters()]
 
-    ddp_seen, ours_seen = [], []
-    ddp = train(DistributedDataParallel(make(ddp_seen)))
-    model, _ = fully_shard(make(ours_seen), zero_dp_strategy=strategy)
-    ours = train(model)
-    refused = ""
+    ddp_seen = []
+    out = {"ddp": (ddp_seen, train(DistributedDataParallel(make(ddp_seen))))}
+    for strategy in strategies:
+        ours_seen = []
+        model, _ = fully_shard(make(ours_seen), zero_dp_strategy=strategy)
+        out[strategy] = (ours_seen, train(model))
     net = nn.Linear(2, 2)
     net.weight.register_post_accumulate_grad_hook(lambda p: None)
     try:
         fully_shard(net)
     except ValueError as exc:
-        refused = str(exc)
-    return {"ddp": (ddp_seen, ddp), "ours": (ours_seen, ours), "refused": refused}
+        out["refused"] = str(exc)
+    out["public"] = _public_names()
+    return out
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
-def test_a_gradient_hook_registered_before_fully_shard_acts_as_under_ddp(strategy):
+STRATEGIES = ["no_shard", "optim_grads_params"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """Each rank's results of :func:`_hooked_training` (one launch for this module's tests)."""
+    from mfsdp.launch import launch
+
+    return launch(_hooked_training, 2, args=(STRATEGIES,), timeout=240)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_gradient_hook_registered_before_fully_shard_acts_as_under_ddp(two_ranks, strategy):
     """A ``register_hook`` on a parameter before ``fully_shard`` fires with the gradient DDP hands
     it (each rank's local gradient, before the reduction) and what it returns (the gradient
     doubled) is what the model trains on: the norms it saw and the weights after 3 SGD steps
@@ -129,11 +143,9 @@ def test_a_gradient_hook_registered_before_fully_shard_acts_as_under_ddp(strateg
     A post-accumulate-grad hook is refused, naming the parameter."""
     import torch
 
-    from mfsdp.launch import launch
-
-    for out in launch(_hooked_training, 2, args=(strategy,), timeout=240):
+    for out in two_ranks:
         ddp_seen, ddp = out["ddp"]
-        ours_seen, ours = out["ours"]
+        ours_seen, ours = out[strategy]
         assert len(ddp_seen) == 3
         assert ours_seen == pytest.approx(ddp_seen, rel=1e-5)
         for a, b in zip(ours, ddp):
@@ -157,7 +169,7 @@ MODEL_SURFACE = {
 
 
 def _public_names() -> dict:
-    """On one gloo rank: the public names of a sharded model beyond ``nn.Module``'s."""
+    """In a launched rank: the public names of a sharded model beyond ``nn.Module``'s."""
     from torch import nn
 
     from mfsdp import fully_shard
@@ -168,15 +180,13 @@ def _public_names() -> dict:
             "state": type(model.fsdp_state()).__name__}
 
 
-def test_the_sharded_model_advertises_behaviour_and_one_state_accessor():
+def test_the_sharded_model_advertises_behaviour_and_one_state_accessor(two_ranks):
     """A sharded model's public names (its class's and its instance's) are exactly
     ``MODEL_SURFACE``: 23 names instead of 51; buckets, the reducer, pools and communicators are
     reached through ``fsdp_state()``. Every upstream name on the list is one MegatronFSDP has."""
     from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
-    from mfsdp.launch import launch
-
-    out = launch(_public_names, 1, timeout=120)[0]
+    out = two_ranks[0]["public"]
     assert set(out["names"]) == MODEL_SURFACE
     assert len(out["names"]) == 23
     assert out["state"] == "ShardingState"
