@@ -186,13 +186,8 @@ def _state_dict_hook(ref):
 
     def hook(module, state_dict, prefix, local_metadata):
         engine = ref()
-        if engine is None:
-            return
-        engine.wait_param_sync()
-        for sp in engine.fsdp_state().sparams:
-            for name in sp.names:
-                if prefix + name in state_dict:
-                    state_dict[prefix + name] = sp.wrap(sp.local.detach())
+        if engine is not None:
+            engine.fsdp_state().dcp_state_dict(state_dict, prefix)
 
     return hook
 

@@ -338,14 +338,7 @@ class FullyShardedModule(nn.Module):
 
     @staticmethod
     def _state_dict_hook(self, state_dict, prefix, local_metadata):
-        # Every entry of a parameter is a fresh DTensor over its main-weight rows that carries
-        # its own chunk metadata (a detached parameter would not), so DCP saves it as it is.
-        self.wait_param_sync()  # (ZeRO-1/2: the post-step all-gather writes the same memory)
-        for sp in self._state.sparams:
-            for key in self._state_keys(sp, prefix):
-                if key in state_dict:
-                    state_dict[key] = sp.wrap(sp.local.detach())
-        return state_dict
+        return self._state.dcp_state_dict(state_dict, f"{prefix}module.")
 
     def _load_pre_hook(self, state_dict, prefix, local_metadata, strict, missing_keys,
                        unexpected_keys, error_msgs):

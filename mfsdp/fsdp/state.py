@@ -249,6 +249,17 @@ class ShardingState:
         """The checkpoint name of parameter ``name`` (its own name unless remapped)."""
         return self.global_names.get(name, name)
 
+    def dcp_state_dict(self, state_dict: dict, prefix: str) -> dict:
+        """Make ``state_dict``'s parameter entries (keys ``prefix + name``) fresh DTensors over
+        the main-weight rows that carry their own chunk metadata (a detached parameter would
+        not), so that DCP saves them as they are; returns ``state_dict``."""
+        self.wait_param_sync()  # (ZeRO-1/2: the post-step all-gather writes the same memory)
+        for sp in self.sparams:
+            for name in sp.names:
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = sp.wrap(sp.local.detach())
+        return state_dict
+
     def named_main_shards(self) -> list[tuple[str, torch.Tensor, Any, int]]:
         """(name, local main-weight rows, bucket, index) for every parameter, in model order."""
         return [(sp.name, sp.bucket.local_view(sp.bucket.main_shard, sp.index), sp.bucket,
