@@ -9,10 +9,10 @@ __all__ = ["rank_info"]
 
 
 def rank_info() -> dict:
-    """Return this rank's view of the process group: rank, world size, backend and an all-reduce.
+    """This rank's view of the process group: rank, world size, backend, an all-reduce.
 
-    A small worker used by the first recipe and the launcher's doctest: every rank contributes
-    ``rank + 1`` to an all-reduce, so the sum proves the ranks really talk to each other.
+    Every rank contributes ``rank + 1`` to an all-reduce, so the sum proves the ranks
+    really talk to each other.
     """
     import torch
     import torch.distributed as dist
@@ -20,4 +20,5 @@ def rank_info() -> dict:
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
-            "backend": dist.get_backend(), "pid": os.getpid(), "all_reduce_sum": t.item()}
+            "backend": dist.get_backend(), "pid": os.getpid(),
+            "all_reduce_sum": t.item()}
