@@ -16,7 +16,7 @@ from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
 from mfsdp.fsdp.module import FullyShardedModule
 from mfsdp.layout import ParallelLayout, ProcessGroups
 from mfsdp.fsdp.optimizer import ShardedOptimizer
-from mfsdp import check  # the package is callable: mfsdp.check(model, ...) runs the doctor
+from mfsdp import check  # the parity doctor: mfsdp.check.check(model, ...)
 
 __version__ = "0.1.0"
 

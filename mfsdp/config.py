@@ -20,7 +20,7 @@ import torch
 
 __all__ = ["ShardingStrategy", "MixedPrecisionPolicy", "EngineOptions", "ShardingConfig",
            "CONFIG_ARGUMENTS",
-           "resolve_unit_classes", "check_dtype"]
+           "resolve_unit_classes", "check_dtype", "DTYPES", "dtype_named"]
 
 
 class ShardingStrategy(str, enum.Enum):
@@ -76,6 +76,23 @@ class ShardingStrategy(str, enum.Enum):
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
+# The short dtype names of flags and configs (Megatron-LM's --bf16 / --fp16 spellings).
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                  "fp16": torch.float16}
+
+
+def dtype_named(name: str | None) -> torch.dtype | None:
+    """The dtype of a short name in :data:`DTYPES` (``None`` stays ``None``).
+
+    >>> dtype_named("bf16"), dtype_named(None)
+    (torch.bfloat16, None)
+    """
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
 
 def check_dtype(name: str, value: Any, allow_none: bool = True) -> torch.dtype | None:
     """Return ``value`` if it is a floating-point ``torch.dtype`` (or ``None`` when allowed)."""
@@ -87,7 +104,7 @@ def check_dtype(name: str, value: Any, allow_none: bool = True) -> torch.dtype |
     return value
 
 
-@dataclass
+@dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """Which dtypes hold the main weights, accumulate gradients and carry them over the wire.
 

@@ -6,7 +6,7 @@
 returns the results in rank order::
 
     >>> from mfsdp.launch import launch
-    >>> from mfsdp.runtime import rank_info
+    >>> from mfsdp.examples.hello import rank_info
     >>> [r["rank"] for r in launch(rank_info, world_size=2)]
     [0, 1]
 
@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from mfsdp._moved import moved_name
 from mfsdp import runtime
 
 __all__ = ["launch", "RankError", "LaunchTimeout"]
@@ -300,11 +299,6 @@ def _write(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_bytes(data)
     tmp.rename(path)
-
-
-def __getattr__(name: str) -> Any:
-    # init_from_env, shutdown and rank_info moved to mfsdp.runtime (see mfsdp/_moved.py)
-    return moved_name("mfsdp.launch", name)
 
 
 if __name__ == "__main__":

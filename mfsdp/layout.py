@@ -26,7 +26,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelLayout", "ProcessGroups", "GROUP_KINDS"]
+__all__ = ["ParallelLayout", "ProcessGroups", "GROUP_KINDS", "rank_device"]
+
+
+def rank_device(cuda: bool | None = None) -> torch.device:
+    """The device this rank computes on: its current GPU with ``cuda=True``, the CPU with
+    ``False``; ``None`` asks the default process group (NCCL: the GPU, gloo: the CPU).
+
+    >>> rank_device(cuda=False)
+    device(type='cpu')
+    """
+    if cuda is None:
+        cuda = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 GROUP_KINDS = ("dp_shard", "dp_outer", "ep", "expt_dp_shard", "expt_dp", "tp", "cp", "dp")
 

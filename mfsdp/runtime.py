@@ -22,22 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["init_from_env", "shutdown", "rank_info"]
-
-
-def rank_info() -> dict:
-    """Return this rank's view of the process group: rank, world size, backend and an all-reduce.
-
-    A small worker used by the first recipe and the launcher's doctest: every rank contributes
-    ``rank + 1`` to an all-reduce, so the sum proves the ranks really talk to each other.
-    """
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([float(dist.get_rank() + 1)])
-    dist.all_reduce(t)
-    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
-            "backend": dist.get_backend(), "pid": os.getpid(), "all_reduce_sum": t.item()}
+__all__ = ["init_from_env", "shutdown"]
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> None:

@@ -46,10 +46,10 @@ print(sorted(p.name for p in (work / "tiny-llama").iterdir()))
 #
 # Without ``layouts``, every layout that fits ``nproc`` runs: ZeRO 0-3, bf16, bf16
 # communication, and a resume into another strategy.
-import mfsdp
+from mfsdp.check import check
 
-report = mfsdp.check(str(work / "tiny-llama"), nproc=2, steps=3,
-                     layouts=["optim_grads_params", "bf16"])
+report = check(str(work / "tiny-llama"), nproc=2, steps=3,
+               layouts=["optim_grads_params", "bf16"])
 print(report.table())
 
 # %%
@@ -66,8 +66,8 @@ assert report.passed and report.units == ["LlamaDecoderLayer"]
 # reference's: the class of upstream's NVIDIA/Megatron-LM#5974.
 #
 # With SGD (the default) it shows in the update-norm ratio from the first step.
-faulty = mfsdp.check("mfsdp.check.faults:loss_averaged_twice", nproc=2, steps=3,
-                     layouts=["optim_grads_params"])
+faulty = check("mfsdp.check.faults:loss_averaged_twice", nproc=2, steps=3,
+               layouts=["optim_grads_params"])
 print(faulty.layouts[0].reason)
 ratio = faulty.layouts[0].steps[0].update_norm_ratio
 assert not faulty.passed and abs(ratio - 0.5) < 1e-3

@@ -16,7 +16,7 @@ The code
 --------
 ``mfsdp/examples/comm_timeline.py`` builds a layout's groups with a second group for
 all-gathers (``create_groups(all_gather_groups=True)``), and passes it as ``fsdp_group_ag``.
-``model.comm_log`` records every collective's launch and completion.
+``model.fsdp_state().comms.log`` records every collective's launch and completion.
 
 .. literalinclude:: ../../mfsdp/examples/comm_timeline.py
    :language: python

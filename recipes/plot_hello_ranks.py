@@ -8,15 +8,23 @@ Start two gloo ranks on the CPU, all-reduce across them, and look at what each r
 
 * how :func:`mfsdp.launch.launch` starts ranks and returns their results in rank order;
 * that the ranks are separate processes talking through ``torch.distributed``.
+
+The code
+--------
+``mfsdp/examples/hello.py``: what every rank runs.
+
+.. literalinclude:: ../../mfsdp/examples/hello.py
+   :language: python
+   :pyobject: rank_info
 """
 
 # %%
 # Launch two ranks
 # ----------------
-# :func:`mfsdp.runtime.rank_info` runs on every rank. Each rank adds ``rank + 1`` to an
+# :func:`mfsdp.examples.hello.rank_info` runs on every rank. Each rank adds ``rank + 1`` to an
 # all-reduce (a sum over all ranks), so with two ranks every rank must see ``1 + 2 = 3``.
 from mfsdp.launch import launch
-from mfsdp.runtime import rank_info
+from mfsdp.examples.hello import rank_info
 
 results = launch(rank_info, world_size=2)
 

@@ -20,7 +20,7 @@ The code
 --------
 ``mfsdp/examples/hsdp_bytes.py`` builds a ``ParallelLayout`` with ``dp_outer`` replicas and
 passes its groups to ``fully_shard``. It reads the bytes of each collective from
-``model.comm_log``.
+``model.fsdp_state().comms.log``.
 
 .. literalinclude:: ../../mfsdp/examples/hsdp_bytes.py
    :language: python

@@ -14,7 +14,7 @@ Then plot it against the theory of the strategy table.
 The code
 --------
 ``mfsdp/examples/memory.py`` shards the model and takes one step. Then it reads what the
-buffers hold (``model.memory_by_kind()``) and the optimizer state
+buffers hold (``model.fsdp_state().memory_by_kind()``) and the optimizer state
 (``optimizer.local_state_bytes()``).
 
 .. literalinclude:: ../../mfsdp/examples/memory.py

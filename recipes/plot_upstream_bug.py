@@ -38,10 +38,10 @@ next to a single-process reference. It flags the bug at step 1.
 #
 # These ranks run on the CPU, so the check replaces upstream's CUDA stream and event calls
 # for the run. The report lists each replacement.
-import mfsdp
+from mfsdp.check import check
 
 settings = dict(engine="megatron_fsdp", steps=5, layouts=["optim_grads_params"])
-bug = mfsdp.check("mfsdp.check.faults:attention", optimizer="adamw", **settings)
+bug = check("mfsdp.check.faults:attention", optimizer="adamw", **settings)
 print(bug.table())
 assert bug.engine_version == "megatron-fsdp 0.6.1" and not bug.passed
 
@@ -71,8 +71,8 @@ from mfsdp.check.engines.upstream import reset_optimizer_step
 
 print(inspect.getsource(reset_optimizer_step))
 workaround = "mfsdp.check.engines.upstream:reset_optimizer_step"
-fixed = mfsdp.check("mfsdp.check.faults:attention", optimizer="adamw",
-                    after_shard=workaround, **settings)
+fixed = check("mfsdp.check.faults:attention", optimizer="adamw",
+              after_shard=workaround, **settings)
 print(fixed.table())
 assert fixed.passed
 
@@ -83,7 +83,7 @@ assert fixed.passed
 # have missed the bug.
 #
 # So check with the optimizer you train with, and with SGD for scale faults.
-sgd = mfsdp.check("mfsdp.check.faults:attention", optimizer="sgd", **settings)
+sgd = check("mfsdp.check.faults:attention", optimizer="sgd", **settings)
 worst = max(s.worst_param_error for s in sgd.layouts[0].steps)
 print("SGD:", "PASS" if sgd.passed else "FAIL", f"(worst parameter error {worst:.1e})")
 assert sgd.passed

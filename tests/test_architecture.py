@@ -103,7 +103,7 @@ def _ownership_and_phases() -> dict:
     module = ToyModel(dim=32)
     model, opt = fully_shard(module, torch.optim.SGD(module.parameters(), lr=0.1),
                              fsdp_unit_modules=[Block])
-    state = model.state
+    state = model.fsdp_state()
     holders = []
     objects = {"state": state, "reducer": state.reducer, "comms": state.comms,
                **{f"unit {u.name or '(root)'}": u for u in state.units}}
@@ -171,6 +171,9 @@ _FOREIGN_PRIVATE = {
     "_reset_parameters": "torch modules' own initialiser (nn.MultiheadAttention...), for meta init",
     # torch tensors, autograd, AMP
     "_local_tensor": "DTensor's local tensor itself (to_local() goes through autograd)",
+    "_version": "a tensor's version counter: how the engine sees a plain optimizer's step",
+    "_backward_hooks": "a parameter's register_hook hooks, carried to the parameter trained",
+    "_post_accumulate_grad_hooks": "a parameter's post-accumulate-grad hooks (refused)",
     "_per_optimizer_states": "GradScaler's found-inf record, which ranks must agree on",
     "_execution_engine": "autograd's queue_callback: the end-of-backward callback",
     "_C": "torch._C: the current graph task id (is a backward running?)",

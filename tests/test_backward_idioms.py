@@ -72,14 +72,15 @@ def _run(kw: dict, fsdp: dict, steps: int = 3, lora: bool = False) -> dict:
     ropt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(3)
+    state = model.fsdp_state()
     gathers = []
     for _ in range(steps):
         x = torch.randn(8, 8, generator=g)
         n = x.shape[0] // world
         loss = model(x[rank * n:(rank + 1) * n]).pow(2).mean()
-        model.comm_log.clear()
+        state.comms.log.clear()
         loss.backward()
-        gathers.append(sum(1 for r in model.comm_log.records if r["op"] == "all_gather"))
+        gathers.append(sum(1 for r in state.comms.log.records if r["op"] == "all_gather"))
         ref(x).pow(2).mean().backward()
         opt.step()
         ropt.step()
@@ -90,10 +91,10 @@ def _run(kw: dict, fsdp: dict, steps: int = 3, lora: bool = False) -> dict:
         torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
     grad_bytes = sum(b.plan.padded_numel * b.grad_full.element_size() if b.grad_full is not None
-                     else b.plan.padded_numel * 4 for b in model.buckets if b.requires_grad)
-    return {"backward_gathers": gathers, "peak_grad_full": model.memory["peak_grad_full_bytes"],
-            "grad_bytes": grad_bytes, "peak_gathered": model.memory["peak_gathered_bytes"],
-            "unit_bytes": max(u.gathered_bytes for u in model.units if not u.is_root)}
+                     else b.plan.padded_numel * 4 for b in state.buckets if b.requires_grad)
+    return {"backward_gathers": gathers, "peak_grad_full": state.memory["peak_grad_full_bytes"],
+            "grad_bytes": grad_bytes, "peak_gathered": state.memory["peak_gathered_bytes"],
+            "unit_bytes": max(u.gathered_bytes for u in state.units if not u.is_root)}
 
 
 def unused_parameter(strategy: str) -> dict:

@@ -65,7 +65,7 @@ def test_default_units_are_the_layers_the_module_list_with_most_parameters():
 
 def test_a_healthy_model_passes_and_the_json_has_every_field(tmp_path):
     path, plot = tmp_path / "check.json", tmp_path / "check.png"
-    report = mfsdp.check(f"{FAULTS}:tiny", nproc=2, steps=2, layouts=["no_shard"],
+    report = mfsdp.check.check(f"{FAULTS}:tiny", nproc=2, steps=2, layouts=["no_shard"],
                          json_path=str(path), plot_path=str(plot), **_quiet())
     assert report.passed, report.table()
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -79,7 +79,7 @@ def test_a_healthy_model_passes_and_the_json_has_every_field(tmp_path):
 
 
 def test_a_gradient_scaled_on_one_rank_is_named():
-    report = mfsdp.check(f"{FAULTS}:grad_scaled_on_one_rank", steps=2,
+    report = mfsdp.check.check(f"{FAULTS}:grad_scaled_on_one_rank", steps=2,
                          layouts=["optim_grads"], **_quiet())
     (r,) = report.layouts
     assert not r.passed and r.name == "optim_grads"
@@ -92,7 +92,7 @@ def test_a_gradient_scaled_on_one_rank_is_named():
 def test_an_update_scaled_by_the_data_parallel_size_shows_in_the_update_ratio(optimizer, ratio):
     """With SGD the update is half the reference's at 2 ranks (upstream #5974's class); AdamW
     normalises the scale away on the first step, which is why the doctor defaults to SGD."""
-    report = mfsdp.check(f"{FAULTS}:loss_averaged_twice", steps=2, optimizer=optimizer,
+    report = mfsdp.check.check(f"{FAULTS}:loss_averaged_twice", steps=2, optimizer=optimizer,
                          layouts=["optim_grads_params"], **_quiet())
     (r,) = report.layouts
     first = r.steps[0]  # from the same weights: exactly half (later steps start elsewhere)
@@ -107,7 +107,7 @@ def test_an_update_scaled_by_the_data_parallel_size_shows_in_the_update_ratio(op
 
 @pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_a_parameter_left_out_of_the_optimizer_is_named():
-    report = mfsdp.check(f"{FAULTS}:tiny", steps=2, layouts=["optim"],
+    report = mfsdp.check.check(f"{FAULTS}:tiny", steps=2, layouts=["optim"],
                          optimizer_factory=f"{FAULTS}:optimizer_without_final_norm", **_quiet())
     (r,) = report.layouts
     assert not r.passed
@@ -118,7 +118,7 @@ def test_a_parameter_left_out_of_the_optimizer_is_named():
 
 @pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_a_fused_parent_bypassing_its_units_is_named():
-    broken = mfsdp.check(f"{FAULTS}:fused_experts", steps=2, layouts=["optim_grads_params"],
+    broken = mfsdp.check.check(f"{FAULTS}:fused_experts", steps=2, layouts=["optim_grads_params"],
                          units=["Expert"], **_quiet())
     (r,) = broken.layouts
     assert not r.passed and r.error is not None and not r.steps
@@ -129,7 +129,7 @@ def test_a_fused_parent_bypassing_its_units_is_named():
 
 @pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_recursive_gather_fixes_the_fused_parent():
-    fixed = mfsdp.check(f"{FAULTS}:fused_experts", steps=2, layouts=["optim_grads_params"],
+    fixed = mfsdp.check.check(f"{FAULTS}:fused_experts", steps=2, layouts=["optim_grads_params"],
                         units=["Expert"], recursive_gather=["FusedMoE"], **_quiet())
     assert fixed.passed, fixed.table()
 
@@ -138,7 +138,7 @@ def test_recursive_gather_fixes_the_fused_parent():
 def test_the_resume_layout_passes_when_the_optimizer_state_is_resharded():
     """The resume layout saves after step 2 under optim_grads_params and loads into optim: the
     AdamW moments are resharded, and steps 3 and 4 match the reference."""
-    good = mfsdp.check(f"{FAULTS}:tiny", steps=4, optimizer="adamw", layouts=["resume"],
+    good = mfsdp.check.check(f"{FAULTS}:tiny", steps=4, optimizer="adamw", layouts=["resume"],
                        **_quiet())
     assert good.passed, good.table()
 
@@ -146,7 +146,7 @@ def test_the_resume_layout_passes_when_the_optimizer_state_is_resharded():
 @pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_optimizer_state_lost_on_resume_is_named():
     """A resume that loads the weights only restarts AdamW's moments after step 2."""
-    bad = mfsdp.check(f"{FAULTS}:tiny", steps=4, optimizer="adamw", layouts=["resume"],
+    bad = mfsdp.check.check(f"{FAULTS}:tiny", steps=4, optimizer="adamw", layouts=["resume"],
                       resume_fn=f"{FAULTS}:load_weights_only", **_quiet())
     (r,) = bad.layouts
     assert not r.passed and r.reason.startswith("step 3: update-norm ratio")
@@ -157,7 +157,7 @@ def test_optimizer_state_lost_on_resume_is_named():
 @pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_a_bf16_reduction_that_loses_the_gradient_is_named():
     """Per-rank gradients that cancel: exact in fp32, lost when rounded to bf16 before the sum."""
-    report = mfsdp.check(f"{FAULTS}:cancelling_gradients", steps=1,
+    report = mfsdp.check.check(f"{FAULTS}:cancelling_gradients", steps=1,
                          layouts=["optim_grads_params", "bf16_comm"], **_quiet())
     fp32, bf16 = report.layouts
     assert fp32.passed and fp32.steps[0].worst_param_error < 1e-4, fp32.reason
@@ -232,13 +232,13 @@ def test_cli_bad_input_is_one_line_with_status_2(capsys, args, message):
 
 @pytest.mark.extended  # `make test`'s budget; CI runs it
 def test_hsdp_and_hfsdp_on_four_ranks_pass():
-    report = mfsdp.check(f"{FAULTS}:tiny", nproc=4, steps=2, layouts=["hsdp", "hfsdp"], **_quiet())
+    report = mfsdp.check.check(f"{FAULTS}:tiny", nproc=4, steps=2, layouts=["hsdp", "hfsdp"], **_quiet())
     assert report.passed, report.table()
 
 
 @pytest.mark.extended
 def test_a_trainer_preset_passes_every_layout_at_two_ranks():
-    report = mfsdp.check("llama-tiny", nproc=2, steps=2, **_quiet())
+    report = mfsdp.check.check("llama-tiny", nproc=2, steps=2, **_quiet())
     assert report.passed, report.table()
     assert report.units == ["TransformerLayer"] and report.skipped == ["hsdp", "hfsdp", "ep"]
     assert {"tp", "tp_sp", "cp"} <= {r.name for r in report.layouts}
@@ -251,7 +251,7 @@ def test_a_transformers_llama_passes_every_layout_at_two_ranks(tmp_path):
     LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=64).save_pretrained(tmp_path)
-    report = mfsdp.check(str(tmp_path), nproc=2, steps=2, **_quiet())
+    report = mfsdp.check.check(str(tmp_path), nproc=2, steps=2, **_quiet())
     assert report.passed, report.table()
     assert report.units == ["LlamaDecoderLayer"]
 
@@ -269,7 +269,7 @@ def test_transformers_llama_and_qwen2_moe_pass_at_four_ranks(tmp_path):
                    num_experts=4, num_experts_per_tok=2,
                    max_position_embeddings=64).save_pretrained(tmp_path / "qwen2_moe")
     for name in ("llama", "qwen2_moe"):
-        report = mfsdp.check(str(tmp_path / name), nproc=4, steps=2, **_quiet())
+        report = mfsdp.check.check(str(tmp_path / name), nproc=4, steps=2, **_quiet())
         assert report.passed, report.table()
         assert {"hsdp", "hfsdp"} <= {r.name for r in report.layouts}
 
@@ -283,7 +283,7 @@ def test_a_transformers_qwen2_moe_passes(tmp_path):
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    num_experts=4, num_experts_per_tok=2,
                    max_position_embeddings=64).save_pretrained(tmp_path)
-    report = mfsdp.check(str(tmp_path), nproc=2, steps=2,
+    report = mfsdp.check.check(str(tmp_path), nproc=2, steps=2,
                          layouts=["no_shard", "optim_grads_params", "bf16", "ep"], **_quiet())
     assert report.passed, report.table()
     # mfsdp's expert parallelism splits its own MoE layers: skipped, with the reason

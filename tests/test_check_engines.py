@@ -69,7 +69,7 @@ def test_mfsdp_imports_and_refuses_the_upstream_engine_without_megatron_fsdp():
         from mfsdp.check.engines import get_engine
         print(get_engine("megatron_fsdp").missing())
         try:
-            mfsdp.check("mfsdp.check.faults:tiny", engine="megatron_fsdp", progress=None)
+            mfsdp.check.check("mfsdp.check.faults:tiny", engine="megatron_fsdp", progress=None)
         except ValueError as exc:
             print("refused:", exc)
     """)
@@ -139,7 +139,7 @@ def test_the_cli_imports_model_from_the_current_directory(tmp_path):
 @pytest.mark.extended  # 2 layouts at 2 ranks (every cell: the compatibility page's engines table)
 def test_fsdp2_passes_the_healthy_model_on_its_layouts(tmp_path):
     path = tmp_path / "check.json"
-    report = mfsdp.check(f"{FAULTS}:tiny", steps=2, engine="fsdp2", json_path=str(path),
+    report = mfsdp.check.check(f"{FAULTS}:tiny", steps=2, engine="fsdp2", json_path=str(path),
                          layouts=["no_shard", "optim_grads_params", "bf16"], **_quiet())
     assert report.passed, report.table()
     assert [r.name for r in report.layouts] == ["optim_grads_params", "bf16"]
@@ -154,12 +154,12 @@ def test_fsdp2_passes_the_healthy_model_on_its_layouts(tmp_path):
 
 @pytest.mark.extended
 def test_fsdp2_fails_the_loss_averaged_twice_and_a_parameter_left_out():
-    twice = mfsdp.check(f"{FAULTS}:loss_averaged_twice", steps=2, engine="fsdp2",
+    twice = mfsdp.check.check(f"{FAULTS}:loss_averaged_twice", steps=2, engine="fsdp2",
                         layouts=["optim_grads_params"], **_quiet())
     (r,) = twice.layouts
     assert not r.passed and r.reason.startswith("step 1: gradient-norm ratio 0.5000")
     assert abs(r.steps[0].update_norm_ratio - 0.5) < 1e-4
-    left_out = mfsdp.check(f"{FAULTS}:tiny", steps=2, engine="fsdp2", layouts=["optim_grads"],
+    left_out = mfsdp.check.check(f"{FAULTS}:tiny", steps=2, engine="fsdp2", layouts=["optim_grads"],
                            optimizer_factory=f"{FAULTS}:optimizer_without_final_norm",
                            **_quiet())
     (r,) = left_out.layouts
@@ -173,7 +173,7 @@ def test_fsdp2_fails_the_loss_averaged_twice_and_a_parameter_left_out():
 @needs_upstream
 @pytest.mark.extended  # 2 layouts at 2 ranks (every cell: the compatibility page's engines table)
 def test_upstream_passes_the_healthy_model_with_sgd_and_names_what_it_replaced():
-    report = mfsdp.check(f"{FAULTS}:tiny", steps=2, engine="megatron_fsdp",
+    report = mfsdp.check.check(f"{FAULTS}:tiny", steps=2, engine="megatron_fsdp",
                          layouts=["optim", "bf16_comm"], **_quiet())
     assert report.passed, report.table()
     for r in report.layouts[:1]:
@@ -192,14 +192,14 @@ def test_upstream_0_6_1_adamw_under_update_is_flagged_and_the_workaround_passes(
     """NVIDIA/Megatron-LM#5974: the synthetic first step of ``fully_shard_optimizer`` leaves
     AdamW's step count at 1. ZeRO-3, 2 ranks, 3 steps of a small attention model."""
     kw = dict(steps=3, engine="megatron_fsdp", layouts=["optim_grads_params"], **_quiet())
-    bug = mfsdp.check(f"{FAULTS}:attention", optimizer="adamw", **kw)
+    bug = mfsdp.check.check(f"{FAULTS}:attention", optimizer="adamw", **kw)
     (r,) = bug.layouts
     assert not r.passed and r.reason.startswith("step 1: update-norm ratio")
     assert 0.6 < r.steps[0].update_norm_ratio < 0.85  # 1 / 1.34: step 2's bias correction
     assert all(abs(s.grad_norm_ratio - 1) < 1e-3 for s in r.steps)  # the gradients agree
-    fixed = mfsdp.check(f"{FAULTS}:attention", optimizer="adamw", after_shard=RESET, **kw)
+    fixed = mfsdp.check.check(f"{FAULTS}:attention", optimizer="adamw", after_shard=RESET, **kw)
     assert fixed.passed, fixed.table()
-    sgd = mfsdp.check(f"{FAULTS}:attention", optimizer="sgd", **kw)
+    sgd = mfsdp.check.check(f"{FAULTS}:attention", optimizer="sgd", **kw)
     assert sgd.passed, sgd.table()
     assert max(s.worst_param_error for s in sgd.layouts[0].steps) < 1e-4
 
@@ -207,11 +207,11 @@ def test_upstream_0_6_1_adamw_under_update_is_flagged_and_the_workaround_passes(
 @needs_upstream
 @pytest.mark.extended
 def test_upstream_fails_the_loss_averaged_twice_and_a_parameter_left_out():
-    twice = mfsdp.check(f"{FAULTS}:loss_averaged_twice", steps=2, engine="megatron_fsdp",
+    twice = mfsdp.check.check(f"{FAULTS}:loss_averaged_twice", steps=2, engine="megatron_fsdp",
                         layouts=["optim_grads_params"], **_quiet())
     (r,) = twice.layouts
     assert not r.passed and r.reason.startswith("step 1: gradient-norm ratio 0.5000")
-    left_out = mfsdp.check(f"{FAULTS}:tiny", steps=2, engine="megatron_fsdp",
+    left_out = mfsdp.check.check(f"{FAULTS}:tiny", steps=2, engine="megatron_fsdp",
                            layouts=["optim"],
                            optimizer_factory=f"{FAULTS}:optimizer_without_final_norm",
                            **_quiet())
@@ -226,7 +226,7 @@ def test_upstream_fails_the_loss_averaged_twice_and_a_parameter_left_out():
 @pytest.mark.extended
 def test_attention_key_bias_is_noise_under_adamw_and_a_real_fault_on_it_fails(tmp_path):
     path = tmp_path / "check.json"
-    good = mfsdp.check(f"{FAULTS}:attention", steps=3, optimizer="adamw",
+    good = mfsdp.check.check(f"{FAULTS}:attention", steps=3, optimizer="adamw",
                        layouts=["optim_grads_params"], json_path=str(path), **_quiet())
     assert good.passed, good.table()
     (r,) = json.loads(path.read_text())["layouts"]
@@ -236,7 +236,7 @@ def test_attention_key_bias_is_noise_under_adamw_and_a_real_fault_on_it_fails(tm
         assert nd["elements"] == 32 and nd["size"] == 96
         assert nd["max_reference_grad"] <= nd["floor"] and not math.isnan(nd["error"])
     assert "noise-dominated, not judged: blocks.0.attn.in_proj_bias (32 of 96" in good.table()
-    bad = mfsdp.check(f"{FAULTS}:key_bias_pushed_on_one_rank", steps=3, optimizer="adamw",
+    bad = mfsdp.check.check(f"{FAULTS}:key_bias_pushed_on_one_rank", steps=3, optimizer="adamw",
                       layouts=["optim_grads_params"], **_quiet())
     (r,) = bad.layouts
     assert not r.passed and "blocks.0.attn.in_proj_bias" in r.reason, bad.table()

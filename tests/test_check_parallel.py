@@ -68,7 +68,7 @@ def test_a_skipped_layout_says_which_rank_counts_it_runs_on():
 
 def test_a_skipped_layout_is_reported_with_its_reason_and_passes(tmp_path, capsys):
     """The toy model has no TP plan: tp is skipped (not failed), nothing is launched."""
-    report = mfsdp.check(f"{FAULTS}:tiny", nproc=2, steps=1, layouts=["tp", "ep"],
+    report = mfsdp.check.check(f"{FAULTS}:tiny", nproc=2, steps=1, layouts=["tp", "ep"],
                          progress=None, json_path=str(tmp_path / "r.json"))
     assert report.passed and not report.layouts
     assert report.skipped == ["tp", "ep"]
@@ -80,7 +80,7 @@ def test_a_skipped_layout_is_reported_with_its_reason_and_passes(tmp_path, capsy
 
 
 def _passes(model: str, nproc: int, layouts: list[str]):
-    report = mfsdp.check(model, nproc=nproc, steps=2, optimizer="sgd", layouts=layouts,
+    report = mfsdp.check.check(model, nproc=nproc, steps=2, optimizer="sgd", layouts=layouts,
                          progress=None)
     assert report.passed, report.table()
     assert [r.name for r in report.layouts] == layouts and not report.skipped
@@ -127,7 +127,7 @@ def test_the_moe_preset_passes_ep_at_four_ranks(monkeypatch, dispatcher):
 def test_a_trainer_preset_passes_every_layout_at_four_ranks(preset, skipped, left_out):
     start = time.perf_counter()
     layouts = [n for n in LAYOUTS if n not in left_out] if left_out else None
-    report = mfsdp.check(preset, nproc=4, steps=2, layouts=layouts, progress=None)
+    report = mfsdp.check.check(preset, nproc=4, steps=2, layouts=layouts, progress=None)
     assert report.passed, report.table()
     assert report.skipped == skipped
     assert {r.name for r in report.layouts} == set(LAYOUTS) - set(skipped) - set(left_out)

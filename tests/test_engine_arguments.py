@@ -217,13 +217,13 @@ def _hybrid(outer_strategy: str) -> dict:
     torch.manual_seed(0)
     ref = ToyModel()
     model = mfsdp.fully_shard_model(copy.deepcopy(ref), hybrid_fsdp_group=hybrid, **kwargs)
-    model.comm_log.clear()
+    model.fsdp_state().comms.log.clear()
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
     model(x).pow(2).mean().backward()
     model.finish_grad_sync()
-    flags = sorted({r["group"] for r in model.comm_log.records if r["op"] == "flags"})
+    flags = sorted({r["group"] for r in model.fsdp_state().comms.log.records if r["op"] == "flags"})
     out = {"flags_on": flags,
-           "main_group_is_given": all(sp.group is hybrid for sp in model.sharded_params)}
+           "main_group_is_given": all(sp.group is hybrid for sp in model.fsdp_state().sparams)}
     try:
         mfsdp.fully_shard_model(ToyModel(), hybrid_fsdp_group=mesh.get_group("dp_shard"), **kwargs)
         out["wrong_group"] = "no error"
@@ -250,10 +250,11 @@ def _bookkeeping() -> dict:
     m = mfsdp.fully_shard_model(ToyModel(), sync_model_each_microbatch=False)
     out["auto_sync"] = m.model_auto_sync
     m = mfsdp.fully_shard_model(ToyModel(), fsdp_group_ag=ag, expt_fsdp_group_ag=ag)
-    m.comm_log.clear()
+    m.fsdp_state().comms.log.clear()
     m(torch.randn(2, 32))
-    out["ag_groups"] = sorted({r["group"] for r in m.comm_log.records if r["op"] == "all_gather"})
-    out["expt_ag"] = m.state.comms.expt_ag.group is ag
+    out["ag_groups"] = sorted({r["group"] for r in m.fsdp_state().comms.log.records
+                               if r["op"] == "all_gather"})
+    out["expt_ag"] = m.fsdp_state().comms.expt_ag.group is ag
     for preproc in (True, False):  # False: the sharded parameters themselves, as upstream
         m = mfsdp.fully_shard_model(ToyModel(), preproc_state_dict_for_dcp_ckpt=preproc)
         params = {id(p) for p in m.parameters()}
@@ -261,7 +262,7 @@ def _bookkeeping() -> dict:
                                                   for v in m.state_dict(keep_vars=True).values())
     m = mfsdp.fully_shard_model(ToyModel().to(torch.bfloat16), grad_reduce_in_fp32=True,
                                 preserve_fp32_weights=False)
-    out["dtypes"] = {(b.grad_dtype, b.main_dtype) for b in m.buckets}
+    out["dtypes"] = {(b.grad_dtype, b.main_dtype) for b in m.fsdp_state().buckets}
     return out
 
 

@@ -45,12 +45,12 @@ def _v1_precision_rank(strategies: list[str]) -> dict:
                                                 grad_comm_dtype=comm)
             with model.mixed_precision_context(policy):
                 seen.append((model.mp_policy.main_params_dtype, model.mp_policy.grad_comm_dtype,
-                             {b.comm_dtype for b in model.buckets}))
+                             {b.comm_dtype for b in model.fsdp_state().buckets}))
                 nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
             seen.append((model.mp_policy.main_params_dtype, model.mp_policy.grad_comm_dtype,
-                         {b.comm_dtype for b in model.buckets}))
+                         {b.comm_dtype for b in model.fsdp_state().buckets}))
         try:
             with model.mixed_precision_context(mfsdp.MixedPrecisionPolicy(
                     grad_comm_dtype=torch.bfloat16)):
@@ -58,7 +58,7 @@ def _v1_precision_rank(strategies: list[str]) -> dict:
         except KeyError:
             pass
         seen.append((model.mp_policy.main_params_dtype, model.mp_policy.grad_comm_dtype,
-                     {b.comm_dtype for b in model.buckets}))
+                     {b.comm_dtype for b in model.fsdp_state().buckets}))
         out[strategy] = (seen, {k: v.clone() for k, v in model.full_parameters().items()})
     return out
 
@@ -247,9 +247,10 @@ def _v2_case(case: dict) -> dict:
             mine = slice(2 * rank, 2 * rank + 2)
             with microbatch(context, is_last=m == micro - 1):
                 loss = nn.functional.mse_loss(model(x[mine]), y[mine]) / micro
-                model.engine.comm_log.clear()
+                model.engine.fsdp_state().comms.log.clear()
                 loss.backward()
-            out["outer"].append(sum(r["group"] == "dp_outer" for r in model.engine.comm_log.records))
+            log = model.engine.fsdp_state().comms.log
+            out["outer"].append(sum(r["group"] == "dp_outer" for r in log.records))
             nn.functional.mse_loss(ref(x), y).div(micro).backward()
         out["phases"].update(m.phase.name for m in model.modules() if isinstance(m, FsdpModule))
         opt.step()
@@ -315,11 +316,59 @@ def _v2_behaviours() -> dict:
     # bf16 weights, fp32 main weights: .grad is a cast copy of the bf16 accumulator, and
     # zero_grad(set_to_none=False) must still start the next step from zero
     out["bf16_zero_grad"] = [_bf16_training(mesh, stn) for stn in (True, False)]
+    out["orders"], out["unsharded_bytes"] = _orders_and_gathered_storage(mesh)
     # state_dict() hands out DTensors that know their uneven rows: full_tensor() is the weight
     out["state_dict"] = all(torch.equal(v.full_tensor(), model_param.full_tensor())
                             for (k, v), model_param in zip(model.state_dict().items(),
                                                            model.parameters()))
     return out
+
+
+def _orders_and_gathered_storage(mesh) -> tuple[dict, dict]:
+    """Upstream's ``context.forward_order`` (two roots in one context; a parent sharded after
+    its children) and the bytes its parameter group's ``_unsharded_model_weight`` holds during
+    forward, after forward and after backward (ZeRO-3: released outside compute; no_shard:
+    kept), with whether the gathered buffer held the full weights during forward."""
+    from mfsdp.experimental import fully_shard, fully_shard_context
+
+    orders = {}
+    two = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with fully_shard_context() as context:
+        fully_shard(two[0], mesh, _placements("zero3"))
+        fully_shard(two[1], mesh, _placements("zero3"))
+    orders["roots"] = ([m is two[i] for i, m in enumerate(context.forward_order)],
+                       two[0].is_root() and two[1].is_root(), two[1].context is context)
+    nested = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with fully_shard_context() as context:
+        fully_shard(nested[1], mesh, _placements("zero3"))
+        fully_shard(nested[0], mesh, _placements("zero3"))
+        fully_shard(nested, mesh, _placements("zero3"))
+    order = list(context.forward_order)
+    orders["nested"] = [m is want for m, want in zip(order, [nested, nested[0], nested[1]])]
+    orders["next"] = (context.forward_order.next_item(nested[0]) is nested[1],
+                      context.forward_order.next_item(nested[1]) is None)
+    sizes = {}
+    for layout in ("zero3", "no_shard"):
+        torch.manual_seed(3)
+        lin = nn.Linear(4, 4)
+        full = torch.cat([lin.weight.detach().reshape(-1), lin.bias.detach()])
+        with fully_shard_context():
+            fully_shard(lin, mesh, _placements(layout))
+        group = lin.parameter_groups[0]
+        seen = []
+
+        def during(module, args, output, group=group, full=full, seen=seen):
+            buffer = group._unsharded_model_weight.local_buffer
+            seen.append((buffer.untyped_storage().nbytes(),
+                         torch.equal(buffer[:full.numel()], full)))
+
+        lin.register_forward_hook(during, prepend=True)  # (before the engine releases)
+        loss = lin(torch.ones(2, 4)).sum()
+        after_forward = group._unsharded_model_weight.local_buffer.untyped_storage().nbytes()
+        loss.backward()
+        after_backward = group._unsharded_model_weight.local_buffer.untyped_storage().nbytes()
+        sizes[layout] = (seen[0], after_forward, after_backward)
+    return orders, sizes
 
 
 def _bf16_training(mesh, set_to_none: bool) -> list[torch.Tensor]:
@@ -403,6 +452,14 @@ def _check_v2(results: list, which: str) -> None:
         assert extra["to"] == (True, True)
         assert extra["divided"] == [[0.75], [0.75]]  # (1 + 2) / 2 ranks / grad_divisor 2
         assert extra["state_dict"]
+        # upstream's FsdpContext.forward_order: roots in the order sharded, each in module order
+        assert extra["orders"] == {"roots": ([True, True], True, True),
+                                   "nested": [True, True, True], "next": (True, True)}
+        # its group's _unsharded_model_weight: the gathered weights (20 floats) during forward;
+        # under ZeRO-3 released after forward (the root too, as upstream's) and after backward,
+        # kept under no_shard
+        assert extra["unsharded_bytes"] == {"zero3": ((80, True), 0, 0),
+                                            "no_shard": ((80, True), 80, 80)}
         to_none, zeroed = extra["bf16_zero_grad"]
         assert all(torch.equal(a, b) for a, b in zip(to_none, zeroed))
         assert [e.split(":")[0].split(";")[0] for e in extra["errors"]] == [
@@ -455,7 +512,7 @@ def _v2_snapshot(model, opt) -> dict:
     out = {}
     for n, p in model.named_parameters():
         out[f"w.{n}"] = p.full_tensor()
-        sp = model.engine.sharded_param(p)
+        sp = model.engine.fsdp_state().sharded_param(p)
         for k, v in opt.state.get(p, {}).items():
             # torch.optim's state of an uneven DTensor is a plain DTensor: gather its rows as
             # the parameter's

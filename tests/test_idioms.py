@@ -122,7 +122,7 @@ def idioms(strategy: str, ckpt_dir: str, outer: str | None = None) -> dict:
     # parameters' pieces start or end inside a row, and every idiom below must still hold.
     report["cut_inside_rows"] = sum(
         not sp.bucket.plan.params[sp.index].row_aligned(sp.bucket.main_index)
-        for sp in model.sharded_params)
+        for sp in model.fsdp_state().sparams)
     _assert_state(model, ref, "before the first step")
 
     for i in range(3):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp.launch import LaunchTimeout, RankError, launch
-from mfsdp.runtime import rank_info
+from mfsdp.examples.hello import rank_info
 
 
 def _rank_and_gather(scale):
@@ -127,7 +127,7 @@ def _wrap_train_and_drop(strategy: str) -> dict:
         model(torch.randn(4, 16)).sum().backward()
         opt.step()
     refs = [weakref.ref(model), weakref.ref(opt)] + [weakref.ref(c) for c in (
-        model.comm, model.ag_comm)]
+        model.fsdp_state().comms.dp, model.fsdp_state().comms.dp_ag)]
     del model, opt
     gc.collect()
     return {"alive": [r() is not None for r in refs]}

@@ -165,7 +165,7 @@ def _agree(cells: dict[tuple[str, str, str], str]) -> None:
     verdict and worst parameter error; and the same as the page's cached data, when the build
     has measured it for this source."""
     matrix = _cells(measure_matrix(TINY, steps=2, cells=list(cells)))
-    report = mfsdp.check(TINY, nproc=4, steps=2, optimizer="sgd", lr=0.1,
+    report = mfsdp.check.check(TINY, nproc=4, steps=2, optimizer="sgd", lr=0.1,
                          layouts=list(cells.values()), progress=None)
     by_name = {r.name: r for r in report.layouts}
     for combo, name in cells.items():

@@ -70,7 +70,7 @@ def _agree(cells: dict[tuple[str, str], str]) -> dict:
     measured = _cells(data)
     for combo, name in cells.items():
         model = "deepseek-proxy" if name == "ep" else "llama-tiny"
-        report = mfsdp.check(model, nproc=4, steps=2, optimizer="sgd", lr=0.1, layouts=[name],
+        report = mfsdp.check.check(model, nproc=4, steps=2, optimizer="sgd", lr=0.1, layouts=[name],
                              progress=None)
         (result,) = report.layouts
         cell = measured[combo]

@@ -143,7 +143,7 @@ def tp_state_bytes(strategy: str) -> int:
     ids = torch.randint(0, _HF_LLAMA["vocab_size"], (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
-    return sum(model.memory_by_kind().values()) + opt.local_state_bytes()
+    return sum(model.fsdp_state().memory_by_kind().values()) + opt.local_state_bytes()
 
 
 _HF_LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

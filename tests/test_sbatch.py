@@ -15,7 +15,8 @@ import subprocess
 import pytest
 from conftest import ROOT, skip_or_fail
 
-from mfsdp import sbatch, train
+from mfsdp import train
+from mfsdp.tools import sbatch
 from mfsdp.checkpoint import convert
 
 SCRIPTS = ROOT / "example-scripts"

@@ -195,14 +195,14 @@ def save_at_dp2_tp2(path: str) -> dict:
     full = model.full_parameters()
     state = {}
     for n, p in model.module.named_parameters():
-        st = opt.optimizer.state.get(model.sharded_param(p).local, {})
+        st = opt.optimizer.state.get(model.fsdp_state().sharded_param(p).local, {})
         state[n] = {k: _full_of(model, p, v) for k, v in st.items() if torch.is_tensor(v)
                     and v.dim() > 0}
     return {"params": full, "state": state}
 
 
 def _full_of(model, p, local):
-    sp = model.sharded_param(p)
+    sp = model.fsdp_state().sharded_param(p)
     return sp.wrap(local).full_tensor()
 
 
@@ -222,7 +222,7 @@ def load_at(path: str, shape: tuple, strategy: str) -> dict:
     it = load_checkpoint(path, model, opt)["iteration"]
     state = {}
     for n, p in model.module.named_parameters():
-        st = opt.optimizer.state.get(model.sharded_param(p).local, {})
+        st = opt.optimizer.state.get(model.fsdp_state().sharded_param(p).local, {})
         state[n] = {k: _full_of(model, p, v) for k, v in st.items() if torch.is_tensor(v)
                     and v.dim() > 0}
     return {"iteration": it, "params": model.full_parameters(), "state": state}

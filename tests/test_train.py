@@ -404,7 +404,7 @@ def test_flags_the_guide_names_exist():
                 for sub in action.choices.values():
                     collect(sub)
     collect(build_parser())
-    from mfsdp import sbatch
+    from mfsdp.tools import sbatch
     collect(sbatch.build_parser())
     external = {  # flags of other programs the guide shows, by program
         "torchrun": {"--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint",

@@ -110,7 +110,7 @@ def flattened_mesh() -> float:
     ref = _net()
     model = mfsdp.fully_shard_model(copy.deepcopy(ref), device_mesh=mesh,
                                     dp_shard_dim="dp_shard_cp", fsdp_unit_modules=[Block])
-    assert model.comm.size == 4
+    assert model.fsdp_state().comms.dp.size == 4
     opt = mfsdp.fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     return _train(model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.1))
 
@@ -189,11 +189,11 @@ def buffers_and_maxpool(strategy: str) -> dict:
     view = model.param_and_grad_buffer
     groups = view.parameter_groups
     out = {
-        "n_groups": len(groups), "n_buckets": len(model.buckets),
+        "n_groups": len(groups), "n_buckets": len(model.fsdp_state().buckets),
         "model": {g.model_weight_buffer.data.dtype for g in groups},
         "main": {g.main_weight_buffer.data.dtype for g in groups if g.main_weight_buffer},
         "grads": {g.main_grad_buffer.data.dtype for g in groups},
-        "pool": model.pool is not None,
+        "pool": model.fsdp_state().pool is not None,
     }
     # the grad view is the live gradient shard: after a backward it holds the reduced gradient
     opt = mfsdp.fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))

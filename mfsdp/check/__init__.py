@@ -9,7 +9,7 @@ tolerances of ``mfsdp.check.layouts.TOLERANCES``::
 
     mfsdp check llama-tiny --nproc 2 --steps 3 --optimizer sgd --json check.json --plot check.png
 
-or, from Python, ``mfsdp.check("llama-tiny", nproc=2, steps=3)``. ``--engine fsdp2`` or
+or, from Python, ``mfsdp.check.check("llama-tiny", nproc=2, steps=3)``. ``--engine fsdp2`` or
 ``--engine megatron_fsdp`` (``engine=``) runs the sharded side with PyTorch FSDP2 or upstream
 Megatron-FSDP instead of mfsdp (:mod:`mfsdp.check.engines`). The guide page is
 ``docs/check.md``; the fault models it is tested on are in ``mfsdp.check.faults``.
@@ -17,9 +17,7 @@ Megatron-FSDP instead of mfsdp (:mod:`mfsdp.check.engines`). The guide page is
 
 from __future__ import annotations
 
-import sys
 import time
-import types
 from typing import Any, Callable
 
 from mfsdp.check.layouts import LAYOUTS, TOLERANCES, ranks_reason, select_layouts
@@ -179,8 +177,8 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
                      f"({result.seconds:.1f} s)")
     report = CheckReport(model=model if isinstance(model, str) else _qualname(model),
                          engine=engine, engine_version=version, replacements=replaced,
-                         nproc=nproc, steps=steps, optimizer=optimizer, lr=s["lr"],
-                         units=s["units"], layouts=results, skipped=skipped,
+                         nproc=nproc, steps=steps, optimizer=optimizer, lr=s.lr,
+                         units=s.units, layouts=results, skipped=skipped,
                          skip_reasons=skip_reasons,
                          bypassed_units=bypassed, recursive_gather=list(recursive_gather or []))
     if json_path:
@@ -221,14 +219,3 @@ def _summary(r: LayoutResult) -> str:
 
 def _qualname(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-
-
-class _CallableModule(types.ModuleType):
-    """``mfsdp.check`` is this package and also the function :func:`check`: ``mfsdp.check(...)``
-    calls it, ``mfsdp.check.faults`` is still the submodule."""
-
-    def __call__(self, *args, **kwargs) -> CheckReport:
-        return check(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

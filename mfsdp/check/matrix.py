@@ -46,14 +46,18 @@ PRECISION_TITLES = {"fp32": "fp32", "bf16": "bf16 compute, fp32 main weights",
 NPROC = 4
 """Ranks per run: an outer dimension of 2 over a shard group of 2 (or a shard group of 4)."""
 
+_AXES = ("outer", "precision")  # the coordinates of a cell beside its strategy
+
 
 @dataclass
 class Cell:
-    """One combination and what happened to it."""
+    """One combination of a measured table and what happened to it: this matrix's (strategy,
+    outer, precision), the parallelism table's (strategy, parallel), the checkpoint table's
+    (strategy, route)."""
 
     strategy: str
-    outer: str
-    precision: str
+    axes: dict[str, str]
+    """The combination's other coordinates by name (``{"outer": "HSDP", "precision": "bf16"}``)."""
     status: str
     """``works`` (within tolerance at every step), ``fails`` (outside it, or a rank raised),
     ``refused`` (the API rejects the combination before building anything) or ``lacks`` (not
@@ -67,6 +71,18 @@ class Cell:
     """Largest ``|ratio - 1|`` of the gradient-norm and update-norm ratios at any step."""
     worst_loss_error: float | None = None
     """Largest ``|loss difference| / max(1, |reference loss|)`` at any step."""
+
+    @classmethod
+    def of(cls, combo: tuple[str, ...], names: tuple[str, ...], status: str,
+           message: str = "") -> Cell:
+        """The cell of ``combo`` (the strategy, then one value per name of ``names``)."""
+        return cls(combo[0], dict(zip(names, combo[1:], strict=True)), status, message)
+
+    def as_dict(self) -> dict:
+        """The JSON row: the strategy, the other coordinates, then the outcome."""
+        row = {"strategy": self.strategy, **self.axes}
+        row.update((k, v) for k, v in asdict(self).items() if k not in ("strategy", "axes"))
+        return row
 
 
 def combinations() -> list[tuple[str, str, str]]:
@@ -207,9 +223,9 @@ def measure_matrix(model: Any = "mfsdp.check.faults:tiny", *, steps: int = 2, lr
         lacks = adapter.refuses(layout_for(*combo))
         message = refusal(*combo) if engine == "mfsdp" else None
         if lacks is not None:
-            results[combo] = Cell(*combo, status="lacks", message=lacks)
+            results[combo] = Cell.of(combo, _AXES, "lacks", lacks)
         elif message is not None:
-            results[combo] = Cell(*combo, status="refused", message=message)
+            results[combo] = Cell.of(combo, _AXES, "refused", message)
         else:
             runnable.append(combo)
     layouts = [layout_for(*c) for c in runnable]
@@ -221,7 +237,7 @@ def measure_matrix(model: Any = "mfsdp.check.faults:tiny", *, steps: int = 2, lr
     for combo, layout, got in zip(runnable, layouts, ranks0):
         if layout.compute_dtype not in references:
             references[layout.compute_dtype] = run_reference(s, layout.compute_dtype)
-        cell = Cell(*combo, status="fails")
+        cell = Cell.of(combo, _AXES, "fails")
         if "refused" in got:  # the engine's fully_shard rejected it (its ValueError)
             cell.status, cell.message = "refused", got["refused"]
         else:
@@ -234,7 +250,7 @@ def measure_matrix(model: Any = "mfsdp.check.faults:tiny", *, steps: int = 2, lr
         "engine": engine, "engine_version": version, "replacements": replaced,
         "nproc": NPROC, "steps": steps, "optimizer": "sgd", "lr": lr, "seed": seed,
         "tolerances": {k: asdict(v) for k, v in TOLERANCES.items()},
-        "cells": [asdict(results[c]) for c in chosen],
+        "cells": [results[c].as_dict() for c in chosen],
         "launches": launches,
         "seconds": round(time.perf_counter() - wall, 1),
         "cpu_seconds": round(_cpu_seconds() - cpu, 1),

@@ -23,20 +23,21 @@ The conversions are the ``mfsdp convert`` command a user runs, in a process of i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from mfsdp.check.layouts import TOLERANCES, Layout
-from mfsdp.check.matrix import (NPROC, STRATEGIES, _cpu_seconds, _judge, print_measured,
+from mfsdp.check.matrix import (NPROC, STRATEGIES, Cell, _cpu_seconds, _judge, print_measured,
                                 render_by_strategy, run_layouts)
 
-__all__ = ["ROUTES", "RELOAD_AS", "MODEL", "OPTIMIZER", "CheckpointCell", "checkpoint_combinations",
+__all__ = ["ROUTES", "RELOAD_AS", "MODEL", "OPTIMIZER", "checkpoint_combinations",
            "round_trip", "measure_checkpoints", "render_checkpoint_table"]
 
 MODEL = "llama-tiny"
@@ -56,20 +57,6 @@ OPTIMIZER = {"reload as another strategy": "adamw", "torch_dist round trip": "sg
 (its moments must survive the reload), SGD (stateless) where only the weights make the trip."""
 
 
-@dataclass
-class CheckpointCell:
-    """One strategy x route and what happened to it (fields as :class:`mfsdp.check.matrix.Cell`)."""
-
-    strategy: str
-    route: str
-    status: str
-    """``works`` or ``fails`` (a step outside the tolerance, or an error on the way)."""
-    message: str = ""
-    worst_param_error: float | None = None
-    worst_ratio_error: float | None = None
-    worst_loss_error: float | None = None
-
-
 def checkpoint_combinations() -> list[tuple[str, str]]:
     """Every ``(strategy, route)`` of the table, in table order."""
     return [(s, r) for s in STRATEGIES for r in ROUTES]
@@ -79,14 +66,13 @@ def round_trip(path, model, optimizer, fmt: str, preset: str = MODEL) -> None:
     """A ``resume_fn`` for :func:`mfsdp.check.run.run_layout` (every rank calls it): rank 0
     converts the ``fsdp_dtensor`` checkpoint at ``path`` to ``fmt`` and back with ``mfsdp
     convert`` (in a process of its own), then every rank loads the weights of the result."""
-    import torch.distributed as dist
-
     from mfsdp.checkpoint import load_checkpoint
+    from mfsdp.checkpoint.dcp import on_rank_zero
 
     path = Path(path)
     there, back = path.parent / f"as-{fmt}", path.parent / f"back-from-{fmt}"
-    failed = [None]
-    if dist.get_rank() == 0:
+
+    def convert_there_and_back() -> None:
         env = {k: v for k, v in os.environ.items()  # a single-process conversion
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
         for src, dst, a, b in ((path, there, "fsdp_dtensor", fmt), (there, back, fmt,
@@ -97,12 +83,13 @@ def round_trip(path, model, optimizer, fmt: str, preset: str = MODEL) -> None:
                  "--model-preset", preset, "--no-progress", *weights_only, str(src), str(dst)],
                 env=env, capture_output=True, text=True)
             if done.returncode != 0:
-                failed[0] = (f"mfsdp convert --from {a} --to {b} exited {done.returncode}: "
-                             + (done.stderr.strip().splitlines() or ["(no output)"])[-1])
-                break
-    dist.broadcast_object_list(failed, src=0)
-    if failed[0]:
-        raise RuntimeError(failed[0])
+                raise RuntimeError(
+                    f"mfsdp convert --from {a} --to {b} exited {done.returncode}: "
+                    + (done.stderr.strip().splitlines() or ["(no output)"])[-1])
+
+    failed = on_rank_zero(convert_there_and_back, describe=str)
+    if failed:
+        raise RuntimeError(failed)
     load_checkpoint(back, model, None)
 
 
@@ -135,25 +122,25 @@ def measure_checkpoints(*, lr: float = 0.1, cells: Iterable[tuple[str, str]] | N
         raise ValueError(f"cells={unknown[0]!r} is not a combination of the table; give "
                          f"(strategy, route) from {STRATEGIES}, {ROUTES}")
     units = [c.__name__ for c in resolve_units(build_model(model, seed), None)]
-    base = dict(model=model, lr=lr, steps=2, global_batch=2 * NPROC, seq_len=16,
-                seed=seed, units=units, optimizer_factory=None, recursive_gather=None)
-    references = {opt: run_reference(Settings(base, optimizer=opt, resume_fn=None))
+    base = Settings(model=model, optimizer="sgd", lr=lr, steps=2, global_batch=2 * NPROC,
+                    seq_len=16, seed=seed, units=units)
+    references = {opt: run_reference(dataclasses.replace(base, optimizer=opt))
                   for opt in sorted({OPTIMIZER[r] for _, r in chosen})}
-    results: dict[tuple, CheckpointCell] = {}
+    results: dict[tuple, Cell] = {}
     launches = 0
     for route in ROUTES:
         combos = [c for c in chosen if c[1] == route]
         if not combos:
             continue
         fmt = _FORMAT.get(route)
-        s = Settings(base, optimizer=OPTIMIZER[route],
-                     resume_fn=functools.partial(_importable_round_trip(), fmt=fmt,
-                                                 preset=model) if fmt else None)
+        s = dataclasses.replace(base, optimizer=OPTIMIZER[route],
+                                resume_fn=functools.partial(_importable_round_trip(), fmt=fmt,
+                                                            preset=model) if fmt else None)
         layouts = [_layout(*c) for c in combos]
         ranks0, n = run_layouts(s, layouts, timeout)
         launches += n
         for combo, layout, got in zip(combos, layouts, ranks0):
-            cell = CheckpointCell(*combo, status="fails")
+            cell = Cell.of(combo, ("route",), "fails")
             _judge(cell, layout, references[OPTIMIZER[route]], got)
             results[combo] = cell
             if progress is not None:
@@ -162,7 +149,7 @@ def measure_checkpoints(*, lr: float = 0.1, cells: Iterable[tuple[str, str]] | N
         "model": model, "nproc": NPROC, "steps": 2, "optimizers": OPTIMIZER, "lr": lr,
         "seed": seed,
         "reload_as": RELOAD_AS, "tolerances": {k: asdict(v) for k, v in TOLERANCES.items()},
-        "cells": [asdict(results[c]) for c in chosen], "launches": launches,
+        "cells": [results[c].as_dict() for c in chosen], "launches": launches,
         "seconds": round(time.perf_counter() - wall, 1),
         "cpu_seconds": round(_cpu_seconds() - cpu, 1),
     }

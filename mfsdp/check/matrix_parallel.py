@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Callable, Iterable
 
 from mfsdp.check.layouts import TOLERANCES, Layout
-from mfsdp.check.matrix import (NPROC, STRATEGIES, _cpu_seconds, _judge, print_measured,
+from mfsdp.check.matrix import (NPROC, STRATEGIES, Cell, _cpu_seconds, _judge, print_measured,
                                 render_by_strategy, run_layouts)
 
-__all__ = ["PARALLEL", "MODELS", "ParallelCell", "parallel_combinations", "parallel_layout",
+__all__ = ["PARALLEL", "MODELS", "parallel_combinations", "parallel_layout",
            "measure_parallel", "render_parallel_table"]
 
 PARALLEL: dict[str, dict[str, Any]] = {
@@ -36,21 +36,6 @@ PARALLEL: dict[str, dict[str, Any]] = {
 
 MODELS = {"dense": "llama-tiny", "moe": "deepseek-proxy"}
 """The model each column trains: the MoE preset for the EP columns, ``llama-tiny`` otherwise."""
-
-
-@dataclass
-class ParallelCell:
-    """One strategy x parallelism combination and what happened to it (fields as
-    :class:`mfsdp.check.matrix.Cell`)."""
-
-    strategy: str
-    parallel: str
-    status: str
-    """``works``, ``fails`` or ``refused`` (the API raised a ``ValueError`` while building)."""
-    message: str = ""
-    worst_param_error: float | None = None
-    worst_ratio_error: float | None = None
-    worst_loss_error: float | None = None
 
 
 def parallel_combinations() -> list[tuple[str, str]]:
@@ -92,7 +77,7 @@ def measure_parallel(*, steps: int = 2, lr: float = 0.1,
         raise ValueError(f"cells={unknown[0]!r} is not a combination of the table; give "
                          f"(strategy, parallel) from {STRATEGIES}, {tuple(PARALLEL)}")
     models = {**MODELS, **(models or {})}
-    results: dict[tuple, ParallelCell] = {}
+    results: dict[tuple, Cell] = {}
     launches = 0
     for kind, model in models.items():
         combos = [c for c in chosen if ("moe" if PARALLEL[c[1]].get("ep", 1) > 1 else "dense")
@@ -108,7 +93,7 @@ def measure_parallel(*, steps: int = 2, lr: float = 0.1,
         launches += n
         reference = run_reference(s)
         for combo, layout, got in zip(combos, layouts, ranks0):
-            cell = ParallelCell(*combo, status="fails")
+            cell = Cell.of(combo, ("parallel",), "fails")
             if got.get("refused"):
                 cell.status, cell.message = "refused", got["refused"]
             else:
@@ -119,7 +104,7 @@ def measure_parallel(*, steps: int = 2, lr: float = 0.1,
     return {
         "models": models, "nproc": NPROC, "steps": steps, "optimizer": "sgd", "lr": lr,
         "seed": seed, "tolerances": {k: asdict(v) for k, v in TOLERANCES.items()},
-        "cells": [asdict(results[c]) for c in chosen],
+        "cells": [results[c].as_dict() for c in chosen],
         "launches": launches,
         "seconds": round(time.perf_counter() - wall, 1),
         "cpu_seconds": round(_cpu_seconds() - cpu, 1),

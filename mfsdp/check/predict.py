@@ -42,7 +42,7 @@ def predict_bf16_reduction(settings: dict, tokens: torch.Tensor) -> dict[str, An
     error; other ranks return ``None``."""
     import torch.distributed as dist
 
-    model = build_model(settings["model"], settings["seed"])
+    model = build_model(settings.model, settings.seed)
     next_token_loss(model, tokens).backward()
     named = [(n, p.grad) for n, p in model.named_parameters()
              if p.requires_grad and p.grad is not None]

@@ -7,6 +7,7 @@ main weights after the optimizer step; :mod:`mfsdp.check.report` compares them.
 from __future__ import annotations
 
 import resource
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -15,17 +16,42 @@ from torch import nn
 from mfsdp.check.layouts import Layout
 from mfsdp.check.models import (build_model, load_callable, make_batches, next_token_loss,
                                 resolve_units, vocab_size)
+from mfsdp.config import dtype_named
 
 __all__ = ["Settings", "make_optimizer", "mixed_precision_policy", "run_reference", "run_layout"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
 
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What the reference and the sharded side must agree on (it pickles to the ranks); a
+    changed copy is ``dataclasses.replace(settings, ...)``."""
 
-class Settings(dict):
-    """What both sides must agree on (a plain dict, so it pickles to the ranks): ``model``,
-    ``optimizer``, ``lr``, ``steps``, ``global_batch``, ``seq_len``, ``seed``, ``units``,
-    ``optimizer_factory``, ``recursive_gather``, ``resume_fn``, ``engine`` (default
-    ``mfsdp``), ``after_shard`` (default ``None``)."""
+    model: Any
+    """The model: a preset name, a Hugging Face directory, or ``package.module:factory``."""
+    optimizer: str
+    """``sgd`` or ``adamw`` (the reference's; see :func:`make_optimizer`)."""
+    lr: float
+    """The learning rate of both sides."""
+    steps: int
+    """Optimizer steps per layout."""
+    global_batch: int
+    """Sequences per step, split over the ranks."""
+    seq_len: int
+    """Tokens per sequence."""
+    seed: int
+    """The seed of the model's initial weights and of the batches."""
+    units: list[str]
+    """The FSDP unit classes, by name."""
+    optimizer_factory: Any = None
+    """``fn(model, lr)`` or its ``package.module:function`` name, instead of ``optimizer``."""
+    recursive_gather: Any = None
+    """Module classes whose forward bypasses their children's (fused kernels)."""
+    resume_fn: Callable | None = None
+    """``fn(path, model, optimizer)`` loading a resumed layout's checkpoint (default: mfsdp's)."""
+    engine: str = "mfsdp"
+    """The engine under check: ``mfsdp``, ``fsdp2`` or ``megatron_fsdp``."""
+    after_shard: Any = None
+    """A hook run on the sharded model and optimizer right after sharding (a workaround)."""
 
 
 def make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
@@ -39,17 +65,17 @@ def make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
 
 
 def _user_optimizer(s: Settings, model: nn.Module) -> torch.optim.Optimizer:
-    factory = s["optimizer_factory"]
+    factory = s.optimizer_factory
     if factory is None:
-        return make_optimizer(s["optimizer"], [p for p in model.parameters() if p.requires_grad],
-                              s["lr"])
+        return make_optimizer(s.optimizer, [p for p in model.parameters() if p.requires_grad],
+                              s.lr)
     if isinstance(factory, str):
         factory = load_callable(factory, "--optimizer-factory")
-    return factory(model, s["lr"])
+    return factory(model, s.lr)
 
 
 def _batches(s: Settings, model: nn.Module) -> list[torch.Tensor]:
-    return make_batches(vocab_size(model), s["steps"], s["global_batch"], s["seq_len"], s["seed"])
+    return make_batches(vocab_size(model), s.steps, s.global_batch, s.seq_len, s.seed)
 
 
 def _grad_norm(params) -> float:
@@ -60,14 +86,14 @@ def _grad_norm(params) -> float:
 def run_reference(s: Settings, compute_dtype: str = "fp32") -> dict[str, Any]:
     """Train one process on the whole global batch: the model in ``compute_dtype``, fp32 main
     weights the optimizer steps on (as the sharded layouts keep them)."""
-    model = build_model(s["model"], s["seed"])
+    model = build_model(s.model, s.seed)
     batches = _batches(s, model)
-    dtype = _DTYPES[compute_dtype]
+    dtype = dtype_named(compute_dtype)
     model = model.to(dtype)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     work = [p for p in model.parameters() if p.requires_grad]
     main = [nn.Parameter(p.detach().float().clone()) for p in work]
-    opt = make_optimizer(s["optimizer"], main, s["lr"])
+    opt = make_optimizer(s.optimizer, main, s.lr)
     initial = {n: p.detach().clone() for n, p in zip(names, main)}
     losses, norms, params, grads = [], [], [], []
     for tokens in batches:
@@ -101,7 +127,7 @@ def mixed_precision_policy(layout: Layout):
     if layout.compute_dtype == "bf16":
         return MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                     main_grads_dtype=torch.float32)
-    return MixedPrecisionPolicy(grad_comm_dtype=_DTYPES[layout.grad_comm_dtype])
+    return MixedPrecisionPolicy(grad_comm_dtype=dtype_named(layout.grad_comm_dtype))
 
 
 def _sharded(s: Settings, layout: Layout, strategy: str):
@@ -114,9 +140,9 @@ def _sharded(s: Settings, layout: Layout, strategy: str):
     from mfsdp.fsdp.api import fully_shard
     from mfsdp.layout import ParallelLayout
 
-    model = build_model(s["model"], s["seed"])
-    units = resolve_units(model, s["units"])
-    recursive = resolve_units(model, s["recursive_gather"]) if s["recursive_gather"] else None
+    model = build_model(s.model, s.seed)
+    units = resolve_units(model, s.units)
+    recursive = resolve_units(model, s.recursive_gather) if s.recursive_gather else None
     if layout.compute_dtype == "bf16":
         model = model.to(torch.bfloat16)
     policy = mixed_precision_policy(layout)
@@ -124,7 +150,7 @@ def _sharded(s: Settings, layout: Layout, strategy: str):
     if layout.parallel:  # the trainer's groups, TP split and expert sharding
         from mfsdp.check.parallel import ParallelRun
 
-        par = ParallelRun(layout, model, dist.get_world_size(), s["global_batch"], s["seq_len"])
+        par = ParallelRun(layout, model, dist.get_world_size(), s.global_batch, s.seq_len)
         model = par.split(model)
         groups = par.groups
     else:
@@ -154,7 +180,7 @@ def _resume(s: Settings, layout: Layout, model, optimizer, step: int):
     try:
         path = save_checkpoint(where[0], model, optimizer, iteration=step)
         model, optimizer, _ = _sharded(s, layout, layout.resume_as)
-        load = s["resume_fn"] or load_checkpoint
+        load = s.resume_fn or load_checkpoint
         if isinstance(load, str):
             load = load_callable(load, "--resume-fn")
         load(path, model, optimizer)
@@ -167,11 +193,11 @@ def _resume(s: Settings, layout: Layout, model, optimizer, step: int):
 
 def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
     """Train this rank's slice of every step's global batch under ``layout`` with the engine
-    ``s["engine"]`` names (call inside a launched rank). Rank 0 returns the per-step losses,
+    ``s.engine`` names (call inside a launched rank). Rank 0 returns the per-step losses,
     gradient norms, full gradients and full main weights; every rank returns its peak memory."""
     from mfsdp.check.engines import get_engine
 
-    engine = get_engine(s.get("engine", "mfsdp"))
+    engine = get_engine(s.engine)
     with engine.running():
         return _train(s, layout, engine)
 
@@ -180,13 +206,13 @@ def _train(s: Settings, layout: Layout, engine) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    batches = _batches(s, build_model(s["model"], s["seed"]))
+    batches = _batches(s, build_model(s.model, s.seed))
     sh = engine.shard(s, layout, layout.strategy)
-    after = s.get("after_shard")
+    after = s.after_shard
     if after is not None:  # the user's script, right after fully_shard
         (load_callable(after, "--after-shard") if isinstance(after, str) else after)(
             sh.model, sh.optimizer)
-    local = s["global_batch"] // world
+    local = s.global_batch // world
     losses, norms, params, grads = [], [], [], []
 
     initial = engine.full_parameters(sh)

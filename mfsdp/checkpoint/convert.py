@@ -42,16 +42,13 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from mfsdp.checkpoint import formats
 from mfsdp.checkpoint.dcp import spread_over_ranks
 from mfsdp.checkpoint.formats import COMMON, checkpoint_format
 from mfsdp.checkpoint.manifest import describe_os_error, os_error_in, os_error_remedy
+from mfsdp.config import DTYPES
 
 __all__ = ["FORMATS", "build_parser", "run", "run_distributed", "main", "parse_size"]
-
-_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # --from/--to names: every registered format and its aliases (mfsdp/checkpoint/formats.py); read
@@ -97,7 +94,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--swiglu", action="store_true",
                         help="split (to safetensors) or join (from safetensors) fused gate/up "
                              "projection weights named *.fc1.*")
-    parser.add_argument("--dtype", choices=sorted(_DTYPE_NAMES),
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="cast weights when writing safetensors or hf (default: keep fp32)")
     parser.add_argument("--config", metavar="JSON",
                         help="(--to safetensors) model config merged into config.json")

@@ -201,11 +201,13 @@ def owned_keys(nbytes: dict[str, int]) -> set[str]:
 
 def on_rank_zero(work: Callable[[], object], *, cleanup: Callable[[], object] | None = None,
                  catch: type[BaseException] = Exception, keep_os_error: bool = False,
-                 rank: int | None = None, world: int | None = None) -> object:
+                 rank: int | None = None, world: int | None = None,
+                 describe: Callable[[BaseException], object] | None = None) -> object:
     """Rank 0 runs ``work()``, then every rank learns how it went (none waits at a barrier for a
     rank that raised): ``None``, or the error as ``"Type: message"`` (the ``OSError`` itself with
-    ``keep_os_error``, for the caller to word). ``cleanup()`` runs on rank 0 after a failure.
-    ``rank``/``world``: who takes part (default: the default process group, or one process)."""
+    ``keep_os_error``, for the caller to word; ``describe(exc)`` when given). ``cleanup()`` runs
+    on rank 0 after a failure. ``rank``/``world``: who takes part (default: the default process
+    group, or one process)."""
     if rank is None or world is None:
         import torch.distributed as dist
 
@@ -218,8 +220,10 @@ def on_rank_zero(work: Callable[[], object], *, cleanup: Callable[[], object] | 
         except catch as exc:  # noqa: BLE001 - every rank stops with the reason
             if cleanup is not None:
                 cleanup()
-            error[0] = (exc if keep_os_error and isinstance(exc, OSError)
-                        else f"{type(exc).__name__}: {exc}")
+            if keep_os_error and isinstance(exc, OSError):
+                error[0] = exc
+            else:
+                error[0] = describe(exc) if describe is not None else f"{type(exc).__name__}: {exc}"
     if world > 1:
         import torch.distributed as dist
 

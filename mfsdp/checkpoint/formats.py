@@ -262,10 +262,9 @@ def _progress(options) -> bool:
 
 
 def _dtype(options):
-    import torch
+    from mfsdp.config import DTYPES
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16,
-            "fp16": torch.float16}.get(getattr(options, "dtype", None))
+    return DTYPES.get(getattr(options, "dtype", None))
 
 
 def _megatron_lm_to_common(src: Path, out: Path, o) -> str:

@@ -57,10 +57,12 @@ def _describe(state: dict) -> dict[str, dict]:
 
 
 def _layout(model) -> dict:
-    outer = model.outer_comm.size if model.outer_comm is not None else 1
-    return {"world_size": dist.get_world_size(), "strategy": model.strategy.value,
-            "dp_outer": outer, "outer_sharded": model.state.comms.outer_sharded,
-            "ep": model.ep_comm.size if model.ep_comm is not None else 1}
+    state = model.fsdp_state()
+    comms = state.comms
+    return {"world_size": dist.get_world_size(), "strategy": state.strategy.value,
+            "dp_outer": comms.outer.size if comms.outer is not None else 1,
+            "outer_sharded": comms.outer_sharded,
+            "ep": comms.ep.size if comms.ep is not None else 1}
 
 
 def buffer_state(model) -> dict:
@@ -277,7 +279,7 @@ def load_fsdp_dtensor(path: str | os.PathLike, model, optimizer=None, verify: bo
                                   f"groups, the optimizer has {len(optimizer.param_groups)}")
         for group, saved in zip(optimizer.param_groups, groups):
             group.update(saved)
-    model.install_main_weights()
+    model.fsdp_state().install_main_weights()
     model.wait_param_sync()
     extra = pickle.loads(state["extra"])
     # This rank's own RNG state; rank 0's for ranks the writing job did not have (or for

@@ -9,8 +9,8 @@ Keys (the same in every layout, which is what makes resharding possible):
 * ``extra``: whatever the caller adds (iteration, data position, RNG state).
 
 ``<name>`` is the parameter's name in the unwrapped model; expert parameters use their *global*
-expert index (set with :meth:`FullyShardedModule.set_global_names`), so a checkpoint written with
-EP 2 can be read with EP 1.
+expert index (set with :meth:`mfsdp.fsdp.state.ShardingState.set_global_names`), so a
+checkpoint written with EP 2 can be read with EP 1.
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ def _where(model, bucket, i: int) -> tuple[str, tuple, int, object]:
     """(checkpoint name, global shape, first local element, TP spec or None) of parameter ``i``
     of ``bucket`` (under TP the first element counts in the parameter's TP block)."""
     sp = bucket.sparams[i]
-    return model.global_name(bucket.names[i]), (sp.global_shape or (1,)), sp.start, sp.tp
+    name = model.fsdp_state().global_name(bucket.names[i])
+    return name, (sp.global_shape or (1,)), sp.start, sp.tp
 
 
 def param_entries(model) -> list[tuple[str, torch.Tensor, tuple, int, object]]:
     """(checkpoint name, local main-weight piece, global shape, its first element, TP spec or
     None) per parameter."""
     out = []
-    for _, local, b, i in model.named_main_shards():
+    for _, local, b, i in model.fsdp_state().named_main_shards():
         name, shape, start, tp = _where(model, b, i)
         out.append((name, local, shape, start, tp))
     return out
@@ -46,7 +47,7 @@ def param_entries(model) -> list[tuple[str, torch.Tensor, tuple, int, object]]:
 
 def model_state(model) -> dict:
     """``model.<name>`` -> uneven DTensor over the main weights (reads and writes in place)."""
-    mesh = model.world_mesh
+    mesh = model.fsdp_state().world_mesh
     return {f"model.{name}": uneven_dtensor(local, mesh, shape, start, tp=tp)
             for name, local, shape, start, tp in param_entries(model)}
 
@@ -57,7 +58,7 @@ def optimizer_state(model, optimizer, template: dict[str, tuple] | None = None) 
     ``template`` (key -> (global shape, dtype), from a checkpoint's manifest) creates missing
     state so that a fresh optimizer can be loaded into.
     """
-    mesh = model.world_mesh
+    mesh = model.fsdp_state().world_mesh
     out = {}
     for main, bucket, i in optimizer.main_shards:
         name, shape, start, tp = _where(model, bucket, i)

@@ -51,7 +51,7 @@ def timeline(steps: int = 6, warmup: int = 2, dim: int = 256, hidden: int = 1024
             model, opt = v["model"], v["opt"]
             dist.barrier()
             # every collective of this model is logged with its times
-            model.comm_log.clear()
+            model.fsdp_state().comms.log.clear()
             t0 = time.perf_counter()
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -61,10 +61,10 @@ def timeline(steps: int = 6, warmup: int = 2, dim: int = 256, hidden: int = 1024
             t1 = time.perf_counter()
             if step >= warmup:
                 v["steps"].append(t1 - t0)
-                v["waits"].append(model.comm_log.wait_seconds())
+                v["waits"].append(model.fsdp_state().comms.log.wait_seconds())
                 v["timeline"] = [
                     (r["op"], r["group"], r["start"] - t0, r.get("end", t1) - t0)
-                    for r in model.comm_log.records if r["op"] != "flags"]
+                    for r in model.fsdp_state().comms.log.records if r["op"] != "flags"]
     return {name: {"step_s": statistics.median(v["steps"]),
                    "exposed_s": statistics.median(v["waits"]),
                    "step_spread_s": max(v["steps"]) - min(v["steps"]),

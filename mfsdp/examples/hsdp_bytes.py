@@ -35,17 +35,17 @@ def bytes_per_group(dp_outer: int = 1, outer_strategy: str = "no_shard", dim: in
                                    outer_dp_sharding_strategy=outer_strategy)
     x = torch.randn(16, dim, generator=torch.Generator().manual_seed(dist.get_rank()))
     for _ in range(2):
-        model.comm_log.clear()  # keep the last step's collectives only
+        model.fsdp_state().comms.log.clear()  # keep the last step's collectives only
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
         model.wait_param_sync()
     sent: dict[str, int] = {}
     # one record per collective: its group, the bytes it sent
-    for r in model.comm_log.records:
+    for r in model.fsdp_state().comms.log.records:
         if r["op"] != "flags":
             sent[r["group"]] = sent.get(r["group"], 0) + r["sent_bytes"]
-    held = model.memory_by_kind()
+    held = model.fsdp_state().memory_by_kind()
     return {"sent_bytes": sent, "numel": numel,
             "grad_and_optimizer_bytes": held["main_grads"] + opt.local_state_bytes()}
 

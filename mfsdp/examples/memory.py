@@ -30,11 +30,12 @@ def measure(strategy: str, dim: int = 128, hidden: int = 512, blocks: int = 4) -
     model(x).pow(2).mean().backward()
     optimizer.step()
     # weights, shards, gradients: from the tensors' storages
-    held = model.memory_by_kind()
+    state = model.fsdp_state()
+    held = state.memory_by_kind()
     # AdamW's two moments, this rank's
     held["optimizer_state"] = optimizer.local_state_bytes()
     return {"bytes": held, "numel": numel,
-            "padded_numel": sum(b.plan.padded_numel for b in model.buckets)}
+            "padded_numel": sum(b.plan.padded_numel for b in state.buckets)}
 
 
 def main() -> None:

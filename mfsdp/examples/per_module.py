@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mfsdp.layout import rank_device
+
 __all__ = ["Net", "batch", "train_v1", "train_v2", "compare", "main"]
 
 
@@ -48,9 +50,7 @@ def train_v1(steps: int = 8, micro_batches: int = 2, dp_outer: int = 1) -> list[
 
     import mfsdp
 
-    on_gpu = dist.get_backend() == "nccl"
-    device = (torch.device("cuda", torch.cuda.current_device()) if on_gpu
-              else torch.device("cpu"))
+    device = rank_device()  # this rank's GPU under NCCL, the CPU under gloo
     mesh = init_device_mesh(device.type, (dp_outer, dist.get_world_size() // dp_outer),
                             mesh_dim_names=("outer", "shard"))
     torch.manual_seed(0)
@@ -83,9 +83,7 @@ def train_v2(steps: int = 8, micro_batches: int = 2, dp_outer: int = 1) -> list[
     from mfsdp.experimental import (Placements, fully_shard, fully_shard_context,
                                     fully_shard_optimizer, microbatch)
 
-    on_gpu = dist.get_backend() == "nccl"
-    device = (torch.device("cuda", torch.cuda.current_device()) if on_gpu
-              else torch.device("cpu"))
+    device = rank_device()  # this rank's GPU under NCCL, the CPU under gloo
     mesh = init_device_mesh(device.type, (dp_outer, dist.get_world_size() // dp_outer),
                             mesh_dim_names=("outer", "shard"))
     hsdp = Placements(dp_axes=["outer", "shard"], parameter=[Replicate(), Shard(0)],

@@ -18,6 +18,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from mfsdp.layout import rank_device
+
 __all__ = ["quickstart_train", "main"]
 
 
@@ -30,9 +32,7 @@ def quickstart_train(steps: int = 5,
 
     rank, world = dist.get_rank(), dist.get_world_size()
     # this rank's GPU under NCCL, else the CPU
-    on_gpu = dist.get_backend() == "nccl"
-    device = (torch.device("cuda", torch.cuda.current_device()) if on_gpu
-              else torch.device("cpu"))
+    device = rank_device()  # this rank's GPU under NCCL, the CPU under gloo
     torch.manual_seed(0)  # every rank builds the same model
     model = ToyModel(dim=32, hidden=64, num_blocks=4).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -88,7 +88,7 @@ def train(dp: int = 2, tp: int = 2, steps: int = 8,
         "q_proj": (f"{tuple(q.shape)} {tuple(q.placements)} "
                    f"on mesh {q.device_mesh.mesh_dim_names}"),
         "bytes": sum(b.main_shard.numel() * b.main_shard.element_size()
-                     for b in model.buckets),
+                     for b in model.fsdp_state().buckets),
     }
 
 

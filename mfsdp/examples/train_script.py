@@ -23,6 +23,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from mfsdp.layout import rank_device
+
 __all__ = ["setup", "build", "train", "main"]
 
 DIM = 64  # the toy models' width
@@ -83,7 +85,7 @@ def build(device: torch.device, dp_outer: int = 1, ep: int = 1, moe: bool = Fals
             grad_comm_dtype=grad_comm_dtype),  # and reduce them in fp32 (or bf16)
     )
     # checkpoints name experts by their global index
-    model.set_global_names(global_names)
+    model.fsdp_state().set_global_names(global_names)
     opt_class = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
     sharded_opt = mfsdp.fully_shard_optimizer(opt_class(model.parameters(), lr=lr))
 
@@ -115,8 +117,7 @@ def train(steps: int = 12, micro_batches: int = 2, clip: float = 1.0,
     norm before clipping, LR."""
     from mfsdp.checkpoint import load_checkpoint, save_checkpoint
 
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    device = rank_device()
     model, optimizer, scheduler = build(device, steps=steps, **layout)
     start = 0
     if load:

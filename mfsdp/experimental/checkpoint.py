@@ -50,7 +50,8 @@ class _Roots:
                 self.engines.append((f"{path}." if path else "", m.engine))
         if not self.engines:
             raise ValueError(f"{type(model).__name__} holds no module sharded by fully_shard")
-        managed = {id(sp.sharded) for _, e in self.engines for sp in e.sharded_params}
+        managed = {id(sp.sharded) for _, e in self.engines
+                   for sp in e.fsdp_state().sparams}
         for name, p in model.named_parameters():
             if id(p) not in managed:
                 raise ValueError(f"parameter {name!r} is not sharded (it is outside every module "
@@ -58,13 +59,17 @@ class _Roots:
                                  "the module that holds it, or the model itself")
         self._named = {}  # id(bucket) -> its _NamedBucket
         for prefix, engine in self.engines:
-            for b in engine.buckets:
+            for b in engine.fsdp_state().buckets:
                 self._named[id(b)] = _NamedBucket(b, prefix)
         first = self.engines[0][1]
         # What the manifest records of the layout (the first root's; all share the world)
-        self.device, self.strategy, self.state = first.device, first.strategy, first.state
-        self.world_mesh = first.world_mesh  # (the mesh checkpoint DTensors name ranks by)
-        self.outer_comm, self.ep_comm = first.outer_comm, first.ep_comm
+        state = first.fsdp_state()
+        self.device, self.strategy, self.comms = first.device, state.strategy, state.comms
+        self.world_mesh = state.world_mesh  # (the mesh checkpoint DTensors name ranks by)
+
+    def fsdp_state(self) -> _Roots:
+        """What the checkpoint code reads of a sharded model's state: here the roots'."""
+        return self
 
     def named(self, bucket) -> _NamedBucket:
         """``bucket`` with its parameters named from the model."""
@@ -73,7 +78,8 @@ class _Roots:
     def named_main_shards(self):
         """(name, local main-weight rows, bucket, index) of every parameter, as the engine's."""
         return [(self.named(b).names[i], local, self.named(b), i)
-                for _, e in self.engines for _, local, b, i in e.named_main_shards()]
+                for _, e in self.engines
+                for _, local, b, i in e.fsdp_state().named_main_shards()]
 
     def global_name(self, name: str) -> str:
         """Names are already the model's."""
@@ -82,7 +88,7 @@ class _Roots:
     def sparam(self, p):
         """The engine's record of parameter ``p`` (any of its faces), or ``None``."""
         for _, engine in self.engines:
-            sp = engine.sharded_param(p)
+            sp = engine.fsdp_state().sharded_param(p)
             if sp is not None:
                 return sp
         return None
@@ -93,7 +99,7 @@ class _Roots:
 
     def install_main_weights(self) -> None:
         for _, engine in self.engines:
-            engine.install_main_weights()
+            engine.fsdp_state().install_main_weights()
 
     def wait_param_sync(self) -> None:
         for _, engine in self.engines:

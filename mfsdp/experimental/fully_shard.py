@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
 from mfsdp.experimental.module import FsdpContext, FsdpModule, Registration, make_fsdp_module
+from mfsdp.layout import rank_device
 
 __all__ = ["Placements", "fully_shard", "fully_shard_context", "microbatch", "strategies_of"]
 
@@ -145,12 +146,6 @@ def _check_dp_axes(mesh: DeviceMesh, dp_axes: Sequence[MeshAxis]) -> None:
                                   "as upstream requires today")
 
 
-def _default_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 @contextlib.contextmanager
 def fully_shard_context(device: torch.device | str | None = None, *,
                         use_symmetric_memory: bool = False,
@@ -178,7 +173,7 @@ def fully_shard_context(device: torch.device | str | None = None, *,
     if not dist.is_initialized():
         raise RuntimeError("fully_shard_context needs an initialised process group: call "
                            "torch.distributed.init_process_group() first (or use torchrun)")
-    context = FsdpContext(torch.device(device) if device is not None else _default_device())
+    context = FsdpContext(torch.device(device) if device is not None else rank_device())
     token = _CONTEXT.set(context)
     try:
         yield context
@@ -239,7 +234,7 @@ def microbatch(context: FsdpContext, is_last: bool) -> Iterator[None]:
     context.is_last_microbatch = bool(is_last)
     with contextlib.ExitStack() as stack:
         for engine in context.engines:
-            if engine.outer_comm is not None:  # (only an outer reduction is deferred)
+            if engine.fsdp_state().comms.outer is not None:  # (only an outer reduction is deferred)
                 stack.enter_context(engine.sync() if is_last else engine.no_sync())
         try:
             yield

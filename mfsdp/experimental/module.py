@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from mfsdp.config import EngineOptions, MixedPrecisionPolicy, ShardingStrategy
 from mfsdp.fsdp.buffers import BufferView, ParameterGroupView
@@ -29,8 +29,35 @@ from mfsdp.fsdp.state import UnitPhase
 from mfsdp.fsdp.unit import in_backward
 from mfsdp.layout import ProcessGroups
 
-__all__ = ["FsdpContext", "FsdpModule", "FsdpParameter", "FsdpParameterGroup", "Registration",
-           "make_fsdp_module"]
+__all__ = ["FsdpContext", "FsdpModule", "FsdpParameter", "FsdpParameterGroup", "ModuleOrder",
+           "Registration", "make_fsdp_module"]
+
+
+class ModuleOrder:
+    """Sharded modules in a fixed order, each with its successor (upstream's ``IndexedOrder``:
+    ``list(order)``, ``order.next_item(module)``)."""
+
+    def __init__(self) -> None:
+        self._items: list[nn.Module] = []  # in order
+        self._index: dict[int, int] = {}  # id(module) -> its position
+
+    def append(self, module: nn.Module) -> None:
+        """Put ``module`` last; a module already in the order is refused."""
+        if id(module) in self._index:
+            raise ValueError(f"{type(module).__name__} is already in the order")
+        self._index[id(module)] = len(self._items)
+        self._items.append(module)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def next_item(self, module: nn.Module) -> nn.Module | None:
+        """The module after ``module`` (``None`` after the last)."""
+        i = self._index[id(module)] + 1
+        return self._items[i] if i < len(self._items) else None
 
 
 @dataclass
@@ -54,6 +81,10 @@ class FsdpContext:
         self.is_last_microbatch = True  # set by microbatch(); outside it, every backward is last
         self.engines: list[FullyShardedModule] = []  # one per root, after finalize()
         self.modules: list[nn.Module] = []  # every sharded module, after finalize()
+        # Every sharded module, root by root (in the order they were sharded), each root's in
+        # its named_modules() order: the static order upstream prefetches by (mfsdp prefetches
+        # by the order it records in the first forward, mfsdp/fsdp/state.py's ForwardOrder).
+        self.forward_order = ModuleOrder()
         self._registrations: list[Registration] = []  # until finalize()
         self._finalized = False
 
@@ -105,12 +136,14 @@ class FsdpContext:
             options=EngineOptions(init_model_with_meta_device=meta),
             outer_strategy=outer or ShardingStrategy.NO_SHARD, hooks_on_module=True)
         ref = weakref.ref(engine)
-        for r in members:
-            name = next(n for n, m in module.named_modules() if m is r.module)
+        names = {id(m): n for n, m in module.named_modules()}
+        for r in sorted(members, key=lambda r: list(names).index(id(r.module))):
+            name = names[id(r.module)]
             r.module._fsdp_attach(engine, name, r is root)
             self.modules.append(r.module)
+            self.forward_order.append(r.module)
             if r.grad_divisor != 1:
-                for b in engine.unit_by_name[name].buckets:
+                for b in engine.fsdp_state().unit_by_name[name].buckets:
                     b.grad_scale /= r.grad_divisor
         module.register_forward_pre_hook(_zero_cleared_grads(ref))
         module.register_state_dict_post_hook(_state_dict_hook(ref))
@@ -130,18 +163,18 @@ def _zero_cleared_grads(ref):
         if engine is None or in_backward() or not torch.is_grad_enabled():
             return
         copies = []
-        for sp in engine.sharded_params:
+        for sp in engine.fsdp_state().sparams:
             if sp.grad is None:
                 continue
             face = sp.sharded.grad
             if face is None:  # set_to_none=True
-                engine.zero_grad_buffers()
+                engine.zero_grad_buffer()
                 return
             if sp.bucket.grad_shard is not None and sp.bucket.grad_shard.dtype != sp.local.dtype:
                 copies.append(face._local_tensor if isinstance(face, DTensor) else face)
         copies = [c for c in copies if c.numel()]
         if copies and not torch.stack([c.abs().max() for c in copies]).any().item():
-            engine.zero_grad_buffers()
+            engine.zero_grad_buffer()
 
     return hook
 
@@ -153,13 +186,8 @@ def _state_dict_hook(ref):
 
     def hook(module, state_dict, prefix, local_metadata):
         engine = ref()
-        if engine is None:
-            return
-        engine.wait_param_sync()
-        for sp in engine.sharded_params:
-            for name in sp.names:
-                if prefix + name in state_dict:
-                    state_dict[prefix + name] = sp.wrap(sp.local.detach())
+        if engine is not None:
+            engine.fsdp_state().dcp_state_dict(state_dict, prefix)
 
     return hook
 
@@ -205,13 +233,35 @@ class MainWeightView(BufferView):
         self.layout = SimpleNamespace(size=bucket.plan.padded_numel)
 
 
+class UnshardedWeightView:
+    """A group's gathered model weights (upstream's ``_unsharded_model_weight``): ``local_buffer``
+    is the bucket's full buffer in compute dtype, whose storage is released between uses under
+    ZeRO-3 (0 bytes) and kept under the other strategies."""
+
+    def __init__(self, bucket, ndim: int):
+        self._bucket = bucket
+        self.placements = (Replicate(),) * ndim  # every rank holds all of it
+
+    @property
+    def local_buffer(self) -> torch.Tensor:
+        """The full flat buffer (read when asked: a pool slot may back it)."""
+        return self._bucket.full
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._bucket.full.dtype
+
+
 class FsdpParameterGroup(ParameterGroupView):
     """One bucket of a module's unit, with upstream v2's names (``fsdp_parameters``,
-    ``main_weight``, ``main_grad``, ``model_weight``) beside v1's."""
+    ``main_weight``, ``main_grad``, ``model_weight``, ``_unsharded_model_weight``) beside v1's."""
 
     def __init__(self, bucket, engine: FullyShardedModule, prefix: str):
         super().__init__(bucket)
         self._engine = engine
+        # upstream's name (its test reads the storage of the gathered weights through it)
+        ndim = 2 if engine.fsdp_state().comms.outer is not None else 1
+        self._unsharded_model_weight = UnshardedWeightView(bucket, ndim)
         self.fsdp_parameters = tuple(FsdpParameter(sp, prefix) for sp in bucket.sparams)
         self.model_weight = self.model_weight_buffer
         self.main_weight = MainWeightView(bucket)
@@ -221,7 +271,7 @@ class FsdpParameterGroup(ParameterGroupView):
         """Copy the main weights into the model weights and start re-gathering them where they
         are replicated (the next forward waits); the optimizer adapter calls it after every
         step, once per group."""
-        self._engine.install_main_weights([self._bucket])
+        self._engine.fsdp_state().install_main_weights([self._bucket])
 
 
 class FsdpModule:
@@ -263,7 +313,7 @@ class FsdpModule:
             return super()._apply(fn, recurse)
         mine = {id(m) for m in self.modules()}
         hidden = []
-        for sp in engine.sharded_params:
+        for sp in engine.fsdp_state().sparams:
             for module, attr in sp.uses:
                 if id(module) in mine and attr in module._parameters:
                     hidden.append((module, attr, module._parameters.pop(attr)))
@@ -281,7 +331,8 @@ class FsdpModule:
         # The views are made once: the optimizer adapter syncs through them (and code written
         # for upstream may hold on to them).
         object.__setattr__(self, "_fsdp_groups", tuple(
-            FsdpParameterGroup(b, engine, prefix) for b in engine.unit_by_name[name].buckets))
+            FsdpParameterGroup(b, engine, prefix)
+            for b in engine.fsdp_state().unit_by_name[name].buckets))
 
     @property
     def context(self) -> FsdpContext:
@@ -316,7 +367,7 @@ class FsdpModule:
 
     def _unit(self):
         self.context.ensure_finalized()
-        return self.engine.unit_by_name[self.name]
+        return self.engine.fsdp_state().unit_by_name[self.name]
 
     @property
     def parameter_groups(self) -> tuple[FsdpParameterGroup, ...]:

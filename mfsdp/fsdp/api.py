@@ -9,23 +9,20 @@ keeps working after changing the import::
 
 from __future__ import annotations
 
-import inspect
-
 import dataclasses
-import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                   register_optimizer_step_pre_hook)
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from mfsdp.config import MixedPrecisionPolicy, ShardingConfig, resolve_unit_classes
 from mfsdp.fsdp import registry
 from mfsdp.fsdp.module import FullyShardedModule
 from mfsdp.fsdp.optimizer import ShardedOptimizer
-from mfsdp.layout import ProcessGroups
+from mfsdp.layout import ProcessGroups, rank_device
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer"]
 
@@ -71,9 +68,7 @@ def _default_device(module: nn.Module | None = None) -> torch.device:
     if not dist.is_initialized():
         return torch.device("cpu")
     config = str(dist.get_backend_config()).lower()
-    if "nccl" in config and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return rank_device(cuda="nccl" in config and torch.cuda.is_available())
 
 
 def fully_shard_model(
@@ -89,7 +84,7 @@ def fully_shard_model(
     outer_dp_sharding_strategy: int | str = 0,
     device: torch.device | str | None = None,
     init_model_with_meta_device: bool = False,
-    param_init_fn=None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
     mixed_precision_policy: MixedPrecisionPolicy | None = None,
     overlap_grad_reduce: bool = True,
     overlap_param_gather: bool = True,
@@ -229,6 +224,7 @@ def fully_shard_model(
             model.gather_recursively(m)
     # (weakly: neither the model nor the registry keeps the originals alive)
     registry.register_taken_over(model, originals)
+    _watch_stale_optimizers()
     return model
 
 
@@ -257,8 +253,8 @@ def _resolve_groups(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_device
             raise ValueError(f"dp_shard_dim is required for a {device_mesh.ndim}-D device_mesh "
                              f"(dims {tuple(device_mesh.mesh_dim_names or ())})")
         groups.dp_shard = _mesh_group(device_mesh, dp_shard_dim, "dp_shard_dim")
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if device_mesh.device_type == "cuda" else torch.device(device_mesh.device_type))
+        device = (rank_device(cuda=True) if device_mesh.device_type == "cuda"
+                  else torch.device(device_mesh.device_type))
     elif dp_shard_dim is not None or tp_dim is not None or dp_outer_dim is not None:
         raise ValueError("dp_shard_dim / dp_outer_dim / tp_dim name dimensions of device_mesh, "
                          "but no device_mesh was given")
@@ -300,60 +296,37 @@ def _check_hybrid_groups(groups, outer_size: int, hybrid_fsdp_group,
     return hybrid_fsdp_group, hybrid_fsdp_expt_group
 
 
-# Plain torch.optim optimizers built over a sharded model's parameters (FSDP2's pattern): the
-# models whose main weights each steps on, found once per optimizer (and again when its groups
-# change).
-_PLAIN_OPTIMIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# [Note: optimizers from before fully_shard] An optimizer built on a module's parameters before
+# fully_shard and not handed to it would step tensors the sharded model no longer reads: training
+# would silently stand still. fully_shard never sees that optimizer, so the one place to refuse it
+# is its step: a step pre-hook, registered by the first fully_shard_model (never at import),
+# checks the optimizer's parameters while some parameter a model took over is alive (and returns
+# at once otherwise; it stays registered: torch iterates its hooks while calling them). Optimizers over the sharded model's own parameters need no hook: the
+# next forward installs what their step changed ([Note: main weights a plain optimizer stepped]
+# in mfsdp/fsdp/state.py).
+_STALE_WATCH: list[RemovableHandle] = []  # the pre-hook's handle, once registered
 
 
-def _models_stepped_by(optimizer) -> tuple[list, str]:
-    """The sharded models whose parameters ``optimizer`` holds, and ('' or) the position of a
-    parameter it holds that a model took over (a parameter from before ``fully_shard``)."""
-    # (what changes when groups are added or parameters swapped, or a model takes some over)
-    count = (registry.changes(), *((len(g["params"]), id(g["params"][0]) if g["params"] else 0)
-                                   for g in optimizer.param_groups))
-    known = _PLAIN_OPTIMIZERS.get(optimizer)
-    if known is None or known[0] != count:
-        refs, stale = {}, ""
-        for g, group in enumerate(optimizer.param_groups):
-            for j, p in enumerate(group["params"]):
-                model = registry.model_of(p)
-                if model is not None:
-                    refs[id(model)] = weakref.ref(model)
-                elif not stale and registry.taken_over_by(p) is not None:
-                    stale = f"param_groups[{g}]['params'][{j}] (shape {tuple(p.shape)})"
-        known = (count, list(refs.values()), stale)
-        _PLAIN_OPTIMIZERS[optimizer] = known
-    return [m for m in (r() for r in known[1]) if m is not None], known[2]
+def _watch_stale_optimizers() -> None:
+    """Register the step pre-hook of [Note: optimizers from before fully_shard] (once)."""
+    if not _STALE_WATCH:
+        _STALE_WATCH.append(register_optimizer_step_pre_hook(_refuse_stale_step))
 
 
-def _before_any_step(optimizer, args, kwargs) -> None:
-    """Before the step of any ``torch.optim`` optimizer: refuse one that holds parameters a
-    sharded model took over (built before ``fully_shard`` and not handed to it): its step would
-    change tensors the model no longer reads, and training would silently stand still."""
+def _refuse_stale_step(optimizer, args, kwargs) -> None:
+    """Before an optimizer's step: refuse one that holds a parameter some sharded model took
+    over (see [Note: optimizers from before fully_shard])."""
     if not registry.any_taken_over():
         return
-    stale = _models_stepped_by(optimizer)[1]
-    if stale:
-        raise RuntimeError(
-            f"mfsdp: this {type(optimizer).__name__} holds {stale}, a parameter of the module "
-            "from before fully_shard, which the sharded model no longer reads (its step would "
-            "change nothing); pass the optimizer to fully_shard(model, optimizer), or build it "
-            "after fully_shard from the returned model's parameters")
-
-
-def _after_any_step(optimizer, args, kwargs) -> None:
-    """After the step of any ``torch.optim`` optimizer: one built over a sharded model's own
-    parameters (``torch.optim.AdamW(model.parameters())`` after ``fully_shard``) stepped on the
-    main weights; copy them into the model weights and re-replicate them, as
-    :meth:`ShardedOptimizer.step` does. (A sharded optimizer's own optimizer steps on the
-    shards' plain rows, which name no model: nothing to do.)"""
-    for model in _models_stepped_by(optimizer)[0]:
-        model.install_main_weights()
-
-
-register_optimizer_step_pre_hook(_before_any_step)
-register_optimizer_step_post_hook(_after_any_step)
+    for g, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if registry.model_of(p) is None and registry.taken_over_by(p) is not None:
+                raise RuntimeError(
+                    f"mfsdp: this {type(optimizer).__name__} holds param_groups[{g}]['params']"
+                    f"[{j}] (shape {tuple(p.shape)}), a parameter of the module from before "
+                    "fully_shard, which the sharded model no longer reads (its step would "
+                    "change nothing); pass the optimizer to fully_shard(model, optimizer), or "
+                    "build it after fully_shard from the returned model's parameters")
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
@@ -384,36 +357,103 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
     return ShardedOptimizer(optimizer, model, dcp_state_dict=preproc_state_dict_for_dcp_ckpt)
 
 
-def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                **kwargs: Any) -> tuple[FullyShardedModule, ShardedOptimizer | None]:
-    """Shard ``module`` (see :func:`mfsdp.fully_shard_model`) and ``optimizer``; return both.
+def fully_shard(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    device_mesh: Any = None,
+    dp_shard_dim: str | None = None,
+    dp_outer_dim: str | None = None,
+    tp_dim: str | None = None,
+    hybrid_fsdp_group: dist.ProcessGroup | None = None,
+    expt_device_mesh: Any = None,
+    fsdp_unit_modules: Any = None,
+    zero_dp_strategy: int | str = 3,
+    outer_dp_sharding_strategy: int | str = 0,
+    device: torch.device | str | None = None,
+    init_model_with_meta_device: bool = False,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    average_in_collective: bool = False,
+    calculate_per_token_loss: bool = False,
+    fsdp_double_buffer: bool = False,
+    disable_bucketing: bool = False,
+    fsdp_group_ag: dist.ProcessGroup | None = None,
+    expt_fsdp_group_ag: dist.ProcessGroup | None = None,
+    hybrid_fsdp_expt_group: dist.ProcessGroup | None = None,
+    max_inflight_reduce: int = 2,
+    prefetch_depth: int = 1,
+    process_groups: ProcessGroups | None = None,
+    recursive_gather_modules: Any = None,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    report_nan_in_param_grad: bool = False,
+    use_decoupled_grad: bool = False,
+    grad_reduce_in_fp32: bool | None = None,
+    preserve_fp32_weights: bool | None = None,
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
+    keep_fp8_transpose_cache: bool = False,
+    nccl_ub: bool = False,
+    disable_symmetric_registration: bool = False,
+    enable_fine_grained_param_gather: bool = False,
+    maxpool_double_buffer: bool = False,
+    cuda_graph_mode: Any = None,
+) -> tuple[FullyShardedModule, ShardedOptimizer | None]:
+    """Shard ``module`` and ``optimizer``; return both. The keyword arguments are
+    :func:`mfsdp.fully_shard_model`'s (see there); they are keyword-only here, as upstream
+    Megatron-FSDP's ``fully_shard`` takes them.
 
     ``optimizer`` may be built on the original parameters, before this call, as upstream
     Megatron-FSDP allows; its state must still be empty. Or leave it out and build a plain
     ``torch.optim`` optimizer afterwards over the returned model's parameters (FSDP2's pattern):
-    its ``zero_grad()`` clears what the next backward accumulates into and its ``step()``
-    reaches the model weights (see [Note: gradients cleared by hand] in
-    ``mfsdp/fsdp/reducer.py``); one still holding the parameters from before this call is
-    refused at its first step.
+    its ``zero_grad()`` clears what the next backward accumulates into and the next forward
+    installs what its ``step()`` changed (see [Note: gradients cleared by hand] in
+    ``mfsdp/fsdp/reducer.py`` and [Note: main weights a plain optimizer stepped] in
+    ``mfsdp/fsdp/state.py``); one still holding the parameters from before this call is refused
+    at its first step.
     """
-    known = inspect.signature(fully_shard_model).parameters
-    for name in kwargs:
-        if name not in known or name == "module":
-            raise TypeError(f"fully_shard() got an unexpected keyword argument {name!r}")
-    model = fully_shard_model(module, **kwargs)
-    dcp_ready = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
-    return model, (fully_shard_optimizer(optimizer, dcp_ready) if optimizer is not None else None)
-
-
-def _fully_shard_signature() -> inspect.Signature:
-    """``fully_shard``'s real signature: ``module``, ``optimizer``, then every keyword of
-    :func:`fully_shard_model`, so that ``help()``, IDEs and the API reference show them instead
-    of ``**kwargs``."""
-    model_params = list(inspect.signature(fully_shard_model).parameters.values())
-    optimizer = inspect.Parameter("optimizer", inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                  default=None, annotation="torch.optim.Optimizer | None")
-    return inspect.signature(fully_shard).replace(
-        parameters=[model_params[0], optimizer, *model_params[1:]])
-
-
-fully_shard.__signature__ = _fully_shard_signature()
+    model = fully_shard_model(
+        module,
+        device_mesh=device_mesh,
+        dp_shard_dim=dp_shard_dim,
+        dp_outer_dim=dp_outer_dim,
+        tp_dim=tp_dim,
+        hybrid_fsdp_group=hybrid_fsdp_group,
+        expt_device_mesh=expt_device_mesh,
+        fsdp_unit_modules=fsdp_unit_modules,
+        zero_dp_strategy=zero_dp_strategy,
+        outer_dp_sharding_strategy=outer_dp_sharding_strategy,
+        device=device,
+        init_model_with_meta_device=init_model_with_meta_device,
+        param_init_fn=param_init_fn,
+        mixed_precision_policy=mixed_precision_policy,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        sync_model_each_microbatch=sync_model_each_microbatch,
+        average_in_collective=average_in_collective,
+        calculate_per_token_loss=calculate_per_token_loss,
+        fsdp_double_buffer=fsdp_double_buffer,
+        disable_bucketing=disable_bucketing,
+        fsdp_group_ag=fsdp_group_ag,
+        expt_fsdp_group_ag=expt_fsdp_group_ag,
+        hybrid_fsdp_expt_group=hybrid_fsdp_expt_group,
+        max_inflight_reduce=max_inflight_reduce,
+        prefetch_depth=prefetch_depth,
+        process_groups=process_groups,
+        recursive_gather_modules=recursive_gather_modules,
+        preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt,
+        report_nan_in_param_grad=report_nan_in_param_grad,
+        use_decoupled_grad=use_decoupled_grad,
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        preserve_fp32_weights=preserve_fp32_weights,
+        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
+        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+        nccl_ub=nccl_ub,
+        disable_symmetric_registration=disable_symmetric_registration,
+        enable_fine_grained_param_gather=enable_fine_grained_param_gather,
+        maxpool_double_buffer=maxpool_double_buffer,
+        cuda_graph_mode=cuda_graph_mode)
+    return model, (fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt)
+                   if optimizer is not None else None)

@@ -58,7 +58,7 @@ class ParamAndGradBufferView:
     """``model.param_and_grad_buffer``: every bucket as a parameter group, in model order."""
 
     def __init__(self, model):
-        self.parameter_groups = [ParameterGroupView(b) for b in model.buckets]
+        self.parameter_groups = [ParameterGroupView(b) for b in model.fsdp_state().buckets]
 
     def __repr__(self) -> str:
         return f"ParamAndGradBufferView({len(self.parameter_groups)} parameter groups)"

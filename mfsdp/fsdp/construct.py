@@ -161,6 +161,7 @@ def build_units(state: ShardingState, root: nn.Module, wrapper: nn.Module,
     mods = dict(root.named_modules())
     params = _parameters_by_unit(root, unit_paths)
     _tp_specs(comms, params)
+    _refuse_post_accumulate_hooks(params)
     check_same_model(params)  # before any collective whose count depends on the model
     if not meta_init:
         for e in params.values():
@@ -233,6 +234,7 @@ def build_units(state: ShardingState, root: nn.Module, wrapper: nn.Module,
         sp = ShardedParam(e["name"], bucket, i, e["uses"], mesh, group,
                           e["param"].requires_grad, e["tp"], names=names)
         new = sp.unsharded
+        _carry_grad_hooks(e["param"], new)
         bucket.sparams.append(sp)
         sp.to_sharded()
         unit_by_name[bucket.unit].params.append(sp)
@@ -249,6 +251,32 @@ def build_units(state: ShardingState, root: nn.Module, wrapper: nn.Module,
             if buf is not None and buf.device != state.device and buf.device.type != "meta":
                 m._buffers[name] = buf.to(state.device)
     return out
+
+
+# [Note: user hooks on parameters] A gradient hook the user registered on a parameter before
+# fully_shard (``p.register_hook(fn)``) moves to the parameter the model trains, the full view
+# that forward uses (``ShardedParam.unsharded``): it fires with this rank's local gradient
+# before the reduction, and what it returns is what is reduced, as under DDP (FSDP2 and upstream
+# Megatron-FSDP drop it). A post-accumulate-grad hook cannot move: the engine's own hook takes
+# the accumulated gradient into the bucket, so the user's would see another tensor than DDP
+# hands it; fully_shard refuses it naming the parameter.
+def _carry_grad_hooks(original: torch.Tensor, trained: torch.Tensor) -> None:
+    """Register ``original``'s gradient hooks on ``trained``, in their order."""
+    for hook in (original._backward_hooks or {}).values():
+        trained.register_hook(hook)
+
+
+def _refuse_post_accumulate_hooks(params: dict[int, dict]) -> None:
+    """Refuse a parameter that carries a post-accumulate-grad hook (see [Note: user hooks on
+    parameters])."""
+    for e in params.values():
+        if e["param"]._post_accumulate_grad_hooks:
+            raise ValueError(
+                f"parameter {e['name']!r} has a post-accumulate-grad hook "
+                "(register_post_accumulate_grad_hook), which fully_shard cannot carry over: "
+                "the sharded model accumulates gradients in its buckets; use register_hook "
+                "(carried over to the parameter the model trains), or read the reduced "
+                "gradient from the model's parameter after backward")
 
 
 def _check_replicas(state: ShardingState, params: dict[int, dict], slot, meta_init: bool) -> None:

@@ -32,13 +32,10 @@ import contextlib
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from mfsdp.config import EngineOptions, MixedPrecisionPolicy, ShardingStrategy
 from mfsdp.fsdp import registry
-from mfsdp.fsdp.bucket import Bucket
 from mfsdp.fsdp.construct import build_units
 from mfsdp.fsdp.reducer import GradReducer
 from mfsdp.fsdp.state import Comms, GradSync, ShardingState
@@ -76,7 +73,8 @@ class FullyShardedModule(nn.Module):
         state = ShardingState(strategy, device, mixed_precision_policy, opts,
                               Comms.build(groups, outer_strategy, device, hybrid_groups),
                               sync=GradSync(auto=opts.sync_model_each_microbatch))
-        self.state = state
+        self._state = state
+        state.root_keeps_weights = not hooks_on_module  # (upstream v2 releases its root too)
         # The root unit's hooks go on this wrapper, whose forward callers use; the per-module
         # front door (mfsdp.experimental) leaves the model in place and calls ``module`` itself.
         built = build_units(state, module, module if hooks_on_module else self, unit_classes)
@@ -85,20 +83,17 @@ class FullyShardedModule(nn.Module):
         state.pool = built.pool
         state.grad_pool = built.grad_pool
         state.sparams = built.sparams
-        self._sparam_of = built.by_face  # any face of a parameter -> its ShardedParam (weak keys)
+        state.sparam_of = built.by_face
         # fully_shard_optimizer and plain optimizers find this model from its parameters
         registry.register_parameters(self, [sp.sharded for sp in state.sparams])
         state.reducer = GradReducer(state, opts.max_inflight_reduce)
+        state.main_versions = state.sharded_versions()
         for unit in state.units:
             unit.register_hooks()
-        # checkpoint name of a parameter where it differs from its own (experts: global index)
-        self._global_names: dict[str, str] = {}
-        # a model builder declared them for the module (mfsdp.moe.shard_experts does)
-        self.set_global_names(registry.checkpoint_names(module))
+        # a model builder declared checkpoint names for the module (mfsdp.moe.shard_experts does)
+        state.set_global_names(registry.checkpoint_names(module))
         # the keys a load_state_dict() filled, from its pre-hook to its post-hook
         self._loaded_keys: set[str] = set()
-        # the 1-D mesh over the world that checkpoint DTensors name their ranks by (built on use)
-        self._world_mesh: DeviceMesh | None = None
         # A call of the original module, not of this wrapper, would run the root unit's layers
         # on their shards (the root unit's hooks are the wrapper's): say what to call instead.
         self._calling = False  # inside forward(): the wrapper called the module
@@ -106,7 +101,7 @@ class FullyShardedModule(nn.Module):
 
         def direct_call(mod, args):
             owner = wrapper()
-            if (owner is not None and not owner._calling and not owner.user_unsharded
+            if (owner is not None and not owner._calling and not owner._state.user_unsharded
                     and not in_backward()):  # (a recompute runs the module again)
                 raise RuntimeError(
                     f"{type(mod).__name__} was sharded by fully_shard: outside the returned "
@@ -122,67 +117,17 @@ class FullyShardedModule(nn.Module):
         self.register_load_state_dict_post_hook(FullyShardedModule._load_post_hook)
 
     # ------------------------------------------------------------------------------------------
-    # the shared state, read-only for callers (tests, benchmarks and upstream-style code read these)
+    # introspection: one accessor, as FSDP2 keeps its state behind FSDPModule._get_fsdp_state()
     # ------------------------------------------------------------------------------------------
-    strategy = property(lambda self: self.state.strategy, doc="The sharding strategy.")
-    device = property(lambda self: self.state.device, doc="The device of the shards.")
-    mp_policy = property(lambda self: self.state.mp_policy, doc="The mixed-precision policy.")
-    units = property(lambda self: self.state.units, doc="The FSDP units, root first.")
-    unit_by_name = property(lambda self: self.state.unit_by_name, doc="Units by module path.")
-    pool = property(lambda self: self.state.pool, doc="The double-buffer pool, or None.")
-    grad_pool = property(lambda self: self.state.grad_pool,
-                         doc="The gradient double buffer (ZeRO-2/3), or None.")
-    reducer = property(lambda self: self.state.reducer, doc="The gradient reducer.")
-    memory = property(lambda self: self.state.memory,
-                      doc="The measured bytes of gathered weights and full gradient buffers, "
-                          "with their peaks.")
-    comm_log = property(lambda self: self.state.comms.log,
-                        doc="The log every collective of this model is recorded in.")
-    comm = property(lambda self: self.state.comms.dp, doc="The dense shard group's communicator.")
-    ag_comm = property(lambda self: self.state.comms.dp_ag, doc="Its all-gather communicator.")
-    outer_comm = property(lambda self: self.state.comms.outer,
-                          doc="The outer (replica) communicator, or None.")
-    expt_comm = property(lambda self: self.state.comms.expt, doc="The expert shard communicator.")
-    ep_comm = property(lambda self: self.state.comms.ep, doc="The EP communicator, or None.")
-    tp_group = property(lambda self: self.state.comms.tp_group, doc="The TP group, or None.")
-    tp_mesh = property(lambda self: self.state.comms.tp_mesh, doc="The 1-D TP mesh, or None.")
-    sharded_params = property(lambda self: self.state.sparams,
-                              doc="Every parameter's ShardedParam, in model order.")
+    def fsdp_state(self) -> ShardingState:
+        """What this model's units and reducer share (:class:`~mfsdp.fsdp.state.ShardingState`):
+        units, buckets, parameters, communicators and their log, memory counters. For tests,
+        tools and inspection; training needs none of it."""
+        return self._state
 
-    def sharded_param(self, param: torch.Tensor):
-        """The :class:`~mfsdp.fsdp.param.ShardedParam` of ``param``, any of its faces (the module's
-        parameter from before sharding, the full view, the DTensor, the main-weight rows), or
-        ``None`` if ``param`` is not one of this model's."""
-        return self._sparam_of.get(param)
-
-    @property
-    def world_mesh(self) -> DeviceMesh:
-        """The mesh that checkpoint DTensors name their ranks by, one dimension over every rank on
-        this model's device type (each DTensor carries its own chunk metadata, see
-        ``mfsdp/fsdp/dtensor.py``)."""
-        if self._world_mesh is None:
-            self._world_mesh = DeviceMesh.from_group(dist.group.WORLD, self.device.type)
-        return self._world_mesh
-
-    @property
-    def use_decoupled_grad(self) -> bool:
-        """Whether reduced gradients go to ``.decoupled_grad`` (upstream's option)."""
-        return self.state.options.use_decoupled_grad
-
-    @property
-    def user_unsharded(self) -> bool:
-        """Whether :meth:`unshard` holds every unit gathered, the full views in the modules."""
-        return self.state.user_unsharded
-
-    @property
-    def buckets(self) -> list[Bucket]:
-        """Every bucket of every unit, in unit order."""
-        return self.state.buckets
-
-    @property
-    def synchronising(self) -> bool:
-        """Whether the backward under way reduces gradients that could wait (see :meth:`no_sync`)."""
-        return self.state.sync.synchronising
+    # upstream Megatron-FSDP's attributes of the same name
+    mp_policy = property(lambda self: self._state.mp_policy, doc="The mixed-precision policy.")
+    device = property(lambda self: self._state.device, doc="The device of the shards.")
 
     def gather_recursively(self, module: nn.Module) -> None:
         """Gather every unit inside ``module`` before its forward and release them after it.
@@ -194,7 +139,7 @@ class FullyShardedModule(nn.Module):
         path = next((n for n, m in self.module.named_modules() if m is module), None)
         if path is None:
             raise ValueError(f"{type(module).__name__} is not a submodule of the sharded model")
-        inner = [u for u in self.units if not u.is_root
+        inner = [u for u in self._state.units if not u.is_root
                  and (path == "" or u.name == path or u.name.startswith(path + "."))]
         if not inner:
             raise ValueError(f"{path or 'the root'} ({type(module).__name__}) contains no FSDP "
@@ -206,7 +151,7 @@ class FullyShardedModule(nn.Module):
                 unit.unshard_views()
 
         def post(mod, args, output):
-            if self.user_unsharded:
+            if self._state.user_unsharded:
                 return output
             for unit in inner:
                 unit.shard_views()
@@ -225,7 +170,7 @@ class FullyShardedModule(nn.Module):
         """Wait for the weight all-gathers launched after the last optimizer step (ZeRO-1/2,
         HFSDP). The next forward waits for them anyway; benchmarks call this to time a whole
         step."""
-        self.state.wait_param_sync()
+        self._state.wait_param_sync()
 
     def forward(self, *args, **kwargs):
         self._calling = True
@@ -236,63 +181,48 @@ class FullyShardedModule(nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Make sure every gradient reduction has finished (the optimizer calls this)."""
-        if self.reducer.backward_started:
+        if self._state.reducer.backward_started:
             raise RuntimeError("finish_grad_sync() during backward")
-        if self.state.sync.unreduced:
+        if self._state.sync.unreduced:
             raise RuntimeError(
                 "the last backward ran under no_sync() (or with sync_model_each_microbatch=False "
                 "outside sync()), so its gradients were never reduced across ranks; run the last "
                 "micro-batch of each step outside no_sync() (or inside sync()) before "
                 "optimizer.step()")
 
-    @torch.no_grad()
-    def install_main_weights(self, buckets: list[Bucket] | None = None) -> None:
-        """Copy main weights into the model weights after an optimizer step, then re-replicate
-        (``buckets``: those only; default every bucket)."""
-        for b in self.buckets if buckets is None else buckets:
-            mine = b.model_sub_shard()
-            if not b.main_aliases_model():
-                mine.copy_(b.main_shard)
-            if b.outer_factor > 1:  # HFSDP: collect the inner shard from the outer ranks
-                self.state.param_sync.append(
-                    self.outer_comm.all_gather(b.model_shard, mine.clone()))
-            if not b.sharded_params and not b.replicated:  # (HFSDP is ZeRO-3 only)
-                self.state.param_sync.append(
-                    b.ag_comm.all_gather(b.full_comm, b.model_shard.clone()))
-
-    def zero_grad_buffers(self) -> None:
+    def zero_grad_buffer(self) -> None:
         """Zero the reduced gradients (and any accumulated full gradients)."""
-        self.state.zero_grads()
-
-    zero_grad_buffer = zero_grad_buffers  # upstream Megatron-FSDP's name
+        self._state.zero_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients: the reduced ones and the accumulation buffers (see
-        :meth:`zero_grad_buffers`); ``nn.Module.zero_grad`` alone would leave the buffers.
+        :meth:`zero_grad_buffer`); ``nn.Module.zero_grad`` alone would leave the buffers.
 
         ``set_to_none=True`` drops the parameters' ``.grad``; ``False`` zeroes the gradients a
         parameter holds in place and keeps them (``nn.Module.zero_grad``'s meaning)."""
-        self.state.zero_grads(set_to_none)
+        self._state.zero_grads(set_to_none)
 
     # -- upstream Megatron-FSDP's names for the same steps ----------------------------------------
     @property
     def model_auto_sync(self) -> bool:
         """Whether every backward synchronises (``sync_model_each_microbatch``)."""
-        return self.state.sync.auto
+        return self._state.sync.auto
 
     def start_grad_sync(self) -> None:
         """Launch the gradient reductions that have not started (after a backward run with
         ``overlap_grad_reduce=False`` they all start at its end already: nothing to do then)."""
-        if self.reducer.backward_started:
-            self.reducer.launch_ready(flush=True)
+        if self._state.reducer.backward_started:
+            self._state.reducer.launch_ready(flush=True)
 
     def start_param_sync(self) -> None:
         """Nothing to start: weights are gathered by the forward hooks (ZeRO-3) or right after
         the optimizer step (ZeRO-1/2, waited for by :meth:`wait_param_sync`)."""
 
     def install_optimized_model_weights(self) -> None:
-        """Upstream's name of :meth:`install_main_weights`."""
-        self.install_main_weights()
+        """Copy the main weights into the model weights after an optimizer step, then
+        re-replicate them (ZeRO-1/2, HFSDP): what a ``ShardedOptimizer`` step does unless told
+        not to (``install_optimized_model_weights=False``)."""
+        self._state.install_main_weights()
 
     def no_sync(self):
         """Skip the gradient reduction of backwards run inside (for all but the last micro-batch).
@@ -309,7 +239,7 @@ class FullyShardedModule(nn.Module):
 
     @contextlib.contextmanager
     def _sync_as(self, value: bool):
-        sync = self.state.sync
+        sync = self._state.sync
         old, sync.override = sync.override, value
         try:
             yield
@@ -318,7 +248,12 @@ class FullyShardedModule(nn.Module):
 
     def set_model_auto_sync(self, sync: bool) -> None:
         """Set whether every backward reduces gradients (``sync_model_each_microbatch``)."""
-        self.state.sync.auto = bool(sync)
+        self._state.sync.auto = bool(sync)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's name of :meth:`set_model_auto_sync`: ``False`` lets backwards skip the
+        reductions that can wait (accumulate micro-batches), ``True`` reduces in every backward."""
+        self.set_model_auto_sync(requires_gradient_sync)
 
     # -- the mixed-precision policy of a step (upstream Megatron-FSDP 0.6.1's two methods) --------
     def reset_mixed_precision_policy(self, mixed_precision_policy: MixedPrecisionPolicy) -> None:
@@ -334,22 +269,22 @@ class FullyShardedModule(nn.Module):
         if not isinstance(mixed_precision_policy, MixedPrecisionPolicy):
             raise TypeError(f"mixed_precision_policy={mixed_precision_policy!r} must be an "
                             "mfsdp.MixedPrecisionPolicy")
-        if self.reducer.backward_started:
+        if self._state.reducer.backward_started:
             raise RuntimeError("reset_mixed_precision_policy() during backward: change the "
                                "policy between steps, where no reduction is in flight")
-        old = self.state.mp_policy
-        self.state.mp_policy = MixedPrecisionPolicy(
+        old = self._state.mp_policy
+        self._state.mp_policy = MixedPrecisionPolicy(
             main_params_dtype=old.main_params_dtype, main_grads_dtype=old.main_grads_dtype,
             grad_comm_dtype=mixed_precision_policy.grad_comm_dtype)
-        for b in self.buckets:  # each bucket resolved its dtypes when it was built
-            b.comm_dtype = self.state.mp_policy.grad_comm_dtype or b.grad_dtype
+        for b in self._state.buckets:  # each bucket resolved its dtypes when it was built
+            b.comm_dtype = self._state.mp_policy.grad_comm_dtype or b.grad_dtype
 
     @contextlib.contextmanager
     def mixed_precision_context(self, mixed_precision_policy: MixedPrecisionPolicy):
         """``with model.mixed_precision_context(policy): ...``: the gradient communication dtype
         of ``policy`` inside (see :meth:`reset_mixed_precision_policy`), the previous policy
         restored on the way out, also when the block raises."""
-        saved = self.state.mp_policy
+        saved = self._state.mp_policy
         self.reset_mixed_precision_policy(mixed_precision_policy)
         try:
             yield self
@@ -366,24 +301,25 @@ class FullyShardedModule(nn.Module):
         For inference, generation and export: forward then neither releases nor swaps weights.
         Prefer the context manager :meth:`unsharded`.
         """
-        if self.pool is not None:
+        if self._state.pool is not None:
             raise RuntimeError("unshard() needs every unit gathered at once, which the two-slot "
                                "fsdp_double_buffer cannot hold; use fsdp_double_buffer=False")
-        if self.user_unsharded:
+        if self._state.user_unsharded:
             return
+        self._state.install_stepped_main_weights()
         self.wait_param_sync()
-        for unit in self.units:
+        for unit in self._state.units:
             unit.gather()
             unit.unshard_views()
-        self.state.user_unsharded = True
+        self._state.user_unsharded = True
 
     def reshard(self) -> None:
         """Undo :meth:`unshard`: modules hold the sharded parameters again, gathered weights are
         released (ZeRO-3)."""
-        if not self.user_unsharded:
+        if not self._state.user_unsharded:
             return
-        self.state.user_unsharded = False
-        for unit in self.units:
+        self._state.user_unsharded = False
+        for unit in self._state.units:
             unit.shard_views()
             unit.reshard()
 
@@ -402,14 +338,7 @@ class FullyShardedModule(nn.Module):
 
     @staticmethod
     def _state_dict_hook(self, state_dict, prefix, local_metadata):
-        # Every entry of a parameter is a fresh DTensor over its main-weight rows that carries
-        # its own chunk metadata (a detached parameter would not), so DCP saves it as it is.
-        self.wait_param_sync()  # (ZeRO-1/2: the post-step all-gather writes the same memory)
-        for sp in self.sharded_params:
-            for key in self._state_keys(sp, prefix):
-                if key in state_dict:
-                    state_dict[key] = sp.wrap(sp.local.detach())
-        return state_dict
+        return self._state.dcp_state_dict(state_dict, f"{prefix}module.")
 
     def _load_pre_hook(self, state_dict, prefix, local_metadata, strict, missing_keys,
                        unexpected_keys, error_msgs):
@@ -417,7 +346,7 @@ class FullyShardedModule(nn.Module):
         # model weights), so a bf16 model with fp32 main weights keeps what it loaded.
         self.wait_param_sync()  # an all-gather still in flight would overwrite what we load
         loaded = set()
-        for sp in self.sharded_params:
+        for sp in self._state.sparams:
             for key in self._state_keys(sp, prefix):
                 if key in state_dict:
                     value = state_dict.pop(key)
@@ -441,30 +370,17 @@ class FullyShardedModule(nn.Module):
     @torch.no_grad()
     def _after_load(self) -> None:
         """Make the model weights agree with freshly loaded main weights."""
-        again = self.user_unsharded
+        again = self._state.user_unsharded
         if again:
             self.reshard()
-        self.install_main_weights()
+        self._state.install_main_weights()
         self.wait_param_sync()
         if again:
             self.unshard()
 
     # ------------------------------------------------------------------------------------------
-    # inspection
+    # full weights, upstream's buffers
     # ------------------------------------------------------------------------------------------
-    def named_main_shards(self) -> list[tuple[str, torch.Tensor, Bucket, int]]:
-        """(name, local main-weight rows, bucket, index) for every parameter, in model order."""
-        return [(sp.name, sp.bucket.local_view(sp.bucket.main_shard, sp.index), sp.bucket, sp.index)
-                for sp in self.sharded_params]
-
-    def set_global_names(self, mapping: dict[str, str]) -> None:
-        """Name parameters differently in checkpoints (local expert index -> global index)."""
-        self._global_names = dict(mapping)
-
-    def global_name(self, name: str) -> str:
-        """The checkpoint name of parameter ``name`` (its own name unless remapped)."""
-        return self._global_names.get(name, name)
-
     @torch.no_grad()
     def full_parameters(self, main: bool = True) -> dict[str, torch.Tensor]:
         """Every parameter gathered to its full shape on every rank (a collective call).
@@ -472,8 +388,11 @@ class FullyShardedModule(nn.Module):
         ``main=True`` returns the main weights (the optimizer's fp32 copy), otherwise the model
         weights in compute dtype.
         """
+        if not main:
+            self._state.install_stepped_main_weights()
+            self.wait_param_sync()
         full = {}
-        for b in self.buckets:
+        for b in self._state.buckets:
             src = b.main_shard if main else b.model_shard
             if b.replicated:
                 flat = src
@@ -481,7 +400,7 @@ class FullyShardedModule(nn.Module):
                 if main and b.outer_factor > 1:
                     inner = torch.empty(b.outer_factor * b.plan.shard_numel, dtype=src.dtype,
                                         device=src.device)
-                    self.outer_comm.all_gather(inner, src.contiguous(), async_op=False)
+                    self._state.comms.outer.all_gather(inner, src.contiguous(), async_op=False)
                     src = inner
                 flat = torch.empty(b.plan.padded_numel, dtype=src.dtype, device=src.device)
                 b.comm.all_gather(flat, src.contiguous(), async_op=False)
@@ -490,7 +409,7 @@ class FullyShardedModule(nn.Module):
                 full[name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         # Under TP each parameter so far is this rank's TP block: gather the blocks.
         return {sp.name: sp.tp.full_of(full[sp.name]) if sp.tp_sharded else full[sp.name]
-                for sp in self.sharded_params}
+                for sp in self._state.sparams}
 
     @property
     def param_and_grad_buffer(self):
@@ -499,17 +418,3 @@ class FullyShardedModule(nn.Module):
         :class:`~mfsdp.fsdp.buffers.ParamAndGradBufferView`)."""
         from mfsdp.fsdp.buffers import ParamAndGradBufferView
         return ParamAndGradBufferView(self)
-
-    def comm_scratch_bytes(self) -> int:
-        """Bytes of the communication scratch buffers this rank keeps for reuse (gloo only: the
-        receive buffers of reduce-scatters, see [Note: gloo all-gather as point-to-point] in
-        ``mfsdp/fsdp/collectives.py``); not part of :meth:`memory_by_kind`."""
-        return sum(c.scratch_bytes for c in self.state.comms.distinct())
-
-    def memory_by_kind(self) -> dict[str, int]:
-        """Bytes held by this rank's buckets right now, by kind (shared storage counted once)."""
-        total: dict[str, int] = {}
-        for b in self.buckets:
-            for k, v in b.bytes_by_kind().items():
-                total[k] = total.get(k, 0) + v
-        return total

@@ -49,6 +49,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "before its first step (state is created for the local shard only)")
         self.optimizer = optimizer  # the torch.optim optimizer whose step() steps the shards
         self.model = model  # the sharded model whose main-weight rows are stepped
+        model.fsdp_state().installed_by_optimizer = True  # step() installs the main weights itself
         self.dcp_state_dict = dcp_state_dict  # state_dict() hands out DTensors (for DCP)
         # every parameter stepped, in param_groups order: state_dict()'s indices name them
         self._sparams: list = []
@@ -75,7 +76,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         sparams = []
         for j, p in enumerate(params):
-            sp = self.model.sharded_param(p)
+            sp = self.model.fsdp_state().sharded_param(p)
             if sp is None:
                 raise ValueError(
                     f"fully_shard_optimizer: param_groups[{g}]['params'][{j}] (shape "
@@ -118,8 +119,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # are visited in parameter order, which is the same on every rank.
         # Parameters whose TP ranks hold different blocks are summed over the TP group too.
         sums: dict = {}
-        for sp in model.sharded_params:
-            tp = model.tp_group if sp.tp_sharded else None
+        for sp in model.fsdp_state().sparams:
+            tp = model.fsdp_state().comms.tp_group if sp.tp_sharded else None
             key = (id(sp.group), sp.bucket.is_expert, id(tp))
             if key not in sums:
                 sums[key] = [sp.group, sp.bucket.is_expert, tp,
@@ -130,8 +131,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for group, expert, tp, sq in sums.values():
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
-            if expert and model.ep_comm is not None:
-                model.ep_comm.all_reduce(sq, async_op=False, kind="grad_norm")
+            if expert and model.fsdp_state().comms.ep is not None:
+                model.fsdp_state().comms.ep.all_reduce(sq, async_op=False, kind="grad_norm")
             if tp is not None:
                 dist.all_reduce(sq, group=tp)
             total += sq.item()
@@ -192,7 +193,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 return None
         out = self.optimizer.step()
         if install_optimized_model_weights:
-            self.model.install_main_weights()
+            self.model.fsdp_state().install_main_weights()
         return out
 
     @torch.no_grad()
@@ -222,7 +223,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         for sp in self._sparams:
             if set_to_none or sp.grad is None:
-                sp.set_grad(None, self.model.use_decoupled_grad)
+                sp.set_grad(None, self.model.fsdp_state().options.use_decoupled_grad)
             else:
                 sp.grad.zero_()
 

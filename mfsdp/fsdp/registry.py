@@ -9,7 +9,8 @@ object, and an ``id()`` reused by a later object never inherits a dead object's 
 Public protocol for model builders: :func:`declare_checkpoint_names` records, for a module that
 will be sharded, how its parameters are named in checkpoints (``mfsdp.moe.shard_experts`` names
 each expert by its global index this way); :class:`mfsdp.FullyShardedModule` applies the names
-when it wraps that module, as if :meth:`~mfsdp.FullyShardedModule.set_global_names` were called.
+when it wraps that module, as if
+:meth:`~mfsdp.fsdp.state.ShardingState.set_global_names` were called.
 """
 
 from __future__ import annotations

@@ -192,6 +192,9 @@ class ShardingState:
     # unshard() holds every unit gathered with the full views in the modules: hooks then neither
     # release nor swap weights.
     user_unsharded: bool = False
+    # The root unit keeps its gathered weights from forward to its backward, which runs first (as
+    # FSDP2 does); the per-module front door releases them, as upstream v2 does.
+    root_keeps_weights: bool = True
     # Filled by construction: the units (root first), their pool, every parameter in model order.
     units: list = field(default_factory=list)
     unit_by_name: dict = field(default_factory=dict)
@@ -203,11 +206,78 @@ class ShardingState:
     reducer: Any = None  # the GradReducer
     # Weights all-gathered after an optimizer step (ZeRO-1/2, HFSDP), waited for before next use.
     param_sync: list[Handle] = field(default_factory=list)
+    # A ShardedOptimizer steps this model and installs the main weights after its step itself;
+    # otherwise (a plain torch.optim optimizer over the model's parameters, FSDP2's pattern) the
+    # next forward installs what changed: see [Note: main weights a plain optimizer stepped].
+    installed_by_optimizer: bool = False
+    # Any face of a parameter (the module's from before sharding, the full view, the DTensor,
+    # the main-weight rows) -> its ShardedParam; weak keys (a WeakIdKeyDictionary).
+    sparam_of: Any = None
+    # The checkpoint name of a parameter where it differs from its own (experts: global index).
+    global_names: dict[str, str] = field(default_factory=dict)
+    # The 1-D mesh over the world that checkpoint DTensors name their ranks by (built on use).
+    _world_mesh: DeviceMesh | None = None
+    # The version counter of each parameter's sharded face (the DTensor a plain optimizer steps)
+    # when the model weights last agreed with the main weights.
+    main_versions: list[int] = field(default_factory=list)
 
     @property
     def buckets(self) -> list:
         """Every bucket of every unit, in unit order."""
         return [b for u in self.units for b in u.buckets]
+
+    def sharded_param(self, param: torch.Tensor):
+        """The :class:`~mfsdp.fsdp.param.ShardedParam` of ``param``, any of its faces (the module's
+        parameter from before sharding, the full view, the DTensor, the main-weight rows), or
+        ``None`` if ``param`` is not one of this model's."""
+        return self.sparam_of.get(param) if self.sparam_of is not None else None
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        """The mesh that checkpoint DTensors name their ranks by, one dimension over every rank on
+        this model's device type (each DTensor carries its own chunk metadata, see
+        ``mfsdp/fsdp/dtensor.py``)."""
+        if self._world_mesh is None:
+            self._world_mesh = DeviceMesh.from_group(dist.group.WORLD, self.device.type)
+        return self._world_mesh
+
+    def set_global_names(self, mapping: dict[str, str]) -> None:
+        """Name parameters differently in checkpoints (local expert index -> global index)."""
+        self.global_names = dict(mapping)
+
+    def global_name(self, name: str) -> str:
+        """The checkpoint name of parameter ``name`` (its own name unless remapped)."""
+        return self.global_names.get(name, name)
+
+    def dcp_state_dict(self, state_dict: dict, prefix: str) -> dict:
+        """Make ``state_dict``'s parameter entries (keys ``prefix + name``) fresh DTensors over
+        the main-weight rows that carry their own chunk metadata (a detached parameter would
+        not), so that DCP saves them as they are; returns ``state_dict``."""
+        self.wait_param_sync()  # (ZeRO-1/2: the post-step all-gather writes the same memory)
+        for sp in self.sparams:
+            for name in sp.names:
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = sp.wrap(sp.local.detach())
+        return state_dict
+
+    def named_main_shards(self) -> list[tuple[str, torch.Tensor, Any, int]]:
+        """(name, local main-weight rows, bucket, index) for every parameter, in model order."""
+        return [(sp.name, sp.bucket.local_view(sp.bucket.main_shard, sp.index), sp.bucket,
+                 sp.index) for sp in self.sparams]
+
+    def comm_scratch_bytes(self) -> int:
+        """Bytes of the communication scratch buffers this rank keeps for reuse (gloo only: the
+        receive buffers of reduce-scatters, see [Note: gloo all-gather as point-to-point] in
+        ``mfsdp/fsdp/collectives.py``); not part of :meth:`memory_by_kind`."""
+        return sum(c.scratch_bytes for c in self.comms.distinct())
+
+    def memory_by_kind(self) -> dict[str, int]:
+        """Bytes held by this rank's buckets right now, by kind (shared storage counted once)."""
+        total: dict[str, int] = {}
+        for b in self.buckets:
+            for k, v in b.bytes_by_kind().items():
+                total[k] = total.get(k, 0) + v
+        return total
 
     @property
     def double_buffer(self) -> bool:
@@ -240,7 +310,7 @@ class ShardingState:
     @torch.no_grad()
     def zero_grads(self, set_to_none: bool = True) -> None:
         """Zero the reduced gradients and any accumulated full gradients, and drop the
-        parameters' ``.grad`` (``model.zero_grad_buffers()``, the sharded optimizer's
+        parameters' ``.grad`` (``model.zero_grad_buffer()``, the sharded optimizer's
         ``zero_grad()``); ``set_to_none=False`` zeroes a held ``.grad`` in place instead."""
         for b in self.buckets:
             b.used = [0.0] * len(b.names)
@@ -265,9 +335,54 @@ class ShardingState:
         self.sync.unreduced = False
         self.sync.installed = False
 
+    @torch.no_grad()
+    def install_main_weights(self, buckets: list | None = None) -> None:
+        """Copy main weights into the model weights after an optimizer step, then re-replicate
+        (``buckets``: those only; default every bucket)."""
+        for b in self.buckets if buckets is None else buckets:
+            mine = b.model_sub_shard()
+            if not b.main_aliases_model():
+                mine.copy_(b.main_shard)
+            if b.outer_factor > 1:  # HFSDP: collect the inner shard from the outer ranks
+                self.param_sync.append(self.comms.outer.all_gather(b.model_shard, mine.clone()))
+            if not b.sharded_params and not b.replicated:  # (HFSDP is ZeRO-3 only)
+                self.param_sync.append(b.ag_comm.all_gather(b.full_comm, b.model_shard.clone()))
+        self.main_versions = self.sharded_versions()
+
+    def sharded_versions(self) -> list[int]:
+        """The version counter of every parameter's sharded face, in model order."""
+        return [sp.sharded._version for sp in self.sparams]
+
+    def install_stepped_main_weights(self) -> None:
+        """Install the main weights if an optimizer other than a ``ShardedOptimizer`` changed
+        them since the model weights last agreed with them.
+
+        [Note: main weights a plain optimizer stepped] ``torch.optim.AdamW(model.parameters())``
+        built after ``fully_shard`` (FSDP2's pattern) steps in place on the DTensors the modules
+        hold, whose local tensors are views of the buckets' main weights; an in-place step bumps
+        the version counter of each DTensor it changed (not of its local tensor: DTensor's
+        dispatch runs below autograd's version bump). The model weights (compute dtype; replicated under ZeRO-1/2) are
+        brought up to date here, before the next forward or ``unshard()``, as FSDP2 casts and
+        gathers its sharded parameters in the next forward: no optimizer hook is needed. Where
+        installing is collective (ZeRO-1/2, HFSDP) the ranks agree on it first, so that a rank
+        whose rows no step touched still joins the all-gathers."""
+        if self.installed_by_optimizer:
+            return
+        buckets = self.buckets
+        changed = self.sharded_versions() != self.main_versions
+        if any(b.outer_factor > 1 or (not b.sharded_params and not b.replicated)
+               for b in buckets) and dist.is_initialized():
+            flag = torch.tensor([float(changed)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            changed = bool(flag.item())
+        if changed:
+            self.install_main_weights()
+
     def begin_forward(self) -> None:
-        """Before the root's forward: wait for the weights of the last optimizer step and check
-        that no parameter was frozen or unfrozen since wrapping."""
+        """Before the root's forward: bring the model weights up to date with the main weights,
+        wait for the weights of the last optimizer step and check that no parameter was frozen
+        or unfrozen since wrapping."""
+        self.install_stepped_main_weights()
         self.wait_param_sync()
         if torch.is_grad_enabled():
             for sp in self.sparams:

@@ -225,7 +225,8 @@ class FSDPUnit:
             self.shard_views()
             # A recompute keeps the weights for the backward under way; so does the root when a
             # backward follows, as FSDP2 does: its backward (loss and output layer) runs first.
-            keep = backward or (self.is_root and torch.is_grad_enabled())
+            keep = backward or (self.is_root and torch.is_grad_enabled()
+                                and self.state.root_keeps_weights)
             if not keep:
                 self.reshard()
         self.hook_backward_of(output, [self])

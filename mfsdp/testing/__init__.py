@@ -19,6 +19,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from mfsdp.config import dtype_named
 from mfsdp.layout import ParallelLayout
 from mfsdp.models.toy import Block, ToyModel
 from mfsdp.models.toy_moe import MoEBlock, ToyMoE, keep_local_experts
@@ -34,8 +35,6 @@ DEFAULTS = dict(
     model="toy", num_experts=4, dp_outer=1, ep=1, outer_strategy="no_shard", ag_groups=False,
     device_mesh=False, global_batch=None, sync_micro_batches=False, save_dir=None, save_at=None, load_dir=None, grad_norms=False,
 )
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
 
 
 def _cfg(cfg: dict) -> dict:
@@ -82,7 +81,7 @@ def _optimizer(c: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
 def train_reference(cfg: dict, world_size: int) -> dict:
     """Train one process on the concatenated global batch; fp32 main weights for bf16 compute."""
     c = _cfg(cfg)
-    dtype = _DTYPES[c["dtype"]]
+    dtype = dtype_named(c["dtype"])
     model = _model(c).to(dtype)
     master = _model(c)
     with torch.no_grad():  # main weights start from the model's (possibly bf16) values
@@ -130,7 +129,7 @@ def train_sharded(cfg: dict) -> dict:
 
     c = _cfg(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = _DTYPES[c["dtype"]]
+    dtype = dtype_named(c["dtype"])
     if c["meta_init"]:
         model = _model(c, "meta").to(dtype)
     else:
@@ -157,8 +156,8 @@ def train_sharded(cfg: dict) -> dict:
         ep_group = groups["ep"]
     global_names = keep_local_experts(model, ep_group) if c["model"] == "moe" else {}
     opt = _optimizer(c, model)
-    policy = MixedPrecisionPolicy(main_grads_dtype=_DTYPES[c["main_grads_dtype"]],
-                                  grad_comm_dtype=_DTYPES[c["grad_comm_dtype"]])
+    policy = MixedPrecisionPolicy(main_grads_dtype=dtype_named(c["main_grads_dtype"]),
+                                  grad_comm_dtype=dtype_named(c["grad_comm_dtype"]))
     model, opt = fully_shard(model, opt, fsdp_unit_modules=[Block, MoEBlock],
                              zero_dp_strategy=c["strategy"], process_groups=groups,
                              outer_dp_sharding_strategy=c["outer_strategy"],
@@ -166,8 +165,9 @@ def train_sharded(cfg: dict) -> dict:
                              mixed_precision_policy=policy,
                              calculate_per_token_loss=c["per_token_loss"], **mesh_kwargs,
                              **c["fsdp_kwargs"])
+    state = model.fsdp_state()
     if global_names:
-        model.set_global_names(global_names)
+        state.set_global_names(global_names)
     start = 0
     if c["load_dir"]:
         from mfsdp.checkpoint import load_checkpoint
@@ -180,7 +180,7 @@ def train_sharded(cfg: dict) -> dict:
             continue
         x, y = x[rank * lb:(rank + 1) * lb], y[rank * lb:(rank + 1) * lb]
         opt.zero_grad()
-        model.comm_log.clear()
+        state.comms.log.clear()
         total = 0.0
         for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
             last = i == m - 1
@@ -204,10 +204,11 @@ def train_sharded(cfg: dict) -> dict:
         t = torch.tensor([total])
         dist.all_reduce(t)
         losses.append(t.item() / world)
-        comm.append(list(model.comm_log.records))
+        comm.append(list(state.comms.log.records))
         if c["track_memory"]:
-            memory.append({**model.memory_by_kind(), "optimizer_state": opt.local_state_bytes()})
-        scratch.append(model.comm_scratch_bytes())
+            memory.append({**state.memory_by_kind(),
+                           "optimizer_state": opt.local_state_bytes()})
+        scratch.append(state.comm_scratch_bytes())
     params = model.full_parameters() if c["return_params"] else None
     if params is not None and c["model"] == "moe":  # every rank's experts, by global name
         parts = [None] * world
@@ -216,26 +217,28 @@ def train_sharded(cfg: dict) -> dict:
     states = [s for s in opt.state.values()]
     return {"losses": losses, "params": params if rank == 0 else None, "memory": memory,
             "grad_norms": norms,
-            "peaks": dict(model.memory), "comm": comm, "comm_scratch": scratch,
-            "numel": sum(b.plan.numel for b in model.buckets),
-            "padded_numel": sum(b.plan.padded_numel for b in model.buckets),
+            "peaks": dict(state.memory), "comm": comm, "comm_scratch": scratch,
+            "numel": sum(b.plan.numel for b in state.buckets),
+            "padded_numel": sum(b.plan.padded_numel for b in state.buckets),
             "optimizer_steps": sorted({int(s["step"]) for s in states if "step" in s}),
             "state_numel": [v.numel() for s in states for v in s.values()
                             if torch.is_tensor(v) and v.dim() > 0],
             "local_numel": [m.numel() for m, _, _ in opt.main_shards],
-            "pool_bytes": sum(t.numel() for t in model.pool.slots) if model.pool else 0,
-            "slot_bytes": model.pool.slot_bytes if model.pool else 0,
-            "grad_pool": ({"slot_bytes": model.grad_pool.slot_bytes,
-                           "takes": model.grad_pool.takes, "fallbacks": model.grad_pool.fallbacks}
-                          if model.grad_pool else None),
-            "grad_buckets": sum(1 for u in model.units[1:] for b in u.buckets
+            "pool_bytes": sum(t.numel() for t in state.pool.slots) if state.pool else 0,
+            "slot_bytes": state.pool.slot_bytes if state.pool else 0,
+            "grad_pool": ({"slot_bytes": state.grad_pool.slot_bytes,
+                           "takes": state.grad_pool.takes,
+                           "fallbacks": state.grad_pool.fallbacks}
+                          if state.grad_pool else None),
+            "grad_buckets": sum(1 for u in state.units[1:] for b in u.buckets
                                 if b.requires_grad and b.sharded_grads),
             "unit_grad_bytes": max((sum(b.plan.padded_numel * b.grad_shard.element_size()
                                         for b in u.buckets if b.requires_grad)
-                                    for u in model.units[1:]), default=0),
+                                    for u in state.units[1:]), default=0),
             "root_bytes": sum(b.plan.padded_numel * b.full.element_size()
-                              for b in model.units[0].buckets),
-            "unit_bytes": max((u.gathered_bytes for u in model.units if not u.is_root), default=0)}
+                              for b in state.units[0].buckets),
+            "unit_bytes": max((u.gathered_bytes for u in state.units if not u.is_root),
+                              default=0)}
 
 
 def train_sharded_many(cfgs: list[dict]) -> list[dict]:
@@ -246,5 +249,5 @@ def train_sharded_many(cfgs: list[dict]) -> list[dict]:
 def initial_parameters(cfg: dict) -> dict[str, torch.Tensor]:
     """The toy model's main weights before training (as both runs start them), in fp32."""
     c = _cfg(cfg)
-    return {n: p.detach().to(_DTYPES[c["dtype"]]).float()
+    return {n: p.detach().to(dtype_named(c["dtype"])).float()
             for n, p in _model(c).named_parameters()}

@@ -31,7 +31,7 @@ def real_step(preset: str, layout_kwargs: dict) -> dict:
     config, cfg = _validated_config(train_flags(preset, layout, meta_init=False), world)
     model, _, opt, par = build_sharded_model(config, cfg, world, torch.device("cpu"),
                                              log=lambda *a, **k: None)
-    model.comm_log.clear()
+    model.fsdp_state().comms.log.clear()
     torch.manual_seed(dist.get_rank())
     tokens = torch.randint(0, cfg.vocab_size, (layout.micro_batch, layout.seq_length // par.cp))
     for i in range(layout.micro_batches):
@@ -40,9 +40,10 @@ def real_step(preset: str, layout_kwargs: dict) -> dict:
             model(tokens).float().pow(2).mean().backward()
     opt.step()
     after_step = opt.local_state_bytes()  # the state a real AdamW step created
-    storage = sum(model.memory_by_kind().values())  # the engine's own storage accounting
+    # the engine's own storage accounting
+    storage = sum(model.fsdp_state().memory_by_kind().values())
     logged: dict[str, float] = {}
-    for (op, group), sent in model.comm_log.summary().items():
+    for (op, group), sent in model.fsdp_state().comms.log.summary().items():
         if op != "flags" and sent:
             logged[f"{op} {group}"] = logged.get(f"{op} {group}", 0.0) + sent
     return {"logged": logged, "implied": implied_traffic(model, layout.micro_batches),

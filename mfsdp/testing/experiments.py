@@ -42,8 +42,8 @@ def unused_parameter_peak(blocks: int = 8, dim: int = 256, unused: bool = True) 
         model(torch.randn(16, 8)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    total = sum(b.plan.padded_numel * 4 for b in model.buckets if b.requires_grad)
-    return model.memory["peak_grad_full_bytes"] / total
+    total = sum(b.plan.padded_numel * 4 for b in model.fsdp_state().buckets if b.requires_grad)
+    return model.fsdp_state().memory["peak_grad_full_bytes"] / total
 
 
 _HWM = ("import sys, runpy\n"

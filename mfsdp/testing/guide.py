@@ -119,11 +119,11 @@ def describe_units() -> dict:
     torch.manual_seed(0)
     model = mfsdp.fully_shard_model(ToyModel(dim=8, hidden=16, num_blocks=2),
                                     fsdp_unit_modules=[Block])
-    block = model.unit_by_name["blocks.0"]
+    block = model.fsdp_state().unit_by_name["blocks.0"]
     model(torch.randn(4, 8)).sum().backward()  # records the forward order
-    root = model.units[0]
-    return {"units": [repr(u) for u in model.units],
-            "root prefetches": {"forward": model.state.order.next(root, +1).name,
-                                "backward": model.state.order.next(root, -1).name},
+    root = model.fsdp_state().units[0]
+    return {"units": [repr(u) for u in model.fsdp_state().units],
+            "root prefetches": {"forward": model.fsdp_state().order.next(root, +1).name,
+                                "backward": model.fsdp_state().order.next(root, -1).name},
             "blocks.0 parameters": [sp.name for sp in block.params],
-            "reduction order": [b.unit or "(root)" for b in model.reducer.order]}
+            "reduction order": [b.unit or "(root)" for b in model.fsdp_state().reducer.order]}

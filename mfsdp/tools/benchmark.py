@@ -64,8 +64,8 @@ def bench_time(systems: list[str], cfg: dict | None = None) -> dict:
         x, y = batch(cfg, r)
         for s in systems:
             model, opt = built[s]
-            if hasattr(model, "comm_log"):
-                model.comm_log.clear()
+            if hasattr(model, "fsdp_state"):
+                model.fsdp_state().comms.log.clear()
             dist.barrier()
             before = loopback_bytes() if rank == 0 else 0
             dt, loss = timed_step(model, opt, x, y, loss_fn(cfg))
@@ -75,8 +75,8 @@ def bench_time(systems: list[str], cfg: dict | None = None) -> dict:
                 times[s].append(dt)
                 wire[s].append((after - before) / world)
                 losses[s].append(loss)
-                if hasattr(model, "comm_log"):
-                    asked[s] = model.comm_log.total("sent_bytes")
+                if hasattr(model, "fsdp_state"):
+                    asked[s] = model.fsdp_state().comms.log.total("sent_bytes")
     # Every rank's times: the step is as slow as its slowest rank.
     gathered = [None] * world
     dist.all_gather_object(gathered, times)
@@ -115,9 +115,10 @@ def bench_memory(system: str, cfg: dict | None = None) -> dict:
     if cuda:
         torch.cuda.synchronize()
         out["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    if hasattr(model, "memory_by_kind"):
-        out["state_bytes"] = {**model.memory_by_kind(), "optimizer_state": opt.local_state_bytes()}
-        out["comm_scratch_bytes"] = model.comm_scratch_bytes()
+    if hasattr(model, "fsdp_state"):  # (an mfsdp model; the other systems hold no buckets)
+        out["state_bytes"] = {**model.fsdp_state().memory_by_kind(),
+                              "optimizer_state": opt.local_state_bytes()}
+        out["comm_scratch_bytes"] = model.fsdp_state().comm_scratch_bytes()
     return out
 
 

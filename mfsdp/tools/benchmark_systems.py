@@ -11,6 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from mfsdp.layout import rank_device
+
 __all__ = ["SYSTEMS", "OPTIONAL_SYSTEMS", "FLOOR_SYSTEMS", "TP_SYSTEMS", "DEFAULTS", "LLAMA_1B", "LLAMA_3B", "MODEL_PRESETS",
            "build_system", "tp_mesh", "dp_rank_and_size",
            "batch", "train_step", "timed_step", "device_of", "loopback_bytes",
@@ -153,9 +155,7 @@ def loopback_bytes() -> int:
 
 def device_of(cfg: dict) -> torch.device:
     """The device a benchmark runs on: the rank's GPU for ``--device cuda``, else the CPU."""
-    if cfg.get("device", "cpu") == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return rank_device(cuda=cfg.get("device", "cpu") == "cuda")
 
 
 class _FloorOptimizer(torch.optim.AdamW):

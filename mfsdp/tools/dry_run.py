@@ -140,7 +140,7 @@ def held_bytes(model, optimizer) -> dict[str, int]:
     """
     out = dict.fromkeys(("weights", "main_weights", "grads"), 0)
     units: dict[str, int] = {}
-    for b in model.buckets:
+    for b in model.fsdp_state().buckets:
         out["weights"] += _nbytes(b.model_shard if b.sharded_params else b.full)
         if not b.main_aliases_model():
             out["main_weights"] += _nbytes(b.main_shard)
@@ -158,8 +158,8 @@ def held_bytes(model, optimizer) -> dict[str, int]:
     optimizer.state_dict()  # creates every parameter's state, as the first step would
     out["optimizer"] = optimizer.local_state_bytes()
     out["params"] = out["weights"] + out["main_weights"]
-    depth = model.state.options.prefetch_depth
-    pool = model.pool
+    depth = model.fsdp_state().options.prefetch_depth
+    pool = model.fsdp_state().pool
     # With the double buffer the layers' gathered weights live in its two slots instead.
     out["gathered"] = (depth + 1) * max(units.values(), default=0) if pool is None else 0
     out["double_buffer"] = sum(_nbytes(s) for s in pool.slots) if pool is not None else 0
@@ -182,13 +182,13 @@ def implied_traffic(model, micro_batches: int = 1) -> dict[str, float]:
     """
     out: dict[str, float] = {}
     m = micro_batches
-    stage = model.state.strategy.zero_stage
-    outer = model.state.comms.outer
+    stage = model.fsdp_state().strategy.zero_stage
+    outer = model.fsdp_state().comms.outer
 
     def add(op: str, group: str, nbytes: float) -> None:
         out[f"{op} {group}"] = out.get(f"{op} {group}", 0.0) + nbytes
 
-    for b in model.buckets:
+    for b in model.fsdp_state().buckets:
         if not b.requires_grad and stage != 3:
             continue
         n = b.comm.size

@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from mfsdp.checkpoint.dcp import on_rank_zero
+from mfsdp.layout import rank_device
 from mfsdp.models.config import GPTConfig
 from mfsdp.trainer.arguments import build_parser, checked_config
 from mfsdp.trainer.checkpointing import check_load_exists
@@ -32,8 +34,7 @@ def run(args: argparse.Namespace, stop: StopRequest | None = None) -> list[dict]
     ``stop``: the stop request the entry point made before the process group (else the
     Trainer makes its own)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    device = rank_device()
     config, cfg = checked_config(args, world, device.type)  # (the Namespace stops here)
     num_micro = config.micro_batches(world)
     log = print if rank == 0 else (lambda *a, **k: None)
@@ -54,16 +55,10 @@ def run(args: argparse.Namespace, stop: StopRequest | None = None) -> list[dict]
 
 def take_save_lock(lock: SaveLock | None, log: Callable[..., None]) -> None:
     """Rank 0 takes ``--save``'s lock; every rank stops with its message when it cannot."""
-    error = [None]
-    if lock is not None and dist.get_rank() == 0:
-        try:
-            lock.acquire()
-        except SystemExit as exc:
-            error[0] = str(exc.code)
-    if lock is not None and dist.get_world_size() > 1:
-        dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise SystemExit(error[0])
+    error = (on_rank_zero(lock.acquire, catch=SystemExit, describe=lambda exc: str(exc.code))
+             if lock is not None else None)
+    if error:
+        raise SystemExit(error)
     for note in lock.notes if lock is not None else ():
         log(f"note: {note}", flush=True)
 

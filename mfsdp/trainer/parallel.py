@@ -152,7 +152,7 @@ def build_sharded_model(config: TrainConfig, cfg: GPTConfig, world: int, device:
             calculate_per_token_loss=c.parallel.calculate_per_token_loss,
             fsdp_double_buffer=c.parallel.fsdp_double_buffer)
         if global_names:
-            model.set_global_names(global_names)
+            model.fsdp_state().set_global_names(global_names)
         inner = model.module
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP

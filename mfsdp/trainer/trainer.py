@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from mfsdp.data.batches import MegatronData, global_batch, read_data
+from mfsdp.layout import rank_device
 from mfsdp.models.tensor_parallel import loss_parallel_context
 from mfsdp.models.config import GPTConfig
 from mfsdp.trainer.build import flops_per_token, model_family, routers_of, rss_mib
@@ -106,8 +107,7 @@ class Trainer:
         from mfsdp.trainer.build import model_config
 
         world = dist.get_world_size()
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if dist.get_backend() == "nccl" else torch.device("cpu"))
+        device = rank_device()
         cfg = model_config(config)
         # the same rules as the command line's (mfsdp.trainer.config.rules): a ValueError
         config.validate(world, model=cfg, device=device.type)
@@ -303,7 +303,7 @@ class Trainer:
                "elapsed_s": now - self.t_start, "tokens": global_tokens + global_pieces,
                "rss_mib": rss_mib()}
         if self.config.parallel.use_megatron_fsdp:
-            rec["state_mib"] = (sum(self.model.memory_by_kind().values())
+            rec["state_mib"] = (sum(self.model.fsdp_state().memory_by_kind().values())
                                 + self.opt.local_state_bytes()) / 2**20
         if self.token_flops is not None:
             rec["tflops_per_rank"] = self.token_flops * rec["tokens_per_s"] / self.world / 1e12

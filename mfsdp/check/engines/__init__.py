@@ -1,5 +1,5 @@
 """The engines ``mfsdp check`` can run the sharded side with, one adapter each, behind the same
-reference, steps, layouts and report (``mfsdp check --engine``, ``mfsdp.check(engine=...)``):
+reference, steps, layouts and report (``mfsdp check --engine``, ``mfsdp.check.check(engine=...)``):
 
 * ``mfsdp`` (:mod:`~mfsdp.check.engines.native`): this package's ``mfsdp.fully_shard``;
 * ``fsdp2`` (:mod:`~mfsdp.check.engines.fsdp2`): PyTorch's ``torch.distributed.fsdp.fully_shard``

@@ -79,8 +79,8 @@ class FSDP2Engine(Engine):
         from mfsdp.check.run import _user_optimizer
 
         world = dist.get_world_size()
-        model = build_model(s["model"], s["seed"])
-        units = tuple(resolve_units(model, s["units"]))
+        model = build_model(s.model, s.seed)
+        units = tuple(resolve_units(model, s.units))
         if layout.compute_dtype == "bf16":  # the reference's start: weights rounded to bf16
             model = model.to(torch.bfloat16).float()
         if layout.dp_outer > 1:

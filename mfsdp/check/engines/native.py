@@ -53,4 +53,5 @@ class MfsdpEngine(Engine):
 
     def state_bytes(self, sh: Sharded) -> int:
         """The model's sharded buffers plus the optimizer's local state."""
-        return sum(sh.model.memory_by_kind().values()) + sh.optimizer.local_state_bytes()
+        return (sum(sh.model.fsdp_state().memory_by_kind().values())
+                + sh.optimizer.local_state_bytes())

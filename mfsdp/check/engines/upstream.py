@@ -203,8 +203,8 @@ class MegatronFSDPEngine(Engine):
         from mfsdp.check.run import _user_optimizer
 
         world = dist.get_world_size()
-        model = build_model(s["model"], s["seed"])
-        units = resolve_units(model, s["units"])
+        model = build_model(s.model, s.seed)
+        units = resolve_units(model, s.units)
         if layout.compute_dtype == "bf16":
             model = model.to(torch.bfloat16)
             policy = MixedPrecisionPolicy(main_params_dtype=torch.float32,
@@ -228,7 +228,7 @@ class MegatronFSDPEngine(Engine):
         kwargs = dict(device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp",
                       fsdp_unit_modules=units, zero_dp_strategy=strategy,
                       mixed_precision_policy=policy, device=torch.device(device), **hsdp)
-        if s["optimizer_factory"] is None:
+        if s.optimizer_factory is None:
             # the README's one call; it steps the optimizer once to build its state
             model, optimizer = fully_shard(module=model, optimizer=_user_optimizer(s, model),
                                            **kwargs)

@@ -7,16 +7,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-import torch
-
 from mfsdp.argtypes import positive_int
+from mfsdp.config import DTYPES  # the dtypes the --megatron-fsdp-*-dtype flags name
 from mfsdp.trainer.config.flags import flag
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """The ZeRO levels of ``--data-parallel-sharding-strategy`` (mfsdp's ``zero_dp_strategy``)."""
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""The dtypes the ``--megatron-fsdp-*-dtype`` flags name."""
 
 
 @dataclass(kw_only=True, frozen=True)

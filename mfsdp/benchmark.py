@@ -1,5 +1,0 @@
-"""Moved to :mod:`mfsdp.tools.benchmark`; this path works for one release."""
-
-from mfsdp._moved import alias
-
-alias(__name__)
