@@ -294,7 +294,7 @@ def _reduction_schedules() -> dict:
         opt = torch.optim.SGD(inner.parameters(), lr=0.1)
         model, opt = mfsdp.fully_shard(inner, opt, fsdp_unit_modules=[type(inner.blocks[0])],
                                        zero_dp_strategy="optim_grads_params", **kwargs)
-        log = model.comm_log
+        log = model.fsdp_state().comms.log
 
         def mark(label: str):
             return lambda grad: log.add(op=label) and None  # (a hook returning None keeps grad)
