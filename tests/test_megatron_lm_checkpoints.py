@@ -796,7 +796,6 @@ def test_stacked_tensors_are_read_and_written_one_layer_at_a_time(tmp_path):
     ``mfsdp.testing.experiments.megatron_lm_conversion_memory``)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    import mfsdp.checkpoint.convert as convert
     from mfsdp.checkpoint.dcp import DCPSource
     from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
 
@@ -804,18 +803,18 @@ def test_stacked_tensors_are_read_and_written_one_layer_at_a_time(tmp_path):
     key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
     whole = source.get(key)
     loads = []
-    real_load = convert.torch.load
+    real_load = torch.load
 
     def counting_load(*args, **kwargs):
         out = real_load(*args, **kwargs)
         loads.append(out.numel())
         return out
 
-    convert.torch.load = counting_load
+    torch.load = counting_load
     try:
         layer = source.get(key, (1,))
     finally:
-        convert.torch.load = real_load
+        torch.load = real_load
     assert torch.equal(layer, whole[1])
     assert sum(loads) == whole[1].numel()  # only layer 1's chunks were read
     moe = DCPSource(FIXTURE / "moe" / "ckpt" / "iter_0000003")

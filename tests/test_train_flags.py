@@ -114,7 +114,7 @@ def _engine(args) -> dict:
         try:
             model, inner, opt, par = build_sharded_model(config, cfg, WORLD, torch.device("cpu"),
                                                          log=lambda *a, **k: None)
-            state = getattr(model, "state", None)
+            state = model.fsdp_state() if hasattr(model, "fsdp_state") else None
             out["built"] = {
                 "wrapper": type(model).__name__,
                 "engine": None if state is None else (
