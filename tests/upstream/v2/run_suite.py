@@ -27,8 +27,9 @@ This runner builds a scratch directory where those files run unchanged in their 
 - a ``tests/conftest.py`` declares Megatron-LM's ``flaky`` markers; gives its
   ``tmp_path_dist_ckpt`` fixture (one directory all ranks share, in the scratch directory);
   destroys the process groups a test created once it ends (gloo runs threads per group); and
-  marks as skipped, each with its reason, the tests listed in ``NEEDS_CUDA``: they read CUDA's allocator (``torch.cuda.memory_allocated``), count CUDA kernels
-  in a profile, or call ``torch.cuda.synchronize``, none of which a CPU has.
+  marks as skipped, each with its reason, the tests listed in ``NEEDS_CUDA``: they read CUDA's
+  allocator (``torch.cuda.memory_allocated``), count CUDA kernels in a profile, or call
+  ``torch.cuda.synchronize``, none of which a CPU has.
 
 Nothing in the test files is edited (no ``"cuda"`` string appears in them: they take the device
 from the ``distributed_setup`` fixture).
@@ -84,8 +85,8 @@ SHIM_MODULE = '''"""megatron_fsdp.experimental.module, answered by mfsdp.experim
 from mfsdp.experimental.module import FsdpContext, FsdpModule  # noqa: F401
 '''
 
-SHIM_PLACEMENT = '''"""megatron_fsdp.experimental.placement's Flat, as upstream defines it: a Shard(0) subclass
-(a flat dim-0 shard of a group's buffer)."""
+SHIM_PLACEMENT = '''"""megatron_fsdp.experimental.placement's Flat, as upstream defines it:
+a Shard(0) subclass (a flat dim-0 shard of a group's buffer)."""
 from torch.distributed.tensor import Shard
 
 
@@ -107,8 +108,9 @@ class Utils:
     rank = int(os.environ.get("RANK", "0"))
 '''
 
-SHIM_DIST_CHECKPOINTING = '''"""Megatron-LM's TempNamedDir (tests/unit_tests/dist_checkpointing/__init__.py), without the
-GPT-model helpers that package also imports: a named directory, made and emptied on rank 0,
+SHIM_DIST_CHECKPOINTING = '''"""Megatron-LM's TempNamedDir (its
+tests/unit_tests/dist_checkpointing/__init__.py), without the GPT-model helpers that package
+also imports: a named directory, made and emptied on rank 0,
 with a barrier on entry and before rank 0 removes it."""
 import os
 import shutil
@@ -152,8 +154,8 @@ class TempNamedDir:
             self.cleanup()
 '''
 
-SHIM_TE = '''"""A stand-in for Transformer Engine: its optimizers are CUDA kernels, so a test that builds one
-is skipped on a CPU."""
+SHIM_TE = '''"""A stand-in for Transformer Engine: its optimizers are CUDA kernels, so a test
+that builds one is skipped on a CPU."""
 '''
 
 SHIM_TE_OPTIMIZERS = '''"""transformer_engine.pytorch.optimizers: FusedAdam is a CUDA kernel."""
@@ -165,8 +167,8 @@ class FusedAdam:
         pytest.skip("Transformer Engine's FusedAdam needs CUDA")
 '''
 
-CONFTEST = '''"""Skip the tests that need CUDA (each with its reason); after each test, destroy every process
-group but the world's (gloo runs threads per group)."""
+CONFTEST = '''"""Skip the tests that need CUDA (each with its reason); after each test,
+destroy every process group but the world's (gloo runs threads per group)."""
 from pathlib import Path
 
 import pytest
