@@ -338,6 +338,7 @@ def _orders_and_gathered_storage(mesh) -> tuple[dict, dict]:
         fully_shard(two[1], mesh, _placements("zero3"))
     orders["roots"] = ([m is two[i] for i, m in enumerate(context.forward_order)],
                        two[0].is_root() and two[1].is_root(), two[1].context is context)
+    orders["roots_backward"] = [m is want for m, want in zip(context.backward_order, two[::-1])]
     nested = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with fully_shard_context() as context:
         fully_shard(nested[1], mesh, _placements("zero3"))
@@ -347,6 +348,10 @@ def _orders_and_gathered_storage(mesh) -> tuple[dict, dict]:
     orders["nested"] = [m is want for m, want in zip(order, [nested, nested[0], nested[1]])]
     orders["next"] = (context.forward_order.next_item(nested[0]) is nested[1],
                       context.forward_order.next_item(nested[1]) is None)
+    # upstream's static backward order: a parent before its children, the last child first
+    backward = list(context.backward_order)
+    orders["nested_backward"] = (len(backward), [m is want for m, want in
+                                                 zip(backward, [nested, nested[1], nested[0]])])
     sizes = {}
     for layout in ("zero3", "no_shard"):
         torch.manual_seed(3)
@@ -452,9 +457,12 @@ def _check_v2(results: list, which: str) -> None:
         assert extra["to"] == (True, True)
         assert extra["divided"] == [[0.75], [0.75]]  # (1 + 2) / 2 ranks / grad_divisor 2
         assert extra["state_dict"]
-        # upstream's FsdpContext.forward_order: roots in the order sharded, each in module order
+        # upstream's FsdpContext.forward_order: roots in the order sharded, each in module order;
+        # its backward_order: the roots last-sharded first, each depth-first, children reversed
         assert extra["orders"] == {"roots": ([True, True], True, True),
-                                   "nested": [True, True, True], "next": (True, True)}
+                                   "nested": [True, True, True], "next": (True, True),
+                                   "roots_backward": [True, True],
+                                   "nested_backward": (3, [True, True, True])}
         # its group's _unsharded_model_weight: the gathered weights (20 floats) during forward;
         # under ZeRO-3 released after forward (the root too, as upstream's) and after backward,
         # kept under no_shard

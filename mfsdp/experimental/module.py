@@ -85,6 +85,11 @@ class FsdpContext:
         # its named_modules() order: the static order upstream prefetches by (mfsdp prefetches
         # by the order it records in the first forward, mfsdp/fsdp/state.py's ForwardOrder).
         self.forward_order = ModuleOrder()
+        # The same modules in upstream's static backward order: the roots last-sharded first,
+        # each root's tree depth-first with its children in reverse (a parent before its
+        # children, the last child first), the order upstream prefetches backward by. As with
+        # forward_order, mfsdp's engine prefetches by the order it records, not by this view.
+        self.backward_order = ModuleOrder()
         self._registrations: list[Registration] = []  # until finalize()
         self._finalized = False
 
@@ -111,6 +116,9 @@ class FsdpContext:
         for root in roots:
             members = [r for r in regs if any(m is r.module for m in root.module.modules())]
             self.engines.append(self._build(root, members))
+        sharded = {id(m) for m in self.modules}
+        for root in reversed(roots):
+            _collect_backward_order(root.module, sharded, self.backward_order)
         self._registrations = []
         self._finalized = True
 
@@ -148,6 +156,16 @@ class FsdpContext:
         module.register_forward_pre_hook(_zero_cleared_grads(ref))
         module.register_state_dict_post_hook(_state_dict_hook(ref))
         return engine
+
+
+def _collect_backward_order(module: nn.Module, sharded: set[int], order: ModuleOrder) -> None:
+    """Append ``module``'s sharded modules to ``order`` as upstream's static backward order
+    visits them: the module itself, then its children last to first, each depth-first (a module
+    shared by two parents is taken once)."""
+    if id(module) in sharded and id(module) not in order._index:
+        order.append(module)
+    for child in reversed(list(module.children())):
+        _collect_backward_order(child, sharded, order)
 
 
 def _zero_cleared_grads(ref):
