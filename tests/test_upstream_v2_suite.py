@@ -10,10 +10,10 @@ each known difference must still fail (so that the list shrinks when mfsdp close
 """
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from test_upstream_v1_suite import _outcomes  # the junit reader both suites use
 
 RUNNER = Path(__file__).parent / "upstream" / "v2" / "run_suite.py"
 
@@ -56,14 +56,6 @@ KNOWN_DIFFERENCES = {
 }
 
 
-def _outcomes(junit: Path) -> dict[str, str]:
-    out = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        name = case.get("name")
-        kinds = {child.tag for child in case}
-        out[name] = ("failed" if kinds & {"failure", "error"} else
-                     "skipped" if "skipped" in kinds else "passed")
-    return out
 
 
 def _function(case: str) -> str:
