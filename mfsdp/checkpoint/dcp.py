@@ -411,6 +411,27 @@ class DCPSource:
             del part
         return out if out is not None else torch.empty(want, dtype=dtype)
 
+    def get_range(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """``tensor[start:stop]`` of the one-dimensional tensor ``key``, read from the chunks
+        that hold it (megatron-core's flat optimizer buckets: one chunk per parameter and
+        data-parallel rank)."""
+        md = self._reader.read_metadata()
+        storage = md.storage_data or {}
+        out = torch.zeros(stop - start, dtype=self.tensors[key][1])
+        for chunk in md.state_dict_metadata[key].chunks:
+            lo, n = chunk.offsets[0], chunk.sizes[0]
+            a, b = max(start, lo), min(stop, lo + n)
+            if a >= b:
+                continue
+            info = storage.get(MetadataIndex(key, chunk.offsets))
+            if info is None or getattr(info, "transform_descriptors", None):
+                return self._get_dcp(key)[start:stop].clone()
+            with open(self.path / info.relative_path, "rb") as f:
+                part = torch.load(_Window(f, info.offset, info.length), map_location="cpu",
+                                  weights_only=True).reshape(-1)
+            out[a - start:b - start].copy_(part[a - lo:b - lo])
+        return out
+
     def _get_dcp(self, key: str) -> torch.Tensor:
         shape, dtype = self.tensors[key]
         state = {key: torch.empty(shape, dtype=dtype)}

@@ -47,6 +47,7 @@ from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.io import load_converted
 from mfsdp.checkpoint.detect import TRACKER, is_megatron_lm, megatron_lm_backend, resolve_megatron_lm
 from mfsdp.checkpoint.manifest import CheckpointError
+from mfsdp.checkpoint.megatron_lm_buckets import BUCKETS, BucketSource
 from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, SAFE_TYPES,
                                               config_from_megatron_args, merge_model_flags,
                                               fsdp_model_config, is_decayed, megatron_args,
@@ -113,13 +114,16 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     if iteration is None:
         iteration = int(common.get("iteration") or 0)
     state_keys = [k for k in keys if k.startswith("optimizer.state.")]
-    bucket_keys = [k for k in keys if k.startswith("optimizer.distributed.")]
+    buckets = any(k.startswith(BUCKETS) for k in keys) and not weights_only
     blobs: dict[str, object] = {}
     files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
     fields: dict[str, set[str]] = {}  # optimizer field -> the model keys it has state for
     for key in state_keys:
         field, _, model_key = key[len("optimizer.state."):].partition(".")
         fields.setdefault(field, set()).add(model_key)
+    if buckets:  # dp_reshardable: the flat buckets read as model-space state
+        reader = BucketSource(directory, source, common, plan, model)
+        fields, common = reader.fields, reader.common
     specs, origin = _weight_specs(plan, ref, fields)
     extra: dict[str, object] = {"iteration": iteration, "data_position": iteration,
                                 "source": FORMAT}
@@ -129,12 +133,12 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     add_carried(extra, common.get("args"), common.get("num_floating_point_operations_so_far"),
                 not_carried(common, source.blob_keys, weights_only))
     step = None
-    if not weights_only and (state_keys or bucket_keys or common.get("optimizer")):
-        step = _megatron_lm_optimizer(directory, common, bool(bucket_keys), fields, plan, model,
-                                      ref, specs, origin, blobs, files)
+    if not weights_only and (state_keys or buckets or common.get("optimizer")):
+        step = _megatron_lm_optimizer(directory, common, fields, plan, model, ref, specs,
+                                      origin, blobs, files)
     blobs["extra"] = extra
-    return _write_from_megatron_lm(dst, source, specs, origin, step, blobs, files, backend,
-                                   directory, progress)
+    return _write_from_megatron_lm(dst, reader if buckets else source, specs, origin, step,
+                                   blobs, files, backend, directory, progress)
 
 
 def _weight_specs(plan: dict, ref: dict, fields: dict[str, set[str]]) -> tuple[dict, dict]:
@@ -255,23 +259,23 @@ def _plan(directory: Path, source: DCPSource, ref: dict) -> dict[str, tuple[str,
     return plan
 
 
-def _megatron_lm_optimizer(directory: Path, common: dict, has_buckets: bool,
-                           fields: dict[str, set[str]], plan: dict, model, ref: dict,
-                           specs: dict, origin: dict, blobs: dict, files: dict) -> dict[int, float]:
+def _megatron_lm_optimizer(directory: Path, common: dict, fields: dict[str, set[str]],
+                           plan: dict, model, ref: dict, specs: dict, origin: dict, blobs: dict,
+                           files: dict) -> dict[int, float]:
     """Add the optimizer state of the ``torch_dist`` checkpoint at ``directory`` to ``specs``,
     ``origin`` (by parameter name), ``blobs`` (the param groups) and ``files`` (the parameter ->
-    group map); return the step of each mfsdp group (``{}`` where none is kept). A
-    ``CheckpointError`` refuses the distributed optimizer's bucket layouts and partial state."""
+    group map); return the step of each mfsdp group (``{}`` where none is kept). ``fields``:
+    the state by model key (``dp_reshardable`` buckets already read as such). A
+    ``CheckpointError`` refuses the distributed optimizer's other layouts and partial state."""
     params = {n for n, _ in model.named_parameters()}  # the rest are buffers (expert bias)
     opt_common = common.get("optimizer") or {}
     layout = (common.get("content_metadata") or {}).get(
         "distrib_optim_sharding_type", opt_common.get("param_state_sharding_type"))
-    if has_buckets or (layout and layout not in ("fully_reshardable",
-                                                 "fully_sharded_model_space")):
+    if layout and layout not in ("fully_reshardable", "fully_sharded_model_space",
+                                 "dp_reshardable"):
         raise CheckpointError(
-            f"{directory} holds the distributed optimizer's state in its {layout!r} layout "
-            "(the optimizer's flat bucket buffers, which only a Megatron-LM job with the same "
-            "data-parallel layout reads). Save it from Megatron-LM with "
+            f"{directory} holds the distributed optimizer's state in its {layout!r} layout, "
+            "which mfsdp does not map onto the weights. Save it from Megatron-LM with "
             "--dist-ckpt-optim-fully-reshardable (the state by weight), or convert the "
             "weights alone with --weights-only")
     groups, _ = optimizer_common(common)
