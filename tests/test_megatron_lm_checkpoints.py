@@ -295,25 +295,93 @@ def test_export_of_an_import_is_the_checkpoint_megatron_core_wrote(kind, tmp_pat
         reference["args"].num_attention_heads, True)
 
 
-def test_dp_reshardable_optimizer_state_is_refused_with_the_fix(tmp_path):
-    """Megatron-LM's default layout for the distributed optimizer keeps its state as flat bucket
-    buffers: refused, naming the layout and the flag that saves it by weight; --weights-only
-    reads the weights."""
-    from mfsdp.checkpoint.dcp import read_full
+def test_dp_reshardable_optimizer_state_is_read_from_its_buckets(tmp_path):
+    """Megatron-LM's default layout for the distributed optimizer keeps its state as the flat
+    bucket buffers: mapped back onto the weights, every main weight and both Adam moments equal
+    (bit for bit: a copy) what megatron-core's optimizer held after iteration 2, with the step
+    and both groups. The fixture is the same deterministic run as the ``adam`` one: its model
+    weights are that fixture's, bit for bit. ``--weights-only`` reads the weights alone."""
+    from mfsdp.checkpoint.dcp import DCPSource, read_full
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
     src = OPTIM / "adam-dp-reshardable"
-    with pytest.raises(CheckpointError, match="'dp_reshardable' layout.*"
-                                              "--dist-ckpt-optim-fully-reshardable"):
-        megatron_lm_to_fsdp(src, tmp_path / "x", _config().to_dict())
-    assert not (tmp_path / "x").exists()
+    theirs, ours = DCPSource(OPTIM / "adam" / "iter_0000002"), DCPSource(src / "iter_0000002")
+    model_keys = [k for k in ours.tensors if not k.startswith("optimizer.")]
+    assert model_keys and all(torch.equal(ours.get(k), theirs.get(k)) for k in model_keys)
+    e = _expected_optim()["adam"]
+    tensors, blobs, _ = read_full(megatron_lm_to_fsdp(src, tmp_path / "m", _config().to_dict(),
+                                                      progress=False))
+    names = [k[len("model."):] for k in tensors if k.startswith("model.")]
+    assert len(names) == len(e["state_after_2"])
+    for name in names:
+        want = e["state_after_2"][_mcore_name(name)]
+        assert torch.equal(tensors[f"model.{name}"], want["param"]), name
+        for field in ("exp_avg", "exp_avg_sq"):
+            got = tensors[f"optimizer.state.{name}.{field}"]
+            assert torch.equal(got, want[field]), (name, field)
+        assert tensors[f"optimizer.state.{name}.step"].item() == want["step"].item() == 2
+    by_wd = {g["wd_mult"]: g for g in e["param_groups"]}
+    for mine, ref in zip(blobs["optimizer.param_groups"], (by_wd[1.0], by_wd[0.0])):
+        assert {k: mine[k] for k in ("lr", "betas", "eps", "weight_decay")} == {
+            k: ref[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    assert blobs["extra"]["opt_param_scheduler"] == e["scheduler"] | {"num_steps": 2}
     tensors, blobs, _ = read_full(megatron_lm_to_fsdp(src, tmp_path / "w", _config().to_dict(),
-                                                      weights_only=True))
+                                                      weights_only=True, progress=False))
     assert not [k for k in tensors if k.startswith("optimizer.")]
     assert "optimizer.param_groups" not in blobs
-    e = _expected_optim()["adam"]["state_after_2"]  # the same run as the adam fixture
     for key, value in tensors.items():
-        assert torch.equal(value, e[_mcore_name(key[len("model."):])]["param"]), key
+        assert torch.equal(value, e["state_after_2"][_mcore_name(key[len("model."):])]["param"])
+
+
+def _damaged_dp_reshardable(root: Path, what: str) -> Path:
+    """A copy of the ``dp_reshardable`` fixture re-saved with one thing wrong: ``short``, the
+    bucket's ``exp_avg`` one parameter (64 elements) short; ``swapped``, the two layers' input
+    norms exchanged in every bucket field (the sizes add up, the order does not); anything
+    else, nothing."""
+    import torch.distributed.checkpoint as dcp
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from mfsdp.checkpoint.dcp import DCPSource
+    from mfsdp.checkpoint.megatron_common import SAFE_TYPES
+
+    source = DCPSource(OPTIM / "adam-dp-reshardable" / "iter_0000002")
+    state: dict[str, object] = {k: source.get(k) for k in source.tensors}
+    state.update({k: source.object(k, SAFE_TYPES) for k in source.blob_keys})
+    for key in [k for k in source.tensors if k.startswith("optimizer.distributed.")]:
+        flat = state[key]
+        if what == "short" and key.endswith(".exp_avg"):
+            state[key] = flat[:-64].clone()
+        elif what == "swapped":  # layer 1's input norm at [62592:62656], layer 0's at [108800:]
+            a, b = flat[62592:62656].clone(), flat[108800:108864].clone()
+            flat[62592:62656], flat[108800:108864] = b, a
+    out = root / what / "iter_0000002"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out)), no_dist=True,
+             planner=DefaultSavePlanner(flatten_state_dict=False))  # objects as megatron-core
+    shutil.copy(OPTIM / "adam-dp-reshardable" / "iter_0000002" / "metadata.json", out)
+    (root / what / "latest_checkpointed_iteration.txt").write_text("2")
+    return root / what
+
+
+@pytest.mark.parametrize("what,error", [
+    ("short", "bucket 0 .* holds \\[125184, 125248\\] elements per field where "
+              "per_bucket_numel_unpadded says 125248"),
+    ("swapped", "main weights at \\[62592:62656\\] of bucket 0 are not "
+                "decoder.layers.self_attention.linear_qkv.layer_norm_weight")])
+def test_a_damaged_dp_reshardable_layout_is_refused_in_one_line(what, error, tmp_path):
+    """A bucket of the wrong length, or one whose parameters are not where megatron-core's
+    order puts them (the main weights no longer equal the model's), is refused in one line
+    naming the bucket and the fix, and nothing is written (the copy re-saved intact reads)."""
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+
+    intact = _damaged_dp_reshardable(tmp_path / "src", "intact")
+    assert megatron_lm_to_fsdp(intact, tmp_path / "ok", _config().to_dict(), progress=False)
+    src = _damaged_dp_reshardable(tmp_path / "src", what)
+    with pytest.raises(CheckpointError, match=error) as exc:
+        megatron_lm_to_fsdp(src, tmp_path / "x", _config().to_dict(), progress=False)
+    assert "\n" not in str(exc.value) and "--dist-ckpt-optim-fully-reshardable" in str(exc.value)
+    assert "--weights-only" in str(exc.value)
+    assert not (tmp_path / "x").exists()
 
 
 def test_convert_command_both_ways(tmp_path):
@@ -340,10 +408,13 @@ def test_convert_command_both_ways(tmp_path):
                  str(tmp_path / "m"), str(tmp_path / "weights"), "--weights-only"]) == 0
     keys = DCPSource(tmp_path / "weights" / "iter_0000002").tensors
     assert keys and not [k for k in keys if k.startswith("optimizer.")]
-    with pytest.raises(CheckpointError, match="--weights-only"):
-        main(["--from", "megatron_lm", "--to", "fsdp_dtensor", str(OPTIM / "adam-dp-reshardable"),
-              str(tmp_path / "x"), "--model-config", str(tmp_path / "cfg.json")])
-    assert not (tmp_path / "x").exists()
+    # Megatron-LM's default distributed-optimizer layout, dp_reshardable, converts too
+    assert main(["--from", "megatron_lm", "--to", "fsdp_dtensor", "--no-progress",
+                 str(OPTIM / "adam-dp-reshardable"), str(tmp_path / "dp"),
+                 "--model-config", str(tmp_path / "cfg.json")]) == 0
+    keys = DCPSource(tmp_path / "dp").tensors
+    assert len([k for k in keys if k.endswith(".exp_avg_sq")]) == len(
+        [k for k in keys if k.startswith("model.")])
 
 
 @pytest.mark.slow

@@ -97,14 +97,17 @@ class BucketSource:
         buckets, sizes = self._buckets(source)
         ref = dict(model.named_parameters())
         names = [n for n in ref]
-        problem = ""
+        problem, furthest = "", -1
         for order in megatron_parameter_orders(names, plan):
-            placed, problem = _place(order[::-1], ref, sizes)
+            placed, why = _place(order[::-1], ref, sizes)
+            matched = -1
             if placed is not None:
-                problem = self._check_main_weights(placed, plan, ref, buckets)
-                if not problem:
+                matched, why = self._check_main_weights(placed, plan, buckets)
+                if not why:
                     break
-        if problem:
+            if matched > furthest:  # the order that went furthest names what differs
+                problem, furthest = why, matched
+        else:
             raise CheckpointError(f"{directory}: the distributed optimizer's dp_reshardable "
                                   f"buckets do not map onto the model: {problem}; is the model "
                                   f"config the one it was trained with? Else {_FIX}")
@@ -163,19 +166,20 @@ class BucketSource:
         per_dtype = value[gbuf] if gbuf < len(value) else {}
         return [int(n) for sizes in per_dtype.values() for n in sizes]
 
-    def _check_main_weights(self, placed: dict, plan: dict, ref: dict,
-                            buckets: list[dict[str, str]]) -> str:
-        """``""`` where every placed ``param`` slice equals its model weight, else what differs."""
-        for name, (b, start, stop) in placed.items():
+    def _check_main_weights(self, placed: dict, plan: dict,
+                            buckets: list[dict[str, str]]) -> tuple[int, str]:
+        """How many placed ``param`` slices equal their model weights (cast to the weight's
+        dtype) in order, and ``""`` where all do, else what differs at the first that does not."""
+        for i, (name, (b, start, stop)) in enumerate(placed.items()):
             if "param" not in buckets[b]:
-                return f"bucket {b} has no main weights ('param') to place the weights by"
+                return i, f"bucket {b} has no main weights ('param') to place the weights by"
             main = self.source.get_range(buckets[b]["param"], start, stop)
             weight = self.source.get(*plan[name])
             if not torch.equal(main.to(weight.dtype).view(weight.shape), weight):
-                return (f"the main weights at [{start}:{stop}] of bucket {b} are not "
-                        f"{plan[name][0]} (mfsdp's {name}) in any parameter order mfsdp knows "
-                        "(megatron-core's local and Transformer Engine layer specs)")
-        return ""
+                return i, (f"the main weights at [{start}:{stop}] of bucket {b} are not "
+                           f"{plan[name][0]} (mfsdp's {name}) in any parameter order mfsdp "
+                           "knows (megatron-core's local and Transformer Engine layer specs)")
+        return len(placed), ""
 
     def _optimizer_common(self, source: DCPSource) -> dict:
         """The optimizer's param groups (the ``.optimizer`` ShardedObject) as the model-space
