@@ -102,12 +102,13 @@ TRAIN = ["-m", "mfsdp.train", "--use-megatron-fsdp", "--train-iters", "3", "--mo
 @pytest.mark.parametrize("layout,source,ranks", [
     ("adam-ddp", "converted", 1),
     pytest.param("adam-ddp", "megatron_lm", 2, marks=pytest.mark.extended),
-    pytest.param("adam", "converted", 1, marks=pytest.mark.extended)])
+    pytest.param("adam", "converted", 1, marks=pytest.mark.extended),
+    pytest.param("adam-dp-reshardable", "megatron_lm", 2, marks=pytest.mark.extended)])
 def test_trainer_continues_the_step_count(layout, source, ranks, tmp_path):
     """``mfsdp convert`` then ``mfsdp train --load`` of the result (1 rank), or ``--load`` of
     the Megatron-LM directory itself (2 ranks), for DDP + Adam and for the distributed
     optimizer's ``fully_reshardable`` layout (``adam``, whose saved arguments lack the model:
-    the model flags name it): iteration 3 runs (no ``KeyError: 'step'``), the not-carried line
+    the model flags name it) and its default ``dp_reshardable`` one: iteration 3 runs (no ``KeyError: 'step'``), the not-carried line
     is printed, and the checkpoint it saves holds Adam's step 3 for every parameter, at
     iteration 3; exported, it is the job's layout again (the step 3 where that layout keeps
     it)."""
@@ -150,7 +151,7 @@ def test_trainer_continues_the_step_count(layout, source, ranks, tmp_path):
     else:
         groups = common["optimizer"]["optimizer"]["param_groups"]
         assert {g["step"] for g in groups} == {3.0}
-    assert common["args"].use_distributed_optimizer is (layout == "adam")
+    assert common["args"].use_distributed_optimizer is (layout != "adam-ddp")
 
 
 # --- the model of a checkpoint: Megatron-LM's saved arguments, or mfsdp train's model flags

@@ -110,8 +110,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "GPTConfig as JSON, for checkpoints without model_config.json")
     parser.add_argument("--weights-only", action="store_true",
                         help="(megatron_lm) leave the optimizer state out, e.g. to read the "
-                             "weights of a checkpoint whose distributed-optimizer state is in "
-                             "Megatron-LM's dp_reshardable layout")
+                             "weights of a checkpoint whose distributed-optimizer state mfsdp "
+                             "cannot map (dp_reshardable buckets of tensor or pipeline "
+                             "parallelism above 1)")
     parser.add_argument("--ckpt-format", choices=("torch_dist", "fsdp_dtensor"),
                         help="(--to megatron_lm) the Megatron-LM checkpoint format to write: "
                              "torch_dist (default) or fsdp_dtensor, for a Megatron-LM job with "

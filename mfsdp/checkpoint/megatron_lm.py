@@ -23,8 +23,10 @@ distributed optimizer only), ``exp_avg``, ``exp_avg_sq`` (Adam) or ``momentum_bu
 stacked like the weights. Megatron-LM writes it so with ``--dist-ckpt-optim-fully-reshardable``
 (the distributed optimizer) and without ``--use-distributed-optimizer``; its default for the
 distributed optimizer, ``dp_reshardable``, keeps the state as the optimizer's flat bucket buffers
-(``optimizer.distributed.*``), which only a Megatron-LM job with the same data-parallel layout
-reads: that is refused with the fix. The non-tensor state (``args``, ``iteration``, the
+(``optimizer.distributed.*``), read here as model-space state by
+:class:`~mfsdp.checkpoint.megatron_lm_buckets.BucketSource` (one data-parallel group; others
+are refused with the fix). Exports are always by weight (``fully_reshardable``), which
+megatron-core loads at any data-parallel size. The non-tensor state (``args``, ``iteration``, the
 optimizer's ``param_groups`` with ``step``, ``opt_param_scheduler``, the content metadata naming
 the optimizer layout) is one ``torch.save`` object, ``common_state``, inside the DCP files.
 
@@ -76,12 +78,12 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     ``--use-checkpoint-args``). Every weight of that model must be in the checkpoint with its
     shape, and every model tensor of the checkpoint must be used.
 
-    The optimizer state, when the checkpoint has it in model space, comes along: Adam moments or
+    The optimizer state, in model space or in ``dp_reshardable`` buckets, comes along: Adam moments or
     SGD momentum by parameter name, ``step`` from the param groups, the two groups' hyperparameters
     (weight decay and none, told apart by Megatron-LM's ``wd_mult``), the learning-rate schedule
     (``extra["opt_param_scheduler"]``) and the iteration. The model weights are the optimizer's
-    fp32 main weights where it has them (``optimizer.state.param``). ``weights_only`` leaves the
-    optimizer out (and reads a ``dp_reshardable`` checkpoint's weights). ``model_flags``: the
+    fp32 main weights where it has them (``optimizer.state.param``, or a ``dp_reshardable``
+    checkpoint's buckets). ``weights_only`` leaves the optimizer out. ``model_flags``: the
     model flags of ``mfsdp convert`` by the trainer's names (``{"num_attention_heads": 4}``),
     merged into the checkpoint's arguments (a contradiction is refused) or applied on top of
     ``model_config``.
