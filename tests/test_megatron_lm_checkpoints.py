@@ -336,8 +336,9 @@ def test_dp_reshardable_optimizer_state_is_read_from_its_buckets(tmp_path):
 def _damaged_dp_reshardable(root: Path, what: str) -> Path:
     """A copy of the ``dp_reshardable`` fixture re-saved with one thing wrong: ``short``, the
     bucket's ``exp_avg`` one parameter (64 elements) short; ``swapped``, the two layers' input
-    norms exchanged in every bucket field (the sizes add up, the order does not); anything
-    else, nothing."""
+    norms exchanged in every bucket field (the sizes add up, the order does not);
+    ``two-groups``, the buckets twice, as a second data-parallel group's; anything else,
+    nothing."""
     import torch.distributed.checkpoint as dcp
 
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -355,6 +356,8 @@ def _damaged_dp_reshardable(root: Path, what: str) -> Path:
         elif what == "swapped":  # layer 1's input norm at [62592:62656], layer 0's at [108800:]
             a, b = flat[62592:62656].clone(), flat[108800:108864].clone()
             flat[62592:62656], flat[108800:108864] = b, a
+        elif what == "two-groups":  # a second TP rank's buckets, as TP 2 saves them
+            state[key.replace("dp_group_idx_0", "dp_group_idx_1")] = flat.clone()
     out = root / what / "iter_0000002"
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out)), no_dist=True,
              planner=DefaultSavePlanner(flatten_state_dict=False))  # objects as megatron-core
@@ -367,11 +370,14 @@ def _damaged_dp_reshardable(root: Path, what: str) -> Path:
     ("short", "bucket 0 .* holds \\[125184, 125248\\] elements per field where "
               "per_bucket_numel_unpadded says 125248"),
     ("swapped", "main weights at \\[62592:62656\\] of bucket 0 are not "
-                "decoder.layers.self_attention.linear_qkv.layer_norm_weight")])
+                "decoder.layers.self_attention.linear_qkv.layer_norm_weight"),
+    ("two-groups", "has 2 buffers \\(dp_group_idx_0.gbuf_idx_0, dp_group_idx_1.gbuf_idx_0: "
+                   "tensor or pipeline parallelism above 1")])
 def test_a_damaged_dp_reshardable_layout_is_refused_in_one_line(what, error, tmp_path):
-    """A bucket of the wrong length, or one whose parameters are not where megatron-core's
-    order puts them (the main weights no longer equal the model's), is refused in one line
-    naming the bucket and the fix, and nothing is written (the copy re-saved intact reads)."""
+    """A bucket of the wrong length, one whose parameters are not where megatron-core's
+    order puts them (the main weights no longer equal the model's), or buckets of two
+    data-parallel groups (tensor parallelism above 1), are refused in one line naming what
+    and the fix, and nothing is written (the copy re-saved intact reads)."""
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
     intact = _damaged_dp_reshardable(tmp_path / "src", "intact")

@@ -96,9 +96,8 @@ class BucketSource:
         self.source, self.directory = source, directory
         buckets, sizes = self._buckets(source)
         ref = dict(model.named_parameters())
-        names = [n for n in ref]
         problem, furthest = "", -1
-        for order in megatron_parameter_orders(names, plan):
+        for order in megatron_parameter_orders(list(ref), plan):
             placed, why = _place(order[::-1], ref, sizes)
             matched = -1
             if placed is not None:
