@@ -78,10 +78,10 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     ``--use-checkpoint-args``). Every weight of that model must be in the checkpoint with its
     shape, and every model tensor of the checkpoint must be used.
 
-    The optimizer state, in model space or in ``dp_reshardable`` buckets, comes along: Adam moments or
-    SGD momentum by parameter name, ``step`` from the param groups, the two groups' hyperparameters
-    (weight decay and none, told apart by Megatron-LM's ``wd_mult``), the learning-rate schedule
-    (``extra["opt_param_scheduler"]``) and the iteration. The model weights are the optimizer's
+    The optimizer state, in model space or in ``dp_reshardable`` buckets, comes along: Adam
+    moments or SGD momentum by parameter name, ``step`` from the param groups, the two groups'
+    hyperparameters (weight decay and none, told apart by Megatron-LM's ``wd_mult``), the
+    learning-rate schedule (``extra["opt_param_scheduler"]``) and the iteration. The model weights are the optimizer's
     fp32 main weights where it has them (``optimizer.state.param``, or a ``dp_reshardable``
     checkpoint's buckets). ``weights_only`` leaves the optimizer out. ``model_flags``: the
     model flags of ``mfsdp convert`` by the trainer's names (``{"num_attention_heads": 4}``),
