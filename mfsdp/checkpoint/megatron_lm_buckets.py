@@ -21,11 +21,19 @@ in the buckets and kept only if it fills every bucket exactly and its ``param`` 
 checkpoint's model weights (cast to their dtype), so a wrong order or a damaged buffer is
 refused in one line instead of giving shuffled state.
 
-Verified on megatron-core 0.19.2's own checkpoint of a dense GPT (local spec, one data-parallel
-rank, tensor and pipeline parallelism 1): every main weight and Adam moment equal to its
-optimizer's. A checkpoint of several data-parallel groups (tensor or pipeline parallelism
-above 1, whose buckets hold each rank's shard) or several buffers (experts, mixed dtypes) is
-refused with the fix.
+Under tensor parallelism every TP rank has its own data-parallel group (``dp_group_idx_<i>``,
+megatron-core numbers them by model-parallel rank: the TP rank at pipeline parallelism 1), whose
+buckets hold that rank's pieces of the weights in the same order. Each piece is where Megatron-LM
+splits it, by :func:`mfsdp.models.tensor_parallel.tp_splits` (mfsdp's own TP plan): ``linear_qkv``
+by whole query groups, ``linear_fc1`` by rows (SwiGLU: the rank's gate rows then its up rows),
+``linear_proj`` and ``linear_fc2`` by input columns, the embedding and output layer by
+vocabulary rows, norms whole on every rank. Every rank's ``param`` slice must equal its own piece
+of the model weight, and the pieces are joined into the global tensors.
+
+Verified on megatron-core 0.19.2's own checkpoints of a dense GPT (local spec, one data-parallel
+rank; tensor parallelism 1 and 2, pipeline parallelism 1): every main weight and Adam moment
+equal to its optimizer's. Pipeline parallelism above 1 (each stage's buckets hold its own
+layers) and several buffers in a group (experts, mixed dtypes) are refused with the fix.
 """
 
 from __future__ import annotations
