@@ -373,7 +373,8 @@ def _damaged_dp_reshardable(root: Path, what: str, fixture: str = "adam-dp-resha
     bucket's ``exp_avg`` one parameter (64 elements) short; ``swapped``, the two layers' input
     norms exchanged in every bucket field (the sizes add up, the order does not);
     ``pipeline``, the buckets twice, as a second pipeline stage's, with the arguments saying
-    pipeline parallelism 2; ``ranks-swapped`` (of the TP 2 fixture), the two TP ranks' buckets
+    pipeline parallelism 2; ``two-buffers``, the buckets twice in one group, as a second
+    buffer's (experts, another dtype); ``ranks-swapped`` (of the TP 2 fixture), the two TP ranks' buckets
     exchanged; anything else, nothing."""
     import torch.distributed.checkpoint as dcp
 
@@ -396,6 +397,8 @@ def _damaged_dp_reshardable(root: Path, what: str, fixture: str = "adam-dp-resha
             flat[62592:62656], flat[108800:108864] = b, a
         elif what == "pipeline":  # a second stage's buckets (another data-parallel group)
             state[key.replace("dp_group_idx_0", "dp_group_idx_1")] = flat.clone()
+        elif what == "two-buffers":
+            state[key.replace("gbuf_idx_0", "gbuf_idx_1")] = flat.clone()
         elif what == "ranks-swapped" and "dp_group_idx_0" in key:
             other = key.replace("dp_group_idx_0", "dp_group_idx_1")
             state[key], state[other] = state[other], flat
@@ -414,13 +417,15 @@ def _damaged_dp_reshardable(root: Path, what: str, fixture: str = "adam-dp-resha
                 "decoder.layers.self_attention.linear_qkv.layer_norm_weight"),
     ("pipeline", "is of 2 data-parallel groups, its arguments say tensor parallelism 1 and "
                  "pipeline parallelism 2; mfsdp maps the buckets of one pipeline stage"),
+    ("two-buffers", "has 2 buffers in 1 data-parallel groups \\(dp_group_idx_0.gbuf_idx_0, "
+                    "dp_group_idx_0.gbuf_idx_1: experts, mixed dtypes"),
     ("ranks-swapped", "main weights at \\[0:8192\\] of bucket 0 \\(TP rank 0\\) are not "
                       "output_layer.weight \\(mfsdp's output_layer.weight, split 2 ways along "
                       "dimension 0\\)")])
 def test_a_damaged_dp_reshardable_layout_is_refused_in_one_line(what, error, tmp_path):
     """A bucket of the wrong length, one whose parameters are not where megatron-core's
     order puts them (the main weights no longer equal the model's), buckets of several
-    pipeline stages (each stage's hold its own layers), or TP ranks' buckets in the wrong
+    pipeline stages (each stage's hold its own layers) or buffers, or TP ranks' buckets in the wrong
     order (each rank's main weights are checked against its own piece), are refused in one
     line naming what and the fix, and nothing is written (the copy re-saved intact reads)."""
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp

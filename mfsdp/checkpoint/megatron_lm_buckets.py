@@ -166,14 +166,23 @@ class BucketSource:
                 found.setdefault(m.groups()[:3], {}).setdefault(int(m.group(4)), {})
                 found[m.groups()[:3]][int(m.group(4))][m.group(5)] = key
         ids = sorted({int(g[0]) for g in found})
-        if len(found) != len(ids) or ids != list(range(len(ids))):
+        if not found or len(found) != len(ids) or ids != list(range(len(ids))):
             what = sorted({f"dp_group_idx_{g[0]}.gbuf_idx_{g[1]}" for g in found})
             raise CheckpointError(f"{self.directory}: its dp_reshardable optimizer state has "
                                   f"{len(found)} buffers in {len(ids)} data-parallel groups "
                                   f"({', '.join(what)}: experts, mixed dtypes, or a group "
                                   f"missing); mfsdp maps one buffer per group; {_FIX}")
-        return [self._group(source, g[0], g[1], found[g])
-                for g in sorted(found, key=lambda g: int(g[0]))]
+        groups = [self._group(source, g[0], g[1], found[g])
+                  for g in sorted(found, key=lambda g: int(g[0]))]
+        want = sorted(groups[0][0][0])
+        for i, (buckets, _) in enumerate(groups):
+            for b, fields in enumerate(buckets):
+                if sorted(fields) != want:
+                    raise CheckpointError(
+                        f"{self.directory}: bucket {b} of data-parallel group {i} of its "
+                        f"dp_reshardable optimizer state holds {sorted(fields)}, bucket 0 of "
+                        f"group 0 {want}: the checkpoint is damaged; {_FIX}")
+        return groups
 
     def _group(self, source: DCPSource, group: str, gbuf: str,
                per_bucket: dict) -> tuple[list[dict[str, str]], list[int]]:
