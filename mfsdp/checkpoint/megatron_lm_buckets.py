@@ -151,9 +151,9 @@ class BucketSource:
         if pp > 1 or (tp is not None and tp != n):
             raise CheckpointError(
                 f"{self.directory}: its dp_reshardable optimizer state is of {n} data-parallel "
-                f"groups, its arguments say tensor parallelism {tp} and pipeline parallelism "
-                f"{pp}; mfsdp maps the buckets of one pipeline stage, one group per TP rank; "
-                f"{_FIX}")
+                f"groups, its arguments say tensor parallelism {tp or 'unsaved'} and "
+                f"pipeline parallelism {pp}; mfsdp maps the buckets of one pipeline stage, one "
+                f"group per TP rank; {_FIX}")
         return n
 
     def _buckets(self, source: DCPSource) -> list[tuple[list[dict[str, str]], list[int]]]:
