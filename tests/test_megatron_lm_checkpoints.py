@@ -333,12 +333,49 @@ def test_dp_reshardable_optimizer_state_is_read_from_its_buckets(tmp_path):
         assert torch.equal(value, e["state_after_2"][_mcore_name(key[len("model."):])]["param"])
 
 
-def _damaged_dp_reshardable(root: Path, what: str) -> Path:
-    """A copy of the ``dp_reshardable`` fixture re-saved with one thing wrong: ``short``, the
+def test_dp_reshardable_at_tp2_is_read_from_each_tp_ranks_buckets(tmp_path):
+    """At tensor parallelism 2 each TP rank's data-parallel group saves its own buckets, of its
+    pieces of the weights (query groups, the gate and up halves of ``linear_fc1``, the
+    vocabulary, ``linear_proj``'s and ``linear_fc2``'s input columns): joined, every main weight
+    and both Adam moments equal what megatron-core's optimizer held after iteration 2 (bit for
+    bit: a copy; ``make_tp_fixture.py`` joined the ranks' pieces itself), with the step, both
+    groups and the schedule. The run is the ``adam-tp2`` fixture's (the same losses); that
+    fixture was recorded in another environment, so its state is within 1e-6 (float32
+    round-off, the largest difference 1.9e-7)."""
+    from mfsdp.checkpoint.dcp import read_full
+    from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
+
+    e = torch.load(FIXTURE / "expected_dp_reshardable_tp2.pt")
+    adam = torch.load(FIXTURE / "expected_tp2.pt")
+    assert e["losses"] == adam["losses"]
+    src = OPTIM / "adam-dp-reshardable-tp2"
+    tensors, blobs, _ = read_full(megatron_lm_to_fsdp(src, tmp_path / "m", _config().to_dict(),
+                                                      progress=False))
+    names = [k[len("model."):] for k in tensors if k.startswith("model.")]
+    assert len(names) == len(e["state_after_2"])
+    for name in names:
+        want, near = e["state_after_2"][_mcore_name(name)], adam["state_after_2"][_mcore_name(name)]
+        got = {"param": tensors[f"model.{name}"]} | {
+            f: tensors[f"optimizer.state.{name}.{f}"] for f in ("exp_avg", "exp_avg_sq")}
+        for field, value in got.items():
+            assert torch.equal(value, want[field]), (name, field)
+            torch.testing.assert_close(value, near[field], rtol=0, atol=1e-6)
+        assert tensors[f"optimizer.state.{name}.step"].item() == want["step"].item() == 2
+    by_wd = {g["wd_mult"]: g for g in e["param_groups"]}
+    for mine, ref in zip(blobs["optimizer.param_groups"], (by_wd[1.0], by_wd[0.0])):
+        assert {k: mine[k] for k in ("lr", "betas", "eps", "weight_decay")} == {
+            k: ref[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    assert blobs["extra"]["opt_param_scheduler"] == e["scheduler"] | {"num_steps": 2}
+
+
+def _damaged_dp_reshardable(root: Path, what: str, fixture: str = "adam-dp-reshardable") -> Path:
+    """A copy of a ``dp_reshardable`` fixture re-saved with one thing wrong: ``short``, the
     bucket's ``exp_avg`` one parameter (64 elements) short; ``swapped``, the two layers' input
     norms exchanged in every bucket field (the sizes add up, the order does not);
-    ``two-groups``, the buckets twice, as a second data-parallel group's; anything else,
-    nothing."""
+    ``pipeline``, the buckets twice, as a second pipeline stage's, with the arguments saying
+    pipeline parallelism 2; ``two-buffers``, the buckets twice in one group, as a second
+    buffer's (experts, another dtype); ``ranks-swapped`` (of the TP 2 fixture), the two TP ranks' buckets
+    exchanged; anything else, nothing."""
     import torch.distributed.checkpoint as dcp
 
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -346,9 +383,11 @@ def _damaged_dp_reshardable(root: Path, what: str) -> Path:
     from mfsdp.checkpoint.dcp import DCPSource
     from mfsdp.checkpoint.megatron_common import SAFE_TYPES
 
-    source = DCPSource(OPTIM / "adam-dp-reshardable" / "iter_0000002")
+    source = DCPSource(OPTIM / fixture / "iter_0000002")
     state: dict[str, object] = {k: source.get(k) for k in source.tensors}
     state.update({k: source.object(k, SAFE_TYPES) for k in source.blob_keys})
+    if what == "pipeline":
+        state["common_state/shard_0_1"][0]["args"].pipeline_model_parallel_size = 2
     for key in [k for k in source.tensors if k.startswith("optimizer.distributed.")]:
         flat = state[key]
         if what == "short" and key.endswith(".exp_avg"):
@@ -356,12 +395,17 @@ def _damaged_dp_reshardable(root: Path, what: str) -> Path:
         elif what == "swapped":  # layer 1's input norm at [62592:62656], layer 0's at [108800:]
             a, b = flat[62592:62656].clone(), flat[108800:108864].clone()
             flat[62592:62656], flat[108800:108864] = b, a
-        elif what == "two-groups":  # a second TP rank's buckets, as TP 2 saves them
+        elif what == "pipeline":  # a second stage's buckets (another data-parallel group)
             state[key.replace("dp_group_idx_0", "dp_group_idx_1")] = flat.clone()
+        elif what == "two-buffers":
+            state[key.replace("gbuf_idx_0", "gbuf_idx_1")] = flat.clone()
+        elif what == "ranks-swapped" and "dp_group_idx_0" in key:
+            other = key.replace("dp_group_idx_0", "dp_group_idx_1")
+            state[key], state[other] = state[other], flat
     out = root / what / "iter_0000002"
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out)), no_dist=True,
              planner=DefaultSavePlanner(flatten_state_dict=False))  # objects as megatron-core
-    shutil.copy(OPTIM / "adam-dp-reshardable" / "iter_0000002" / "metadata.json", out)
+    shutil.copy(OPTIM / fixture / "iter_0000002" / "metadata.json", out)
     (root / what / "latest_checkpointed_iteration.txt").write_text("2")
     return root / what
 
@@ -371,18 +415,25 @@ def _damaged_dp_reshardable(root: Path, what: str) -> Path:
               "per_bucket_numel_unpadded says 125248"),
     ("swapped", "main weights at \\[62592:62656\\] of bucket 0 are not "
                 "decoder.layers.self_attention.linear_qkv.layer_norm_weight"),
-    ("two-groups", "has 2 buffers \\(dp_group_idx_0.gbuf_idx_0, dp_group_idx_1.gbuf_idx_0: "
-                   "tensor or pipeline parallelism above 1")])
+    ("pipeline", "is of 2 data-parallel groups, its arguments say tensor parallelism 1 and "
+                 "pipeline parallelism 2; mfsdp maps the buckets of one pipeline stage"),
+    ("two-buffers", "has 2 buffers in 1 data-parallel groups \\(dp_group_idx_0.gbuf_idx_0, "
+                    "dp_group_idx_0.gbuf_idx_1: experts, mixed dtypes"),
+    ("ranks-swapped", "main weights at \\[0:8192\\] of bucket 0 \\(TP rank 0\\) are not "
+                      "output_layer.weight \\(mfsdp's output_layer.weight, split 2 ways along "
+                      "dimension 0\\)")])
 def test_a_damaged_dp_reshardable_layout_is_refused_in_one_line(what, error, tmp_path):
     """A bucket of the wrong length, one whose parameters are not where megatron-core's
-    order puts them (the main weights no longer equal the model's), or buckets of two
-    data-parallel groups (tensor parallelism above 1), are refused in one line naming what
-    and the fix, and nothing is written (the copy re-saved intact reads)."""
+    order puts them (the main weights no longer equal the model's), buckets of several
+    pipeline stages (each stage's hold its own layers) or buffers, or TP ranks' buckets in the wrong
+    order (each rank's main weights are checked against its own piece), are refused in one
+    line naming what and the fix, and nothing is written (the copy re-saved intact reads)."""
     from mfsdp.checkpoint.megatron_lm import megatron_lm_to_fsdp
 
-    intact = _damaged_dp_reshardable(tmp_path / "src", "intact")
+    fixture = "adam-dp-reshardable-tp2" if what == "ranks-swapped" else "adam-dp-reshardable"
+    intact = _damaged_dp_reshardable(tmp_path / "src", "intact", fixture)
     assert megatron_lm_to_fsdp(intact, tmp_path / "ok", _config().to_dict(), progress=False)
-    src = _damaged_dp_reshardable(tmp_path / "src", what)
+    src = _damaged_dp_reshardable(tmp_path / "src", what, fixture)
     with pytest.raises(CheckpointError, match=error) as exc:
         megatron_lm_to_fsdp(src, tmp_path / "x", _config().to_dict(), progress=False)
     assert "\n" not in str(exc.value) and "--dist-ckpt-optim-fully-reshardable" in str(exc.value)

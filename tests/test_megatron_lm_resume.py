@@ -103,13 +103,15 @@ TRAIN = ["-m", "mfsdp.train", "--use-megatron-fsdp", "--train-iters", "3", "--mo
     ("adam-ddp", "converted", 1),
     pytest.param("adam-ddp", "megatron_lm", 2, marks=pytest.mark.extended),
     pytest.param("adam", "converted", 1, marks=pytest.mark.extended),
-    pytest.param("adam-dp-reshardable", "megatron_lm", 2, marks=pytest.mark.extended)])
+    pytest.param("adam-dp-reshardable", "megatron_lm", 2, marks=pytest.mark.extended),
+    pytest.param("adam-dp-reshardable-tp2", "megatron_lm", 2, marks=pytest.mark.extended)])
 def test_trainer_continues_the_step_count(layout, source, ranks, tmp_path):
     """``mfsdp convert`` then ``mfsdp train --load`` of the result (1 rank), or ``--load`` of
     the Megatron-LM directory itself (2 ranks), for DDP + Adam and for the distributed
     optimizer's ``fully_reshardable`` layout (``adam``, whose saved arguments lack the model:
-    the model flags name it) and its default ``dp_reshardable`` one: iteration 3 runs (no ``KeyError: 'step'``), the not-carried line
-    is printed, and the checkpoint it saves holds Adam's step 3 for every parameter, at
+    the model flags name it) and its default ``dp_reshardable`` one (also of a TP 2 job, loaded
+    with ``--tensor-model-parallel-size 2``): iteration 3 runs (no ``KeyError: 'step'``), the
+    not-carried line is printed, and the checkpoint it saves holds Adam's step 3 for every parameter, at
     iteration 3; exported, it is the job's layout again (the step 3 where that layout keeps
     it)."""
     from mfsdp.checkpoint.dcp import read_full
@@ -129,6 +131,8 @@ def test_trainer_continues_the_step_count(layout, source, ranks, tmp_path):
         load = tmp_path / "converted"
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(ranks), *TRAIN, "--load", str(load), "--save", str(tmp_path / "saved")]
+    if layout.endswith("-tp2"):
+        run += ["--tensor-model-parallel-size", "2"]
     out = subprocess.run(run, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from iteration 2" in out.stdout, out.stdout

@@ -111,8 +111,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--weights-only", action="store_true",
                         help="(megatron_lm) leave the optimizer state out, e.g. to read the "
                              "weights of a checkpoint whose distributed-optimizer state mfsdp "
-                             "cannot map (dp_reshardable buckets of tensor or pipeline "
-                             "parallelism above 1)")
+                             "cannot map (dp_reshardable buckets of pipeline parallelism "
+                             "above 1, or of experts)")
     parser.add_argument("--ckpt-format", choices=("torch_dist", "fsdp_dtensor"),
                         help="(--to megatron_lm) the Megatron-LM checkpoint format to write: "
                              "torch_dist (default) or fsdp_dtensor, for a Megatron-LM job with "

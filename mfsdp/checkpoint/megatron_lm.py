@@ -24,8 +24,8 @@ stacked like the weights. Megatron-LM writes it so with ``--dist-ckpt-optim-full
 (the distributed optimizer) and without ``--use-distributed-optimizer``; its default for the
 distributed optimizer, ``dp_reshardable``, keeps the state as the optimizer's flat bucket buffers
 (``optimizer.distributed.*``), read here as model-space state by
-:class:`~mfsdp.checkpoint.megatron_lm_buckets.BucketSource` (one data-parallel group; others
-are refused with the fix). Exports are always by weight (``fully_reshardable``), which
+:class:`~mfsdp.checkpoint.megatron_lm_buckets.BucketSource` (one data-parallel group per TP
+rank, each rank's pieces joined; pipeline parallelism above 1 is refused with the fix). Exports are always by weight (``fully_reshardable``), which
 megatron-core loads at any data-parallel size. The non-tensor state (``args``, ``iteration``, the
 optimizer's ``param_groups`` with ``step``, ``opt_param_scheduler``, the content metadata naming
 the optimizer layout) is one ``torch.save`` object, ``common_state``, inside the DCP files.

@@ -21,11 +21,19 @@ in the buckets and kept only if it fills every bucket exactly and its ``param`` 
 checkpoint's model weights (cast to their dtype), so a wrong order or a damaged buffer is
 refused in one line instead of giving shuffled state.
 
-Verified on megatron-core 0.19.2's own checkpoint of a dense GPT (local spec, one data-parallel
-rank, tensor and pipeline parallelism 1): every main weight and Adam moment equal to its
-optimizer's. A checkpoint of several data-parallel groups (tensor or pipeline parallelism
-above 1, whose buckets hold each rank's shard) or several buffers (experts, mixed dtypes) is
-refused with the fix.
+Under tensor parallelism every TP rank has its own data-parallel group (``dp_group_idx_<i>``,
+megatron-core numbers them by model-parallel rank: the TP rank at pipeline parallelism 1), whose
+buckets hold that rank's pieces of the weights in the same order. Each piece is where Megatron-LM
+splits it, by :func:`mfsdp.models.tensor_parallel.tp_splits` (mfsdp's own TP plan): ``linear_qkv``
+by whole query groups, ``linear_fc1`` by rows (SwiGLU: the rank's gate rows then its up rows),
+``linear_proj`` and ``linear_fc2`` by input columns, the embedding and output layer by
+vocabulary rows, norms whole on every rank. Every rank's ``param`` slice must equal its own piece
+of the model weight, and the pieces are joined into the global tensors.
+
+Verified on megatron-core 0.19.2's own checkpoints of a dense GPT (local spec, one data-parallel
+rank; tensor parallelism 1 and 2, pipeline parallelism 1): every main weight and Adam moment
+equal to its optimizer's. Pipeline parallelism above 1 (each stage's buckets hold its own
+layers) and several buffers in a group (experts, mixed dtypes) are refused with the fix.
 """
 
 from __future__ import annotations
@@ -87,21 +95,29 @@ def megatron_parameter_orders(names: list[str], plan: dict) -> list[list[str]]:
 class BucketSource:
     """The ``torch_dist`` checkpoint ``source`` with its ``dp_reshardable`` buckets read as
     model-space state: ``get("optimizer.state.<field>.<key>", index)`` returns the weight's slice
-    of a bucket, every other key is ``source``'s. ``fields`` maps each field to the keys it has
-    state for, ``common`` is the checkpoint's common state with the optimizer's param groups put
-    where the model-space layouts keep them. A ``CheckpointError`` refuses, in one line, a layout
-    that does not add up."""
+    of a bucket (under tensor parallelism each TP rank's slice, joined), every other key is
+    ``source``'s. ``fields`` maps each field to the keys it has state for, ``common`` is the
+    checkpoint's common state with the optimizer's param groups put where the model-space layouts
+    keep them. A ``CheckpointError`` refuses, in one line, a layout that does not add up."""
 
     def __init__(self, directory: Path, source: DCPSource, common: dict, plan: dict, model):
         self.source, self.directory = source, directory
-        buckets, sizes = self._buckets(source)
+        groups = self._buckets(source)  # per TP rank (its data-parallel group): buckets, sizes
+        tp = self._tensor_parallel_size(common, len(groups))
         ref = dict(model.named_parameters())
+        self.splits = _splits(model, tp)
+        numel = {n: _local_shape(directory, n, p.shape, self.splits[n], tp).numel()
+                 for n, p in ref.items()}
         problem, furthest = "", -1
         for order in megatron_parameter_orders(list(ref), plan):
-            placed, why = _place(order[::-1], ref, sizes)
-            matched = -1
-            if placed is not None:
-                matched, why = self._check_main_weights(placed, plan, buckets)
+            every, why, matched = [], "", -1
+            for _, sizes in groups:
+                placed, why = _place(order[::-1], numel, sizes)
+                if placed is None:
+                    break
+                every.append(placed)
+            else:
+                matched, why = self._check_main_weights(every, plan, groups)
                 if not why:
                     break
             if matched > furthest:  # the order that went furthest names what differs
@@ -111,43 +127,79 @@ class BucketSource:
                                   f"buckets do not map onto the model: {problem}; is the model "
                                   f"config the one it was trained with? Else {_FIX}")
         self.fields: dict[str, set[str]] = {}
-        self._virtual: dict[tuple[str, tuple], tuple[str, int, int, tuple]] = {}
-        for name, (b, start, stop) in placed.items():
+        self._virtual: dict[tuple[str, tuple], tuple[list, torch.Size, str]] = {}
+        for name in ref:
             key, index = plan[name]
-            for field, bucket_key in buckets[b].items():
+            for field in groups[0][0][every[0][name][0]]:
                 self.fields.setdefault(field, set()).add(key)
+                pieces = []
+                for (buckets, _), placed in zip(groups, every):
+                    b, start, stop = placed[name]
+                    pieces.append((buckets[b][field], start, stop))
+                shape = _local_shape(directory, name, ref[name].shape, self.splits[name], tp)
                 self._virtual[(f"optimizer.state.{field}.{key}", tuple(index))] = (
-                    bucket_key, start, stop, tuple(ref[name].shape))
+                    pieces, shape, name)
         self.common = dict(common, optimizer=self._optimizer_common(source))
 
-    def _buckets(self, source: DCPSource) -> tuple[list[dict[str, str]], list[int]]:
-        """Each bucket's tensor key by field and its length, checked against
-        ``per_bucket_numel_unpadded``."""
+    def _tensor_parallel_size(self, common: dict, n: int) -> int:
+        """The tensor-parallel size of ``n`` data-parallel groups (megatron-core numbers them
+        by model-parallel rank), checked against the saved ``args``: pipeline parallelism above
+        1 (each stage's buckets hold its own layers) is refused."""
+        args = common.get("args")
+        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        tp = getattr(args, "tensor_model_parallel_size", None)
+        if pp > 1 or (tp is not None and tp != n):
+            raise CheckpointError(
+                f"{self.directory}: its dp_reshardable optimizer state is of {n} data-parallel "
+                f"groups, its arguments say tensor parallelism {tp or 'unsaved'} and "
+                f"pipeline parallelism {pp}; mfsdp maps the buckets of one pipeline stage, one "
+                f"group per TP rank; {_FIX}")
+        return n
+
+    def _buckets(self, source: DCPSource) -> list[tuple[list[dict[str, str]], list[int]]]:
+        """Per data-parallel group (TP rank), each bucket's tensor key by field and each
+        bucket's length, checked against ``per_bucket_numel_unpadded``."""
         found: dict[tuple, dict[str, str]] = {}
         for key in source.tensors:
             m = _KEY.match(key)
             if m:
                 found.setdefault(m.groups()[:3], {}).setdefault(int(m.group(4)), {})
                 found[m.groups()[:3]][int(m.group(4))][m.group(5)] = key
-        if len(found) != 1:
+        ids = sorted({int(g[0]) for g in found})
+        if not found or len(found) != len(ids) or ids != list(range(len(ids))):
             what = sorted({f"dp_group_idx_{g[0]}.gbuf_idx_{g[1]}" for g in found})
             raise CheckpointError(f"{self.directory}: its dp_reshardable optimizer state has "
-                                  f"{len(found)} buffers ({', '.join(what)}: tensor or pipeline "
-                                  "parallelism above 1, experts, or mixed dtypes); mfsdp maps "
-                                  f"one; {_FIX}")
-        (group, gbuf, _), per_bucket = next(iter(found.items()))
+                                  f"{len(found)} buffers in {len(ids)} data-parallel groups "
+                                  f"({', '.join(what)}: experts, mixed dtypes, or a group "
+                                  f"missing); mfsdp maps one buffer per group; {_FIX}")
+        groups = [self._group(source, g[0], g[1], found[g])
+                  for g in sorted(found, key=lambda g: int(g[0]))]
+        want = sorted(groups[0][0][0])
+        for i, (buckets, _) in enumerate(groups):
+            for b, fields in enumerate(buckets):
+                if sorted(fields) != want:
+                    raise CheckpointError(
+                        f"{self.directory}: bucket {b} of data-parallel group {i} of its "
+                        f"dp_reshardable optimizer state holds {sorted(fields)}, bucket 0 of "
+                        f"group 0 {want}: the checkpoint is damaged; {_FIX}")
+        return groups
+
+    def _group(self, source: DCPSource, group: str, gbuf: str,
+               per_bucket: dict) -> tuple[list[dict[str, str]], list[int]]:
+        """The buckets of data-parallel group ``group``'s buffer ``gbuf`` and their lengths."""
         buckets = [per_bucket.get(b, {}) for b in range(max(per_bucket) + 1)]
         saved = self._saved_sizes(source, group, int(gbuf))
+        where = f" of data-parallel group {group}" if group != "0" else ""
         for b, fields in enumerate(buckets):
             lengths = {source.tensors[k][0][0] for k in fields.values()}
             want = saved[b] if saved and b < len(saved) else None
             if not fields or len(lengths) != 1 or (want is not None and lengths != {want}):
                 raise CheckpointError(
-                    f"{self.directory}: bucket {b} of its dp_reshardable optimizer state holds "
-                    f"{sorted(lengths)} elements per field where per_bucket_numel_unpadded says "
-                    f"{want}: the checkpoint is damaged; {_FIX}")
+                    f"{self.directory}: bucket {b}{where} of its dp_reshardable optimizer state "
+                    f"holds {sorted(lengths)} elements per field where "
+                    f"per_bucket_numel_unpadded says {want}: the checkpoint is damaged; {_FIX}")
         if saved is not None and len(saved) != len(buckets):
-            raise CheckpointError(f"{self.directory}: per_bucket_numel_unpadded names "
+            raise CheckpointError(f"{self.directory}: per_bucket_numel_unpadded{where} names "
                                   f"{len(saved)} buckets, the checkpoint holds {len(buckets)}; "
                                   f"the checkpoint is damaged; {_FIX}")
         return buckets, [source.tensors[next(iter(f.values()))][0][0] for f in buckets]
@@ -165,20 +217,29 @@ class BucketSource:
         per_dtype = value[gbuf] if gbuf < len(value) else {}
         return [int(n) for sizes in per_dtype.values() for n in sizes]
 
-    def _check_main_weights(self, placed: dict, plan: dict,
-                            buckets: list[dict[str, str]]) -> tuple[int, str]:
-        """How many placed ``param`` slices equal their model weights (cast to the weight's
-        dtype) in order, and ``""`` where all do, else what differs at the first that does not."""
-        for i, (name, (b, start, stop)) in enumerate(placed.items()):
-            if "param" not in buckets[b]:
-                return i, f"bucket {b} has no main weights ('param') to place the weights by"
-            main = self.source.get_range(buckets[b]["param"], start, stop)
+    def _check_main_weights(self, every: list[dict], plan: dict, groups: list) -> tuple[int, str]:
+        """How many weights have every TP rank's placed ``param`` slice equal to its piece of
+        the model weight (cast to the weight's dtype), in order, and ``""`` where all do, else
+        what differs at the first that does not."""
+        tp = len(every)
+        for i, name in enumerate(every[0]):
             weight = self.source.get(*plan[name])
-            if not torch.equal(main.to(weight.dtype).view(weight.shape), weight):
-                return i, (f"the main weights at [{start}:{stop}] of bucket {b} are not "
-                           f"{plan[name][0]} (mfsdp's {name}) in any parameter order mfsdp "
-                           "knows (megatron-core's local and Transformer Engine layer specs)")
-        return len(placed), ""
+            for r, placed in enumerate(every):
+                b, start, stop = placed[name]
+                buckets = groups[r][0]
+                rank = f" (TP rank {r})" if tp > 1 else ""
+                if "param" not in buckets[b]:
+                    return i, (f"bucket {b}{rank} has no main weights ('param') to place the "
+                               "weights by")
+                piece = _piece(weight, self.splits[name], r, tp)
+                main = self.source.get_range(buckets[b]["param"], start, stop)
+                if not torch.equal(main.to(weight.dtype).view(piece.shape), piece):
+                    how = _what(self.splits[name], tp)
+                    return i, (f"the main weights at [{start}:{stop}] of bucket {b}{rank} are "
+                               f"not {plan[name][0]} (mfsdp's {name}, {how}) in any "
+                               "parameter order mfsdp knows (megatron-core's local and "
+                               "Transformer Engine layer specs)")
+        return len(every[0]), ""
 
     def _optimizer_common(self, source: DCPSource) -> dict:
         """The optimizer's param groups (the ``.optimizer`` ShardedObject) as the model-space
@@ -195,28 +256,79 @@ class BucketSource:
         return {"optimizer": value, "param_state_sharding_type": "dp_reshardable"}
 
     def get(self, key: str, index: tuple[int, ...] = ()) -> torch.Tensor:
-        """Tensor ``key`` (``[index]``): a weight's state from its bucket, else ``source``'s."""
+        """Tensor ``key`` (``[index]``): a weight's state from its bucket (each TP rank's piece,
+        joined), else ``source``'s."""
         found = self._virtual.get((key, tuple(index)))
         if found is None:
             return self.source.get(key, index)
-        bucket_key, start, stop, shape = found
-        return self.source.get_range(bucket_key, start, stop).view(shape)
+        pieces, shape, name = found
+        return _join([self.source.get_range(k, start, stop).view(shape)
+                      for k, start, stop in pieces], self.splits[name])
 
 
-def _place(order: list[str], ref: dict, sizes: list[int]) -> tuple[dict | None, str]:
-    """Place the parameters (``order``: the buffer's, reversed ``model.parameters()``) in
-    buckets of ``sizes`` elements as megatron-core does (each start on a 64-element boundary;
-    a bucket ends where its saved length ends): name -> (bucket, start, stop), or ``None`` and
-    why not."""
+def _splits(model, tp: int) -> dict[str, tuple[int, int] | None]:
+    """Each parameter's TP split (:func:`mfsdp.models.tensor_parallel.tp_splits`, Megatron-LM's
+    rules), or none at TP 1."""
+    from mfsdp.models.tensor_parallel import tp_splits
+
+    if tp == 1:
+        return {name: None for name, _ in model.named_parameters()}
+    return tp_splits(model)
+
+
+def _local_shape(directory: Path, name: str, shape, split, tp: int) -> torch.Size:
+    """The shape of one TP rank's piece of a weight of ``shape`` split by ``split``."""
+    if split is None:
+        return torch.Size(shape)
+    dim, factor = split
+    if shape[dim] % (tp * factor):
+        raise CheckpointError(f"{directory}: {name} of shape {tuple(shape)} does not split "
+                              f"{tp} ways along dimension {dim}, as the {tp} data-parallel "
+                              f"groups of its dp_reshardable optimizer state need; {_FIX}")
+    return torch.Size([n // tp if d == dim else n for d, n in enumerate(shape)])
+
+
+def _piece(full: torch.Tensor, split, r: int, tp: int) -> torch.Tensor:
+    """TP rank ``r``'s piece of ``full``: its share of each of the ``split_factor`` blocks
+    along the split dimension (``[gate_r; up_r]`` for SwiGLU), or ``full`` where replicated."""
+    if split is None:
+        return full
+    dim, factor = split
+    return torch.cat([block.chunk(tp, dim)[r] for block in full.chunk(factor, dim)], dim)
+
+
+def _join(pieces: list[torch.Tensor], split) -> torch.Tensor:
+    """The inverse of :func:`_piece`: the full tensor from every TP rank's piece (rank 0's where
+    the weight is replicated)."""
+    if split is None:
+        return pieces[0]
+    dim, factor = split
+    blocks = [p.chunk(factor, dim) for p in pieces]
+    return torch.cat([b[k] for k in range(factor) for b in blocks], dim)
+
+
+def _what(split, tp: int) -> str:
+    """How a weight is split over ``tp`` ranks, in words."""
+    if tp == 1 or split is None:
+        return "whole" if tp == 1 else "whole on every TP rank"
+    dim, factor = split
+    return f"split {tp} ways along dimension {dim}" + (" per gate/up half" if factor > 1 else "")
+
+
+def _place(order: list[str], numel: dict, sizes: list[int]) -> tuple[dict | None, str]:
+    """Place the parameters (``order``: the buffer's, reversed ``model.parameters()``;
+    ``numel``: each one's element count on a TP rank) in buckets of ``sizes`` elements as
+    megatron-core does (each start on a 64-element boundary; a bucket ends where its saved
+    length ends): name -> (bucket, start, stop), or ``None`` and why not."""
     placed: dict[str, tuple[int, int, int]] = {}
     b, cursor = 0, 0
     for name in order:
-        n = ref[name].numel()
+        n = numel[name]
         start = -(-cursor // 64) * 64
         if b < len(sizes) and start >= sizes[b]:
             b, start = b + 1, 0
         if b >= len(sizes) or start + n > sizes[b]:
-            total = sum(p.numel() for p in ref.values())
+            total = sum(numel.values())
             return None, (f"the model's {total} parameter elements, each on a 64-element "
                           f"boundary, do not fill buckets of {sizes} elements")
         placed[name] = (b, start, start + n)

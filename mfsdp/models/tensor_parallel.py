@@ -48,7 +48,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tp_plan", "StridedColwiseParallel",
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tp_plan", "tp_splits",
+           "StridedColwiseParallel",
            "vocab_parallel_cross_entropy", "loss_parallel_context"]
 
 
@@ -163,6 +164,33 @@ def tp_plan(model, sequence_parallel: bool = False, vocab_parallel_loss: bool = 
                 input_layouts=(Shard(0), None, None), desired_input_layouts=(Replicate(), None, None),
                 use_local_output=True)
     return plan
+
+
+def tp_splits(model) -> dict[str, tuple[int, int] | None]:
+    """How :func:`tp_plan` splits each parameter of ``model`` over the TP ranks, by name:
+    ``(dim, split_factor)`` (rank ``r`` of ``n`` holds the ``r``-th of ``n`` pieces of each of
+    the ``split_factor`` equal blocks along ``dim``: 2 for SwiGLU's ``[gate; up]``) or ``None``
+    where every rank holds it whole.
+
+    >>> splits = tp_splits(_tiny())
+    >>> splits["layers.0.mlp.linear_fc2.weight"], splits["embedding.weight"]
+    ((1, 1), (0, 1))
+    """
+    plan = tp_plan(model)
+    out: dict[str, tuple[int, int] | None] = {}
+    for name, _ in model.named_parameters():
+        module, _, pname = name.rpartition(".")
+        style = plan.get(module)
+        if isinstance(style, StridedColwiseParallel):
+            out[name] = (0, 2)
+        elif isinstance(style, ColwiseParallel):
+            out[name] = (0, 1)
+        elif isinstance(style, RowwiseParallel):  # an embedding by rows, a linear by columns
+            linear = isinstance(model.get_submodule(module), nn.Linear)
+            out[name] = None if linear and pname == "bias" else (1 if linear else 0, 1)
+        else:
+            out[name] = None
+    return out
 
 
 def _sum_grad_over_tp(x: torch.Tensor, group) -> torch.Tensor:
