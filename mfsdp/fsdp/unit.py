@@ -26,7 +26,28 @@ from mfsdp.fsdp.bucket import Bucket
 from mfsdp.fsdp.collectives import Handle
 from mfsdp.fsdp.state import ShardingState, UnitPhase
 
-__all__ = ["FSDPUnit", "in_backward", "tensors_requiring_grad"]
+__all__ = ["FSDPUnit", "in_backward", "nvtx_pop", "nvtx_push", "tensors_requiring_grad"]
+
+# [Note: NVTX ranges] Each unit marks its forward and its backward with an NVTX range named
+# "MFSDP <unit> forward|backward" (<root> for the root), as upstream's per-module API does, for
+# Nsight timelines. A CPU build of torch has no NVTX library (its torch.cuda.nvtx functions
+# raise): there a range is emitted only if something replaced those functions (a tracer, a test).
+_NVTX_PUSH, _NVTX_POP = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
+_BUILD_HAS_NVTX = hasattr(torch._C, "_nvtx")
+
+
+def nvtx_push(label: str) -> None:
+    """Open an NVTX range named ``label`` (see [Note: NVTX ranges])."""
+    push = torch.cuda.nvtx.range_push
+    if _BUILD_HAS_NVTX or push is not _NVTX_PUSH:
+        push(label)
+
+
+def nvtx_pop() -> None:
+    """Close the innermost NVTX range (see [Note: NVTX ranges])."""
+    pop = torch.cuda.nvtx.range_pop
+    if _BUILD_HAS_NVTX or pop is not _NVTX_POP:
+        pop()
 
 
 def tensors_requiring_grad(obj) -> list[torch.Tensor]:
@@ -88,6 +109,8 @@ class FSDPUnit:
         # Forwards of this backward whose inputs carry a post-backward hook that has not fired
         # yet (a unit may run several forwards per backward); BACKWARD_DONE when it reaches 0.
         self.fwd_pending = 0
+        # Its backward NVTX range in this backward: None (not opened), "open" or "closed".
+        self.backward_range: str | None = None
 
     def __repr__(self) -> str:
         return f"FSDPUnit({self.name or '(root)'!r}, {len(self.buckets)} buckets)"
@@ -187,6 +210,7 @@ class FSDPUnit:
 
     @_labelled("pre_forward")
     def _pre_forward(self, module, args, kwargs):
+        nvtx_push(self.range_label("forward"))  # closed by _post_forward
         state = self.state
         if in_backward():
             # Recompute under activation checkpointing: the weights are (or are being) gathered
@@ -230,7 +254,19 @@ class FSDPUnit:
             if not keep:
                 self.reshard()
         self.hook_backward_of(output, [self])
+        nvtx_pop()
         return output
+
+    def range_label(self, phase: str) -> str:
+        """The NVTX range name of this unit's ``phase`` (upstream's)."""
+        return f"MFSDP {self.name or '<root>'} {phase}"
+
+    def close_backward_range(self) -> None:
+        """The unit's backward is over (its gradients are all in, or its post-backward hook
+        fired): close its backward NVTX range if it is open."""
+        if self.backward_range == "open":
+            self.backward_range = "closed"
+            nvtx_pop()
 
     def hook_backward_of(self, output, units: list[FSDPUnit]) -> None:
         """Run :meth:`pre_backward` of ``units`` when the first gradient of ``output`` arrives."""
@@ -244,6 +280,9 @@ class FSDPUnit:
         """Before the unit's backward: gather its weights (and prefetch the next unit's)."""
         state = self.state
         state.reducer.start_backward()
+        if self.backward_range is None:  # once per backward (a unit may run several forwards)
+            self.backward_range = "open"
+            nvtx_push(self.range_label("backward"))
         if self.phase is not UnitPhase.BACKWARD_DONE:
             self.phase = UnitPhase.BACKWARD
         self.gather()
@@ -260,10 +299,14 @@ class FSDPUnit:
         then every gradient of the unit's parameters has arrived (unused ones never will)."""
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx or not self.requires_grad:
+        if not idx:
             return args, kwargs
-        self.fwd_pending += 1
-        outs = _PostBackward.apply(self._post_backward, *[flat[i] for i in idx])
+        if self.requires_grad:
+            self.fwd_pending += 1
+            callback = self._post_backward
+        else:  # a frozen unit: only its backward NVTX range waits for this
+            callback = self.close_backward_range
+        outs = _PostBackward.apply(callback, *[flat[i] for i in idx])
         for i, t in zip(idx, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)
@@ -280,6 +323,7 @@ class FSDPUnit:
                 reducer.bucket_ready(b)
         if not self.is_root and not self.state.user_unsharded:
             self.reshard()
+        self.close_backward_range()
         reducer.poll()
 
     def _grad_hook(self, sp):
@@ -332,3 +376,5 @@ class FSDPUnit:
         """Forget this backward's progress (the root callback, at the end of backward)."""
         self.fwd_pending = 0
         self.phase = UnitPhase.IDLE
+        self.close_backward_range()
+        self.backward_range = None
