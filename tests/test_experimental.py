@@ -6,6 +6,8 @@ Rank functions live at module level so that :func:`mfsdp.launch.launch` can impo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -577,6 +579,10 @@ def _round_trip_rank(root: str) -> list[tuple[str, list[str]]]:
     _train(model, vopt, 1, start=2)
     save_checkpoint(model, vopt, f"{root}/v2")
     saved = _v2_snapshot(model, vopt)
+    # upstream's layout: the DCP files directly in the directory, no iter_*/ or latest
+    names = {p.name for p in Path(root, "v2").iterdir()}
+    report.append(("v2 layout", sorted({".metadata", "manifest.json"} - names)
+                   + sorted(n for n in names if n == "latest" or n.startswith("iter_"))))
 
     fm2, opt2 = _v1_model("optim", seed=3)
     v1_load(f"{root}/v2", fm2, opt2)
@@ -596,10 +602,11 @@ def _round_trip_rank(root: str) -> list[tuple[str, list[str]]]:
 @pytest.mark.slow
 def test_checkpoint_round_trip_v1_v2_is_bit_exact(two_ranks):
     """A checkpoint saved through v1 (ZeRO-3) loads through v2 (no_shard) bit for bit, and one
-    saved through v2 loads through v1 (ZeRO-1) and v2 (ZeRO-3) bit for bit, AdamW state included;
-    the two continue training alike."""
+    saved through v2 (upstream's layout: DCP files directly in the directory) loads through v1
+    (ZeRO-1) and v2 (ZeRO-3) bit for bit, AdamW state included; the two continue training
+    alike."""
     for report in [r["checkpoint"] for r in two_ranks]:
-        assert report == [("v1 -> v2", []), ("v2 -> v1", []), ("v2 -> v2", []),
+        assert report == [("v1 -> v2", []), ("v2 layout", []), ("v2 -> v1", []), ("v2 -> v2", []),
                           ("step after load", [])]
 
 
