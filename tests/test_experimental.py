@@ -314,7 +314,26 @@ def _v2_behaviours() -> dict:
         save_checkpoint(seq, torch.optim.SGD(seq.parameters(), lr=1.0), "unused")
     except ValueError as e:
         errors.append(str(e))
+    # An optimizer not adapted: upstream's dtype error where the gradients are kept in another
+    # dtype than the parameters (bf16 gradients of fp32 main weights) ...
+    bf16 = nn.Linear(4, 2).to(torch.bfloat16)
+    with fully_shard_context():
+        fully_shard(bf16, mesh, _placements("zero3"))
+    bf16(torch.ones(3, 4, dtype=torch.bfloat16)).float().sum().backward()
+    try:
+        torch.optim.SGD(bf16.parameters(), lr=0.1).step()
+    except RuntimeError as e:
+        errors.append(str(e))
     out["errors"] = errors
+    # ... and fp32 throughout it steps: w - lr * g
+    fp32 = nn.Linear(4, 2)
+    with fully_shard_context():
+        fully_shard(fp32, mesh, _placements("zero3"))
+    fp32(torch.ones(3, 4)).sum().backward()
+    want = [p.full_tensor() - 0.1 * p.grad.full_tensor() for p in fp32.parameters()]
+    torch.optim.SGD(fp32.parameters(), lr=0.1).step()
+    out["plain_fp32_step"] = max(float((p.full_tensor() - w).abs().max())
+                                 for p, w in zip(fp32.parameters(), want))
     # bf16 weights, fp32 main weights: .grad is a cast copy of the bf16 accumulator, and
     # zero_grad(set_to_none=False) must still start the next step from zero
     out["bf16_zero_grad"] = [_bf16_training(mesh, stn) for stn in (True, False)]
@@ -476,7 +495,10 @@ def _check_v2(results: list, which: str) -> None:
             "the fully_shard_context is still open",
             "load_state_dict(assign=True) would replace parameters that fully_shard manages",
             "parameter '0.weight' is not sharded (it is outside every module given to "
-            "fully_shard), so a checkpoint would miss it"]
+            "fully_shard), so a checkpoint would miss it", "SGD.step()"]
+        assert ("main_grads_dtype differs from main_params_dtype" in extra["errors"][-1]
+                and "fully_shard_optimizer(optimizer)" in extra["errors"][-1]), extra["errors"]
+        assert extra["plain_fp32_step"] < 1e-6  # (one fp32 multiply-add per element)
 
 
 @pytest.mark.extended
