@@ -332,6 +332,7 @@ def _v2_behaviours() -> dict:
     fp32(torch.ones(3, 4)).sum().backward()
     want = [p.full_tensor() - 0.1 * p.grad.full_tensor() for p in fp32.parameters()]
     torch.optim.SGD(fp32.parameters(), lr=0.1).step()
+    out["nvtx"] = _nvtx_ranges(mesh)
     out["plain_fp32_step"] = max(float((p.full_tensor() - w).abs().max())
                                  for p, w in zip(fp32.parameters(), want))
     # bf16 weights, fp32 main weights: .grad is a cast copy of the bf16 accumulator, and
@@ -343,6 +344,48 @@ def _v2_behaviours() -> dict:
                             for (k, v), model_param in zip(model.state_dict().items(),
                                                            model.parameters()))
     return out
+
+
+class _FrozenMiddle(nn.Module):
+    """A trainable bias, then a frozen layer whose input needs a gradient (the bias's), then a
+    trainable one."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.ones(4))
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.layers[0].requires_grad_(False)
+
+    def forward(self, x):
+        return self.layers[1](self.layers[0](x + self.bias))
+
+
+def _nvtx_ranges(mesh) -> list[str]:
+    """The NVTX ranges of one training step, as ``torch.cuda.nvtx`` sees them (recorded by
+    replacing its push and pop): ``"+label"`` opens, ``"-label"`` closes the innermost."""
+    from mfsdp.experimental import fully_shard, fully_shard_context
+
+    events, stack = [], []
+
+    def push(label):
+        stack.append(label)
+        events.append("+" + label)
+
+    def pop():
+        events.append("-" + stack.pop())
+
+    model = _FrozenMiddle()
+    with fully_shard_context():
+        fully_shard(model.layers[0], mesh, _placements("zero3"))
+        fully_shard(model.layers[1], mesh, _placements("zero3"))
+        fully_shard(model, mesh, _placements("zero3"))
+    saved = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
+    torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop = push, pop
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+    finally:
+        torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop = saved
+    return events
 
 
 def _orders_and_gathered_storage(mesh) -> tuple[dict, dict]:
@@ -498,6 +541,14 @@ def _check_v2(results: list, which: str) -> None:
             "fully_shard), so a checkpoint would miss it", "SGD.step()"]
         assert ("main_grads_dtype differs from main_params_dtype" in extra["errors"][-1]
                 and "fully_shard_optimizer(optimizer)" in extra["errors"][-1]), extra["errors"]
+        # upstream's NVTX ranges, each closed when its module's backward is over: the frozen
+        # layer's when the gradient of its input is computed, before the root's bias's
+        fwd, bwd = "MFSDP {} forward", "MFSDP {} backward"
+        assert extra["nvtx"] == [
+            "+" + fwd.format("<root>"), "+" + fwd.format("layers.0"), "-" + fwd.format("layers.0"),
+            "+" + fwd.format("layers.1"), "-" + fwd.format("layers.1"), "-" + fwd.format("<root>"),
+            "+" + bwd.format("<root>"), "+" + bwd.format("layers.1"), "-" + bwd.format("layers.1"),
+            "+" + bwd.format("layers.0"), "-" + bwd.format("layers.0"), "-" + bwd.format("<root>")]
         assert extra["plain_fp32_step"] < 1e-6  # (one fp32 multiply-add per element)
 
 

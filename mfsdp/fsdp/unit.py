@@ -21,6 +21,7 @@ import weakref
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mfsdp.fsdp.bucket import Bucket
 from mfsdp.fsdp.collectives import Handle
@@ -33,7 +34,9 @@ __all__ = ["FSDPUnit", "in_backward", "nvtx_pop", "nvtx_push", "tensors_requirin
 # Nsight timelines. A CPU build of torch has no NVTX library (its torch.cuda.nvtx functions
 # raise): there a range is emitted only if something replaced those functions (a tracer, a test).
 _NVTX_PUSH, _NVTX_POP = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
-_BUILD_HAS_NVTX = hasattr(torch._C, "_nvtx")
+# a forward output -> (ids of the tensors hooked with it, the units their backward hook starts)
+_HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_BUILD_HAS_NVTX = torch.version.cuda is not None or torch.version.hip is not None
 
 
 def nvtx_push(label: str) -> None:
@@ -269,20 +272,43 @@ class FSDPUnit:
             nvtx_pop()
 
     def hook_backward_of(self, output, units: list[FSDPUnit]) -> None:
-        """Run :meth:`pre_backward` of ``units`` when the first gradient of ``output`` arrives."""
+        """Run :meth:`pre_backward` of ``units`` when the first gradient of ``output`` arrives.
+
+        An outer unit that returns an inner unit's output as it is (the last layer's) joins the
+        inner unit's hook: the units' pre-backward work runs in the order they were hooked, as
+        before, and their NVTX ranges open outermost first, nested as upstream's are."""
         tensors = tensors_requiring_grad(output)
-        if tensors and torch.is_grad_enabled():
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grad: [u.pre_backward() for u in units], mode="any")
+        if not tensors or not torch.is_grad_enabled():
+            return
+        ids = [id(t) for t in tensors]
+        hooked = _HOOKED.get(tensors[0])
+        if hooked is not None and hooked[0] == ids:
+            hooked[1].extend(units)
+            return
+        chain = list(units)
+        _HOOKED[tensors[0]] = (ids, chain)
+
+        def start(grad) -> None:
+            for u in reversed(chain):
+                u.open_backward_range()
+            for u in chain:
+                u.pre_backward()
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, start, mode="any")
+
+    def open_backward_range(self) -> None:
+        """Open the unit's backward NVTX range (once per backward; :meth:`pre_backward` opens it
+        where no hook did)."""
+        if self.backward_range is None:  # once per backward (a unit may run several forwards)
+            self.backward_range = "open"
+            nvtx_push(self.range_label("backward"))
 
     @_labelled("pre_backward")
     def pre_backward(self) -> None:
         """Before the unit's backward: gather its weights (and prefetch the next unit's)."""
         state = self.state
         state.reducer.start_backward()
-        if self.backward_range is None:  # once per backward (a unit may run several forwards)
-            self.backward_range = "open"
-            nvtx_push(self.range_label("backward"))
+        self.open_backward_range()
         if self.phase is not UnitPhase.BACKWARD_DONE:
             self.phase = UnitPhase.BACKWARD
         self.gather()
