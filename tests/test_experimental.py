@@ -632,6 +632,9 @@ def _round_trip_rank(root: str) -> list[tuple[str, list[str]]]:
     """v1 (ZeRO-3) trains and saves; v2 (no_shard) loads, checks, trains, saves; v1 (ZeRO-1)
     loads that. After each load every weight and optimizer state tensor must be bit-equal to what
     was saved; returns the keys that differ at each hand-over (all lists empty on success)."""
+    import torch.distributed as dist
+
+    from mfsdp.checkpoint import CheckpointError
     from mfsdp.checkpoint import load_checkpoint as v1_load
     from mfsdp.checkpoint import save_checkpoint as v1_save
     from mfsdp.experimental import load_checkpoint, save_checkpoint
@@ -651,11 +654,27 @@ def _round_trip_rank(root: str) -> list[tuple[str, list[str]]]:
     report.append(("v1 -> v2", differ(saved, _v2_snapshot(model, vopt))))
     _train(model, vopt, 1, start=2)
     save_checkpoint(model, vopt, f"{root}/v2")
+    save_checkpoint(model, vopt, f"{root}/v2")  # a save over an earlier checkpoint replaces it
     saved = _v2_snapshot(model, vopt)
-    # upstream's layout: the DCP files directly in the directory, no iter_*/ or latest
+    # upstream's layout: the DCP files directly in the directory, no iter_*/ or latest; a
+    # directory holding something else is refused and left as it was
     names = {p.name for p in Path(root, "v2").iterdir()}
+    foreign = Path(root, "notes")
+    if dist.get_rank() == 0:
+        foreign.mkdir()
+        (foreign / "todo.txt").write_text("keep me")
+    dist.barrier()
+    try:
+        save_checkpoint(model, vopt, foreign)
+        refused = []
+    except CheckpointError as e:
+        refused = [] if "neither empty nor an mfsdp checkpoint" in str(e) else [str(e)]
+    else:
+        refused = ["saved into a directory holding other files"]
+    kept = sorted(p.name for p in foreign.iterdir()) == ["todo.txt"]
     report.append(("v2 layout", sorted({".metadata", "manifest.json"} - names)
-                   + sorted(n for n in names if n == "latest" or n.startswith("iter_"))))
+                   + sorted(n for n in names if n == "latest" or n.startswith("iter_"))
+                   + refused + ([] if kept else ["the foreign directory changed"])))
 
     fm2, opt2 = _v1_model("optim", seed=3)
     v1_load(f"{root}/v2", fm2, opt2)

@@ -34,9 +34,10 @@ __all__ = ["FSDPUnit", "in_backward", "nvtx_pop", "nvtx_push", "tensors_requirin
 # Nsight timelines. A CPU build of torch has no NVTX library (its torch.cuda.nvtx functions
 # raise): there a range is emitted only if something replaced those functions (a tracer, a test).
 _NVTX_PUSH, _NVTX_POP = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
-# a forward output -> (ids of the tensors hooked with it, the units their backward hook starts)
-_HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _BUILD_HAS_NVTX = torch.version.cuda is not None or torch.version.hip is not None
+# a forward output -> (ids of the tensors hooked with it, the units their backward hook starts):
+# see FSDPUnit.hook_backward_of
+_HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def nvtx_push(label: str) -> None:
