@@ -6,6 +6,8 @@ Rank functions live at module level so that :func:`mfsdp.launch.launch` can impo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -312,7 +314,27 @@ def _v2_behaviours() -> dict:
         save_checkpoint(seq, torch.optim.SGD(seq.parameters(), lr=1.0), "unused")
     except ValueError as e:
         errors.append(str(e))
+    # An optimizer not adapted: upstream's dtype error where the gradients are kept in another
+    # dtype than the parameters (bf16 gradients of fp32 main weights) ...
+    bf16 = nn.Linear(4, 2).to(torch.bfloat16)
+    with fully_shard_context():
+        fully_shard(bf16, mesh, _placements("zero3"))
+    bf16(torch.ones(3, 4, dtype=torch.bfloat16)).float().sum().backward()
+    try:
+        torch.optim.SGD(bf16.parameters(), lr=0.1).step()
+    except RuntimeError as e:
+        errors.append(str(e))
     out["errors"] = errors
+    # ... and fp32 throughout it steps: w - lr * g
+    fp32 = nn.Linear(4, 2)
+    with fully_shard_context():
+        fully_shard(fp32, mesh, _placements("zero3"))
+    fp32(torch.ones(3, 4)).sum().backward()
+    want = [p.full_tensor() - 0.1 * p.grad.full_tensor() for p in fp32.parameters()]
+    torch.optim.SGD(fp32.parameters(), lr=0.1).step()
+    out["nvtx"] = _nvtx_ranges(mesh)
+    out["plain_fp32_step"] = max(float((p.full_tensor() - w).abs().max())
+                                 for p, w in zip(fp32.parameters(), want))
     # bf16 weights, fp32 main weights: .grad is a cast copy of the bf16 accumulator, and
     # zero_grad(set_to_none=False) must still start the next step from zero
     out["bf16_zero_grad"] = [_bf16_training(mesh, stn) for stn in (True, False)]
@@ -322,6 +344,48 @@ def _v2_behaviours() -> dict:
                             for (k, v), model_param in zip(model.state_dict().items(),
                                                            model.parameters()))
     return out
+
+
+class _FrozenMiddle(nn.Module):
+    """A trainable bias, then a frozen layer whose input needs a gradient (the bias's), then a
+    trainable one."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.ones(4))
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.layers[0].requires_grad_(False)
+
+    def forward(self, x):
+        return self.layers[1](self.layers[0](x + self.bias))
+
+
+def _nvtx_ranges(mesh) -> list[str]:
+    """The NVTX ranges of one training step, as ``torch.cuda.nvtx`` sees them (recorded by
+    replacing its push and pop): ``"+label"`` opens, ``"-label"`` closes the innermost."""
+    from mfsdp.experimental import fully_shard, fully_shard_context
+
+    events, stack = [], []
+
+    def push(label):
+        stack.append(label)
+        events.append("+" + label)
+
+    def pop():
+        events.append("-" + stack.pop())
+
+    model = _FrozenMiddle()
+    with fully_shard_context():
+        fully_shard(model.layers[0], mesh, _placements("zero3"))
+        fully_shard(model.layers[1], mesh, _placements("zero3"))
+        fully_shard(model, mesh, _placements("zero3"))
+    saved = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
+    torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop = push, pop
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+    finally:
+        torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop = saved
+    return events
 
 
 def _orders_and_gathered_storage(mesh) -> tuple[dict, dict]:
@@ -474,7 +538,18 @@ def _check_v2(results: list, which: str) -> None:
             "the fully_shard_context is still open",
             "load_state_dict(assign=True) would replace parameters that fully_shard manages",
             "parameter '0.weight' is not sharded (it is outside every module given to "
-            "fully_shard), so a checkpoint would miss it"]
+            "fully_shard), so a checkpoint would miss it", "SGD.step()"]
+        assert ("main_grads_dtype differs from main_params_dtype" in extra["errors"][-1]
+                and "fully_shard_optimizer(optimizer)" in extra["errors"][-1]), extra["errors"]
+        # upstream's NVTX ranges, each closed when its module's backward is over: the frozen
+        # layer's when the gradient of its input is computed, before the root's bias's
+        fwd, bwd = "MFSDP {} forward", "MFSDP {} backward"
+        assert extra["nvtx"] == [
+            "+" + fwd.format("<root>"), "+" + fwd.format("layers.0"), "-" + fwd.format("layers.0"),
+            "+" + fwd.format("layers.1"), "-" + fwd.format("layers.1"), "-" + fwd.format("<root>"),
+            "+" + bwd.format("<root>"), "+" + bwd.format("layers.1"), "-" + bwd.format("layers.1"),
+            "+" + bwd.format("layers.0"), "-" + bwd.format("layers.0"), "-" + bwd.format("<root>")]
+        assert extra["plain_fp32_step"] < 1e-6  # (one fp32 multiply-add per element)
 
 
 @pytest.mark.extended
@@ -557,6 +632,9 @@ def _round_trip_rank(root: str) -> list[tuple[str, list[str]]]:
     """v1 (ZeRO-3) trains and saves; v2 (no_shard) loads, checks, trains, saves; v1 (ZeRO-1)
     loads that. After each load every weight and optimizer state tensor must be bit-equal to what
     was saved; returns the keys that differ at each hand-over (all lists empty on success)."""
+    import torch.distributed as dist
+
+    from mfsdp.checkpoint import CheckpointError
     from mfsdp.checkpoint import load_checkpoint as v1_load
     from mfsdp.checkpoint import save_checkpoint as v1_save
     from mfsdp.experimental import load_checkpoint, save_checkpoint
@@ -576,7 +654,27 @@ def _round_trip_rank(root: str) -> list[tuple[str, list[str]]]:
     report.append(("v1 -> v2", differ(saved, _v2_snapshot(model, vopt))))
     _train(model, vopt, 1, start=2)
     save_checkpoint(model, vopt, f"{root}/v2")
+    save_checkpoint(model, vopt, f"{root}/v2")  # a save over an earlier checkpoint replaces it
     saved = _v2_snapshot(model, vopt)
+    # upstream's layout: the DCP files directly in the directory, no iter_*/ or latest; a
+    # directory holding something else is refused and left as it was
+    names = {p.name for p in Path(root, "v2").iterdir()}
+    foreign = Path(root, "notes")
+    if dist.get_rank() == 0:
+        foreign.mkdir()
+        (foreign / "todo.txt").write_text("keep me")
+    dist.barrier()
+    try:
+        save_checkpoint(model, vopt, foreign)
+        refused = []
+    except CheckpointError as e:
+        refused = [] if "neither empty nor an mfsdp checkpoint" in str(e) else [str(e)]
+    else:
+        refused = ["saved into a directory holding other files"]
+    kept = sorted(p.name for p in foreign.iterdir()) == ["todo.txt"]
+    report.append(("v2 layout", sorted({".metadata", "manifest.json"} - names)
+                   + sorted(n for n in names if n == "latest" or n.startswith("iter_"))
+                   + refused + ([] if kept else ["the foreign directory changed"])))
 
     fm2, opt2 = _v1_model("optim", seed=3)
     v1_load(f"{root}/v2", fm2, opt2)
@@ -596,10 +694,11 @@ def _round_trip_rank(root: str) -> list[tuple[str, list[str]]]:
 @pytest.mark.slow
 def test_checkpoint_round_trip_v1_v2_is_bit_exact(two_ranks):
     """A checkpoint saved through v1 (ZeRO-3) loads through v2 (no_shard) bit for bit, and one
-    saved through v2 loads through v1 (ZeRO-1) and v2 (ZeRO-3) bit for bit, AdamW state included;
-    the two continue training alike."""
+    saved through v2 (upstream's layout: DCP files directly in the directory) loads through v1
+    (ZeRO-1) and v2 (ZeRO-3) bit for bit, AdamW state included; the two continue training
+    alike."""
     for report in [r["checkpoint"] for r in two_ranks]:
-        assert report == [("v1 -> v2", []), ("v2 -> v1", []), ("v2 -> v2", []),
+        assert report == [("v1 -> v2", []), ("v2 layout", []), ("v2 -> v1", []), ("v2 -> v2", []),
                           ("step after load", [])]
 
 

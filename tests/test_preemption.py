@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from slow_save import slowed_save_env
 
 from mfsdp.trainer.preemption import (MARKER_ENV, SAVE_TIME_FILE, SaveBudget, grace, needed,
                                       torchrun_shutdown_timeout)
-from mfsdp.trainer.signals import SAVE_DELAY_ENV
 
 BASE = ["--use-megatron-fsdp", "--global-batch-size", "4", "--micro-batch-size", "1",
         "--log-interval", "1", "--exit-signal-handler", "--lr-decay-iters", "100000"]
@@ -88,7 +88,7 @@ def test_the_slow_save_line_names_the_grace_and_the_fix(tmp_path):
 def _torchrun(args: list[str], log: Path, shutdown_s: int, delay_s: float) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "--shutdown-timeout", str(shutdown_s), "-m", "mfsdp.train", *BASE, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{SAVE_DELAY_ENV: str(delay_s)})
+    env = dict(os.environ, OMP_NUM_THREADS="1", **slowed_save_env(delay_s))
     env[MARKER_ENV] = str(log.parent / "saved-on-sigterm")
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, skip_or_fail
+from slow_save import SAVE_DELAY_ENV, SHIM_DIR
 from slurm_cluster import Cluster, why_not
 
 from mfsdp.tools.sbatch import render, scripts
-from mfsdp.trainer.signals import SAVE_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 SCRIPTS = ROOT / "example-scripts"
@@ -46,6 +46,9 @@ def cluster(tmp_path_factory):
 
 # The jobs run this checkout's mfsdp with the test's Python.
 EXPORT = f"--export=ALL,PYTHON={sys.executable},PYTHONPATH={ROOT}"
+# ... with each save slowed to 45 s by the test-only shim (tests/slow_save/sitecustomize.py)
+SLOW_SAVE_EXPORT = (f"--export=ALL,PYTHON={sys.executable},PYTHONPATH={SHIM_DIR}:{ROOT},"
+                    f"{SAVE_DELAY_ENV}=45")
 
 
 def _submit(cluster: Cluster, script: Path, workdir: Path, export: str = EXPORT) -> tuple[int, str]:
@@ -268,7 +271,7 @@ def test_a_save_longer_than_30s_completes_after_the_time_limit_signal(cluster, t
     script.write_text(render("cpu-smoke", {"launcher": "srun", "save": str(ckpt),
                                            "save_interval": "100000", "train_iters": "100000",
                                            "time": "00:05:00", "requeue": "false"}))
-    rc, out = _submit(cluster, script, tmp_path, f"{EXPORT},{SAVE_DELAY_ENV}=45")
+    rc, out = _submit(cluster, script, tmp_path, SLOW_SAVE_EXPORT)
     job_dir = next((tmp_path / "logs" / "mfsdp-cpu-smoke").glob("*/attempt-0"))
     rank0 = (job_dir / "ranks" / "rank-0.log").read_text()
     assert rc == 0, f"{out[-3000:]}\n{rank0[-3000:]}\n{cluster.log_tail()}"
@@ -294,7 +297,7 @@ def test_a_preempted_job_saves_requeues_and_resumes_on_the_uninterrupted_curve(c
         (d / "job.sbatch").write_text(render("cpu-smoke", values))
         runs[name] = d
     d = runs["preempted"]
-    sub = cluster.run("sbatch", "--parsable", f"--chdir={d}", f"{EXPORT},{SAVE_DELAY_ENV}=45",
+    sub = cluster.run("sbatch", "--parsable", f"--chdir={d}", SLOW_SAVE_EXPORT,
                       str(d / "job.sbatch"))
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]

@@ -4,9 +4,10 @@ The suite's files are kept verbatim in ``tests/upstream/v2/third_party/``; the r
 (``tests/upstream/v2/run_suite.py``) says what it changes around them (import shims to
 ``mfsdp.experimental``, Megatron-LM's ``TempNamedDir`` and ``tmp_path_dist_ckpt``, a Transformer
 Engine stand-in that skips, the tests that need CUDA skipped with their reasons). On 4 ranks it
-collects 73 cases (43 test functions): 40 pass, 25 are skipped because they need CUDA, and the 8
-in ``KNOWN_DIFFERENCES`` fail where mfsdp differs from upstream. Every other case must pass, and
-each known difference must still fail (so that the list shrinks when mfsdp closes one).
+collects 73 cases (43 test functions): 48 pass, 25 are skipped because they need CUDA, and none
+fails (``KNOWN_DIFFERENCES``, where mfsdp would differ from upstream, is empty). Every case that
+is not skipped must pass, and a known difference listed must still fail (so that the list
+shrinks when mfsdp closes one).
 """
 import subprocess
 import sys
@@ -36,26 +37,10 @@ SKIPPED_NEEDS_CUDA = {
     "test_fused_adam_adapter_accepts_mismatched_grads": "Transformer Engine's FusedAdam",
 }
 
-# test function -> where mfsdp differs from upstream v2 (these fail on every device)
-KNOWN_DIFFERENCES = {
-    # test_annotation.py (5)
-    "test_fsdp_sibling_roots_emit_root_nvtx_ranges_after_training_step":
-        "mfsdp emits no 'MFSDP <module> forward/backward' NVTX ranges",
-    "test_fsdp_training_hooks_emit_stacked_nvtx_ranges": "no NVTX ranges",
-    "test_fsdp_frozen_parameters_emit_balanced_backward_nvtx_range": "no NVTX ranges",
-    "test_fsdp_frozen_child_without_grad_inputs_skips_backward_nvtx_range": "no NVTX ranges",
-    "test_tied_child_parameters_complete_backward_once_per_cycle": "no NVTX ranges",
-    # test_checkpoint.py (fp32, bf16)
-    "test_checkpoint_roundtrip_flat_dp":
-        "save_checkpoint writes an mfsdp checkpoint root (iter_0000000/ and latest), not DCP "
-        "files directly in the directory, so FileSystemReader(dir) finds no .metadata",
-    # test_optimizer.py
-    "test_adam_without_adapter_raises_precision_error":
-        "mfsdp hands a plain optimizer gradients in the main weights' dtype, so torch.optim.Adam "
-        "steps instead of raising a dtype error",
-}
-
-
+# test function -> where mfsdp differs from upstream v2 (these fail on every device). Empty:
+# the last ones (upstream's NVTX ranges, save_checkpoint's directory layout, the dtype error of
+# an optimizer not adapted) were closed; a new difference is listed here with its reason.
+KNOWN_DIFFERENCES: dict[str, str] = {}
 
 
 def _function(case: str) -> str:
@@ -80,4 +65,4 @@ def test_every_upstream_v2_test_that_runs_on_a_cpu_passes(tmp_path):
     assert not unexplained, f"skipped without a CUDA reason: {unexplained}\n{tail}"
     counts = {o: sum(v == o for v in outcomes.values()) for o in ("passed", "failed", "skipped")}
     measured = (len(outcomes), counts["passed"], counts["skipped"], counts["failed"])
-    assert measured == (73, 40, 25, 8), f"collected {len(outcomes)}, {counts}\n{tail}"
+    assert measured == (73, 48, 25, 0), f"collected {len(outcomes)}, {counts}\n{tail}"

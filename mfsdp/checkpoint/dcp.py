@@ -33,8 +33,8 @@ from mfsdp.checkpoint.manifest import (CHECKSUMS, FORMAT_VERSION, CheckpointErro
 
 __all__ = ["MAP_FILE", "MODEL_CONFIG_FILE", "read_full", "write_full", "write_streaming",
            "LazyPlanner", "DCPSource", "Progress", "spread_over_ranks", "ranks",
-           "shared_temp_name", "owned_keys", "on_rank_zero", "commit_dir", "nbytes",
-           "human_bytes"]
+           "shared_temp_name", "owned_keys", "on_rank_zero", "from_rank_zero", "commit_dir",
+           "nbytes", "human_bytes"]
 
 MAP_FILE = "param_to_param_group_map.json"
 MODEL_CONFIG_FILE = "model_config.json"
@@ -171,15 +171,36 @@ def ranks() -> tuple[int, int]:
     return 0, 1
 
 
-def shared_temp_name(parent: Path, name: str) -> Path:
-    """A fresh temporary path next to ``name``, the same on every rank of the group."""
-    token = [secrets.token_hex(4)]
-    rank, world = ranks()
+def _group(rank: int | None, world: int | None) -> tuple[int, int]:
+    """``(rank, world)`` as given, else the default process group's (one process without one)."""
+    if rank is None or world is None:
+        import torch.distributed as dist
+
+        up = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if up else (0, 1)
+    return rank, world
+
+
+def from_rank_zero(make: Callable[[], object], *, rank: int | None = None,
+                   world: int | None = None) -> object:
+    """Rank 0's ``make()``, on every rank (the others do not call it). ``rank``/``world``: who
+    takes part (default: the default process group, or one process)."""
+    rank, world = _group(rank, world)
+    value = [make() if rank == 0 else None]
     if world > 1:
         import torch.distributed as dist
 
-        dist.broadcast_object_list(token, src=0)
-    return parent / f".tmp-{name}-{token[0]}"
+        dist.broadcast_object_list(value, src=0)
+    return value[0]
+
+
+def shared_temp_name(parent: Path, name: str, prefix: str = ".tmp", *,
+                     group: bool = False) -> Path:
+    """A fresh temporary path ``parent/<prefix>-<name>-<token>``, the same on every rank: the
+    ranks :func:`ranks` names (a conversion), or with ``group`` the default process group's."""
+    rank, world = _group(None, None) if group else ranks()
+    token = from_rank_zero(lambda: secrets.token_hex(4), rank=rank, world=world)
+    return parent / f"{prefix}-{name}-{token}"
 
 
 def owned_keys(nbytes: dict[str, int]) -> set[str]:
@@ -208,27 +229,20 @@ def on_rank_zero(work: Callable[[], object], *, cleanup: Callable[[], object] | 
     ``keep_os_error``, for the caller to word; ``describe(exc)`` when given). ``cleanup()`` runs
     on rank 0 after a failure. ``rank``/``world``: who takes part (default: the default process
     group, or one process)."""
-    if rank is None or world is None:
-        import torch.distributed as dist
+    rank, world = _group(rank, world)
 
-        up = dist.is_available() and dist.is_initialized()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if up else (0, 1)
-    error = [None]
-    if rank == 0:
+    def attempt():
         try:
             work()
         except catch as exc:  # noqa: BLE001 - every rank stops with the reason
             if cleanup is not None:
                 cleanup()
             if keep_os_error and isinstance(exc, OSError):
-                error[0] = exc
-            else:
-                error[0] = describe(exc) if describe is not None else f"{type(exc).__name__}: {exc}"
-    if world > 1:
-        import torch.distributed as dist
+                return exc
+            return describe(exc) if describe is not None else f"{type(exc).__name__}: {exc}"
+        return None
 
-        dist.broadcast_object_list(error, src=0)
-    return error[0]
+    return from_rank_zero(attempt, rank=rank, world=world)
 
 
 def commit_dir(tmp: Path, path: Path, write) -> None:

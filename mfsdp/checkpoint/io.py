@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import secrets
 import shutil
 from pathlib import Path
 
@@ -27,12 +26,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from mfsdp.checkpoint.dcp import on_rank_zero
+from mfsdp.checkpoint.dcp import on_rank_zero, shared_temp_name
 from mfsdp.checkpoint.manifest import (
     CHECKSUMS,
     DTYPES,
     FORMAT_VERSION,
     CheckpointError,
+    RankZeroOSError,
     file_checksums,
     read_manifest,
     resolve_checkpoint,
@@ -45,7 +45,8 @@ from mfsdp.checkpoint.state import (
     param_groups_state,
 )
 
-__all__ = ["save_checkpoint", "load_fsdp_dtensor", "load_converted", "buffer_state"]
+__all__ = ["save_checkpoint", "save_checkpoint_directory", "load_fsdp_dtensor", "load_converted",
+           "buffer_state"]
 
 def _describe(state: dict) -> dict[str, dict]:
     """Every rank's tensor keys with global shape and dtype (experts differ between EP ranks)."""
@@ -91,6 +92,48 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write(tmp: Path, model, optimizer, iteration: int, extra: dict | None,
+           files: dict[str, str] | None) -> None:
+    """Every rank writes its share of one checkpoint into ``tmp`` (rank 0 made it); rank 0 adds
+    the files and ``manifest.json`` last (a collective call)."""
+    state = model_state(model)
+    if optimizer is not None:
+        state.update(optimizer_state(model, optimizer))
+        state["optimizer.param_groups"] = pickle.dumps(param_groups_state(optimizer))
+    state.update(buffer_state(model))
+    # Non-tensor values travel as one pickled blob each (DCP would flatten nested dicts).
+    # Every rank's RNG state has a key of its own (one shared key would keep one rank's for
+    # all).
+    rng = _rng_state(model)
+    state["extra"] = pickle.dumps(dict(extra or {}, iteration=iteration, rng_state=rng))
+    state[f"rng_state.rank{dist.get_rank()}"] = pickle.dumps(rng)
+    model.finish_grad_sync()
+    dcp.save(state, checkpoint_id=str(tmp))
+    described = _describe(state)
+    blobs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(blobs, [k for k, v in state.items() if isinstance(v, bytes)])
+    group_map = (global_param_to_param_group_map(model, optimizer)
+                 if optimizer is not None else None)
+    if dist.get_rank() == 0:
+        for fname, text in (files or {}).items():
+            (tmp / fname).write_text(text)
+        if optimizer is not None:
+            (tmp / "param_to_param_group_map.json").write_text(json.dumps(group_map, indent=1))
+    dist.barrier()
+    # Every rank hashes the files it wrote (still in its page cache): the save costs one
+    # read of 1/world of the checkpoint per rank, in parallel.
+    sums: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sums, file_checksums(tmp, dist.get_rank(), dist.get_world_size()))
+    if dist.get_rank() == 0:
+        manifest = {"format": "fsdp_dtensor", "format_version": FORMAT_VERSION,
+                    "layout": _layout(model), "tensors": described,
+                    "blobs": sorted({k for part in blobs for k in part}),
+                    "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
+                    CHECKSUMS: {k: v for part in sums for k, v in sorted(part.items())}}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        _fsync_dir(tmp)
+
+
 def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: int = 0,
                     extra: dict | None = None, files: dict[str, str] | None = None) -> Path:
     """Save model (main weights), optimizer and ``extra`` under ``root`` (a collective call).
@@ -101,54 +144,18 @@ def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: i
     """
     root = Path(root)
     name = f"iter_{iteration:07d}"
-    token = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    tmp = root / f".tmp-{name}-{token[0]}"
+    tmp = shared_temp_name(root, name, group=True)
+    latest_tmp = root / f".latest-{tmp.name.rsplit('-', 1)[1]}"
     if dist.get_rank() == 0:
         tmp.mkdir(parents=True, exist_ok=False)
     try:
         dist.barrier()
-        state = model_state(model)
-        if optimizer is not None:
-            state.update(optimizer_state(model, optimizer))
-            state["optimizer.param_groups"] = pickle.dumps(param_groups_state(optimizer))
-        state.update(buffer_state(model))
-        # Non-tensor values travel as one pickled blob each (DCP would flatten nested dicts).
-        # Every rank's RNG state has a key of its own (one shared key would keep one rank's for
-        # all).
-        rng = _rng_state(model)
-        state["extra"] = pickle.dumps(dict(extra or {}, iteration=iteration, rng_state=rng))
-        state[f"rng_state.rank{dist.get_rank()}"] = pickle.dumps(rng)
-        model.finish_grad_sync()
-        dcp.save(state, checkpoint_id=str(tmp))
-        described = _describe(state)
-        blobs: list = [None] * dist.get_world_size()
-        dist.all_gather_object(blobs, [k for k, v in state.items() if isinstance(v, bytes)])
-        group_map = (global_param_to_param_group_map(model, optimizer)
-                     if optimizer is not None else None)
+        _write(tmp, model, optimizer, iteration, extra, files)
         if dist.get_rank() == 0:
-            for fname, text in (files or {}).items():
-                (tmp / fname).write_text(text)
-            if optimizer is not None:
-                (tmp / "param_to_param_group_map.json").write_text(json.dumps(group_map, indent=1))
-        dist.barrier()
-        # Every rank hashes the files it wrote (still in its page cache): the save costs one
-        # read of 1/world of the checkpoint per rank, in parallel.
-        sums: list = [None] * dist.get_world_size()
-        dist.all_gather_object(sums, file_checksums(tmp, dist.get_rank(), dist.get_world_size()))
-        if dist.get_rank() == 0:
-            manifest = {"format": "fsdp_dtensor", "format_version": FORMAT_VERSION,
-                        "layout": _layout(model), "tensors": described,
-                        "blobs": sorted({k for part in blobs for k in part}),
-                        "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
-                        CHECKSUMS: {k: v for part in sums for k, v in sorted(part.items())}}
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-            _fsync_dir(tmp)
             final = root / name
             if final.exists():  # an older save of the same iteration: replace it
                 shutil.rmtree(final)
             tmp.rename(final)
-            latest_tmp = root / f".latest-{token[0]}"
             latest_tmp.write_text(name + "\n")
             os.replace(latest_tmp, root / "latest")
             _fsync_dir(root)
@@ -159,12 +166,61 @@ def save_checkpoint(root: str | os.PathLike, model, optimizer=None, iteration: i
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             try:
-                (root / f".latest-{token[0]}").unlink(missing_ok=True)
+                latest_tmp.unlink(missing_ok=True)
             except OSError:
                 pass
         raise
     dist.barrier()
     return root / name
+
+
+def save_checkpoint_directory(path: str | os.PathLike, model, optimizer=None,
+                              extra: dict | None = None) -> Path:
+    """Save one checkpoint directly into the directory ``path`` (a collective call): the DCP
+    files, with ``manifest.json`` beside them, and no ``iter_*/`` or ``latest`` (the layout of
+    upstream's per-module ``save_checkpoint``; :func:`mfsdp.checkpoint.load_checkpoint` reads
+    it). ``path`` may be missing, empty, or an earlier checkpoint (replaced whole, atomically);
+    a directory holding anything else is refused. Returns ``path``."""
+    path = Path(path)
+
+    def check():
+        if path.is_dir() and any(path.iterdir()) and not (path / "manifest.json").exists():
+            raise CheckpointError(f"{path} is neither empty nor an mfsdp checkpoint directory; "
+                                  "save into a new or empty directory (or an earlier checkpoint "
+                                  "to replace it)")
+
+    error = on_rank_zero(check, describe=lambda exc: str(exc) if isinstance(
+        exc, CheckpointError) else f"{type(exc).__name__}: {exc}")
+    if error:
+        raise CheckpointError(error)
+    tmp = shared_temp_name(path.parent, path.name, group=True)
+    if dist.get_rank() == 0:
+        tmp.mkdir(parents=True, exist_ok=False)
+    dist.barrier()
+
+    def commit():
+        if path.exists():  # empty, or an earlier checkpoint: moved aside, then removed
+            old = tmp.with_name(tmp.name.replace(".tmp-", ".old-", 1))
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+        _fsync_dir(path.parent)
+
+    try:
+        _write(tmp, model, optimizer, 0, extra, None)
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    error = on_rank_zero(commit, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True),
+                         keep_os_error=True)
+    if isinstance(error, OSError):
+        raise RankZeroOSError(error)
+    if error:
+        raise CheckpointError(f"saving {path} failed: {error}")
+    return path
 
 
 def _check_keys(ours: dict[str, dict], theirs: dict[str, dict], where: Path) -> None:
@@ -188,13 +244,8 @@ def load_converted(path: str | os.PathLike, model, optimizer, convert, what: str
     runs ``convert(tmp)`` to write an ``fsdp_dtensor`` checkpoint next to ``path``, every rank
     loads it with :func:`load_fsdp_dtensor`, rank 0 removes it; a failed conversion stops every
     rank with its reason."""
-    import secrets
-    import shutil
-
     path = Path(path)
-    token = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    tmp = path.parent / f".from-{path.name}-{token[0]}"
+    tmp = shared_temp_name(path.parent, path.name, ".from", group=True)
     error = on_rank_zero(lambda: convert(tmp),  # every rank hears of a failure
                          cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
     if error:

@@ -1,6 +1,7 @@
 """``save_checkpoint`` / ``load_checkpoint`` for the per-module API: mfsdp's own ``fsdp_dtensor``
 checkpoints (``docs/checkpointing.md``), so one written through either front door loads through
-the other, on any layout.
+the other, on any layout. As upstream's, ``save_checkpoint`` writes the DCP files directly into
+its directory (no ``iter_*/`` or ``latest``).
 
 mfsdp's checkpoint code (``mfsdp.checkpoint``) reads one sharded model and its optimizer as the
 main-weight rows it steps. Two small adapters present the per-module API's objects that way:
@@ -24,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mfsdp.checkpoint import load_checkpoint as _load
-from mfsdp.checkpoint import save_checkpoint as _save
+from mfsdp.checkpoint.io import save_checkpoint_directory as _save
 from mfsdp.experimental.module import FsdpModule
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -149,11 +150,13 @@ class _OptimizerRows:
 
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer,
                     checkpoint_dir: str | os.PathLike) -> None:
-    """Save the sharded ``model`` (main weights, buffers) and ``optimizer`` under
-    ``checkpoint_dir`` (a collective call): mfsdp's ``fsdp_dtensor`` checkpoint, atomic, with
-    checksums, readable by :func:`mfsdp.checkpoint.load_checkpoint` at any layout. As any mfsdp
-    checkpoint root, the directory holds ``iter_0000000/`` (the DCP files) and ``latest``.
-    Every parameter of ``model`` must be sharded (by ``fully_shard`` on a module holding it)."""
+    """Save the sharded ``model`` (main weights, buffers) and ``optimizer`` into
+    ``checkpoint_dir`` (a collective call): as upstream's, the DCP files (``.metadata``,
+    ``*.distcp``) lie directly in the directory, here with mfsdp's ``manifest.json`` (checksums,
+    layout) beside them; the save is atomic and the checkpoint loads through
+    :func:`mfsdp.checkpoint.load_checkpoint` at any layout. ``checkpoint_dir`` may be new,
+    empty or an earlier checkpoint (replaced). Every parameter of ``model`` must be sharded (by
+    ``fully_shard`` on a module holding it)."""
     roots = _Roots(model)
     _save(Path(checkpoint_dir), roots, _OptimizerRows(roots, optimizer))
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from mfsdp.config import MixedPrecisionPolicy, ShardingStrategy
 from mfsdp.experimental.module import FsdpContext, FsdpModule, Registration, make_fsdp_module
+from mfsdp.experimental.optimizer import install_unadapted_step_check
 from mfsdp.layout import rank_device
 
 __all__ = ["Placements", "fully_shard", "fully_shard_context", "microbatch", "strategies_of"]
@@ -178,6 +179,7 @@ def fully_shard_context(device: torch.device | str | None = None, *,
     try:
         yield context
         context.finalize()
+        install_unadapted_step_check()  # (upstream's dtype error for an optimizer not adapted)
     finally:
         _CONTEXT.reset(token)
 

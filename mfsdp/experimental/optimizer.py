@@ -1,15 +1,30 @@
 """``fully_shard_optimizer(optimizer)``: a plain ``torch.optim`` optimizer built on a sharded
 model's ``parameters()`` steps the main-weight shards (the parameters' DTensors), and the
-model weights follow after each step (upstream v2's adapter, on mfsdp's engine)."""
+model weights follow after each step (upstream v2's adapter, on mfsdp's engine).
+
+As upstream's, an optimizer *not* adapted cannot step parameters whose gradients are kept in
+another dtype than the parameters (the policy's ``main_grads_dtype`` differs from its
+``main_params_dtype``, e.g. bf16 gradients of fp32 main weights): upstream hands such an
+optimizer the gradients as they are and ``torch.optim`` fails on the dtype; mfsdp refuses the
+step with the same condition named (:func:`refuse_unadapted_mixed_precision_step`, a global
+optimizer step pre-hook installed when a ``fully_shard_context`` closes).
+"""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mfsdp.experimental.module import FsdpModule
 from mfsdp.fsdp import registry
 
-__all__ = ["engine_modules", "engines_of", "fully_shard_optimizer"]
+__all__ = ["engine_modules", "engines_of", "fully_shard_optimizer",
+           "install_unadapted_step_check", "refuse_unadapted_mixed_precision_step"]
+
+_ADAPTED: weakref.WeakSet = weakref.WeakSet()  # optimizers fully_shard_optimizer adapted
+_CHECK = []  # the handle of the global step pre-hook, once installed
 
 
 def engines_of(optimizer: torch.optim.Optimizer) -> list:
@@ -70,3 +85,39 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *,
 
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)
+    _ADAPTED.add(optimizer)
+
+
+def refuse_unadapted_mixed_precision_step(optimizer: torch.optim.Optimizer, args,
+                                          kwargs) -> None:
+    """Before any optimizer's step: raise if ``optimizer`` was not adapted by
+    :func:`fully_shard_optimizer` (nor wrapped by :func:`mfsdp.fully_shard_optimizer`) and
+    steps a parameter sharded by the per-module API whose gradients are kept in another dtype
+    than the parameter (upstream's condition for torch.optim's dtype error)."""
+    if optimizer in _ADAPTED:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            engine = registry.model_of(p)
+            if engine is None or not isinstance(engine.module, FsdpModule):
+                continue  # not sharded, or by the model-level API (its optimizer wraps this one)
+            state = engine.fsdp_state()
+            sp = state.sharded_param(p)
+            grads = sp.bucket.grad_shard if sp is not None and sp.bucket.requires_grad else None
+            if state.installed_by_optimizer or grads is None or grads.dtype == sp.local.dtype:
+                continue
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(): parameter {sp.name!r} has dtype "
+                f"{str(sp.local.dtype).removeprefix('torch.')} but its gradients are kept in "
+                f"{str(grads.dtype).removeprefix('torch.')} (main_grads_dtype differs from "
+                "main_params_dtype), a dtype mismatch a plain torch.optim optimizer cannot "
+                "step; adapt it with fully_shard_optimizer(optimizer), or give the "
+                "MixedPrecisionPolicy main_grads_dtype=main_params_dtype")
+
+
+def install_unadapted_step_check() -> None:
+    """Install :func:`refuse_unadapted_mixed_precision_step` as a global optimizer step
+    pre-hook (once per process; ``fully_shard_context`` calls it when it closes)."""
+    if not _CHECK:
+        _CHECK.append(register_optimizer_step_pre_hook(
+            refuse_unadapted_mixed_precision_step))

@@ -246,8 +246,9 @@ class UnevenDTensor(DTensor):
     """A DTensor whose local tensor is this rank's uneven piece (see :func:`~mfsdp.fsdp.dtensor.attach_uneven`).
 
     Only ``full_tensor()`` and ``redistribute`` to ``Replicate`` differ from DTensor's: they gather
-    the pieces where they are (DTensor's own assume ``torch.chunk``'s split). Every op on it returns
-    a plain DTensor, as with any DTensor subclass.
+    the pieces where they are (DTensor's own assume ``torch.chunk``'s split). ``clone()`` keeps the
+    class and its layout; every other op on it returns a plain DTensor, as with any DTensor
+    subclass.
     """
 
     @staticmethod
@@ -275,6 +276,14 @@ class UnevenDTensor(DTensor):
         return (_rebuild_uneven, (self._local_tensor.detach(), self.device_mesh, tuple(self.shape),
                                   self.__dict__["_uneven_start"], self.requires_grad,
                                   self.__dict__["_uneven_tp"]))
+
+    def clone(self, *, memory_format=torch.preserve_format) -> UnevenDTensor:
+        """A copy that keeps the uneven layout (a plain DTensor copy would read its rows as
+        ``torch.chunk``'s split in ``full_tensor()``, and its class would differ)."""
+        out = DTensor.clone(self, memory_format=memory_format)
+        UnevenDTensor.adopt(out, self.__dict__["_uneven_start"], self.__dict__["_uneven_group"],
+                            self.__dict__["_uneven_tp"])
+        return out
 
     def redistribute(self, device_mesh=None, placements=None, **kwargs):
         """As DTensor's; to ``[Replicate()]`` it gathers the uneven pieces first."""

@@ -158,6 +158,8 @@ class GradReducer:
         # Release the unit's weights once its backward cannot read them any more.
         if unit.can_release_in_backward():
             unit.reshard()
+        if all(b.is_ready for b in unit.buckets if b.requires_grad):
+            unit.close_backward_range()
         if self.state.options.overlap_grad_reduce:
             self.launch_ready()
 

@@ -21,12 +21,37 @@ import weakref
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mfsdp.fsdp.bucket import Bucket
 from mfsdp.fsdp.collectives import Handle
 from mfsdp.fsdp.state import ShardingState, UnitPhase
 
-__all__ = ["FSDPUnit", "in_backward", "tensors_requiring_grad"]
+__all__ = ["FSDPUnit", "in_backward", "nvtx_pop", "nvtx_push", "tensors_requiring_grad"]
+
+# [Note: NVTX ranges] Each unit marks its forward and its backward with an NVTX range named
+# "MFSDP <unit> forward|backward" (<root> for the root), as upstream's per-module API does, for
+# Nsight timelines. A CPU build of torch has no NVTX library (its torch.cuda.nvtx functions
+# raise): there a range is emitted only if something replaced those functions (a tracer, a test).
+_NVTX_PUSH, _NVTX_POP = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
+_BUILD_HAS_NVTX = torch.version.cuda is not None or torch.version.hip is not None
+# a forward output -> (ids of the tensors hooked with it, the units their backward hook starts):
+# see FSDPUnit.hook_backward_of
+_HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def nvtx_push(label: str) -> None:
+    """Open an NVTX range named ``label`` (see [Note: NVTX ranges])."""
+    push = torch.cuda.nvtx.range_push
+    if _BUILD_HAS_NVTX or push is not _NVTX_PUSH:
+        push(label)
+
+
+def nvtx_pop() -> None:
+    """Close the innermost NVTX range (see [Note: NVTX ranges])."""
+    pop = torch.cuda.nvtx.range_pop
+    if _BUILD_HAS_NVTX or pop is not _NVTX_POP:
+        pop()
 
 
 def tensors_requiring_grad(obj) -> list[torch.Tensor]:
@@ -88,6 +113,8 @@ class FSDPUnit:
         # Forwards of this backward whose inputs carry a post-backward hook that has not fired
         # yet (a unit may run several forwards per backward); BACKWARD_DONE when it reaches 0.
         self.fwd_pending = 0
+        # Its backward NVTX range in this backward: None (not opened), "open" or "closed".
+        self.backward_range: str | None = None
 
     def __repr__(self) -> str:
         return f"FSDPUnit({self.name or '(root)'!r}, {len(self.buckets)} buckets)"
@@ -187,6 +214,7 @@ class FSDPUnit:
 
     @_labelled("pre_forward")
     def _pre_forward(self, module, args, kwargs):
+        nvtx_push(self.range_label("forward"))  # closed by _post_forward
         state = self.state
         if in_backward():
             # Recompute under activation checkpointing: the weights are (or are being) gathered
@@ -230,20 +258,58 @@ class FSDPUnit:
             if not keep:
                 self.reshard()
         self.hook_backward_of(output, [self])
+        nvtx_pop()
         return output
 
+    def range_label(self, phase: str) -> str:
+        """The NVTX range name of this unit's ``phase`` (upstream's)."""
+        return f"MFSDP {self.name or '<root>'} {phase}"
+
+    def close_backward_range(self) -> None:
+        """The unit's backward is over (its gradients are all in, or its post-backward hook
+        fired): close its backward NVTX range if it is open."""
+        if self.backward_range == "open":
+            self.backward_range = "closed"
+            nvtx_pop()
+
     def hook_backward_of(self, output, units: list[FSDPUnit]) -> None:
-        """Run :meth:`pre_backward` of ``units`` when the first gradient of ``output`` arrives."""
+        """Run :meth:`pre_backward` of ``units`` when the first gradient of ``output`` arrives.
+
+        An outer unit that returns an inner unit's output as it is (the last layer's) joins the
+        inner unit's hook: the units' pre-backward work runs in the order they were hooked, as
+        before, and their NVTX ranges open outermost first, nested as upstream's are."""
         tensors = tensors_requiring_grad(output)
-        if tensors and torch.is_grad_enabled():
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grad: [u.pre_backward() for u in units], mode="any")
+        if not tensors or not torch.is_grad_enabled():
+            return
+        ids = [id(t) for t in tensors]
+        hooked = _HOOKED.get(tensors[0])
+        if hooked is not None and hooked[0] == ids:
+            hooked[1].extend(units)
+            return
+        chain = list(units)
+        _HOOKED[tensors[0]] = (ids, chain)
+
+        def start(grad) -> None:
+            for u in reversed(chain):
+                u.open_backward_range()
+            for u in chain:
+                u.pre_backward()
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, start, mode="any")
+
+    def open_backward_range(self) -> None:
+        """Open the unit's backward NVTX range (once per backward; :meth:`pre_backward` opens it
+        where no hook did)."""
+        if self.backward_range is None:  # once per backward (a unit may run several forwards)
+            self.backward_range = "open"
+            nvtx_push(self.range_label("backward"))
 
     @_labelled("pre_backward")
     def pre_backward(self) -> None:
         """Before the unit's backward: gather its weights (and prefetch the next unit's)."""
         state = self.state
         state.reducer.start_backward()
+        self.open_backward_range()
         if self.phase is not UnitPhase.BACKWARD_DONE:
             self.phase = UnitPhase.BACKWARD
         self.gather()
@@ -260,10 +326,14 @@ class FSDPUnit:
         then every gradient of the unit's parameters has arrived (unused ones never will)."""
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx or not self.requires_grad:
+        if not idx:
             return args, kwargs
-        self.fwd_pending += 1
-        outs = _PostBackward.apply(self._post_backward, *[flat[i] for i in idx])
+        if self.requires_grad:
+            self.fwd_pending += 1
+            callback = self._post_backward
+        else:  # a frozen unit: only its backward NVTX range waits for this
+            callback = self.close_backward_range
+        outs = _PostBackward.apply(callback, *[flat[i] for i in idx])
         for i, t in zip(idx, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)
@@ -280,6 +350,7 @@ class FSDPUnit:
                 reducer.bucket_ready(b)
         if not self.is_root and not self.state.user_unsharded:
             self.reshard()
+        self.close_backward_range()
         reducer.poll()
 
     def _grad_hook(self, sp):
@@ -332,3 +403,5 @@ class FSDPUnit:
         """Forget this backward's progress (the root callback, at the end of backward)."""
         self.fwd_pending = 0
         self.phase = UnitPhase.IDLE
+        self.close_backward_range()
+        self.backward_range = None

@@ -24,7 +24,6 @@ from mfsdp.checkpoint.manifest import (RankZeroOSError, describe_os_error, os_er
                                       os_error_remedy)
 from mfsdp.models.config import GPTConfig
 from mfsdp.trainer.config import CheckpointConfig
-from mfsdp.trainer.signals import slow_save_for_tests
 from mfsdp.trainer.state import SCHEDULER_FIELDS, LRScheduler  # noqa: F401 (older imports)
 
 
@@ -88,7 +87,6 @@ class Checkpointer:
         files = {MODEL_CONFIG_FILE: json.dumps(self.cfg.to_dict(), indent=1)}
         root = Path(self.checkpoint.save)
         fmt = formats.get(self.checkpoint.ckpt_format)
-        slow_save_for_tests()
         if fmt.train_write is None:  # the common form itself
             save_checkpoint(root, model, opt, iteration=iteration, extra=extra, files=files)
             return
@@ -122,20 +120,23 @@ class Checkpointer:
 def _on_rank0(work: Callable[[], None], staging: Path, failed: str) -> None:
     """``work()`` on rank 0, ``staging`` removed after it; every rank stops with the reason
     when it fails (an ``OSError`` as itself, for the save's one-line message)."""
-    error = [None]
-    if dist.get_rank() == 0:
+    from mfsdp.checkpoint.dcp import on_rank_zero
+
+    def run():
         try:
             work()
-        except Exception as exc:  # noqa: BLE001 - every rank stops with the reason
-            cause = os_error_in(exc)
-            error[0] = cause if cause is not None else f"{type(exc).__name__}: {exc}"
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    dist.broadcast_object_list(error, src=0)
-    if isinstance(error[0], OSError):
-        raise RankZeroOSError(error[0])
-    if error[0]:
-        raise RuntimeError(f"{failed}: {error[0]}")
+
+    def describe(exc: BaseException) -> object:
+        cause = os_error_in(exc)
+        return cause if cause is not None else f"{type(exc).__name__}: {exc}"
+
+    error = on_rank_zero(run, describe=describe)
+    if isinstance(error, OSError):
+        raise RankZeroOSError(error)
+    if error:
+        raise RuntimeError(f"{failed}: {error}")
 
 
 def _pointers(root: Path):

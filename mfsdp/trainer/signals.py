@@ -3,7 +3,6 @@ the same iteration."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -114,14 +113,3 @@ def leaving() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-SAVE_DELAY_ENV = "MFSDP_TEST_SAVE_DELAY_S"
-
-
-def slow_save_for_tests() -> None:
-    """Sleep ``$MFSDP_TEST_SAVE_DELAY_S`` seconds inside a save (a test hook: the Slurm tests
-    slow a preemption save past torchrun's 30 s to show that it still completes)."""
-    delay = float(os.environ.get(SAVE_DELAY_ENV) or 0)
-    if delay > 0:
-        time.sleep(delay)

@@ -33,6 +33,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
+sys.path.insert(0, str(HERE.parent))
+from suite_common import DESTROY_TEST_GROUPS  # noqa: E402 (the runners' shared conftest text)
+
 SUITE = HERE / "third_party" / "fully_shard_suite.py"
 
 SHIM_FULLY_SHARD = '''"""megatron_fsdp's fully_shard module, answered by mfsdp."""
@@ -90,19 +93,7 @@ common = _Namespace()
 CONFTEST = '''"""After each test: destroy every process group but the world's (gloo threads are per group)."""
 import pytest
 import torch.distributed as dist
-
-
-@pytest.fixture(autouse=True)
-def _destroy_test_groups():
-    yield
-    if dist.is_initialized():
-        from torch.distributed.distributed_c10d import GroupMember, _world
-
-        dist.barrier()
-        for group in list(_world.pg_map):
-            if group is not GroupMember.WORLD:
-                dist.destroy_process_group(group)
-'''
+''' + DESTROY_TEST_GROUPS
 
 
 def to_cpu(source: str) -> str:

@@ -51,6 +51,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 THIRD_PARTY = HERE / "third_party"
+sys.path.insert(0, str(HERE.parent))
+from suite_common import DESTROY_TEST_GROUPS  # noqa: E402 (the runners' shared conftest text)
 UPSTREAM_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 
 # test function -> why it cannot run on a CPU (each is skipped with this reason)
@@ -196,17 +198,6 @@ def tmp_path_dist_ckpt() -> Path:
     path for every rank, here in the scratch directory."""
     return Path(__file__).resolve().parent.parent / "tmp_dist_ckpt"
 
-
-@pytest.fixture(autouse=True)
-def _destroy_test_groups():
-    yield
-    if dist.is_initialized():
-        from torch.distributed.distributed_c10d import GroupMember, _world
-
-        dist.barrier()
-        for group in list(_world.pg_map):
-            if group is not GroupMember.WORLD:
-                dist.destroy_process_group(group)
 '''
 
 
@@ -233,7 +224,8 @@ def write_scratch(root: Path) -> Path:
     (unit / "test_utilities.py").write_text(SHIM_UTILS)
     (_package(root, "tests.unit_tests.dist_checkpointing") / "__init__.py").write_text(
         SHIM_DIST_CHECKPOINTING)
-    (root / "tests" / "conftest.py").write_text(CONFTEST.format(needs_cuda=NEEDS_CUDA))
+    (root / "tests" / "conftest.py").write_text(CONFTEST.format(needs_cuda=NEEDS_CUDA)
+                                                + DESTROY_TEST_GROUPS)
     te = _package(root, "transformer_engine.pytorch")
     (root / "transformer_engine" / "__init__.py").write_text(SHIM_TE)
     (te / "optimizers.py").write_text(SHIM_TE_OPTIMIZERS)
