@@ -23,7 +23,8 @@ from mfsdp.checkpoint.manifest import CheckpointError
 
 __all__ = ["COMMON", "SAFE_TYPES", "MegatronEnum", "MEGATRON_ENUMS", "HYPER", "MAIN_FIELDS", "FUSED_NORMS", "WRITTEN_FUSED",
            "source_key", "target_key", "read_common_state", "optimizer_common", "mfsdp_groups",
-           "saved_steps", "not_carried", "scheduler_in_iterations", "scheduler_in_samples", "carried_args", "merge_model_flags", "add_carried",
+           "saved_steps", "not_carried", "scheduler_in_iterations", "scheduler_in_samples",
+           "consumed_samples", "carried_args", "merge_model_flags", "add_carried",
            "mfsdp_name", "is_decayed", "megatron_args", "write_iteration",
            "config_from_megatron_args", "fsdp_model_config"]
 
@@ -49,12 +50,11 @@ COMMON = "common_state/shard_0_1"
 class MegatronEnum:
     """A member of one of megatron-core's enums (``AttnBackend``, ``CudaGraphScope``, ...) that
     Megatron-LM's ``save_checkpoint`` pickles inside ``args``, read without megatron-core: the
-    enum's ``name`` (its class) and the member's ``value``. Not carried into mfsdp's checkpoint
-    (:func:`carried_args` keeps plain values only).
+    enum's ``name`` (its class) and the member's ``value``; not carried (:func:`carried_args`
+    keeps plain values).
 
-    >>> a = MEGATRON_ENUMS["megatron.core.transformer.enums.AttnBackend"](5)
-    >>> a, a == MEGATRON_ENUMS["megatron.core.transformer.enums.AttnBackend"](5)
-    (AttnBackend(5), True)
+    >>> MEGATRON_ENUMS["megatron.core.transformer.enums.AttnBackend"](5)
+    AttnBackend(5)
     """
 
     name = "MegatronEnum"
@@ -64,12 +64,6 @@ class MegatronEnum:
 
     def __repr__(self) -> str:
         return f"{self.name}({self.value!r})"
-
-    def __eq__(self, other) -> bool:
-        return type(other) is type(self) and other.value == self.value
-
-    def __hash__(self) -> int:
-        return hash((self.name, self.value))
 
 
 # the enums of megatron-core's own allow-list (megatron/core/safe_globals.py) under their names
@@ -245,32 +239,48 @@ def carried_args(args) -> dict:
 # steps it by the global batch size, under --train-iters too), iterations in mfsdp
 SCHEDULER_STEPS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps",
                    "wsd_decay_steps")
+PER_STEP = "megatron_lm_samples_per_step"  # extra's key: the factor an import divided by
 
 
-def scheduler_in_iterations(saved: dict, args) -> dict:
-    """Megatron-LM's ``opt_param_scheduler`` state with its step counts (samples) in
-    iterations, as mfsdp's scheduler counts: divided by the job's ``global_batch_size`` from
-    ``args`` (unchanged without it).
+def scheduler_in_iterations(saved: dict, args, extra: dict) -> dict:
+    """Megatron-LM's ``opt_param_scheduler`` state with its step counts in iterations, as
+    mfsdp's scheduler counts: divided by the job's ``global_batch_size`` (``args``) when its
+    ``num_steps`` is the consumed samples, as Megatron-LM's training loop leaves it (kept as it
+    is otherwise: a schedule stepped once per iteration); the factor is noted in ``extra``.
 
-    >>> scheduler_in_iterations({"num_steps": 6, "lr_warmup_steps": 2, "max_lr": 1e-3},
-    ...                         argparse.Namespace(global_batch_size=2))
-    {'num_steps': 3, 'lr_warmup_steps': 1, 'max_lr': 0.001}
+    >>> args = argparse.Namespace(global_batch_size=2, consumed_train_samples=6)
+    >>> scheduler_in_iterations({"num_steps": 6, "lr_warmup_steps": 2}, args, {})
+    {'num_steps': 3, 'lr_warmup_steps': 1}
     """
-    return _scaled(saved, getattr(args, "global_batch_size", None) or 1, divide=True)
+    gbs = getattr(args, "global_batch_size", None) or 1
+    if saved.get("num_steps") != getattr(args, "consumed_train_samples", None) or gbs == 1:
+        return dict(saved)
+    extra[PER_STEP] = gbs
+    return _scaled(saved, gbs, divide=True)
 
 
 def scheduler_in_samples(state: dict, extra: dict) -> dict:
-    """mfsdp's scheduler state (steps are iterations) as Megatron-LM's ``opt_param_scheduler``
-    counts them, in samples: times the global batch size of the Megatron-LM job it came from
-    (``extra["megatron_lm_args"]``), else of the mfsdp run that saved it (its consumed samples
-    per iteration); unchanged when neither is known."""
-    args = extra.get("megatron_lm_args") or {}
-    gbs = args.get("global_batch_size")
+    """mfsdp's scheduler state as Megatron-LM's ``opt_param_scheduler`` counts it: a
+    conversion's back by the factor its import divided by; a schedule ``mfsdp train`` saved
+    (steps are iterations) times the global batch size of the Megatron-LM job it came from
+    (``extra["megatron_lm_args"]``), else of the run (its consumed samples per iteration)."""
     trainer = extra.get("trainer") or {}
+    if not trainer:
+        return _scaled(state, extra.get(PER_STEP, 1), divide=False)
+    gbs = (extra.get("megatron_lm_args") or {}).get("global_batch_size")
     if not gbs and trainer.get("iteration") and trainer.get("consumed_samples"):
         per, rest = divmod(int(trainer["consumed_samples"]), int(trainer["iteration"]))
         gbs = per if not rest else None
     return _scaled(state, gbs or 1, divide=False)
+
+
+def consumed_samples(extra: dict) -> int:
+    """The training samples consumed by the job a checkpoint's ``extra`` describes, for the
+    ``args.consumed_train_samples`` of an export (Megatron-LM resumes its data there): the mfsdp
+    run's count, else the Megatron-LM job's it was converted from, else 0."""
+    trainer = extra.get("trainer") or {}
+    found = trainer.get("consumed_samples", extra.get("consumed_train_samples"))
+    return int(found or 0)
 
 
 def _scaled(state: dict, factor: int, divide: bool) -> dict:

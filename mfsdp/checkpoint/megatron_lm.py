@@ -53,6 +53,7 @@ from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, SAFE_TYPES,
                                               add_carried, mfsdp_groups, mfsdp_name,
                                               not_carried, optimizer_common,
                                               scheduler_in_iterations, scheduler_in_samples,
+                                              consumed_samples,
                                               read_common_state, saved_steps, source_key,
                                               target_key, write_iteration)
 
@@ -126,7 +127,7 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
                                 "source": FORMAT}
     if common.get("opt_param_scheduler"):
         extra["opt_param_scheduler"] = scheduler_in_iterations(common["opt_param_scheduler"],
-                                                               common.get("args"))
+                                                               common.get("args"), extra)
     # what is left is named at the end of the conversion (mfsdp convert, mfsdp train --load)
     add_carried(extra, common.get("args"), common.get("num_floating_point_operations_so_far"),
                 not_carried(common, source.blob_keys, weights_only))
@@ -469,6 +470,7 @@ def _export_common(source, extra: dict, groups, fields: list[str], model, cfg, i
     common["args"] = megatron_args(cfg, None if groups is None else kind,
                                    distributed, iteration, tensor_model_parallel_size)
     common["args"].expert_model_parallel_size = expert_model_parallel_size
+    common["args"].consumed_train_samples = consumed_samples(extra)
     common["content_metadata"] = metadata
     return common
 

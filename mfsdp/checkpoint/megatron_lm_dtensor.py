@@ -47,7 +47,8 @@ from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.manifest import CheckpointError
 from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, add_carried, fsdp_model_config,
                                               is_decayed, megatron_args, mfsdp_groups, mfsdp_name,
-                                              not_carried, scheduler_in_iterations,
+                                              consumed_samples, not_carried,
+                                              scheduler_in_iterations,
                                               scheduler_in_samples, source_key, write_iteration)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm_dtensor", "is_fsdp_dtensor_keys",
@@ -150,7 +151,7 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
     scheduler = {k[len("opt_param_scheduler."):]: value(k) for k in sorted(blobs_present)
                  if k.startswith("opt_param_scheduler.")}
     if scheduler:
-        extra["opt_param_scheduler"] = scheduler_in_iterations(scheduler, value("args"))
+        extra["opt_param_scheduler"] = scheduler_in_iterations(scheduler, value("args"), extra)
     add_carried(extra, value("args"), value("num_floating_point_operations_so_far"),
                 _left_behind(blobs_present | keys, weights_only))
     files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
@@ -417,6 +418,7 @@ def _megatron_fsdp_common_state(state: dict, cfg, model, groups: list[dict] | No
     args.ckpt_format, args.use_megatron_fsdp = "fsdp_dtensor", True
     args.bf16, args.fp16 = precision == "bf16", precision == "fp16"
     args.transformer_impl = transformer_impl
+    args.consumed_train_samples = consumed_samples(extra)
     state["args"] = args
     for field, value in scheduler.items():
         state[f"opt_param_scheduler.{field}"] = value
