@@ -163,3 +163,30 @@ def test_resume_of_a_tp2_job_takes_megatron_cores_step(layout, source, tmp_path)
     name = f"{layout}-tp2"
     tensors, blobs, stdout = resume(name, source, 2, tmp_path)
     assert_megatron_cores_step(name, tensors, blobs, stdout, tmp_path)
+
+
+def test_megatron_lms_own_checkpoint_converts_with_its_schedule_in_iterations(tmp_path):
+    """What Megatron-LM's ``save_checkpoint`` writes converts: its ``args`` (with megatron-core's
+    enums and ``signal.Signals`` in it) are read, its schedule (counted in samples: 2 per
+    iteration here) lands in iterations, as ``mfsdp train``'s flags give it, and converting
+    back restores Megatron-LM's counts and the consumed samples exactly."""
+    from mfsdp.checkpoint.dcp import read_full
+    from mfsdp.checkpoint.megatron_common import MegatronEnum, read_common_state
+    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
+
+    common = read_common_state(TRAJECTORY / "ddp-adam" / "iter_0000002")
+    args = common["args"]
+    assert isinstance(args.attention_backend, MegatronEnum)
+    assert (args.global_batch_size, args.consumed_train_samples) == (2, 4)
+    saved = common["opt_param_scheduler"]
+    assert (saved["num_steps"], saved["lr_warmup_steps"], saved["lr_decay_steps"]) == (4, 2, 16)
+    megatron_lm_to_fsdp(TRAJECTORY / "ddp-adam", tmp_path / "m", progress=False)
+    _, blobs, _ = read_full(tmp_path / "m")
+    sched = blobs["extra"]["opt_param_scheduler"]
+    # --lr-warmup-iters 1 --lr-decay-iters 8, two iterations done
+    assert (sched["num_steps"], sched["lr_warmup_steps"], sched["lr_decay_steps"]) == (2, 1, 8)
+    back = fsdp_to_megatron_lm(tmp_path / "m", tmp_path / "back", progress=False,
+                               transformer_impl="local")
+    again = read_common_state(back / "iter_0000002")
+    assert again["opt_param_scheduler"] == {k: saved[k] for k in again["opt_param_scheduler"]}
+    assert again["args"].consumed_train_samples == 4
