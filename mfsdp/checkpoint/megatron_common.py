@@ -21,10 +21,10 @@ from mfsdp.checkpoint.dcp import MODEL_CONFIG_FILE, DCPSource, LazyPlanner, comm
 from mfsdp.checkpoint.detect import TRACKER
 from mfsdp.checkpoint.manifest import CheckpointError
 
-__all__ = ["COMMON", "SAFE_TYPES", "MegatronEnum", "MEGATRON_ENUMS", "HYPER", "MAIN_FIELDS", "FUSED_NORMS", "WRITTEN_FUSED",
-           "source_key", "target_key", "read_common_state", "optimizer_common", "mfsdp_groups",
+__all__ = ["COMMON", "SAFE_TYPES", "MegatronEnum", "MEGATRON_ENUMS", "HYPER", "MAIN_FIELDS",
+           "FUSED_NORMS", "WRITTEN_FUSED", "source_key", "target_key", "read_common_state", "optimizer_common", "mfsdp_groups",
            "saved_steps", "not_carried", "scheduler_in_iterations", "scheduler_in_samples",
-           "consumed_samples", "carried_args", "merge_model_flags", "add_carried",
+           "carry_into_args", "carried_args", "merge_model_flags", "add_carried",
            "mfsdp_name", "is_decayed", "megatron_args", "write_iteration",
            "config_from_megatron_args", "fsdp_model_config"]
 
@@ -48,10 +48,8 @@ COMMON = "common_state/shard_0_1"
 
 
 class MegatronEnum:
-    """A member of one of megatron-core's enums (``AttnBackend``, ``CudaGraphScope``, ...) that
-    Megatron-LM's ``save_checkpoint`` pickles inside ``args``, read without megatron-core: the
-    enum's ``name`` (its class) and the member's ``value``; not carried (:func:`carried_args`
-    keeps plain values).
+    """A member of a megatron-core enum (``AttnBackend``, ...) in the ``args`` Megatron-LM's
+    ``save_checkpoint`` pickles, read without megatron-core: its enum's ``name`` and ``value``.
 
     >>> MEGATRON_ENUMS["megatron.core.transformer.enums.AttnBackend"](5)
     AttnBackend(5)
@@ -274,13 +272,16 @@ def scheduler_in_samples(state: dict, extra: dict) -> dict:
     return _scaled(state, gbs or 1, divide=False)
 
 
-def consumed_samples(extra: dict) -> int:
-    """The training samples consumed by the job a checkpoint's ``extra`` describes, for the
-    ``args.consumed_train_samples`` of an export (Megatron-LM resumes its data there): the mfsdp
-    run's count, else the Megatron-LM job's it was converted from, else 0."""
+def carry_into_args(args, extra: dict) -> None:
+    """Set on an export's ``args`` what Megatron-LM's loader resumes from or compares, as the
+    job had it: ``consumed_train_samples`` (the mfsdp run's count, else the converted job's;
+    Megatron-LM resumes its data there) and ``add_position_embedding`` (the converted job's,
+    else Megatron-LM's default, True; ``check_checkpoint_args`` compares it)."""
     trainer = extra.get("trainer") or {}
     found = trainer.get("consumed_samples", extra.get("consumed_train_samples"))
-    return int(found or 0)
+    args.consumed_train_samples = int(found or 0)
+    carried = extra.get("megatron_lm_args") or {}
+    args.add_position_embedding = carried.get("add_position_embedding", True)
 
 
 def _scaled(state: dict, factor: int, divide: bool) -> dict:

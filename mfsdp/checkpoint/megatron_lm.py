@@ -53,7 +53,7 @@ from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, SAFE_TYPES,
                                               add_carried, mfsdp_groups, mfsdp_name,
                                               not_carried, optimizer_common,
                                               scheduler_in_iterations, scheduler_in_samples,
-                                              consumed_samples,
+                                              carry_into_args,
                                               read_common_state, saved_steps, source_key,
                                               target_key, write_iteration)
 
@@ -470,7 +470,7 @@ def _export_common(source, extra: dict, groups, fields: list[str], model, cfg, i
     common["args"] = megatron_args(cfg, None if groups is None else kind,
                                    distributed, iteration, tensor_model_parallel_size)
     common["args"].expert_model_parallel_size = expert_model_parallel_size
-    common["args"].consumed_train_samples = consumed_samples(extra)
+    carry_into_args(common["args"], extra)
     common["content_metadata"] = metadata
     return common
 

@@ -47,7 +47,7 @@ from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.manifest import CheckpointError
 from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, add_carried, fsdp_model_config,
                                               is_decayed, megatron_args, mfsdp_groups, mfsdp_name,
-                                              consumed_samples, not_carried,
+                                              carry_into_args, not_carried,
                                               scheduler_in_iterations,
                                               scheduler_in_samples, source_key, write_iteration)
 
@@ -418,7 +418,7 @@ def _megatron_fsdp_common_state(state: dict, cfg, model, groups: list[dict] | No
     args.ckpt_format, args.use_megatron_fsdp = "fsdp_dtensor", True
     args.bf16, args.fp16 = precision == "bf16", precision == "fp16"
     args.transformer_impl = transformer_impl
-    args.consumed_train_samples = consumed_samples(extra)
+    carry_into_args(args, extra)
     state["args"] = args
     for field, value in scheduler.items():
         state[f"opt_param_scheduler.{field}"] = value
