@@ -15,8 +15,8 @@ in the same order, the consumed samples carried from the checkpoint). Tolerance:
 bit for bit: mfsdp computes the same model with its own modules (another order of the sums in
 attention, the norms and the loss), so the weights after the step differ from megatron-core's
 by rounding. Each weight is within 1e-4 of the step's size (``|w - w_mcore| <= 1e-4 |w_mcore -
-w_2|``, measured up to 2e-7), each Adam moment and momentum buffer within 1e-5 of its size
-(measured up to 5e-7); the loss and gradient norm as printed (4 significant digits). A wrong
+w_2|``, measured up to 7e-7), each Adam moment and momentum buffer within 1e-5 of its size
+(measured up to 4e-7); the loss and gradient norm as printed (4 significant digits). A wrong
 learning rate, batch, clipping or step count moves the update by 10% or more.
 """
 
@@ -140,12 +140,15 @@ DP_RESHARDABLE = pytest.mark.skip(reason="dp_reshardable reader lands separately
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    "ddp-adam", "ddp-sgd", "fully-reshardable",
-    pytest.param("dp-reshardable", marks=DP_RESHARDABLE)])
-def test_resume_takes_megatron_cores_step(layout, tmp_path):
-    """Convert, ``train --load`` for one iteration on 1 rank, save: megatron-core's step."""
-    tensors, blobs, stdout = resume(layout, "converted", 1, tmp_path)
+@pytest.mark.parametrize("layout,source", [
+    ("ddp-adam", "converted"),
+    pytest.param("ddp-adam", "megatron_lm", marks=pytest.mark.extended),
+    ("ddp-sgd", "converted"), ("fully-reshardable", "converted"),
+    pytest.param("dp-reshardable", "converted", marks=DP_RESHARDABLE)])
+def test_resume_takes_megatron_cores_step(layout, source, tmp_path):
+    """Convert (or not: ``--load`` of the Megatron-LM directory), ``train --load`` for one
+    iteration on 1 rank, save: megatron-core's step."""
+    tensors, blobs, stdout = resume(layout, source, 1, tmp_path)
     assert "resumed from iteration 2" in stdout, stdout
     assert_megatron_cores_step(layout, tensors, blobs, stdout, tmp_path)
 
