@@ -100,8 +100,9 @@ def assert_megatron_cores_step(name: str, tensors: dict, blobs: dict, stdout: st
                                tmp_path: Path) -> None:
     """The checkpoint mfsdp saved after iteration 3 holds megatron-core's iteration 3 (see the
     module docstring for the tolerances), its counters continue (Adam's step 3, iteration 3,
-    6 consumed samples) and its schedule exported back is megatron-core's, in samples."""
-    from mfsdp.checkpoint.megatron_common import mfsdp_name, scheduler_in_samples
+    6 consumed samples), and exported back (``fsdp_to_megatron_lm``) its schedule and counters
+    are megatron-core's (the schedule in samples)."""
+    from mfsdp.checkpoint.megatron_common import mfsdp_name
 
     mine = torch.load(TRAJECTORY / f"expected_{name}.pt", weights_only=False)
     e = mine
@@ -131,8 +132,19 @@ def assert_megatron_cores_step(name: str, tensors: dict, blobs: dict, stdout: st
     assert extra["iteration"] == 3
     assert extra["trainer"] == {"iteration": 3, "consumed_samples": 6}
     assert extra["opt_param_scheduler"]["num_steps"] == 3
-    theirs = {k: v for k, v in mine["scheduler"].items() if k in extra["opt_param_scheduler"]}
-    assert scheduler_in_samples(extra["opt_param_scheduler"], extra) == pytest.approx(theirs)
+    # back to Megatron-LM: its counters are megatron-core's after iteration 3 (in samples)
+    from mfsdp.checkpoint.megatron_common import read_common_state
+    from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm
+
+    back = fsdp_to_megatron_lm(tmp_path / "saved", tmp_path / "back", progress=False,
+                               transformer_impl="local",
+                               tensor_model_parallel_size=2 if name.endswith("-tp2") else 1)
+    common = read_common_state(back / "iter_0000003")
+    saved = common["opt_param_scheduler"]
+    assert saved == pytest.approx({k: mine["scheduler"][k] for k in saved})
+    assert common["iteration"] == 3 and common["args"].consumed_train_samples == 6
+    if name.startswith("ddp-adam"):
+        assert common["optimizer"]["state"]["common_step"].item() == 3.0
 
 
 LAYOUTS = ["ddp-adam", "ddp-sgd", "fully-reshardable", "dp-reshardable"]
