@@ -184,7 +184,8 @@ def test_megatron_lms_own_checkpoint_converts_with_its_schedule_in_iterations(tm
     """What Megatron-LM's ``save_checkpoint`` writes converts: its ``args`` (with megatron-core's
     enums and ``signal.Signals`` in it) are read, its schedule (counted in samples: 2 per
     iteration here) lands in iterations, as ``mfsdp train``'s flags give it, and converting
-    back restores Megatron-LM's counts and the consumed samples exactly."""
+    back restores Megatron-LM's counts, the consumed samples and the job's
+    ``add_position_embedding`` exactly."""
     from mfsdp.checkpoint.dcp import read_full
     from mfsdp.checkpoint.megatron_common import MegatronEnum, read_common_state
     from mfsdp.checkpoint.megatron_lm import fsdp_to_megatron_lm, megatron_lm_to_fsdp
@@ -205,3 +206,5 @@ def test_megatron_lms_own_checkpoint_converts_with_its_schedule_in_iterations(tm
     again = read_common_state(back / "iter_0000002")
     assert again["opt_param_scheduler"] == {k: saved[k] for k in again["opt_param_scheduler"]}
     assert again["args"].consumed_train_samples == 4
+    # Megatron-LM's loader compares it with the loading job's (its default, True, with RoPE)
+    assert again["args"].add_position_embedding is args.add_position_embedding is True
