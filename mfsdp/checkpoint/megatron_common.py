@@ -23,8 +23,9 @@ from mfsdp.checkpoint.manifest import CheckpointError
 
 __all__ = ["COMMON", "SAFE_TYPES", "MegatronEnum", "MEGATRON_ENUMS", "HYPER", "MAIN_FIELDS",
            "FUSED_NORMS", "WRITTEN_FUSED", "source_key", "target_key", "read_common_state",
-           "optimizer_common", "mfsdp_groups", "saved_steps", "not_carried", "scheduler_in_iterations", "scheduler_in_samples",
-           "carry_into_args", "carried_args", "merge_model_flags", "add_carried",
+           "optimizer_common", "mfsdp_groups", "saved_steps", "not_carried",
+           "scheduler_in_iterations", "scheduler_in_samples", "carry_into_args", "carried_args",
+           "merge_model_flags", "add_carried",
            "mfsdp_name", "is_decayed", "megatron_args", "write_iteration",
            "config_from_megatron_args", "fsdp_model_config"]
 
