@@ -55,6 +55,8 @@ from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, SAFE_TYPES,
                                               fsdp_model_config, is_decayed, megatron_args,
                                               add_carried, mfsdp_groups, mfsdp_name,
                                               not_carried, optimizer_common,
+                                              scheduler_in_iterations, scheduler_in_samples,
+                                              carry_into_args,
                                               read_common_state, saved_steps, source_key,
                                               target_key, write_iteration)
 
@@ -130,7 +132,8 @@ def megatron_lm_to_fsdp(src: str | Path, dst: str | Path, model_config: dict | N
     extra: dict[str, object] = {"iteration": iteration, "data_position": iteration,
                                 "source": FORMAT}
     if common.get("opt_param_scheduler"):
-        extra["opt_param_scheduler"] = dict(common["opt_param_scheduler"])
+        extra["opt_param_scheduler"] = scheduler_in_iterations(common["opt_param_scheduler"],
+                                                               common.get("args"), extra)
     # what is left is named at the end of the conversion (mfsdp convert, mfsdp train --load)
     add_carried(extra, common.get("args"), common.get("num_floating_point_operations_so_far"),
                 not_carried(common, source.blob_keys, weights_only))
@@ -468,11 +471,12 @@ def _export_common(source, extra: dict, groups, fields: list[str], model, cfg, i
         else:
             common["optimizer"] = part(megatron_groups)
         if scheduler:
-            common["opt_param_scheduler"] = dict(scheduler)
+            common["opt_param_scheduler"] = scheduler_in_samples(scheduler, extra)
     kind = "adam" if "exp_avg" in fields else "sgd"
     common["args"] = megatron_args(cfg, None if groups is None else kind,
                                    distributed, iteration, tensor_model_parallel_size)
     common["args"].expert_model_parallel_size = expert_model_parallel_size
+    carry_into_args(common["args"], extra)
     common["content_metadata"] = metadata
     return common
 

@@ -47,7 +47,9 @@ from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.manifest import CheckpointError
 from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, add_carried, fsdp_model_config,
                                               is_decayed, megatron_args, mfsdp_groups, mfsdp_name,
-                                              not_carried, source_key, write_iteration)
+                                              carry_into_args, not_carried,
+                                              scheduler_in_iterations,
+                                              scheduler_in_samples, source_key, write_iteration)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm_dtensor", "is_fsdp_dtensor_keys",
            "megatron_lm_dtensor_to_fsdp", "megatron_key", "split_key"]
@@ -149,7 +151,7 @@ def megatron_lm_dtensor_to_fsdp(directory: str | Path, dst: str | Path, model_co
     scheduler = {k[len("opt_param_scheduler."):]: value(k) for k in sorted(blobs_present)
                  if k.startswith("opt_param_scheduler.")}
     if scheduler:
-        extra["opt_param_scheduler"] = scheduler
+        extra["opt_param_scheduler"] = scheduler_in_iterations(scheduler, value("args"), extra)
     add_carried(extra, value("args"), value("num_floating_point_operations_so_far"),
                 _left_behind(blobs_present | keys, weights_only))
     files = {MODEL_CONFIG_FILE: json.dumps(cfg.to_dict(), indent=1)}
@@ -409,13 +411,14 @@ def _megatron_fsdp_common_state(state: dict, cfg, model, groups: list[dict] | No
     ``state``: ``iteration``, ``checkpoint_version``, ``args``, ``opt_param_scheduler`` and,
     with the optimizer's ``groups``, each parameter's ``optimizer.param_to_group_meta``."""
     prefix = PRECISIONS[precision]
-    scheduler = dict(extra.get("opt_param_scheduler") or {})
+    scheduler = scheduler_in_samples(extra.get("opt_param_scheduler") or {}, extra)
     state.update({"iteration": iteration, "checkpoint_version": 3.0,
                   "num_floating_point_operations_so_far": 0})
     args = megatron_args(cfg, None if groups is None else "adam", groups is not None, iteration)
     args.ckpt_format, args.use_megatron_fsdp = "fsdp_dtensor", True
     args.bf16, args.fp16 = precision == "bf16", precision == "fp16"
     args.transformer_impl = transformer_impl
+    carry_into_args(args, extra)
     state["args"] = args
     for field, value in scheduler.items():
         state[f"opt_param_scheduler.{field}"] = value

@@ -145,8 +145,8 @@ class Trainer:
         if self.state.iteration != self.start:  # a checkpoint from before the state was kept
             self.state.load_state_dict({"iteration": self.start, "consumed_samples":
                                         self.start * c.training.global_batch_size})
-        # steps are iterations here (a Megatron-LM run trained by --train-samples counts
-        # samples in its scheduler's num_steps)
+        # steps are iterations here (Megatron-LM's scheduler counts samples; a conversion
+        # gives them in iterations)
         self.scheduler.num_steps = self.start
         if self.start:
             self.log(f"resumed from iteration {self.start} of {c.checkpoint.load}", flush=True)
