@@ -149,7 +149,6 @@ def assert_megatron_cores_step(name: str, tensors: dict, blobs: dict, stdout: st
 
 
 LAYOUTS = ["ddp-adam", "ddp-sgd", "fully-reshardable", "dp-reshardable"]
-DP_RESHARDABLE = pytest.mark.skip(reason="dp_reshardable reader lands separately")
 
 
 @pytest.mark.slow
@@ -157,7 +156,7 @@ DP_RESHARDABLE = pytest.mark.skip(reason="dp_reshardable reader lands separately
     ("ddp-adam", "converted"),
     pytest.param("ddp-adam", "megatron_lm", marks=pytest.mark.extended),
     ("ddp-sgd", "converted"), ("fully-reshardable", "converted"),
-    pytest.param("dp-reshardable", "converted", marks=DP_RESHARDABLE)])
+    ("dp-reshardable", "converted")])
 def test_resume_takes_megatron_cores_step(layout, source, tmp_path):
     """Convert (or not: ``--load`` of the Megatron-LM directory), ``train --load`` for one
     iteration on 1 rank, save: megatron-core's step."""
@@ -171,7 +170,7 @@ def test_resume_takes_megatron_cores_step(layout, source, tmp_path):
 @pytest.mark.parametrize("layout,source", [
     ("ddp-adam", "megatron_lm"), ("ddp-adam", "converted"), ("ddp-sgd", "converted"),
     ("fully-reshardable", "megatron_lm"),
-    pytest.param("dp-reshardable", "converted", marks=DP_RESHARDABLE)])
+    ("dp-reshardable", "converted")])
 def test_resume_of_a_tp2_job_takes_megatron_cores_step(layout, source, tmp_path):
     """The TP 2 job's checkpoint (converted, or the Megatron-LM directory itself), resumed on
     2 ranks: megatron-core's step (its TP 2 run is its TP 1 run within 6e-8, recorded in the
