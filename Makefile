@@ -48,10 +48,11 @@ vendor: $(VENDOR)/mermaid/mermaid.esm.min.mjs
 docs: $(VENV)/.installed vendor
 	$(PY) -m sphinx -b html -W --keep-going -j 1 . build/html
 	@$(PY) docs/_ext/recipe_times.py
-	@echo "The guide is in build/html/index.html"
+	@echo "The guide is in build/html: read it with 'make serve' at http://localhost:8000"
+	@echo "(opened as a file, the diagrams and the planner's calculator do not load)"
 
-# The built guide over http://localhost:8000 (browsers load the diagrams' module script from
-# http:// but not from file://).
+# The built guide over http://localhost:8000 (browsers load the diagrams' module script and
+# the planner calculator's tables from http:// but not from file://).
 serve:
 	$(PY) -m http.server --directory build/html 8000
 

@@ -502,3 +502,17 @@ def test_every_preset_warms_up_and_decays(name, trainer):
 def test_a_schedule_the_trainers_would_refuse_fails_at_render_time(overrides, message):
     with pytest.raises(sbatch.RenderError, match=re.escape(message)):
         sbatch.render("cpu-smoke", overrides)
+
+
+def test_list_aligns_every_name_with_its_description(capsys):
+    """``mfsdp sbatch list``: each preset's description, and each key's type, starts in one
+    column, with at least one space after the longest name (``llama3-8b-container``,
+    ``distributed_timeout_minutes``)."""
+    assert sbatch.main(["list"]) == 0
+    presets, keys = capsys.readouterr().out.rstrip("\n").split("\n\n")
+    for block, names in ((presets, sbatch.PRESETS), (keys, sbatch.SCHEMA)):
+        lines = block.splitlines()
+        assert [line.split(" ", 1)[0] for line in lines] == list(names)
+        starts = {len(line) - len(line[len(name):].lstrip(" ")) for line, name in
+                  zip(lines, names)}
+        assert starts == {max(map(len, names)) + 1}, starts

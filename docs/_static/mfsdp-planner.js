@@ -119,8 +119,9 @@
       const response = await fetch(base + "_static/" + root.dataset.tables);
       tables = await response.json();
     } catch (e) {
-      out.textContent = "The calculator's tables did not load (" + e + "): serve the guide over " +
-                        "http (python -m http.server) or run mfsdp plan.";
+      out.textContent = "The calculator's tables did not load (" + e + "): a page opened " +
+                        "as a file cannot read them. Serve the guide over http (make serve, " +
+                        "then http://localhost:8000) or run mfsdp plan.";
       return;
     }
     root.querySelector("form").addEventListener("change", () => render(root, tables));

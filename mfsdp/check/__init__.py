@@ -172,7 +172,8 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
         if progress is not None:
             summary = _summary(result)
             summary = summary if len(summary) <= 150 else summary[:147] + "..."
-            progress(f"[{i}/{len(chosen)}] {layout.name:<19} "
+            count = f"[{i}/{len(chosen)}]"  # padded so the names line up past [9/10]
+            progress(f"{count:<{2 * len(str(len(chosen))) + 3}} {layout.name:<19} "
                      f"{'PASS' if result.passed else 'FAIL'}  {summary}  "
                      f"({result.seconds:.1f} s)")
     report = CheckReport(model=model if isinstance(model, str) else _qualname(model),

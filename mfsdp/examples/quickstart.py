@@ -31,7 +31,6 @@ def quickstart_train(steps: int = 5,
     from mfsdp.models import Block, ToyModel
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    # this rank's GPU under NCCL, else the CPU
     device = rank_device()  # this rank's GPU under NCCL, the CPU under gloo
     torch.manual_seed(0)  # every rank builds the same model
     model = ToyModel(dim=32, hidden=64, num_blocks=4).to(device)

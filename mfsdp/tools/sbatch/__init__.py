@@ -118,11 +118,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp sbatch`` command."""
     if args.action == "list":
+        width = max(map(len, PRESETS))  # the longest name still leaves a space
         for name, p in PRESETS.items():
-            print(f"{name:<12} {p.description}")
+            print(f"{name:<{width}} {p.description}")
         print()
+        width = max(map(len, SCHEMA))
         for key, (typ, help_) in SCHEMA.items():
-            print(f"{key:<18} {typ.__name__:<6} {help_}")
+            print(f"{key:<{width}} {typ.__name__:<6} {help_}")
         return 0
     if args.action == "render-all":
         for path in render_all(args.directory):
