@@ -49,7 +49,8 @@ def train_flags(layout: str) -> list[str]:
         "--log-interval", "1", "--lr", str(lr), "--min-lr", str(lr / 10),
         "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "8",
         "--weight-decay", "0.1", "--clip-grad", "1.0", "--normalization", "RMSNorm",
-        "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
+        "--position-embedding-type", "rope", "--disable-bias-linear",
+        *([] if layout == "fsdp-dtensor" else ["--swiglu"]),
         "--group-query-attention",
         "--num-query-groups", "2", "--num-layers", "2", "--hidden-size", "64",
         "--ffn-hidden-size", "176", "--num-attention-heads", "4", "--vocab-size", "256",
@@ -72,7 +73,7 @@ def resume(name: str, source: str, ranks: int, tmp_path: Path) -> tuple[dict, di
     shutil.copytree(TRAJECTORY / name, load)
     if source == "converted":
         out = subprocess.run([sys.executable, "-m", "mfsdp.cli", "convert", "--from",
-                              "torch_dist", "--to", "fsdp_dtensor", "--no-progress", str(load),
+                              "megatron_lm", "--to", "fsdp_dtensor", "--no-progress", str(load),
                               str(tmp_path / "converted")],
                              capture_output=True, text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
@@ -178,6 +179,18 @@ def test_resume_of_a_tp2_job_takes_megatron_cores_step(layout, source, tmp_path)
     name = f"{layout}-tp2"
     tensors, blobs, stdout = resume(name, source, 2, tmp_path)
     assert_megatron_cores_step(name, tensors, blobs, stdout, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("source", ["converted", "megatron_lm"])
+def test_resume_of_a_megatron_fsdp_job_takes_megatron_cores_step(source, tmp_path):
+    """The ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` job's checkpoint (2 ranks, data
+    parallel 2, a GELU MLP), converted or loaded as it is, resumed on 2 ranks: megatron-core's
+    step (the weights and moments recorded by that job itself)."""
+    tensors, blobs, stdout = resume("fsdp-dtensor", source, 2, tmp_path)
+    assert "resumed from iteration 2" in stdout, stdout
+    assert_megatron_cores_step("fsdp-dtensor", tensors, blobs, stdout, tmp_path)
 
 
 def test_megatron_lms_own_checkpoint_converts_with_its_schedule_in_iterations(tmp_path):
