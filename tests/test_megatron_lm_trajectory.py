@@ -183,14 +183,17 @@ def test_resume_of_a_tp2_job_takes_megatron_cores_step(layout, source, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.extended
-@pytest.mark.parametrize("source", ["converted", "megatron_lm"])
-def test_resume_of_a_megatron_fsdp_job_takes_megatron_cores_step(source, tmp_path):
-    """The ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` job's checkpoint (2 ranks, data
-    parallel 2, a GELU MLP), converted or loaded as it is, resumed on 2 ranks: megatron-core's
-    step (the weights and moments recorded by that job itself)."""
-    tensors, blobs, stdout = resume("fsdp-dtensor", source, 2, tmp_path)
+@pytest.mark.parametrize("name,source", [
+    ("fsdp-dtensor", "converted"), ("fsdp-dtensor", "megatron_lm"),
+    ("fsdp-dtensor-tp2", "converted")])
+def test_resume_of_a_megatron_fsdp_job_takes_megatron_cores_step(name, source, tmp_path):
+    """The ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` job's checkpoint (a GELU MLP; 2
+    ranks of data parallelism, or TP 2 x data parallel 2 on 4), converted or loaded as it is,
+    resumed on 2 ranks: megatron-core's step (the weights and moments its TP 1 job recorded;
+    its TP 2 job is within 1.2e-7 of it, as that fixture records)."""
+    tensors, blobs, stdout = resume(name, source, 2, tmp_path)
     assert "resumed from iteration 2" in stdout, stdout
-    assert_megatron_cores_step("fsdp-dtensor", tensors, blobs, stdout, tmp_path)
+    assert_megatron_cores_step(name, tensors, blobs, stdout, tmp_path)
 
 
 def test_megatron_lms_own_checkpoint_converts_with_its_schedule_in_iterations(tmp_path):
