@@ -185,10 +185,11 @@ def test_resume_of_a_tp2_job_takes_megatron_cores_step(layout, source, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.extended
 @pytest.mark.parametrize("name,source", [
-    ("fsdp-dtensor", "converted"), ("fsdp-dtensor", "megatron_lm"),
-    ("fsdp-dtensor-tp2", "converted"), ("fsdp-dtensor-tp2", "megatron_lm")])
+    ("fsdp-dtensor", "converted"),  # about 20 s; the others 20 to 35 s
+    pytest.param("fsdp-dtensor", "megatron_lm", marks=pytest.mark.extended),
+    pytest.param("fsdp-dtensor-tp2", "converted", marks=pytest.mark.extended),
+    pytest.param("fsdp-dtensor-tp2", "megatron_lm", marks=pytest.mark.extended)])
 def test_resume_of_a_megatron_fsdp_job_takes_megatron_cores_step(name, source, tmp_path):
     """The ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` job's checkpoint (a GELU MLP; 2
     ranks of data parallelism, or TP 2 x data parallel 2 on 4), converted or loaded as it is,
