@@ -167,7 +167,7 @@ def tp_plan(model, sequence_parallel: bool = False, vocab_parallel_loss: bool = 
 
 
 def tp_splits(model) -> dict[str, tuple[int, int] | None]:
-    """How :func:`tp_plan` splits each parameter of ``model`` over the TP ranks, by name:
+    """How ``tp_plan`` splits each parameter of ``model`` over the TP ranks, by name:
     ``(dim, split_factor)`` (rank ``r`` of ``n`` holds the ``r``-th of ``n`` pieces of each of
     the ``split_factor`` equal blocks along ``dim``: 2 for SwiGLU's ``[gate; up]``) or ``None``
     where every rank holds it whole.
