@@ -55,10 +55,10 @@ from mfsdp.checkpoint.megatron_common import (COMMON, MAIN_FIELDS, SAFE_TYPES,
                                               fsdp_model_config, is_decayed, megatron_args,
                                               add_carried, mfsdp_groups, mfsdp_name,
                                               not_carried, optimizer_common,
-                                              scheduler_in_iterations, scheduler_in_samples,
-                                              carry_into_args,
                                               read_common_state, saved_steps, source_key,
                                               target_key, write_iteration)
+from mfsdp.checkpoint.megatron_schedule import (carry_into_args, scheduler_in_iterations,
+                                                scheduler_in_samples)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "load_megatron_lm",
            "megatron_lm_to_fsdp", "not_carried_line", "mfsdp_name", "read_common_state", "resolve_megatron_lm",

@@ -47,9 +47,9 @@ from mfsdp.checkpoint.full import fsdp_source
 from mfsdp.checkpoint.manifest import CheckpointError
 from mfsdp.checkpoint.megatron_common import (SAFE_TYPES, add_carried, fsdp_model_config,
                                               is_decayed, megatron_args, mfsdp_groups, mfsdp_name,
-                                              carry_into_args, not_carried,
-                                              scheduler_in_iterations,
-                                              scheduler_in_samples, source_key, write_iteration)
+                                              not_carried, source_key, write_iteration)
+from mfsdp.checkpoint.megatron_schedule import (carry_into_args, scheduler_in_iterations,
+                                                scheduler_in_samples)
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm_dtensor", "is_fsdp_dtensor_keys",
            "megatron_lm_dtensor_to_fsdp", "megatron_key", "split_key"]

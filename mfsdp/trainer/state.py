@@ -30,7 +30,7 @@ __all__ = ["LRScheduler", "RouterState", "SCHEDULER_FIELDS", "TrainState"]
 
 # Megatron-LM's OptimizerParamScheduler state keys, the attribute of LRScheduler, the flag, and
 # the names its messages use; steps are iterations here (Megatron-LM counts samples: a
-# conversion divides them by the job's global batch size: scheduler_in_iterations).
+# conversion divides them by the job's global batch size: mfsdp.checkpoint.megatron_schedule).
 SCHEDULER_FIELDS = (("max_lr", "max_lr", "--lr", "learning rate"),
                     ("min_lr", "min_lr", "--min-lr", "minimum learning rate"),
                     ("lr_warmup_steps", "warmup_steps", "--lr-warmup-iters", "warmup iterations"),
