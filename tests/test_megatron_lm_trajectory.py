@@ -159,8 +159,9 @@ LAYOUTS = ["ddp-adam", "ddp-sgd", "fully-reshardable", "dp-reshardable"]
 @pytest.mark.parametrize("layout,source", [
     ("ddp-adam", "converted"),
     pytest.param("ddp-adam", "megatron_lm", marks=pytest.mark.extended),
-    ("ddp-sgd", "converted"), ("fully-reshardable", "converted"),
-    ("dp-reshardable", "converted")])
+    ("ddp-sgd", "converted"),  # make test's budget: the two layouts below run in extended
+    pytest.param("fully-reshardable", "converted", marks=pytest.mark.extended),
+    pytest.param("dp-reshardable", "converted", marks=pytest.mark.extended)])
 def test_resume_takes_megatron_cores_step(layout, source, tmp_path):
     """Convert (or not: ``--load`` of the Megatron-LM directory), ``train --load`` for one
     iteration on 1 rank, save: megatron-core's step."""
@@ -186,7 +187,7 @@ def test_resume_of_a_tp2_job_takes_megatron_cores_step(layout, source, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,source", [
-    ("fsdp-dtensor", "converted"),  # about 20 s; the others 20 to 35 s
+    pytest.param("fsdp-dtensor", "converted", marks=pytest.mark.extended),  # about 20 s
     pytest.param("fsdp-dtensor", "megatron_lm", marks=pytest.mark.extended),
     pytest.param("fsdp-dtensor-tp2", "converted", marks=pytest.mark.extended),
     pytest.param("fsdp-dtensor-tp2", "megatron_lm", marks=pytest.mark.extended)])
