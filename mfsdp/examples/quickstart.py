@@ -77,3 +77,7 @@ def main() -> None:
     # teardown, in which gloo's threads can abort a finished run (see
     # mfsdp.runtime.shutdown).
     shutdown(exit_code=0)
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node 2 quickstart.py
+    main()
