@@ -46,7 +46,7 @@ $(VENDOR)/mermaid/mermaid.esm.min.mjs:
 vendor: $(VENDOR)/mermaid/mermaid.esm.min.mjs
 
 docs: $(VENV)/.installed vendor
-	$(PY) -m sphinx -b html -W --keep-going -j 1 . build/html
+	$(PY) -m sphinx -b html -E -W --keep-going -j 1 . build/html  # -E: every page gets the current navigation
 	@$(PY) docs/_ext/recipe_times.py
 	@echo "The guide is in build/html: read it with 'make serve' at http://localhost:8000"
 	@echo "(opened as a file, the diagrams and the planner's calculator do not load)"
