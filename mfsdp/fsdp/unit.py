@@ -27,7 +27,8 @@ from mfsdp.fsdp.bucket import Bucket
 from mfsdp.fsdp.collectives import Handle
 from mfsdp.fsdp.state import ShardingState, UnitPhase
 
-__all__ = ["FSDPUnit", "in_backward", "nvtx_pop", "nvtx_push", "tensors_requiring_grad"]
+__all__ = ["FSDPUnit", "in_backward", "nvtx_enabled", "nvtx_pop", "nvtx_push",
+           "tensors_requiring_grad"]
 
 # [Note: NVTX ranges] Each unit marks its forward and its backward with an NVTX range named
 # "MFSDP <unit> forward|backward" (<root> for the root), as upstream's per-module API does, for
@@ -40,18 +41,23 @@ _BUILD_HAS_NVTX = torch.version.cuda is not None or torch.version.hip is not Non
 _HOOKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+def nvtx_enabled() -> bool:
+    """Whether ranges are emitted: a CUDA or ROCm build, or NVTX's functions replaced (see
+    [Note: NVTX ranges])."""
+    nvtx = torch.cuda.nvtx
+    return _BUILD_HAS_NVTX or nvtx.range_push is not _NVTX_PUSH or nvtx.range_pop is not _NVTX_POP
+
+
 def nvtx_push(label: str) -> None:
     """Open an NVTX range named ``label`` (see [Note: NVTX ranges])."""
-    push = torch.cuda.nvtx.range_push
-    if _BUILD_HAS_NVTX or push is not _NVTX_PUSH:
-        push(label)
+    if nvtx_enabled():
+        torch.cuda.nvtx.range_push(label)
 
 
 def nvtx_pop() -> None:
     """Close the innermost NVTX range (see [Note: NVTX ranges])."""
-    pop = torch.cuda.nvtx.range_pop
-    if _BUILD_HAS_NVTX or pop is not _NVTX_POP:
-        pop()
+    if nvtx_enabled():
+        torch.cuda.nvtx.range_pop()
 
 
 def tensors_requiring_grad(obj) -> list[torch.Tensor]:
@@ -326,12 +332,12 @@ class FSDPUnit:
         then every gradient of the unit's parameters has arrived (unused ones never will)."""
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
+        if not idx or not (self.requires_grad or nvtx_enabled()):
             return args, kwargs
         if self.requires_grad:
             self.fwd_pending += 1
             callback = self._post_backward
-        else:  # a frozen unit: only its backward NVTX range waits for this
+        else:  # a frozen unit: only its backward NVTX range (when ranges are emitted) waits
             callback = self.close_backward_range
         outs = _PostBackward.apply(callback, *[flat[i] for i in idx])
         for i, t in zip(idx, outs):
