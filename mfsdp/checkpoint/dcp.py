@@ -411,9 +411,7 @@ class DCPSource:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
             if any(not o <= i < o + n for i, o, n in zip(index, offsets, sizes)):
                 continue  # holds none of tensor[index]
-            with open(self.path / info.relative_path, "rb") as f:
-                part = torch.load(_Window(f, info.offset, info.length), map_location="cpu",
-                                  weights_only=True).reshape(sizes)
+            part = self._read_chunk(info).reshape(sizes)
             loaded = part.numel()
             part = part[tuple(i - o for i, o in zip(index, offsets))]
             if tuple(sizes[k:]) == want:  # a view of a chunk wider than the slice is copied
@@ -440,11 +438,15 @@ class DCPSource:
             info = storage.get(MetadataIndex(key, chunk.offsets))
             if info is None or getattr(info, "transform_descriptors", None):
                 return self._get_dcp(key)[start:stop].clone()
-            with open(self.path / info.relative_path, "rb") as f:
-                part = torch.load(_Window(f, info.offset, info.length), map_location="cpu",
-                                  weights_only=True).reshape(-1)
+            part = self._read_chunk(info).reshape(-1)
             out[a - start:b - start].copy_(part[a - lo:b - lo])
         return out
+
+    def _read_chunk(self, info) -> torch.Tensor:
+        """The one chunk DCP stored at ``info`` (its file, offset and length), read alone."""
+        with open(self.path / info.relative_path, "rb") as f:
+            return torch.load(_Window(f, info.offset, info.length), map_location="cpu",
+                              weights_only=True)
 
     def _get_dcp(self, key: str) -> torch.Tensor:
         shape, dtype = self.tensors[key]
