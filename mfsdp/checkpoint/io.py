@@ -202,7 +202,11 @@ def save_checkpoint_directory(path: str | os.PathLike, model, optimizer=None,
         if path.exists():  # empty, or an earlier checkpoint: moved aside, then removed
             old = tmp.with_name(tmp.name.replace(".tmp-", ".old-", 1))
             path.rename(old)
-            tmp.rename(path)
+            try:
+                tmp.rename(path)
+            except OSError:
+                old.rename(path)  # the earlier checkpoint back where it was
+                raise
             shutil.rmtree(old)
         else:
             tmp.rename(path)
