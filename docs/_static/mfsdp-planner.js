@@ -27,12 +27,13 @@
   function compute(tables, inputs) {
     const rows = ["state", "activations", "time"].map(t => row(tables, t, inputs));
     for (const r of rows) if (typeof r === "string") return r;
-    const [state, [activations], [compute_s, exposed, tokens, tflops, mfu]] = rows;
+    const [state, [activations, logits], [compute_s, exposed, tokens, tflops, mfu]] = rows;
     const step = Math.max(compute_s, state[tables.memory.length]) + exposed;
     const out = {};
     tables.memory.forEach((name, i) => { out[name] = state[i]; });
     out.activations = activations;
-    out.total = tables.memory.reduce((sum, name) => sum + out[name], 0) + activations;
+    out.logits = logits;
+    out.total = tables.memory.reduce((sum, name) => sum + out[name], 0) + activations + logits;
     Object.assign(out, {compute_s, step_s: step, tokens_per_gpu_s: tokens / step,
                         model_tflops_per_gpu: tflops / step, mfu: mfu / step});
     return out;
@@ -43,7 +44,8 @@
     return;
   }
 
-  const TERMS = ["weights", "main_weights", "grads", "optimizer", "gathered", "activations"];
+  const TERMS = ["weights", "main_weights", "grads", "optimizer", "gathered", "grad_buffers",
+                 "activations", "logits"];
 
   /* x with d decimals as Python's format() writes it: JavaScript's toFixed rounds a value
      exactly halfway (17.125, a binary fraction) away from zero, Python to the even digit. */

@@ -21,7 +21,7 @@ import gc
 import resource
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -33,10 +33,10 @@ __all__ = ["DryRun", "DryRunError", "dry_run", "train_flags", "held_bytes", "imp
            "ranks_to_build", "TOLERANCE"]
 
 TOLERANCE = 0.02
-"""Largest relative difference between measured and planned weights, gradients or optimizer
-state that the dry run accepts (``mfsdp plan --dry-run`` exits 1 beyond it)."""
+"""Largest relative difference between measured and planned weights, gradients, optimizer
+state and peak buffers that the dry run accepts (``mfsdp plan --dry-run`` exits 1 beyond it)."""
 
-CHECKED = ("params", "grads", "optimizer")
+CHECKED = ("params", "grads", "optimizer", "gathered", "grad_buffers")
 
 
 class DryRunError(ValueError):
@@ -62,6 +62,11 @@ def train_flags(preset: str, layout: Layout, double_buffer: bool = False,
         raise DryRunError(f"the dry run builds the trainer's --bf16 model (2, 4, 4 and 8 bytes of "
                           f"weights, main weights, gradients and Adam state per parameter), not "
                           f"{bytes_per_param}")
+    if (layout.prefetch_depth, layout.max_inflight_reduce) != (1, 2):
+        raise DryRunError(f"the dry run builds the trainer's engine, which prefetches one unit and "
+                          f"keeps two reductions in flight, not prefetch_depth="
+                          f"{layout.prefetch_depth} and max_inflight_reduce="
+                          f"{layout.max_inflight_reduce}")
     dp = layout.world_size // (layout.tp * layout.cp)
     meta = ["--init-model-with-meta-device"] if meta_init and layout.strategy != "no_shard" else []
     flags = ["--model-preset", preset, "--use-megatron-fsdp", "--bf16", *meta,
@@ -134,12 +139,18 @@ def held_bytes(model, optimizer) -> dict[str, int]:
     ``grads``: the reduced gradient shard, plus the full gradient buffer ZeRO-0/1 keep (it is
     allocated at the first backward; here now); ``optimizer``: the optimizer's state, created as
     its first step creates it; ``params``: weights + main weights; ``gathered``: the largest
-    unit's gathered weights times the units in flight (``prefetch_depth + 1``) under ZeRO-3;
+    unit's gathered weights times the units in flight (``prefetch_depth + 1``) plus the root
+    unit's, which stays gathered from its forward through its backward, under ZeRO-3;
     ``double_buffer``: the two fixed slots of ``fsdp_double_buffer``, which then hold the
-    gathered weights instead (``gathered`` is 0).
+    layers' gathered weights instead (``gathered`` keeps the root's); ``grad_buffers`` (ZeRO-2/3):
+    the full gradients alive at once in a backward, at most: the root unit's, from the first
+    gradient to the last, and ``max_inflight_reduce + 1`` units' (reductions in flight and the
+    one accumulating), each reduction in flight with a cast copy when gradients travel in
+    another dtype. Both peak terms are the bounds :func:`mfsdp.tools.plan.peak_buffers` states.
     """
     out = dict.fromkeys(("weights", "main_weights", "grads"), 0)
     units: dict[str, int] = {}
+    grad_units: dict[str, list[int]] = {}  # unit -> [full gradient bytes, cast copy bytes]
     for b in model.fsdp_state().buckets:
         out["weights"] += _nbytes(b.model_shard if b.sharded_params else b.full)
         if not b.main_aliases_model():
@@ -150,18 +161,33 @@ def held_bytes(model, optimizer) -> dict[str, int]:
             full = b.grad_full if b.grad_full is not None and b.grad_full is not b.grad_shard \
                 else None
             out["grads"] += _nbytes(b.grad_shard) + _nbytes(full)
-        if b.sharded_params and b.unit:
+        if b.sharded_params:
             units[b.unit] = units.get(b.unit, 0) + b.plan.padded_numel * b.full.element_size()
+        if b.requires_grad and b.sharded_grads:
+            g = grad_units.setdefault(b.unit, [0, 0])
+            g[0] += b.plan.padded_numel * b.grad_dtype.itemsize
+            if b.comm_dtype != b.grad_dtype:
+                g[1] += b.plan.padded_numel * b.comm_dtype.itemsize
     for group in optimizer.param_groups:  # one multi-tensor step on meta tensors, not 30,000
         if group.get("foreach") is None and "foreach" in group:
             group["foreach"] = True
     optimizer.state_dict()  # creates every parameter's state, as the first step would
     out["optimizer"] = optimizer.local_state_bytes()
     out["params"] = out["weights"] + out["main_weights"]
-    depth = model.fsdp_state().options.prefetch_depth
+    opts = model.fsdp_state().options
     pool = model.fsdp_state().pool
+    root = units.pop("", 0)  # the root unit's name is empty
     # With the double buffer the layers' gathered weights live in its two slots instead.
-    out["gathered"] = (depth + 1) * max(units.values(), default=0) if pool is None else 0
+    layers = (opts.prefetch_depth + 1) * max(units.values(), default=0) if pool is None else 0
+    out["gathered"] = root + layers if units or root else 0
+    root_grad, root_cast = grad_units.pop("", [0, 0])
+    inflight = opts.max_inflight_reduce
+    largest = max(grad_units.values(), default=[0, 0])
+    if model.fsdp_state().grad_pool is not None:  # the layers' full gradients in two slots
+        layer_grads = sum(_nbytes(s) for s in model.fsdp_state().grad_pool.slots)
+    else:
+        layer_grads = (inflight + 1) * largest[0]
+    out["grad_buffers"] = root_grad + layer_grads + root_cast + inflight * largest[1]
     out["double_buffer"] = sum(_nbytes(s) for s in pool.slots) if pool is not None else 0
     return out
 
@@ -243,13 +269,17 @@ class DryRun:
         return {k: max(t.get(k, 0.0) for t in self.traffic.values()) for k in sorted(keys)}
 
     def deviation(self) -> dict[str, float]:
-        """Relative difference measured / planned - 1 of params, grads and optimizer."""
-        m = self.measured
+        """Relative difference measured / planned - 1 of params, grads, optimizer and the peak
+        buffers (gathered weights, gradient buffers)."""
+        # the double buffer's slots hold the layers' gathered weights
+        m = {**self.measured, "gathered": self.measured["gathered"]
+             + self.measured["double_buffer"]}
         return {k: (m[k] / self.planned[k] - 1) if self.planned[k] else float(m[k] != 0)
                 for k in CHECKED}
 
     def ok(self, tolerance: float = TOLERANCE) -> bool:
-        """Whether params, grads and optimizer are within ``tolerance`` of the plan."""
+        """Whether params, grads, optimizer and the peak buffers are within ``tolerance`` of the
+        plan."""
         return all(abs(d) <= tolerance for d in self.deviation().values())
 
     def wire(self) -> dict[str, float]:
@@ -281,7 +311,7 @@ class DryRun:
                 f"{'per rank':<14} {'engine GiB':>11} {'plan GiB':>9} {'diff':>7}"]
         planned = {**self.planned, "double_buffer": None}
         for k in ("params", "grads", "optimizer", "weights", "main_weights", "gathered",
-                  "double_buffer"):
+                  "grad_buffers", "double_buffer"):
             p = planned.get(k)
             diff = f"{m[k] / p - 1:+7.2%}" if p else "      -"
             rows.append(f"{k:<14} {m[k] / gib:11.3f} {'' if p is None else f'{p / gib:9.3f}'}"
@@ -298,7 +328,7 @@ class DryRun:
         rows.append(f"step time ({self.gpu}): {measured_t.step_s:.2f} s from the engine's bytes, "
                     f"{planned_t.step_s:.2f} s from the plan's; MFU {100 * measured_t.mfu:.1f}%")
         verdict = "agrees" if self.ok() else "DISAGREES"
-        rows.append(f"params, grads and optimizer: the plan {verdict} with the engine within "
+        rows.append(f"state and peak buffers: the plan {verdict} with the engine within "
                     f"{TOLERANCE:.0%} (worst {max(dev.values(), key=abs):+.2%})")
         return "\n".join(rows)
 
@@ -406,6 +436,10 @@ def dry_run(preset: str, layout: Layout, ranks: list[int] | None = None, gpu: st
         torch.set_rng_state(state)  # the trainer's build seeds the generator
     p = plan(model, layout)
     planned = {**p.memory, "params": p.memory["weights"] + p.memory["main_weights"]}
+    if double_buffer and layout.strategy in ("optim_grads", "optim_grads_params"):
+        # the layers' full gradients take two slots: as one reduction in flight, one accumulating
+        planned["grad_buffers"] = plan(model, replace(layout, max_inflight_reduce=1)).memory[
+            "grad_buffers"]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return DryRun(preset, layout, held, traffic, planned, dict(p.comm),
                   time.perf_counter() - start, rss, gpu)

@@ -1,26 +1,27 @@
 """Memory and communication planner: will this model fit, and what does a step move?
 
 ``mfsdp plan`` (or :func:`plan`) estimates, per rank, the bytes of each kind of state (compute
-weights, main weights, gradients, optimizer state, gathered buffers, activations) and the bytes
-each group moves per step, for a model and a layout. The state terms follow the engine exactly
-(they are checked against measured runs in the tests); activations use the usual transformer
-estimate and are an estimate.
+weights, main weights, gradients, optimizer state; the gathered weights and full gradient buffers
+of a step at their peak; activations and the loss's logits) and the bytes each group moves per
+step, for a model and a layout. The state terms follow the engine exactly and the peak buffers are
+the bounds the engine keeps to (both checked against measured runs in the tests); activations and
+logits use the usual transformer estimate and are an estimate.
 
 >>> p = plan(PRESETS["llama3-8b"], Layout(world_size=8, strategy="optim_grads_params"))
 >>> round(p.params / 1e9, 2), p.dominant, round(p.total / GiB, 1)
-(8.03, 'activations', 34.6)
+(8.03, 'activations', 44.9)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mfsdp.tools.plan_terms import activations, fsdp_traffic, padding
+from mfsdp.tools.plan_terms import activations, fsdp_traffic, logits, padded_units, padding
 from mfsdp.tools.plan_time import step_time
 
 __all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes",
            "fsdp_traffic",
-           "smallest_world", "smallest_layout", "tp_dense", "estimate"]
+           "smallest_world", "smallest_layout", "tp_dense", "estimate", "peak_buffers"]
 
 GiB = 2**30
 
@@ -126,6 +127,11 @@ class ModelConfig:
         out["root"] = ([(self.vocab, h)] * (1 if self.tied_embeddings else 2) + [(h,)], 1)
         return out
 
+    def root_params(self, tp: int = 1) -> float:
+        """Parameters of the root unit on one TP rank: the embedding and the output layer (one
+        matrix when tied), split over TP by vocabulary, and the final norm, whole."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) / tp + self.hidden
+
     def tp_replicated_params(self) -> int:
         """Dense parameters that Megatron-LM's tensor parallelism keeps whole on every TP rank:
         norms, routers, shared-expert gates and query/key norms. Everything else dense (attention
@@ -188,6 +194,9 @@ class Layout:
     micro_batches: int = 1
     seq_length: int = 4096
     prefetch_depth: int = 1
+    # Gradient reductions in flight before the oldest is waited for (the engine's and
+    # fully_shard's max_inflight_reduce): full gradient buffers alive at once in backward.
+    max_inflight_reduce: int = 2
     recompute: bool = False  # shorthand for recompute_granularity="full", uniform, 1 layer
     recompute_granularity: str | None = None  # "full" or "selective" (Megatron-LM's names)
     recompute_method: str = "uniform"  # with full: "uniform" chunks or the first layers ("block")
@@ -209,6 +218,8 @@ class Layout:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 0")
+        if self.max_inflight_reduce < 1:
+            raise ValueError(f"max_inflight_reduce={self.max_inflight_reduce} must be at least 1")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True needs tp > 1 (it splits the TP region's "
                              "norms and dropout over the TP ranks)")
@@ -287,6 +298,30 @@ def tp_dense(model: ModelConfig, dense: float, tp: int) -> float:
     return (dense - whole) / tp + whole
 
 
+def peak_buffers(unit: float, root: float, stage: int, layout: Layout) -> dict[str, float]:
+    """The two buffers a step allocates and frees, at their peak, in bytes per rank: ``gathered``
+    and ``grad_buffers``. ``unit``: the parameters of the largest layer on one rank; ``root``: the
+    root unit's (embedding, final norm, output layer).
+
+    ``gathered`` (ZeRO-3): the root unit's weights, which stay gathered from its forward through
+    its backward, plus ``prefetch_depth + 1`` layers (the one computing and the ones prefetched).
+    ``grad_buffers`` (ZeRO-2/3): full gradients before their reduce-scatter. The root's fill from
+    the output layer's gradient, the first of the backward, to its embedding's, the last; besides
+    it at most ``max_inflight_reduce`` layers wait for their reductions while one more
+    accumulates. Under ZeRO-0/1 the full gradients are already in ``grads``. When the reductions
+    carry another dtype (``grad_comm_bytes``), each reduction in flight holds a cast copy too.
+    Both are upper bounds the engine keeps to (``tests/test_plan_peaks.py`` measures them).
+    """
+    cb, gb = layout.compute_bytes, layout.grad_bytes
+    gathered = (root + (layout.prefetch_depth + 1) * unit) * cb if stage == 3 else 0.0
+    inflight = layout.max_inflight_reduce
+    grads = (root + (inflight + 1) * unit) * gb if stage >= 2 else 0.0
+    comm = layout.grad_comm_bytes
+    if comm is not None and comm != gb:
+        grads += (root + inflight * unit) * comm
+    return {"gathered": gathered, "grad_buffers": grads}
+
+
 def plan(model: ModelConfig, layout: Layout) -> Plan:
     """Estimate per-rank memory and per-step communication for ``model`` under ``layout``.
 
@@ -299,10 +334,10 @@ def plan(model: ModelConfig, layout: Layout) -> Plan:
     local_dense = tp_dense(model, dense, layout.tp)  # what one TP rank holds
     memory = state_bytes(local_dense * (1 + pad_dense), expert * (1 + pad_expert), layout)
     s = ShardingStrategy.parse(layout.strategy).zero_stage
-    unit_dense, unit_expert = model.layer_params(bool(model.num_experts))
-    unit = (unit_dense / layout.tp + unit_expert / layout.ep) * layout.compute_bytes
-    memory["gathered"] = (layout.prefetch_depth + 1) * unit if s == 3 else 0.0
+    unit, root = padded_units(model, layout)  # the largest layer and the root on one rank
+    memory.update(peak_buffers(unit, root, s, layout))
     memory["activations"] = activations(model, layout)
+    memory["logits"] = logits(model, layout)
     comm = fsdp_traffic(model, layout, local_dense * (1 + pad_dense),
                         expert / layout.ep * (1 + pad_expert), pad_dense)
     m = layout.micro_batches
@@ -369,8 +404,10 @@ def smallest_world(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
 
 
 def _fits_without_state(p: Plan, device_gib: float) -> bool:
-    """Whether what no added data-parallel rank shrinks (gathered weights and activations) fits."""
-    return replace(p, memory={k: p.memory[k] for k in ("gathered", "activations")}).fits(device_gib)
+    """Whether what no added data-parallel rank shrinks (gathered weights, gradient buffers and
+    activations) fits."""
+    kept = ("gathered", "grad_buffers", "activations")
+    return replace(p, memory={k: p.memory[k] for k in kept}).fits(device_gib)
 
 
 def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
@@ -383,7 +420,7 @@ def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0
     >>> best = smallest_layout(PRESETS["llama3-70b"], Layout(8, seq_length=8192))
     >>> # FSDP alone fits nowhere (activations: 170 GiB)
     >>> best.world_size, best.tp, best.cp
-    (24, 1, 8)
+    (24, 8, 1)
     """
     options = sorted(((tp, cp) for tp in tps for cp in cps if tp <= gpus_per_node),
                      key=lambda tc: (tc[0] * tc[1], tc[0]))

@@ -10,10 +10,12 @@ The full grid of inputs is too large to tabulate (four presets, eight world size
 strategies and so on make about two million layouts), so the tables follow what each number
 depends on:
 
-* ``state``: weights, main weights, gradients, optimizer state and gathered weights, and the
+* ``state``: weights, main weights, gradients, optimizer state, gathered weights and gradient
+  buffers at their peak, and the
   seconds the FSDP collectives (``dp_shard``, ``dp_outer``) take, per (world size, strategy,
   outer size, TP, CP, EP): none of them depends on the batch or the sequence;
-* ``activations``: per (TP, CP, SP, micro-batch, sequence length, recompute);
+* ``activations``: the layers' activations and the loss's logits, per (TP, CP, SP,
+  micro-batch, sequence length, recompute);
 * ``time``: the compute seconds, the seconds of the collectives between layers (TP, CP, EP), and
   the tokens and model FLOPs per rank and step, per (TP, CP, EP, micro-batch, sequence length,
   recompute): per rank, none of them depends on the world size or the sharding.
@@ -30,7 +32,7 @@ build instead of showing wrong numbers.
 ...              dp_outer=1, tp=1, cp=1, ep=1, sequence_parallel=False, micro_batch=1,
 ...              seq_length=4096, recompute="none")
 >>> round(got["total"], 2), round(got["step_s"], 2)   # mfsdp plan llama3-8b --world-size 64
-(19.92, 0.5)
+(30.19, 0.5)
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ AXES = {
 }
 """Each table's inputs, in the order of its rows (the last one varies fastest)."""
 
-MEMORY = ("weights", "main_weights", "grads", "optimizer", "gathered")
+MEMORY = ("weights", "main_weights", "grads", "optimizer", "gathered", "grad_buffers")
 """The memory terms of a ``state`` row; the row's last number is the FSDP seconds."""
 
 GPU = "h100"
@@ -99,7 +101,7 @@ def _row(preset: str, table: str, inputs: dict) -> list[float] | str:
         return str(exc)
     p = plan(model, layout)
     if table == "activations":
-        return [p.memory["activations"] / GiB]
+        return [p.memory["activations"] / GiB, p.memory["logits"] / GiB]
     t = step_time(model, layout, p.comm, GPU)
     if table == "state":
         return [p.memory[m] / GiB for m in MEMORY] + [
@@ -160,9 +162,9 @@ def lookup(tables: dict, **inputs) -> dict | str:
     for row in rows:
         if isinstance(row, str):
             return row
-    state, (activations,), (compute, exposed, tokens, tflops, mfu) = rows
+    state, (activations, logits), (compute, exposed, tokens, tflops, mfu) = rows
     step = max(compute, state[len(tables["memory"])]) + exposed
-    memory = dict(zip(tables["memory"], state), activations=activations)
+    memory = dict(zip(tables["memory"], state), activations=activations, logits=logits)
     return {**memory, "total": sum(memory.values()), "compute_s": compute, "step_s": step,
             "tokens_per_gpu_s": tokens / step, "model_tflops_per_gpu": tflops / step,
             "mfu": mfu / step}
@@ -182,7 +184,7 @@ def direct(preset: str, world_size: int, strategy: str, dp_outer: int, tp: int, 
         return str(exc)
     p = plan(model, layout)
     t = step_time(model, layout, p.comm, GPU)
-    memory = {m: p.memory[m] / GiB for m in (*MEMORY, "activations")}
+    memory = {m: p.memory[m] / GiB for m in (*MEMORY, "activations", "logits")}
     return {**memory, "total": p.total / GiB, "compute_s": t.compute_s, "step_s": t.step_s,
             "tokens_per_gpu_s": t.tokens_per_gpu_s,
             "model_tflops_per_gpu": t.model_tflops_per_gpu, "mfu": t.mfu}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["padding", "fsdp_traffic", "activations"]
+__all__ = ["padding", "padded_units", "fsdp_traffic", "activations", "logits"]
 
 
 def activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821 (plan imports this module)
@@ -39,6 +39,17 @@ def activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821 (plan imports
     return math.ceil(L / n) * 2 * s * b * h + n * per_layer
 
 
+def logits(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
+           layout: mfsdp.tools.plan.Layout) -> float:  # noqa: F821
+    """Bytes of the output layer's logits the loss keeps for backward: the cross-entropy's
+    float32 log-probabilities, ``4 s b v / t`` (Korthikanti et al., 2022, section 4.3), for one
+    rank's ``s = seq_length / cp`` tokens and its ``v / t`` vocabulary columns. An estimate, and
+    a low one at the loss itself: while it runs, the bf16 logits and their float32 copy exist
+    beside it (about ``8 s b v / t`` more, freed before the layers' backward)."""
+    s = layout.seq_length // layout.cp
+    return 4 * s * layout.micro_batch * model.vocab / layout.tp
+
+
 def padding(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
             layout: mfsdp.tools.plan.Layout) -> tuple[float, float]:  # noqa: F821
     """(dense, expert) shard padding as a fraction of the parameters, from the engine's own bucket
@@ -53,16 +64,52 @@ def padding(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
 
     if ShardingStrategy.parse(layout.strategy).zero_stage == 0:
         return 0.0, 0.0
+    pad = {"dense": [0, 0], "expert": [0, 0]}  # [padding, numel]
+    for name, (numel, padded, count) in _buckets(model, layout).items():
+        kind = "expert" if name == "experts" else "dense"
+        pad[kind][0] += count * (padded - numel)
+        pad[kind][1] += count * numel
+    return tuple(p / n if n else 0.0 for p, n in pad.values())
+
+
+def padded_units(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
+                 layout: mfsdp.tools.plan.Layout) -> tuple[float, float]:  # noqa: F821
+    """(largest layer, root unit): the parameters one rank gathers or holds full gradients of
+    for each, with the shard padding of their buckets (the engine's bucket planner; the padding
+    of the unsplit shapes, applied to what one TP rank holds)."""
+    from mfsdp.config import ShardingStrategy
+
+    buckets = _buckets(model, layout)
+    if ShardingStrategy.parse(layout.strategy).zero_stage == 0:
+        buckets = {k: (n, n, c) for k, (n, _, c) in buckets.items()}  # whole buffers: no padding
+
+    def padded(name: str, numel: float) -> float:
+        return numel * buckets[name][1] / buckets[name][0] if name in buckets else numel
+
+    dense, _ = model.layer_params(False)
+    layers = []
+    if "dense layer" in buckets and buckets["dense layer"][2]:
+        layers.append(padded("dense layer", dense / layout.tp))
+    if "moe layer" in buckets:
+        moe, expert = model.layer_params(True)
+        layers.append(padded("moe layer", moe / layout.tp)
+                      + padded("experts", expert / layout.ep))
+    return max(layers), padded("root", model.root_params(layout.tp))
+
+
+def _buckets(model, layout) -> dict[str, tuple[int, int, int]]:
+    """The model's buckets (:meth:`~mfsdp.tools.plan.ModelConfig.bucket_shapes`) as
+    name -> (parameters, padded parameters, how many), cut for ``layout``'s shard groups."""
+    from mfsdp.config import ShardingStrategy
+
     shard = layout.shard
     factor = layout.dp_outer if ShardingStrategy.parse(layout.outer_strategy).zero_stage else 1
-    pad = {"dense": [0, 0], "expert": [0, 0]}  # [padding, numel]
+    out = {}
     for name, (shapes, count) in model.bucket_shapes(layout.ep).items():
-        kind = "expert" if name == "experts" else "dense"
-        n = (shard // layout.ep if kind == "expert" else shard) * factor
+        n = (shard // layout.ep if name == "experts" else shard) * factor
         b = _plan_bucket(tuple(shapes), n)
-        pad[kind][0] += count * (b.padded_numel - b.numel)
-        pad[kind][1] += count * b.numel
-    return tuple(p / n if n else 0.0 for p, n in pad.values())
+        out[name] = (b.numel, b.padded_numel, count)
+    return out
 
 
 _BUCKET_PLANS: dict = {}
