@@ -149,11 +149,12 @@ class GPTConfig:
 
 _LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
               add_bias_linear=False, init_method_std=0.02)
-# Llama 3's RoPE: base 500,000 with its frequency scaling
-_LLAMA3 = dict(rotary_base=500000.0, rope_scaling_factor=8.0, **_LLAMA)
+# Llama 3's RoPE: base 500,000, no frequency scaling (Meta-Llama-3-8B/70B, as Megatron-Bridge's
+# Llama3ModelProvider8B/70B); Llama 3.1 adds the frequency scaling with factor 8
+_LLAMA3 = dict(rotary_base=500000.0, **_LLAMA)
+_LLAMA31 = dict(_LLAMA3, rope_scaling_factor=8.0)
 # the released Llama 3 models: their tokenizer, context and 8 key/value heads
-_LLAMA3_RELEASED = dict(vocab_size=128256, max_position_embeddings=8192, num_query_groups=8,
-                        **_LLAMA3)
+_RELEASED = dict(vocab_size=128256, max_position_embeddings=8192, num_query_groups=8)
 # DeepSeek-V3's attention and router: multi-head latent attention with interleaved rotary
 # channels, a sigmoid router with the score-correction bias and the routed scaling factor
 _DEEPSEEK = dict(norm_epsilon=1e-6, rotary_interleaved=True, multi_latent_attention=True,
@@ -163,15 +164,18 @@ _DEEPSEEK = dict(norm_epsilon=1e-6, rotary_interleaved=True, multi_latent_attent
 GPT_PRESETS = {
     # GPT-2-like: LayerNorm with bias, learned positions, multi-head attention, GELU.
     "gpt-tiny": GPTConfig(),
-    # Llama 3 in miniature (the same code as llama3-8b, at a CPU size).
+    # Llama 3.1 in miniature (the llama3 presets' code at a CPU size, with 3.1's RoPE scaling so
+    # that the tests exercise it).
     "llama-tiny": GPTConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
-                            num_query_groups=2, **_LLAMA3),
+                            num_query_groups=2, **_LLAMA31),
+    # Llama 3 8B and 70B: RoPE base 500,000 without Llama 3.1's scaling (Meta-Llama-3-8B/70B).
     "llama3-8b": GPTConfig(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
-                           num_attention_heads=32, **_LLAMA3_RELEASED),
+                           num_attention_heads=32, **_RELEASED, **_LLAMA3),
     "llama3-70b": GPTConfig(num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
-                            num_attention_heads=64, **_LLAMA3_RELEASED),
+                            num_attention_heads=64, **_RELEASED, **_LLAMA3),
+    # Llama 3.1 405B: Llama 3.1's RoPE scaling (factor 8); context kept at 8,192 for the presets.
     "llama3.1-405b": GPTConfig(num_layers=126, hidden_size=16384, ffn_hidden_size=53248,
-                               num_attention_heads=128, **_LLAMA3_RELEASED),
+                               num_attention_heads=128, **_RELEASED, **_LLAMA31),
     # DeepSeek-V3 in miniature: multi-head latent attention, a dense first layer, then MoE layers
     # with a shared expert and routed experts behind a sigmoid router with group-limited top-k, the
     # score-correction bias and the routed scaling factor.
