@@ -322,10 +322,10 @@ def _values_in_bash(text: str, tmp_path) -> dict:
     """Run the script's assignments and TRAIN_ARGS under bash in ``tmp_path`` and return what
     bash made of them (nothing else of the script runs)."""
     keep = [line for line in text.splitlines()
-            if re.match(r"^(DATA_PATH|TOKENIZER_MODEL|CHECKPOINT_DIR|LOAD_FROM|LOG_DIR|TENSORBOARD_DIR|DATA_CACHE_DIR)=",
-                        line)]
+            if re.match(r"^(DATA_PATH|TOKENIZER_MODEL|CHECKPOINT_DIR|LOAD_FROM|LOG_DIR|JOB_DIR|"
+                        r"TENSORBOARD_DIR|METRICS_JSONL|DATA_CACHE_DIR)=", line)]
     body = re.search(r"^TRAIN_ARGS=\(\n.*?^\)\n", text, re.S | re.M).group(0)
-    prog = "\n".join(["set -eu", "SLURM_JOB_NAME=j", *keep, body,
+    prog = "\n".join(["set -eu", "SLURM_JOB_NAME=j SLURM_JOB_ID=1", *keep, body,
                       'printf "%s\\n" "$DATA_PATH" "$TOKENIZER_MODEL" "${CHECKPOINT_DIR-}"',
                       'printf "%s\\0" "${TRAIN_ARGS[@]}" > args.bin'])
     env = {"PATH": "/usr/bin:/bin", "HOME": "/home/u"}
@@ -387,6 +387,9 @@ def test_values_render_as_literal_strings(tmp_path, trainer):
       "model_args": "--model-preset deepseek-proxy"}, "flex_backend='hybridep' is not one of"),
     ({"save_interval": "0"}, "save_interval=0 must be at least 1"),
     ({"nccl_ub": "true"}, "nccl_ub=true: mfsdp train refuses --use-nccl-ub"),
+    ({"trainer": "megatron-lm", "compile": "true"}, "compile=true is mfsdp train's --compile: "),
+    ({"trainer": "megatron-lm", "fused_adam": "true"},
+     "fused_adam=true is mfsdp train's --fused-adam: "),
 ])
 def test_values_slurm_or_the_trainer_would_refuse_fail_at_render_time(overrides, message):
     with pytest.raises(sbatch.RenderError, match=re.escape(message)) as err:
@@ -516,3 +519,53 @@ def test_list_aligns_every_name_with_its_description(capsys):
         starts = {len(line) - len(line[len(name):].lstrip(" ")) for line, name in
                   zip(lines, names)}
         assert starts == {max(map(len, names)) + 1}, starts
+
+
+# The planner's layout of each GPU preset, written out by hand from the preset's values (16, 64
+# or 256 H100s, global batch 512 of 8,192 tokens, one sequence per micro-batch, gradients
+# reduced in bf16), and its Megatron-Bridge schedule: 1,168,251 iterations.
+_SCHEDULES = {
+    "llama3-8b": ("llama3-8b", dict(world_size=16, micro_batches=512 // 16)),
+    "llama3-70b": ("llama3-70b", dict(world_size=64, tp=4, sequence_parallel=True,
+                                      recompute_granularity="selective",
+                                      micro_batches=512 // 16)),
+}
+
+
+@pytest.mark.parametrize("name", list(_SCHEDULES))
+def test_render_says_how_long_the_schedule_takes(name, capsys):
+    """``mfsdp sbatch render`` says on stderr, not in the script: the schedule's tokens
+    (iterations x global batch x sequence length), the planner's step time for the script's
+    layout on an H100 and their product, and the key that shortens it."""
+    from mfsdp.cli import main
+    from mfsdp.tools.plan import PRESETS, Layout, estimate
+
+    model, layout = _SCHEDULES[name]
+    step = estimate(PRESETS[model], Layout(seq_length=8192, micro_batch=1, grad_comm_bytes=2,
+                                           **layout), "h100").step_s
+    for iters, said in ((1_168_251, f"about {1_168_251 * step / 86400:,.0f} days"),
+                        (1000, f"about {1000 * step / 3600:,.1f} hours")):
+        assert main(["sbatch", "render", name, "--set", f"train_iters={iters}", "--set",
+                     "lr_warmup_iters=500"]) == 0
+        out, err = capsys.readouterr()
+        tokens = iters * 512 * 8192
+        assert err.splitlines() == [
+            f"mfsdp sbatch: schedule: {iters:,} iterations x 512 sequences x 8,192 tokens = "
+            f"{tokens / (1e12 if tokens >= 1e12 else 1e9):,.2f}{'T' if tokens >= 1e12 else 'B'} "
+            f"tokens; at the planner's {step:.2f} s a step ({layout['world_size']} x H100 SXM), "
+            f"{said} of chained jobs",
+            "mfsdp sbatch: for a trial, shorten it with --set train_iters=N (and "
+            "lr_warmup_iters)"]
+        assert "mfsdp sbatch: schedule:" not in out and out.startswith("#!/bin/bash")
+        s = sbatch_schedule(sbatch.resolve(name, {"train_iters": str(iters),
+                                                  "lr_warmup_iters": "500"})[1])
+        assert s.seconds == pytest.approx(iters * step, rel=1e-12)
+    assert main(["sbatch", "render", "cpu-smoke"]) == 0  # a CPU job: no planner figure
+    assert capsys.readouterr().err == ""
+
+
+def sbatch_schedule(values):
+    """:func:`mfsdp.tools.sbatch.schedule.schedule` of resolved values."""
+    from mfsdp.tools.sbatch.schedule import schedule
+
+    return schedule(values)

@@ -114,6 +114,20 @@ def test_paths_arrive_intact_through_the_whole_script(tmp_path, overrides):
     assert not list(tmp_path.glob("x*")) and "uid=" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_a_relative_metrics_log_lands_beside_the_per_rank_logs(tmp_path, launcher):
+    """llama3-8b's ``log_jsonl`` (a relative name, with a space and a ``$``) run by bash: the
+    trainer's ``--log-jsonl`` is in the job's log directory, ``logs/JOB_NAME/JOB_ID/attempt-N``,
+    beside ``ranks/``; an absolute one stays as given (test above)."""
+    values = {"log_jsonl": "my $run.jsonl", "mock_data": "true", "launcher": launcher}
+    proc, got = _execute(sbatch.render("llama3-8b", values), tmp_path, SLURM_RESTART_COUNT="2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    args = _trainer_argv(got["argv"])
+    job_dir = tmp_path / "logs" / "j" / "123" / "attempt-2"
+    assert args[args.index("--log-jsonl") + 1] == f"{job_dir}/my $run.jsonl"
+    assert (job_dir / "ranks").is_dir()
+
+
 def test_convert_paths_arrive_intact(tmp_path):
     """The convert script's SRC and DST with spaces, quotes and *: mfsdp convert's argv."""
     src, dst = "/ckpt/a b/$c `d`", "/out/it's*"

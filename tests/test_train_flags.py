@@ -94,7 +94,7 @@ def _engine(args) -> dict:
     """What the trainer's model builder (``build_sharded_model``, as ``mfsdp plan --dry-run``
     calls it) makes of the flags on rank 0 of a fake process group of :data:`WORLD` ranks, on
     the CPU: the wrapper, the engine's strategy, precision and options, the groups, each
-    parameter's shape, dtype and sum, and the optimizer's groups."""
+    parameter's shape, dtype and sum, the optimizer's groups, and which layers are compiled."""
     import gc
     import threading
 
@@ -125,7 +125,10 @@ def _engine(args) -> dict:
                             None if p.is_meta else round(float(p.detach().float().sum()), 4))
                            for n, p in inner.named_parameters()],
                 "optimizer": [{k: v for k, v in g.items() if k != "params"}
-                              for g in opt.param_groups]}
+                              for g in opt.param_groups],
+                # which layers' forward runs through torch.compile (--compile)
+                "compiled": [hasattr(layer.forward, "_torchdynamo_orig_callable")
+                             for layer in inner.layers]}
         except BaseException as exc:  # handed to the test's thread
             out["error"] = exc
         finally:
@@ -165,14 +168,14 @@ OBSERVERS = {
     "optimizer": (_optimizer, [], (
         "lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "lr_warmup_init",
         "lr_wsd_decay_iters", "lr_wsd_decay_style", "weight_decay", "optimizer", "sgd_momentum",
-        "adam_beta1", "adam_beta2", "adam_eps", "train_iters", "train_samples")),
+        "adam_beta1", "adam_beta2", "adam_eps", "train_iters", "train_samples", "fused_adam")),
     "engine": (_engine, TINY, (
         "use_megatron_fsdp", "data_parallel_sharding_strategy", "outer_dp_sharding_strategy",
         "num_distributed_optimizer_instances", "expert_model_parallel_size",
         "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size",
         "create_all_gather_group", "fsdp_double_buffer", "init_model_with_meta_device",
         "overlap_grad_reduce", "overlap_param_gather", "calculate_per_token_loss", "bf16",
-        "seed")),
+        "seed", "compile")),
 }
 # Flags whose effect is at run time only (the loop, checkpoints, data files, logs, profiler,
 # signals): here the value must reach the one typed config field it documents (the field whose
@@ -380,7 +383,8 @@ COMBOS: dict[str, tuple[list[str], list[str]]] = {
     # (a weighted list names indexed datasets without reading them)
     **{d: ([], ["--data-path", "1", "a", "1", "b"]) for d in ("eval_interval", "eval_iters")},
     "sgd_momentum": ([], ["--optimizer", "sgd"]),
-    **{d: (["--optimizer", "sgd"], []) for d in ("adam_beta1", "adam_beta2", "adam_eps")},
+    **{d: (["--optimizer", "sgd"], []) for d in ("adam_beta1", "adam_beta2", "adam_eps",
+                                                 "fused_adam")},
     **{d: ([], ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"])
        for d in ("lr_wsd_decay_style", "lr_wsd_decay_iters")},
     "ckpt_format": ([], ["--save", "somewhere", "--use-megatron-fsdp"]),

@@ -262,7 +262,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="torch.compile each transformer layer's forward and the loss "
                         "(torchtitan's per-block compile), every system alike")
     parser.add_argument("--fused-adam", action="store_true",
-                        help="PyTorch's fused AdamW (one kernel) for every system (CUDA)")
+                        help="PyTorch's fused AdamW (one kernel) for every system (CUDA and CPU)")
     parser.add_argument("--recompute", action="store_true",
                         help="full activation recompute of every layer (Megatron-LM's "
                         "--recompute-granularity full --recompute-method uniform "
@@ -377,9 +377,6 @@ def config_of(args: argparse.Namespace) -> dict:
     >>> cfg["model"], cfg["dim"], cfg["blocks"], cfg["seq_length"]
     ('llama', 2048, 22, 4096)
     """
-    if args.fused_adam and args.device != "cuda":
-        raise SystemExit("mfsdp bench --fused-adam: needs --device cuda (PyTorch's fused AdamW "
-                         "is a CUDA kernel; drop the flag on CPU)")
     cfg = dict(local_batch=args.local_batch, rounds=args.rounds, warmup=args.warmup,
                model=args.model, device=args.device, bf16=args.bf16,
                peak_tflops=args.peak_tflops, tp=args.tp, recompute=args.recompute,

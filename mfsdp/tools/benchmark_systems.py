@@ -171,11 +171,11 @@ class _FloorOptimizer(torch.optim.AdamW):
 
 
 def _adamw_options(cfg: dict) -> dict:
-    """AdamW's implementation: ``fused`` (one kernel for every parameter) with ``--fused-adam``
-    on CUDA, else PyTorch's default (``foreach`` on CUDA)."""
+    """AdamW's implementation: ``fused`` (one kernel for every parameter; CUDA and CPU) with
+    ``--fused-adam``, else PyTorch's default (``foreach`` on CUDA)."""
     if not cfg.get("fused_adam"):
         return {}
-    return dict(fused=True)  # (config_of refuses it without --device cuda)
+    return dict(fused=True)
 
 
 def _adamw(cfg: dict):

@@ -167,13 +167,16 @@ def build_param_groups(model: torch.nn.Module, training: TrainingConfig) -> list
 
 
 def make_optimizer(groups: list[dict], training: TrainingConfig) -> torch.optim.Optimizer:
-    """The optimizer ``--optimizer`` names, with ``--lr``, ``--weight-decay``, Adam's betas and
-    ``--adam-eps`` (``training``: the :class:`~mfsdp.trainer.config.TrainingConfig`)."""
+    """The optimizer ``--optimizer`` names, with ``--lr``, ``--weight-decay``, Adam's betas,
+    ``--adam-eps`` and ``--fused-adam`` (PyTorch's one-kernel AdamW, ``fused=True``; else its
+    default, ``foreach`` on CUDA); ``training``: the
+    :class:`~mfsdp.trainer.config.TrainingConfig`."""
     if training.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=training.lr, momentum=training.sgd_momentum)
     return torch.optim.AdamW(groups, lr=training.lr,
                              betas=(training.adam_beta1, training.adam_beta2),
-                             eps=training.adam_eps)
+                             eps=training.adam_eps,
+                             **({"fused": True} if training.fused_adam else {}))
 
 
 def learning_rate(training: Any, iteration: int) -> float:

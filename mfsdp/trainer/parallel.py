@@ -132,6 +132,8 @@ def build_sharded_model(config: TrainConfig, cfg: GPTConfig, world: int, device:
     # Sharding onto the meta device (a dry run) builds on meta under every strategy.
     with torch.device("meta") if meta or device.type == "meta" else contextlib.nullcontext():
         model = GPT(cfg)
+    if c.training.compile:  # each layer's forward; the sharding hooks stay outside it
+        model.compile_layers()
     model = model.to(dtype=dtype) if meta else model.to(device=device, dtype=dtype)
     par = build_parallel(c.parallel, world, cfg, device, log)
     groups = par.groups

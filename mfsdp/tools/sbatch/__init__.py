@@ -26,8 +26,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from mfsdp.tools.sbatch.arguments import (Var, _abs, _group, _quote, convert_args,
-                                    megatron_lm_model_flags, train_args)
+from mfsdp.tools.sbatch.arguments import (Var, _abs, _group, _in_job_dir, _quote, convert_args,
+                                          megatron_lm_model_flags, train_args)
 from mfsdp.tools.sbatch.checks import _model_preset, resolve, time_limit_seconds
 from mfsdp.tools.sbatch.errors import RenderError
 from mfsdp.tools.sbatch.presets import CHOICES, PRESETS, SCHEMA, Preset
@@ -53,6 +53,7 @@ def render(preset: str, overrides: dict[str, str] | None = None) -> str:
                              lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
     env.filters["q"] = lambda x: shlex.quote(str(x))
     env.filters["abs"] = _abs
+    env.filters["in_job_dir"] = _in_job_dir
     world = values.get("nodes", 1) * values.get("ranks_per_node", 1)
     args = train_args(values) if p.template == "train" else convert_args(values)
     lines = [" ".join(_quote(t) for t in group) for group in _group(args)]
@@ -137,6 +138,11 @@ def run(args: argparse.Namespace) -> int:
             raise RenderError(f"--set {item}: expected KEY=VALUE")
         overrides[key] = value
     text = render(args.preset, overrides)
+    if PRESETS[args.preset].template == "train":  # how long the schedule takes (not a CPU job)
+        from mfsdp.tools.sbatch.schedule import schedule_lines
+
+        for line in schedule_lines(resolve(args.preset, overrides)[1]):
+            print(line, file=sys.stderr)
     if args.output:
         Path(args.output).write_text(text)
         print(f"wrote {args.output}", file=sys.stderr)

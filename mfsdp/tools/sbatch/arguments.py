@@ -148,6 +148,8 @@ def train_args(v: dict) -> list[str]:
                       ("double_buffer", "--fsdp-double-buffer"), ("nccl_ub", "--use-nccl-ub")):
         if v[key]:
             a.append(flag)
+    if not megatron:  # (mfsdp train's; refused with trainer=megatron-lm)
+        a += ["--compile"] * v["compile"] + ["--fused-adam"] * v["fused_adam"]
     if megatron and v["nccl_ub"]:  # registers the user buffers once, as upstream's scripts do
         a.append("--fsdp-manual-registration")
     if v["save"]:
@@ -165,8 +167,8 @@ def train_args(v: dict) -> list[str]:
           "--log-interval", str(v["log_interval"]), "--tensorboard-dir", Var("TENSORBOARD_DIR")]
     if megatron:
         a += ["--log-throughput", "--data-cache-path", Var("DATA_CACHE_DIR")]
-    elif v["log_jsonl"]:
-        a += ["--log-jsonl", v["log_jsonl"]]
+    elif v["log_jsonl"]:  # (the script puts a relative path in the job's log directory)
+        a += ["--log-jsonl", Var("METRICS_JSONL")]
     return a + shlex.split(v["extra_args"])
 
 
@@ -192,6 +194,12 @@ def convert_args(v: dict) -> list[str]:
     if v["swiglu"]:
         a.append("--swiglu")
     return a
+
+
+def _in_job_dir(path: str) -> str:
+    """A path as the script writes it: absolute ones quoted, relative ones under "$JOB_DIR" (the
+    job's log directory, which holds the per-rank logs)."""
+    return shlex.quote(path) if path.startswith("/") else f'"$JOB_DIR"/{shlex.quote(path)}'
 
 
 def _abs(path: str) -> str:

@@ -223,6 +223,13 @@ def _check_train(v: dict) -> None:
                           "NCCL user buffers); leave nccl_ub=false, or render with "
                           "trainer=megatron-lm")
     if v["trainer"] == "megatron-lm":
+        for key, why in (("compile", "Megatron-LM's pretrain_gpt.py has no --compile (its "
+                                     "Transformer Engine kernels are fused already)"),
+                         ("fused_adam", "Megatron-LM's Adam is fused already (Transformer "
+                                        "Engine's or Apex's FusedAdam)")):
+            if v[key]:
+                raise RenderError(f"{key}=true is mfsdp train's --{key.replace('_', '-')}: "
+                                  f"{why}; leave {key}=false with trainer=megatron-lm")
         if not v["gpus_per_node"]:
             raise RenderError("trainer=megatron-lm needs GPUs (gpus_per_node > 0): Megatron-LM's "
                               "pretrain_gpt.py does not train on CPU; use trainer=mfsdp")

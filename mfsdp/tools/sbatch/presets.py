@@ -70,6 +70,10 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "per_token_loss": (bool, "--calculate-per-token-loss: the loss is averaged over the tokens "
                              "of the whole global batch, not per micro-batch"),
     "bf16": (bool, "--bf16"),
+    "compile": (bool, "trainer=mfsdp: --compile, torch.compile of each transformer layer (fused "
+                      "kernels, after a compile at the start of each job)"),
+    "fused_adam": (bool, "trainer=mfsdp: --fused-adam, PyTorch's one-kernel AdamW (Megatron-LM's "
+                         "Adam is fused already)"),
     "meta_init": (bool, "--init-model-with-meta-device"),
     "all_gather_group": (bool, "--create-all-gather-group"),
     "grad_reduce_in_bf16": (bool, "--grad-reduce-in-bf16"),
@@ -93,7 +97,9 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "load": (str, "--load directory (empty: start fresh); with save, only until the save "
                   "directory holds a checkpoint, which a requeued job resumes from"),
     "log_interval": (int, "--log-interval"),
-    "log_jsonl": (str, "trainer=mfsdp: --log-jsonl file (empty: none)"),
+    "log_jsonl": (str, "trainer=mfsdp: --log-jsonl file, the metrics of every iteration "
+                       "(relative: to the job's log directory LOG_DIR/JOB_NAME/JOB_ID/"
+                       "attempt-N, beside ranks/; empty: none)"),
     "wandb_project": (str, "trainer=megatron-lm: the W&B project, used when WANDB_API_KEY is set "
                            "at submission (empty: the job name)"),
     "extra_args": (str, "more trainer flags (split like a shell command line)"),
@@ -133,14 +139,18 @@ _TRAIN = dict(_SLURM, launcher="torchrun", rdzv_port=0, requeue=True, strategy="
               max_restarts=0, log_interval=1, log_jsonl="", wandb_project="", extra_args="",
               bf16=False, data_path="", mock_data=False, split="969,30,1", tokenizer_model="",
               min_lr=0.0, lr_warmup_iters=0, lr_decay_style="linear", lr_decay_iters=0,
-              per_token_loss=False)
+              per_token_loss=False, compile=False, fused_adam=False)
 
-# Whole 8-GPU nodes, one rank per GPU: what every GPU preset asks of Slurm.
+# Whole 8-GPU nodes, one rank per GPU: what every GPU preset asks of Slurm. mfsdp train compiles
+# the layers and fuses AdamW there, the GPU tuning page's first step (25.6% -> 42.9% MFU on an
+# H100); the MoE preset leaves compile off (see deepseek-v3).
 _GPU_NODES = dict(gpus_per_node=8, ranks_per_node=8, cpus_per_task=64, output="%x-%j.log",
-                  exclusive=True, grad_reduce_in_bf16=True, per_token_loss=True)
+                  exclusive=True, grad_reduce_in_bf16=True, per_token_loss=True, compile=True,
+                  fused_adam=True)
 # What the upstream guide's Megatron-LM scripts add for Megatron-FSDP on GPUs: the persistent
-# double buffer and NCCL user buffers (Megatron-LM only: mfsdp train refuses --use-nccl-ub).
-_MEGATRON_LM_GPU = dict(double_buffer=True, nccl_ub=True)
+# double buffer and NCCL user buffers (Megatron-LM only: mfsdp train refuses --use-nccl-ub);
+# Megatron-LM has no --compile, and its Adam is fused already.
+_MEGATRON_LM_GPU = dict(double_buffer=True, nccl_ub=True, compile=False, fused_adam=False)
 
 # The real architectures (RMSNorm, RoPE, grouped-query or multi-latent attention, SwiGLU) are
 # the trainer's presets; the planner reads the same definitions (``mfsdp plan``).
@@ -214,7 +224,10 @@ PRESETS: dict[str, Preset] = {
                           "deepseek_v3_pretrain_config_32nodes (4,096 x 1,000,000 iterations, "
                           "cosine from 3e-4 to 3e-5 after 2,000 warm-up iterations), in 24-hour "
                           "jobs that save and requeue until done.", dict(
-                              _TRAIN, **_GPU_NODES, job_name="mfsdp-deepseek-v3", nodes=32,
+                              # compile off: the routed experts' token counts change every
+                              # step, and each new count would compile the MoE layers again
+                              _TRAIN, **dict(_GPU_NODES, compile=False),
+                              job_name="mfsdp-deepseek-v3", nodes=32,
                               time="24:00:00", model_args=_DEEPSEEK_V3,
                               outer=4, outer_strategy="optim", ep=8, num_experts=256,
                               dispatcher="flex", flex_backend="deepep", micro_batch_size=1,

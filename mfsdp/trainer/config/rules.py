@@ -171,6 +171,9 @@ NEEDS: tuple[Needs, ...] = (
     *(Needs(dest=dest, present=lambda a: a.optimizer == "adam", why="needs --optimizer adam",
             also={"optimizer": "sgd"})
       for dest in ("adam_beta1", "adam_beta2", "adam_eps")),
+    Needs(dest="fused_adam", present=lambda a: a.optimizer == "adam",
+          why="needs --optimizer adam (it is PyTorch's fused AdamW): drop it with --optimizer sgd",
+          also={"optimizer": "sgd"}),
     Needs(dest="lr_wsd_decay_style", present=lambda a: a.lr_decay_style == "WSD",
           why="needs --lr-decay-style WSD"),
     Needs(dest="lr_wsd_decay_iters", present=lambda a: a.lr_decay_style == "WSD",

@@ -48,6 +48,9 @@ class TrainingConfig:
     """adam: AdamW (decoupled weight decay, as Megatron-LM's adam); sgd: SGD with --sgd-momentum"""
     sgd_momentum: float = flag(default=0.9, type=non_negative_float)
     """momentum of --optimizer sgd"""
+    fused_adam: bool = flag(default=False)
+    """PyTorch's fused AdamW: one kernel steps every parameter (CUDA and CPU; needs --optimizer
+    adam); faster on GPUs, the same losses to rounding"""
     adam_beta1: float = flag(default=0.9, type=adam_beta)
     """in [0, 1)"""
     adam_beta2: float = flag(default=0.999, type=adam_beta)
@@ -64,6 +67,10 @@ class TrainingConfig:
     any save (Megatron-LM's default: on)"""
     seed: int = flag(default=1234, type=int)
     """model init and data order"""
+    compile: bool = flag(default=False)
+    """torch.compile each transformer layer's forward (torchtitan's per-block compile; the
+    sharding hooks stay outside): fused kernels on GPUs, after a compile of tens of seconds at
+    the first iteration"""
 
     def __post_init__(self) -> None:
         if self.lr_decay_style == "WSD" and not self.lr_wsd_decay_iters:
