@@ -220,7 +220,7 @@ def test_deepseek_script_builds_the_intended_model():
     cfg = train.model_config(args)
     assert (cfg.num_layers, cfg.num_experts, cfg.moe_router_topk, cfg.moe_first_dense_layers) == (
         61, 256, 8, 3)
-    assert args.expert_model_parallel_size == 8 and args.num_distributed_optimizer_instances == 4
+    assert args.expert_model_parallel_size == 32 and args.num_distributed_optimizer_instances == 2
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "deepseek-v3", "llama3.1-405b",

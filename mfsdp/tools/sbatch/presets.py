@@ -218,9 +218,9 @@ PRESETS: dict[str, Preset] = {
             save_interval=500, log_jsonl="llama3-8b.jsonl",
             container_image="nvcr.io#nvidia/pytorch:25.10-py3"), _MEGATRON_LM_GPU),
     "deepseek-v3": Preset("train", "DeepSeek-V3-style MoE (256 routed experts, top-8, "
-                          "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 8 inside a "
-                          "node, HFSDP over 4 outer groups (optimizer state sharded across them too), flex "
-                          "dispatcher with DeepEP. Batch and learning-rate schedule: Megatron-Bridge's "
+                          "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 32 over 4 "
+                          "nodes (8 experts per GPU), HFSDP over 2 outer groups (optimizer state "
+                          "sharded across them too), flex dispatcher with DeepEP. Batch and learning-rate schedule: Megatron-Bridge's "
                           "deepseek_v3_pretrain_config_32nodes (4,096 x 1,000,000 iterations, "
                           "cosine from 3e-4 to 3e-5 after 2,000 warm-up iterations), in 24-hour "
                           "jobs that save and requeue until done.", dict(
@@ -229,7 +229,7 @@ PRESETS: dict[str, Preset] = {
                               _TRAIN, **dict(_GPU_NODES, compile=False),
                               job_name="mfsdp-deepseek-v3", nodes=32,
                               time="24:00:00", model_args=_DEEPSEEK_V3,
-                              outer=4, outer_strategy="optim", ep=8, num_experts=256,
+                              outer=2, outer_strategy="optim", ep=32, num_experts=256,
                               dispatcher="flex", flex_backend="deepep", micro_batch_size=1,
                               seq_length=4096, **_BRIDGE_DEEPSEEK_V3,
                               bf16=True, meta_init=True, all_gather_group=True,
@@ -248,15 +248,15 @@ PRESETS: dict[str, Preset] = {
                              save="checkpoints/llama3-70b", save_interval=250,
                              log_jsonl="llama3-70b.jsonl"), _MEGATRON_LM_GPU),
     "llama3.1-405b": Preset("train", "Llama-3.1-405B-shaped dense model on 32 nodes x 8 GPUs: "
-                            "FSDP x tensor parallelism 2 with sequence parallelism, the layout of "
-                            "Megatron-Bridge's published Megatron-FSDP run (128 GB200s, which "
-                            "hold 186 GiB; on 80 GiB GPUs the planner needs 256), ZeRO-3 over "
-                            "128 data-parallel ranks, full recompute, bf16 compute, meta-device "
+                            "FSDP x tensor parallelism 4 with sequence parallelism (Megatron-Bridge's "
+                            "published Megatron-FSDP run uses TP 2 on 128 GB200s, which hold 186 "
+                            "GiB; on 80 GiB GPUs TP 2 needs 42 nodes), ZeRO-3 over "
+                            "64 data-parallel ranks, full recompute, bf16 compute, meta-device "
                             "initialisation." + _FROM_BRIDGE.format("llama31_405b_pretrain_config", "1,168,251", "48-hour"), dict(
                                 _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3.1-405b", nodes=32,
                                 time="48:00:00",
                                 model_args="--model-preset llama3.1-405b " + _FULL_RECOMPUTE,
-                                tp=2, sequence_parallel=True, micro_batch_size=1,
+                                tp=4, sequence_parallel=True, micro_batch_size=1,
                                 seq_length=8192, **_BRIDGE_LLAMA3,
                                 bf16=True, meta_init=True, all_gather_group=True,
                                 save="checkpoints/llama3.1-405b", save_interval=100,
