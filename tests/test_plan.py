@@ -297,3 +297,17 @@ def test_plan_refuses_values_that_cannot_be(flags, message, capsys):
     with pytest.raises(ValueError, match=r"efficiency=-0.5 must be in \(0, 1\]"):
         mfsdp_plan.estimate(PRESETS["llama3-8b"], Layout(8), efficiency=-0.5)
     assert GPUS["h100"].efficiency == 0.4
+
+
+def test_smallest_search_draws_no_progress_bar_into_a_pipe():
+    """Piped or redirected, ``mfsdp plan --smallest`` writes its answer without tqdm's
+    carriage-return frames (the bar is for a terminal)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "mfsdp.cli", "plan", "llama3-70b",
+                          "--world-size", "8", "--seq-length", "8192", "--smallest"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "smallest with TP/CP searched: 24 (TP 8 + SP, CP 1)" in run.stdout
+    assert "\r" not in run.stderr and "node counts" not in run.stderr, run.stderr

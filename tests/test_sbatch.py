@@ -249,9 +249,35 @@ def test_gpu_presets_build_the_real_architecture_and_fit(name):
                     sequence_parallel=args.sequence_parallel,
                     seq_length=args.seq_length, recompute_granularity=args.recompute_granularity,
                     recompute_method=args.recompute_method or "uniform",
-                    recompute_num_layers=args.recompute_num_layers or 1)
+                    recompute_num_layers=args.recompute_num_layers or 1,
+                    grad_comm_bytes=2 if args.grad_reduce_in_bf16 else None)
     p = plan(ModelConfig.from_gpt(cfg), layout)
     assert p.fits(80), p.table()
+    # what the render says of the script's memory is this plan of its own flags
+    from mfsdp.tools.sbatch.schedule import schedule
+
+    assert schedule(sbatch.resolve(name)[1]).peak_bytes == pytest.approx(p.total, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "deepseek-v3", "llama3.1-405b",
+                                  "llama3-8b-long"])
+def test_gpu_presets_save_inside_a_job_and_reduce_as_the_numerics_page_says(name):
+    """Every GPU preset saves at least three times per job at the planner's step time (a
+    crash without SIGTERM then loses at most a third of a job), and reduces gradients in bf16
+    only over groups of at most 64 ranks (``docs/numerics.md``); the render's own lines say
+    so, and warn when a user's values do not."""
+    from mfsdp.tools.sbatch.checks import time_limit_seconds
+    from mfsdp.tools.sbatch.schedule import BF16_REDUCE_MAX_RANKS, schedule, schedule_lines
+
+    v = sbatch.resolve(name)[1]
+    s = schedule(v)
+    assert 3 * v["save_interval"] * s.step_s <= time_limit_seconds(v["time"]), name
+    assert not v["grad_reduce_in_bf16"] or s.shard_ranks <= BF16_REDUCE_MAX_RANKS, name
+    assert not any("WARNING" in line for line in schedule_lines(v)), schedule_lines(v)
+    worse = sbatch.resolve(name, {"save_interval": "100000", "grad_reduce_in_bf16": "true"})[1]
+    warned = [line for line in schedule_lines(worse) if "WARNING" in line]
+    assert any("no save inside a job" in line for line in warned), warned
+    assert any("bf16" in line for line in warned) == (s.shard_ranks > BF16_REDUCE_MAX_RANKS)
 
 
 def test_container_flags_only_with_an_image():
@@ -538,7 +564,7 @@ def test_render_says_how_long_the_schedule_takes(name, capsys):
     (iterations x global batch x sequence length), the planner's step time for the script's
     layout on an H100 and their product, and the key that shortens it."""
     from mfsdp.cli import main
-    from mfsdp.tools.plan import PRESETS, Layout, estimate
+    from mfsdp.tools.plan import PRESETS, Layout, estimate, plan
 
     model, layout = _SCHEDULES[name]
     step = estimate(PRESETS[model], Layout(seq_length=8192, micro_batch=1, grad_comm_bytes=2,
@@ -549,13 +575,17 @@ def test_render_says_how_long_the_schedule_takes(name, capsys):
                      "lr_warmup_iters=500"]) == 0
         out, err = capsys.readouterr()
         tokens = iters * 512 * 8192
-        assert err.splitlines() == [
+        assert err.splitlines()[:2] == [
             f"mfsdp sbatch: schedule: {iters:,} iterations x 512 sequences x 8,192 tokens = "
             f"{tokens / (1e12 if tokens >= 1e12 else 1e9):,.2f}{'T' if tokens >= 1e12 else 'B'} "
             f"tokens; at the planner's {step:.2f} s a step ({layout['world_size']} x H100 SXM), "
             f"{said} of chained jobs",
-            "mfsdp sbatch: for a trial, shorten it with --set train_iters=N (and "
-            "lr_warmup_iters)"]
+            "mfsdp sbatch: for a trial, shorten it with --set train_iters=N --set "
+            "lr_warmup_iters=M (M < N)"]
+        peak = plan(PRESETS[model], Layout(seq_length=8192, micro_batch=1, grad_comm_bytes=2,
+                                           **layout)).total / 2**30
+        assert err.splitlines()[2] == (f"mfsdp sbatch: memory: the planner's peak is {peak:.1f} "
+                                       f"GiB per GPU; fits 80 GiB GPUs (at most 76 GiB)")
         assert "mfsdp sbatch: schedule:" not in out and out.startswith("#!/bin/bash")
         s = sbatch_schedule(sbatch.resolve(name, {"train_iters": str(iters),
                                                   "lr_warmup_iters": "500"})[1])

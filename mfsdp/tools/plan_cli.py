@@ -127,9 +127,9 @@ def run(args: argparse.Namespace) -> int:
     print(step_time(model, layout, p.comm, args.gpu,
                     **{k: v for k, v in given.items() if v is not None}).summary())
     if args.smallest:
-        world = smallest_world(model, layout, args.device_gib, progress=sys.stderr)
+        world = smallest_world(model, layout, args.device_gib, progress=_bar_stream())
         print(f"smallest world that fits: {world if world else 'none up to 4096 nodes'}")
-        best = smallest_layout(model, layout, args.device_gib, progress=sys.stderr)
+        best = smallest_layout(model, layout, args.device_gib, progress=_bar_stream())
         if best is not None:
             print(f"smallest with TP/CP searched: {best.world_size} (TP {best.tp}"
                   f"{' + SP' if best.sequence_parallel else ''}, CP {best.cp})")
@@ -177,6 +177,12 @@ def describe(layout: Layout, dp: int) -> str:
             f"{'flash attention' if layout.flash_attention else 'attention scores kept'}; "
             f"prefetch depth {layout.prefetch_depth}; "
             f"{recompute + ' recomputation' if recompute else 'no recomputation'}")
+
+
+def _bar_stream():
+    """stderr for the search's progress bar when it is a terminal; None (no bar) when it is
+    piped or redirected, so that no carriage-return frames end up in a file."""
+    return sys.stderr if sys.stderr.isatty() else None
 
 
 def main(argv: list[str] | None = None) -> int:

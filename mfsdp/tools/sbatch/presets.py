@@ -206,7 +206,7 @@ PRESETS: dict[str, Preset] = {
                             time="04:00:00", model_args=_LLAMA3_8B,
                             micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
                             bf16=True, meta_init=True,
-                            save="checkpoints/llama3-8b", save_interval=500,
+                            save="checkpoints/llama3-8b", save_interval=100,
                             log_jsonl="llama3-8b.jsonl"), _MEGATRON_LM_GPU),
     "llama3-8b-container": Preset(
         "train", "The llama3-8b job in NGC's PyTorch container (pyxis/enroot): the image's torch, "
@@ -215,7 +215,7 @@ PRESETS: dict[str, Preset] = {
             _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2, time="04:00:00",
             model_args=_LLAMA3_8B, micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
             bf16=True, meta_init=True, save="checkpoints/llama3-8b",
-            save_interval=500, log_jsonl="llama3-8b.jsonl",
+            save_interval=100, log_jsonl="llama3-8b.jsonl",
             container_image="nvcr.io#nvidia/pytorch:25.10-py3"), _MEGATRON_LM_GPU),
     "deepseek-v3": Preset("train", "DeepSeek-V3-style MoE (256 routed experts, top-8, "
                           "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 32 over 4 "
@@ -225,15 +225,16 @@ PRESETS: dict[str, Preset] = {
                           "cosine from 3e-4 to 3e-5 after 2,000 warm-up iterations), in 24-hour "
                           "jobs that save and requeue until done.", dict(
                               # compile off: the routed experts' token counts change every
-                              # step, and each new count would compile the MoE layers again
-                              _TRAIN, **dict(_GPU_NODES, compile=False),
+                              # step, and each new count would compile the MoE layers again;
+                              # fp32 gradient reduction: its shard groups have 128 ranks
+                              _TRAIN, **dict(_GPU_NODES, compile=False, grad_reduce_in_bf16=False),
                               job_name="mfsdp-deepseek-v3", nodes=32,
                               time="24:00:00", model_args=_DEEPSEEK_V3,
                               outer=2, outer_strategy="optim", ep=32, num_experts=256,
                               dispatcher="flex", flex_backend="deepep", micro_batch_size=1,
                               seq_length=4096, **_BRIDGE_DEEPSEEK_V3,
                               bf16=True, meta_init=True, all_gather_group=True,
-                              save="checkpoints/deepseek-v3", save_interval=500,
+                              save="checkpoints/deepseek-v3", save_interval=50,
                               log_jsonl="deepseek-v3.jsonl"),
                           dict(_MEGATRON_LM_GPU, flex_backend="hybridep")),
     "llama3-70b": Preset("train", "Llama-3-70B-style dense model on 8 nodes x 8 GPUs: tensor "
@@ -245,7 +246,7 @@ PRESETS: dict[str, Preset] = {
                                         "selective",
                              tp=4, micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
                              bf16=True, meta_init=True,
-                             save="checkpoints/llama3-70b", save_interval=250,
+                             save="checkpoints/llama3-70b", save_interval=40,
                              log_jsonl="llama3-70b.jsonl"), _MEGATRON_LM_GPU),
     "llama3.1-405b": Preset("train", "Llama-3.1-405B-shaped dense model on 32 nodes x 8 GPUs: "
                             "FSDP x tensor parallelism 4 with sequence parallelism (Megatron-Bridge's "
@@ -259,7 +260,7 @@ PRESETS: dict[str, Preset] = {
                                 tp=4, sequence_parallel=True, micro_batch_size=1,
                                 seq_length=8192, **_BRIDGE_LLAMA3,
                                 bf16=True, meta_init=True, all_gather_group=True,
-                                save="checkpoints/llama3.1-405b", save_interval=100,
+                                save="checkpoints/llama3.1-405b", save_interval=24,
                                 log_jsonl="llama3.1-405b.jsonl"), _MEGATRON_LM_GPU),
     "llama3-8b-long": Preset("train", "Llama-3-8B-style model on 64K-token sequences, 2 nodes x 8 "
                              "GPUs: context parallelism 2 (each rank holds 32K tokens of a "
@@ -271,7 +272,7 @@ PRESETS: dict[str, Preset] = {
                                  cp=2, micro_batch_size=1, seq_length=65536,
                                  **_BRIDGE_LLAMA3, bf16=True,
                                  meta_init=True, save="checkpoints/llama3-8b-long",
-                                 save_interval=250, log_jsonl="llama3-8b-long.jsonl"),
+                                 save_interval=5, log_jsonl="llama3-8b-long.jsonl"),
                              _MEGATRON_LM_GPU),
     "convert": Preset("convert", "Checkpoint conversion: a Megatron-LM torch_dist checkpoint to "
                       "fsdp_dtensor, on one node (mfsdp convert: CPU only; Megatron-LM's "

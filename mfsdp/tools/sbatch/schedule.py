@@ -1,9 +1,11 @@
-"""How long a GPU preset's schedule takes: ``mfsdp sbatch render`` says it on stderr.
+"""What a GPU script will cost, as ``mfsdp sbatch render`` says it on stderr: how long its
+schedule takes, its memory per GPU, how often it saves, and how its gradients are reduced.
 
 The schedule is ``train_iters`` optimizer steps of ``global_batch_size`` sequences of
 ``seq_length`` tokens; the time of a step is the planner's first-order estimate
 (:func:`mfsdp.tools.plan.estimate`, ``mfsdp plan``) for the script's model and layout on an
-H100 SXM; the wall-clock is their product (queueing and restarts not counted).
+H100 SXM; the wall-clock is their product (queueing and restarts not counted). The memory is
+the planner's peak per GPU for the same layout (:func:`mfsdp.tools.plan.plan`).
 
 >>> from mfsdp.tools.sbatch import resolve
 >>> s = schedule(resolve("llama3-8b")[1])
@@ -18,7 +20,11 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-__all__ = ["Schedule", "schedule", "schedule_lines"]
+__all__ = ["Schedule", "schedule", "schedule_lines", "BF16_REDUCE_MAX_RANKS"]
+
+BF16_REDUCE_MAX_RANKS = 64
+"""The largest reduction group for which the guide's numerics page accepts bf16 gradient
+reduction (``--grad-reduce-in-bf16``); above it the render warns."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,8 @@ class Schedule:
     step_s: float  # the planner's predicted step
     gpus: int
     gpu: str  # the GPU the planner priced
+    peak_bytes: float = 0.0  # the planner's memory per GPU at its peak
+    shard_ranks: int = 1  # ranks of the group the gradients are reduce-scattered over
 
     @property
     def seconds(self) -> float:
@@ -79,10 +87,13 @@ def schedule(v: dict, gpu: str = "h100") -> Schedule | None:
     planned = _layout(v)
     if planned is None:
         return None
+    from mfsdp.tools.plan import plan
+
     model, layout = planned
     step = estimate(model, layout, gpu).step_s
     return Schedule(v["train_iters"], v["train_iters"] * v["global_batch_size"] * v["seq_length"],
-                    step, layout.world_size, GPUS[gpu].name)
+                    step, layout.world_size, GPUS[gpu].name, plan(model, layout).total,
+                    layout.shard)
 
 
 def _count(n: float) -> str:
@@ -104,12 +115,33 @@ def schedule_lines(v: dict) -> list[str]:
     """What ``mfsdp sbatch render`` says of the schedule of resolved train values ``v``: its
     tokens, the planner's step time and the wall-clock, and the key that shortens it (no line
     for a CPU job or a model the planner does not model)."""
+    from mfsdp.tools.sbatch.checks import time_limit_seconds
+
     s = schedule(v)
     if s is None:
         return []
-    return [f"mfsdp sbatch: schedule: {s.iterations:,} iterations x {v['global_batch_size']:,} "
-            f"sequences x {v['seq_length']:,} tokens = {_count(s.tokens)} tokens; at the "
-            f"planner's {s.step_s:.2f} s a step ({s.gpus} x {s.gpu}), "
-            f"{_duration(s.seconds)} of chained jobs",
-            "mfsdp sbatch: for a trial, shorten it with --set train_iters=N (and "
-            "lr_warmup_iters)"]
+    gib, usable = s.peak_bytes / 2**30, 80 - 4
+    lines = [f"mfsdp sbatch: schedule: {s.iterations:,} iterations x "
+             f"{v['global_batch_size']:,} sequences x {v['seq_length']:,} tokens = "
+             f"{_count(s.tokens)} tokens; at the planner's {s.step_s:.2f} s a step "
+             f"({s.gpus} x {s.gpu}), {_duration(s.seconds)} of chained jobs",
+             "mfsdp sbatch: for a trial, shorten it with --set train_iters=N --set "
+             "lr_warmup_iters=M (M < N)",
+             f"mfsdp sbatch: memory: the planner's peak is {gib:.1f} GiB per GPU; "
+             + (f"fits 80 GiB GPUs (at most {usable} GiB)" if gib <= usable else
+                f"WARNING: over the {usable} GiB an 80 GiB GPU leaves (mfsdp plan shows the "
+                f"terms)")]
+    if v.get("save") and v.get("save_interval"):
+        every = v["save_interval"] * s.step_s
+        limit = time_limit_seconds(v["time"])
+        line = (f"mfsdp sbatch: saves every {v['save_interval']:,} iterations, about "
+                f"{every / 3600:.1f} h at that step, in {limit / 3600:.0f} h jobs")
+        if every > limit:
+            line += ("; WARNING: no save inside a job, so a crash without SIGTERM loses the "
+                     "whole job (lower save_interval)")
+        lines.append(line)
+    if v.get("grad_reduce_in_bf16") and s.shard_ranks > BF16_REDUCE_MAX_RANKS:
+        lines.append(f"mfsdp sbatch: WARNING: gradients are reduced in bf16 over "
+                     f"{s.shard_ranks} ranks; above {BF16_REDUCE_MAX_RANKS} the guide "
+                     f"recommends fp32 (--set grad_reduce_in_bf16=false; numerics page)")
+    return lines
