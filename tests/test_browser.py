@@ -204,6 +204,7 @@ def _plan_cli(inputs: dict) -> dict | str:
     argv = [inputs["preset"], "--world-size", str(inputs["world_size"]),
             "--data-parallel-sharding-strategy", inputs["strategy"],
             "--num-distributed-optimizer-instances", str(inputs["dp_outer"]),
+            "--outer-dp-sharding-strategy", inputs["outer_strategy"],
             "--tensor-model-parallel-size", str(inputs["tp"]),
             "--context-parallel-size", str(inputs["cp"]),
             "--expert-model-parallel-size", str(inputs["ep"]),
@@ -230,10 +231,10 @@ def _plan_cli(inputs: dict) -> dict | str:
 
 def test_the_planner_calculator_agrees_with_mfsdp_plan(site):
     """The calculator on the built planner page, driven in Chromium over 60 layouts of its grid
-    (every preset, strategy and recompute choice; TP, CP, EP, SP, outer size, batch and sequence
-    on and off; some invalid): every memory term, the total, whether it fits and the step time,
-    tokens/s, model TFLOP/s and MFU are the strings `mfsdp plan` prints for the same flags, and
-    an invalid layout shows the planner's error."""
+    (every preset, strategy and recompute choice; TP, CP, EP, SP, outer size and strategy
+    (HSDP, HFSDP), batch and sequence on and off; some invalid): every memory term, the total,
+    whether it fits and the step time, tokens/s, model TFLOP/s and MFU are the strings `mfsdp
+    plan` prints for the same flags, and an invalid layout shows the planner's error."""
     import html
     import json
     import random
@@ -272,4 +273,6 @@ def test_the_planner_calculator_agrees_with_mfsdp_plan(site):
         for name, value in want.items():
             assert page[name] == value, (case, name, page[name], value)
         assert page["command"].startswith(f"mfsdp plan {case['preset']} "), page["command"]
+        outer = f"--outer-dp-sharding-strategy {case['outer_strategy']}"
+        assert (outer in page["command"]) == (case["outer_strategy"] != "no_shard"), page
     assert valid >= 20, valid

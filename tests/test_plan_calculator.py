@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "docs" / "_static" / "mfsdp-planner.js"
 
 # A corner of the calculator's grid: a dense and an MoE preset, every strategy, small and large
-# worlds, each parallelism on and off, every recompute choice.
+# worlds, each parallelism on and off (EP up to 32), HSDP and HFSDP, every recompute choice.
 SMALL = {**GRID, "preset": ["llama3-70b", "deepseek-v3"], "world_size": [8, 256],
-         "dp_outer": [1, 2], "tp": [1, 8], "cp": [1, 2], "ep": [1, 8], "micro_batch": [1, 4],
+         "dp_outer": [1, 2], "tp": [1, 8], "cp": [1, 2], "ep": [1, 8, 32], "micro_batch": [1, 4],
          "seq_length": [4096, 32768]}
 
 
@@ -75,8 +75,9 @@ def test_a_table_that_disagrees_with_the_planner_is_caught(tables):
         check(broken, samples=100)
 
 
-def _run_script(tables: dict, cases: list[dict]) -> list:
-    """``compute(tables, inputs)`` of the page's script for each case, in a JavaScript engine."""
+def _run_script(tables: dict, cases: list[dict], call: str = "compute(d.tables, c)") -> list:
+    """``call`` (default ``compute(tables, inputs)``) of the page's script for each case ``c``,
+    in a JavaScript engine."""
     chromium = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
                      if shutil.which(n)), None)
     node = shutil.which("node")
@@ -87,8 +88,9 @@ def _run_script(tables: dict, cases: list[dict]) -> list:
             page.write_text(
                 "<!doctype html><html><body><pre id=result></pre><script>var module = "
                 f"{{exports: {{}}}};</script><script>{SCRIPT.read_text()}</script><script>"
-                f"const d = {data}; document.getElementById('result').textContent = "
-                "JSON.stringify(d.cases.map(c => module.exports.compute(d.tables, c)));"
+                f"const d = {data}; const {{compute, command}} = module.exports; "
+                "document.getElementById('result').textContent = "
+                f"JSON.stringify(d.cases.map(c => {call}));"
                 "</script></body></html>")
             proc = subprocess.run(
                 [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
@@ -103,9 +105,9 @@ def _run_script(tables: dict, cases: list[dict]) -> list:
         if node:
             (Path(tmp) / "data.json").write_text(data)
             proc = subprocess.run(
-                [node, "-e", f"const {{compute}} = require({json.dumps(str(SCRIPT))}); "
+                [node, "-e", f"const {{compute, command}} = require({json.dumps(str(SCRIPT))}); "
                  f"const d = require({json.dumps(str(Path(tmp) / 'data.json'))}); "
-                 "console.log(JSON.stringify(d.cases.map(c => compute(d.tables, c))));"],
+                 f"console.log(JSON.stringify(d.cases.map(c => {call})));"],
                 capture_output=True, text=True, timeout=120)
             assert proc.returncode == 0, proc.stderr
             return json.loads(proc.stdout)
@@ -139,6 +141,44 @@ def test_mfsdp_plan_refuses_a_split_larger_than_the_world_in_one_line(capsys):
                  "--context-parallel-size", "2"])
     err = capsys.readouterr().err
     want = direct(preset="llama3-8b", world_size=8, strategy="optim_grads_params", dp_outer=1,
-                  tp=8, cp=2, ep=1, sequence_parallel=False, micro_batch=1, seq_length=4096,
-                  recompute="none")
+                  outer_strategy="no_shard", tp=8, cp=2, ep=1, sequence_parallel=False,
+                  micro_batch=1, seq_length=4096, recompute="none")
     assert code == 2 and err.startswith("mfsdp plan: error: ") and want in err, err
+
+
+def test_the_calculator_sets_the_guides_deepseek_v3_layout():
+    """The planner page's DeepSeek-V3 example (256 GPUs, EP 32, 2 outer groups under HFSDP,
+    full recompute) is a choice of the form: the page's script gives the planner's numbers for
+    it, the total of the page's own ``plan`` call, a layout that fits 80 GiB, and a command
+    that ``mfsdp plan`` prints the same total for."""
+    import contextlib
+    import io
+    import re
+
+    from mfsdp.cli import main
+    from mfsdp.tools.plan import GiB, PRESETS, Layout, plan
+
+    case = dict(preset="deepseek-v3", world_size=256, strategy="optim_grads_params", dp_outer=2,
+                outer_strategy="optim", tp=1, cp=1, ep=32, sequence_parallel=False,
+                micro_batch=1, seq_length=4096, recompute="full")
+    assert all(case[name] in values for name, values in GRID.items()), case  # the form offers it
+    one = export({name: [value] for name, value in case.items()}, samples=1)
+    assert one["ep"]["deepseek-v3"] == [32]  # EP 32 divides the 256 experts
+    (got,) = _run_script(one, [case])
+    want = direct(**case)
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name] == pytest.approx(want[name], rel=1e-8), name
+    page = plan(PRESETS["deepseek-v3"], Layout(world_size=256, strategy="optim_grads_params",
+                                               dp_outer=2, outer_strategy="optim", ep=32,
+                                               recompute=True))
+    assert got["total"] == pytest.approx(page.total / GiB, rel=1e-8) and page.fits(80)
+    assert got["total"] <= 80 - 4  # the page's "Fits" line: 4 GiB stay with CUDA
+    (printed,) = _run_script(one, [case], call="command(c)")
+    line = printed.replace("\\\n", " ").split()
+    assert line[:2] == ["mfsdp", "plan"] and "--outer-dp-sharding-strategy" in line, line
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(line[1:]) in (0, None)
+    total = re.search(r"^total +(\d+\.\d\d)$", out.getvalue(), re.M)[1]
+    assert total == f"{got['total']:.2f}", (total, out.getvalue())

@@ -39,8 +39,28 @@
     return out;
   }
 
+  /* The `mfsdp plan` command that prints the same estimate (a flag only where it is not the
+     default). */
+  function command(inputs) {
+    const parts = [`mfsdp plan ${inputs.preset} --world-size ${inputs.world_size}`];
+    if (inputs.strategy !== "optim_grads_params")
+      parts.push(`--data-parallel-sharding-strategy ${inputs.strategy}`);
+    if (inputs.dp_outer > 1) parts.push(`--num-distributed-optimizer-instances ${inputs.dp_outer}`);
+    if (inputs.outer_strategy !== "no_shard")
+      parts.push(`--outer-dp-sharding-strategy ${inputs.outer_strategy}`);
+    if (inputs.tp > 1) parts.push(`--tensor-model-parallel-size ${inputs.tp}`);
+    if (inputs.sequence_parallel) parts.push("--sequence-parallel");
+    if (inputs.cp > 1) parts.push(`--context-parallel-size ${inputs.cp}`);
+    if (inputs.ep > 1) parts.push(`--expert-model-parallel-size ${inputs.ep}`);
+    if (inputs.micro_batch > 1) parts.push(`--micro-batch-size ${inputs.micro_batch}`);
+    if (inputs.seq_length !== 4096) parts.push(`--seq-length ${inputs.seq_length}`);
+    if (inputs.recompute !== "none") parts.push(`--recompute-granularity ${inputs.recompute}`);
+    // one flag per line, as the guide's commands are written, so the block fits the page
+    return parts.join(" \\\n    ");
+  }
+
   if (typeof module !== "undefined" && module.exports) {
-    module.exports = {compute};
+    module.exports = {compute, command};
     return;
   }
 
@@ -58,22 +78,6 @@
     return Number(down[down.length - 1]) % 2 ? rounded : (x < 0 ? "-" : "") + down;
   }
   const grouped = n => fixed(n, 0).replace(/\B(?=(\d{3})+(?!\d))/g, ",");
-
-  function command(inputs) {
-    const parts = [`mfsdp plan ${inputs.preset} --world-size ${inputs.world_size}`];
-    if (inputs.strategy !== "optim_grads_params")
-      parts.push(`--data-parallel-sharding-strategy ${inputs.strategy}`);
-    if (inputs.dp_outer > 1) parts.push(`--num-distributed-optimizer-instances ${inputs.dp_outer}`);
-    if (inputs.tp > 1) parts.push(`--tensor-model-parallel-size ${inputs.tp}`);
-    if (inputs.sequence_parallel) parts.push("--sequence-parallel");
-    if (inputs.cp > 1) parts.push(`--context-parallel-size ${inputs.cp}`);
-    if (inputs.ep > 1) parts.push(`--expert-model-parallel-size ${inputs.ep}`);
-    if (inputs.micro_batch > 1) parts.push(`--micro-batch-size ${inputs.micro_batch}`);
-    if (inputs.seq_length !== 4096) parts.push(`--seq-length ${inputs.seq_length}`);
-    if (inputs.recompute !== "none") parts.push(`--recompute-granularity ${inputs.recompute}`);
-    // one flag per line, as the guide's commands are written, so the block fits the page
-    return parts.join(" \\\n    ");
-  }
 
   function render(root, tables) {
     const form = root.querySelector("form");

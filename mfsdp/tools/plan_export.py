@@ -13,7 +13,7 @@ depends on:
 * ``state``: weights, main weights, gradients, optimizer state, gathered weights and gradient
   buffers at their peak, and the
   seconds the FSDP collectives (``dp_shard``, ``dp_outer``) take, per (world size, strategy,
-  outer size, TP, CP, EP): none of them depends on the batch or the sequence;
+  outer size, outer strategy, TP, CP, EP): none of them depends on the batch or the sequence;
 * ``activations``: the layers' activations and the loss's logits, per (TP, CP, SP,
   micro-batch, sequence length, recompute);
 * ``time``: the compute seconds, the seconds of the collectives between layers (TP, CP, EP), and
@@ -29,8 +29,8 @@ build instead of showing wrong numbers.
 >>> small = {**GRID, "preset": ["llama3-8b"], "world_size": [8, 64], "seq_length": [4096]}
 >>> tables = export(small, samples=20)
 >>> got = lookup(tables, preset="llama3-8b", world_size=64, strategy="optim_grads_params",
-...              dp_outer=1, tp=1, cp=1, ep=1, sequence_parallel=False, micro_batch=1,
-...              seq_length=4096, recompute="none")
+...              dp_outer=1, outer_strategy="no_shard", tp=1, cp=1, ep=1,
+...              sequence_parallel=False, micro_batch=1, seq_length=4096, recompute="none")
 >>> round(got["total"], 2), round(got["step_s"], 2)   # mfsdp plan llama3-8b --world-size 64
 (30.19, 0.5)
 """
@@ -50,24 +50,29 @@ GRID: dict[str, list] = {
     "world_size": [8, 16, 32, 64, 128, 256, 512, 1024],
     "strategy": ["optim_grads_params", "optim_grads", "optim", "no_shard"],
     "dp_outer": [1, 2, 4],
+    "outer_strategy": ["no_shard", "optim"],
     "tp": [1, 2, 4, 8],
     "cp": [1, 2, 4],
-    "ep": [1, 2, 4, 8],
+    "ep": [1, 2, 4, 8, 16, 32, 64],
     "sequence_parallel": [False, True],
     "micro_batch": [1, 2, 4],
     "seq_length": [2048, 4096, 8192, 16384, 32768],
     "recompute": ["none", "selective", "full"],
 }
 """The inputs the calculator offers, each a drop-down list of these values (EP for the
-mixture-of-experts presets only). Times are for the H100 (``mfsdp plan``'s default ``--gpu``) and
-one micro-batch per data-parallel rank and step (its default ``--global-batch-size``)."""
+mixture-of-experts presets only, the sizes that divide their routed experts). The outer size
+is ``mfsdp plan --num-distributed-optimizer-instances``, the outer strategy its
+``--outer-dp-sharding-strategy``: ``no_shard`` replicates across the outer groups (HSDP),
+``optim`` also shards the optimizer state over them (HFSDP). Times are for the H100 (``mfsdp
+plan``'s default ``--gpu``) and one micro-batch per data-parallel rank and step (its default
+``--global-batch-size``)."""
 
 RECOMPUTE = {"none": None, "selective": "selective", "full": "full"}
 """The calculator's recompute choices as ``Layout.recompute_granularity`` (``mfsdp plan
 --recompute-granularity``; full is uniform, one layer at a time, the command's default)."""
 
 AXES = {
-    "state": ("world_size", "strategy", "dp_outer", "tp", "cp", "ep"),
+    "state": ("world_size", "strategy", "dp_outer", "outer_strategy", "tp", "cp", "ep"),
     "activations": ("tp", "cp", "sequence_parallel", "micro_batch", "seq_length", "recompute"),
     "time": ("tp", "cp", "ep", "micro_batch", "seq_length", "recompute"),
 }
@@ -80,8 +85,11 @@ GPU = "h100"
 
 
 def _values(grid: dict, preset: str, axis: str) -> list:
-    if axis == "ep" and not PRESETS[preset].num_experts:
+    experts = PRESETS[preset].num_experts
+    if axis == "ep" and not experts:
         return [1]  # a dense model has no experts to split
+    if axis == "ep":  # each expert rank holds a whole number of experts
+        return [ep for ep in grid[axis] if experts % ep == 0]
     return list(grid[axis])
 
 
@@ -170,15 +178,16 @@ def lookup(tables: dict, **inputs) -> dict | str:
             "mfu": mfu / step}
 
 
-def direct(preset: str, world_size: int, strategy: str, dp_outer: int, tp: int, cp: int, ep: int,
-           sequence_parallel: bool, micro_batch: int, seq_length: int,
-           recompute: str) -> dict | str:
+def direct(preset: str, world_size: int, strategy: str, dp_outer: int, outer_strategy: str,
+           tp: int, cp: int, ep: int, sequence_parallel: bool, micro_batch: int,
+           seq_length: int, recompute: str) -> dict | str:
     """The numbers :func:`lookup` gives, from one direct call of the planner."""
     model = PRESETS[preset]
     try:
-        layout = Layout(world_size=world_size, strategy=strategy, dp_outer=dp_outer, tp=tp,
-                        cp=cp, ep=ep, sequence_parallel=sequence_parallel,
-                        micro_batch=micro_batch, seq_length=seq_length,
+        layout = Layout(world_size=world_size, strategy=strategy, dp_outer=dp_outer,
+                        outer_strategy=outer_strategy, tp=tp, cp=cp, ep=ep,
+                        sequence_parallel=sequence_parallel, micro_batch=micro_batch,
+                        seq_length=seq_length,
                         recompute_granularity=RECOMPUTE[recompute])
     except ValueError as exc:
         return str(exc)
