@@ -36,12 +36,13 @@ r = launch("mfsdp.examples.memory_timeline:step_timeline", 2)[0]
 samples, bounds = r["samples"], r["bounds"]
 MiB = 2**20
 print(f"{len(samples)} samples: {samples[1][0]!r} ... {samples[-1][0]!r}")
-# the engine's own counters: the gathered weights of the non-root units, every unit's grads
-print(f"{'term':<13} | {'planner':>8} | {'peak':>8} | {'root at peak':>12} | engine counter")
+# the engine's own counters: the non-root units' gathered weights, every unit's grads
+print(f"{'MiB on rank 0':<13} | {'planner':>7} | {'peak':>5} | {'root at peak':>12} | "
+      f"engine counter")
 for term, total, root in (("gathered", 1, 4), ("grad_buffers", 2, 5)):
     at_peak = max(samples, key=lambda s: s[total])
-    print(f"{term:<13} | {bounds[term] / MiB:8.2f} | {at_peak[total] / MiB:8.2f} | "
-          f"{at_peak[root] / MiB:12.2f} | {r['engine'][term] / MiB:.2f}  (MiB on rank 0)")
+    print(f"{term:<13} | {bounds[term] / MiB:7.2f} | {at_peak[total] / MiB:5.2f} | "
+          f"{at_peak[root] / MiB:12.2f} | {r['engine'][term] / MiB:.2f}")
 
 # %%
 # Draw the step
