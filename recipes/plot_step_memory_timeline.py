@@ -73,7 +73,7 @@ for ax, (term, total, root, title, color) in zip(axes, panels):
     ax.set_ylabel("MiB on rank 0")
     ax.set_title(title, loc="left")
     # the legend beside the panel, not over the data
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 axes[-1].set_xlabel("event (allocation or release) in the step")
 fig.tight_layout()
 
