@@ -4,10 +4,11 @@ A step allocates and frees two kinds of buffer: gathered weights (ZeRO-3) and fu
 before their reduce-scatter (ZeRO-2/3). The planner (:func:`mfsdp.tools.plan.peak_buffers`) and
 the dry run (:func:`mfsdp.tools.dry_run.held_bytes`, from the engine's buckets) give the same
 bound; the real step records the most bytes those buffers' storages held at once
-(``mfsdp.testing.dry_run``: sampled at every allocation and release). The bound must hold, and
-must not leave out what is measured: the root unit (embedding, final norm, output layer) stays
-gathered, and its gradient buffer stays allocated, for the whole backward. A planner without the
-root (as before this test) fails the first assertion on ``peaks``.
+(:func:`mfsdp.tools.memory_timeline.record_memory_timeline`: sampled at every allocation and
+release). The bound must hold, and must not leave out what is measured: the root unit (embedding,
+final norm, output layer) stays gathered, and its gradient buffer stays allocated, for the whole
+backward. A planner without the root (as before this test) fails the first assertion on
+``peaks``.
 """
 
 from __future__ import annotations

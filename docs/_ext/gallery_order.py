@@ -12,6 +12,7 @@ LEARNING_PATH = [
     "plot_hello_ranks.py",             # processes and a process group
     "plot_training_script.py",         # a complete script: accumulate, clip, save, resume
     "plot_memory_per_strategy.py",     # what each sharding strategy keeps
+    "plot_step_memory_timeline.py",    # what one step holds, event by event
     "plot_comm_timeline.py",           # what it sends, and when
     "plot_profile_trace.py",           # the same, in a profiler trace of mfsdp train
     "plot_checkpoint_fsdp_to_hsdp.py", # save on one layout, resume on another

@@ -124,6 +124,7 @@ class GradReducer:
             bucket.ensure_grad_full(self._pool_place(bucket))
             if bucket.sharded_grads:
                 self.state.count_grad_full(bucket.grad_full_bytes())
+            self.state.note_memory("grad alloc", bucket.unit)
         return bucket.grad_full
 
     def _pool_place(self, bucket: Bucket) -> torch.Tensor | None:
@@ -149,6 +150,7 @@ class GradReducer:
         self.state.count_grad_full(-nbytes)
         if pooled:
             self.state.grad_pool.give(b)
+        self.state.note_memory("grad free", b.unit)
 
     # -- launching -------------------------------------------------------------------------------
     def bucket_ready(self, bucket: Bucket) -> None:
@@ -206,6 +208,7 @@ class GradReducer:
                     self._outer_reduce(b, b.outer_pending)
 
         self.inflight.append((b, handle, finish))
+        self.state.note_memory("reduce", b.unit)  # a cast copy in flight counts
         while len(self.inflight) > self.max_inflight:
             self._finish_one()
 

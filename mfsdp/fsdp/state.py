@@ -189,6 +189,9 @@ class ShardingState:
     memory: dict = field(default_factory=lambda: {
         "gathered_bytes": 0, "peak_gathered_bytes": 0, "grad_full_bytes": 0,
         "peak_grad_full_bytes": 0, "init_peak_bytes": 0})
+    # Callbacks ``watch(event, unit name)`` run after each allocation or release of gathered
+    # weights or full gradient buffers (mfsdp.tools.memory_timeline records a step with them).
+    memory_watchers: list = field(default_factory=list)
     # unshard() holds every unit gathered with the full views in the modules: hooks then neither
     # release nor swap weights.
     user_unsharded: bool = False
@@ -301,6 +304,12 @@ class ShardingState:
         m["grad_full_bytes"] += nbytes
         m["peak_grad_full_bytes"] = max(m["peak_grad_full_bytes"], m["grad_full_bytes"])
 
+    def note_memory(self, event: str, unit: str) -> None:
+        """Tell :attr:`memory_watchers` that ``event`` ("gather", "release", "grad alloc",
+        "grad free", "reduce", "zero_grad") just changed what unit ``unit`` holds."""
+        for watch in self.memory_watchers:
+            watch(event, unit)
+
     def wait_param_sync(self) -> None:
         """Wait for the weight all-gathers launched after the last optimizer step."""
         for h in self.param_sync:
@@ -334,6 +343,7 @@ class ShardingState:
                 sp.grad.zero_()
         self.sync.unreduced = False
         self.sync.installed = False
+        self.note_memory("zero_grad", "")
 
     @torch.no_grad()
     def install_main_weights(self, buckets: list | None = None) -> None:

@@ -164,6 +164,7 @@ class FSDPUnit:
             b.alloc_full()
         if b.unit:
             self.state.count_gathered(b.plan.padded_numel * b.full.element_size())
+        self.state.note_memory("gather", self.name)
 
     def _release(self, b: Bucket) -> None:
         if not b.gathered:
@@ -174,6 +175,7 @@ class FSDPUnit:
             b.release_full()
         else:
             b.pool_held = False
+        self.state.note_memory("release", self.name)
 
     def reshard(self) -> None:
         """Put the sharded parameters back in the modules and release the gathered weights."""
