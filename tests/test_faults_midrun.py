@@ -178,7 +178,7 @@ def test_plan_searches_show_a_progress_bar():
     layout = Layout(8, seq_length=8192)
     buf = io.StringIO()
     best = smallest_layout(PRESETS["llama3-70b"], layout, progress=buf)
-    assert (best.world_size, best.tp, best.cp) == (24, 1, 8)
+    assert (best.world_size, best.tp, best.cp) == (24, 8, 1)
     assert "smallest layout with TP/CP" in buf.getvalue() and "/4096" in buf.getvalue()
     buf = io.StringIO()
     assert smallest_world(PRESETS["llama3-8b"], layout, progress=buf) == \
