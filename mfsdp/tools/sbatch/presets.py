@@ -219,18 +219,19 @@ PRESETS: dict[str, Preset] = {
             container_image="nvcr.io#nvidia/pytorch:25.10-py3"), _MEGATRON_LM_GPU),
     "deepseek-v3": Preset("train", "DeepSeek-V3-style MoE (256 routed experts, top-8, "
                           "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 32 over 4 "
-                          "nodes (8 experts per GPU), HFSDP over 2 outer groups (optimizer state "
-                          "sharded across them too), flex dispatcher with DeepEP. Batch and learning-rate schedule: Megatron-Bridge's "
+                          "nodes (8 experts per GPU), ZeRO-3 over all 256 ranks (HFSDP over 2 "
+                          "outer groups plans 5 GiB more per GPU, too close to 80 GiB), flex "
+                          "dispatcher with DeepEP. Batch and learning-rate schedule: Megatron-Bridge's "
                           "deepseek_v3_pretrain_config_32nodes (4,096 x 1,000,000 iterations, "
                           "cosine from 3e-4 to 3e-5 after 2,000 warm-up iterations), in 24-hour "
                           "jobs that save and requeue until done.", dict(
                               # compile off: the routed experts' token counts change every
                               # step, and each new count would compile the MoE layers again;
-                              # fp32 gradient reduction: its shard groups have 128 ranks
+                              # fp32 gradient reduction: its shard groups have 256 ranks
                               _TRAIN, **dict(_GPU_NODES, compile=False, grad_reduce_in_bf16=False),
                               job_name="mfsdp-deepseek-v3", nodes=32,
                               time="24:00:00", model_args=_DEEPSEEK_V3,
-                              outer=2, outer_strategy="optim", ep=32, num_experts=256,
+                              ep=32, num_experts=256,
                               dispatcher="flex", flex_backend="deepep", micro_batch_size=1,
                               seq_length=4096, **_BRIDGE_DEEPSEEK_V3,
                               bf16=True, meta_init=True, all_gather_group=True,
