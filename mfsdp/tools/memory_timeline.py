@@ -39,8 +39,8 @@ class MemorySample(NamedTuple):
 
 def held_now(state) -> tuple[int, int, int, int]:
     """``(gathered, grads, root_gathered, root_grads)``: the bytes of gathered weights and of full
-    gradient buffers that ``state``'s buckets hold now (see :class:`~mfsdp.tools.memory_timeline.MemorySample`), read off the
-    buffers' storages. A reduction in flight in another dtype holds its cast copy: counted in
+    gradient buffers that ``state``'s buckets hold now (see
+    :class:`~mfsdp.tools.memory_timeline.MemorySample`), read off the buffers' storages. A reduction in flight in another dtype holds its cast copy: counted in
     ``grads``."""
     gathered = grads = root_gathered = root_grads = 0
     for b in state.buckets:
@@ -64,8 +64,10 @@ def _bytes(s: MemorySample) -> tuple[int, int, int, int]:
 
 
 class MemoryTimeline(list):
-    """The samples (:class:`~mfsdp.tools.memory_timeline.MemorySample`) of one model, oldest first; it fills as the model runs
-    until :meth:`~mfsdp.tools.memory_timeline.MemoryTimeline.close`. The first sample (``"start"``) is what was held when recording began."""
+    """The samples (:class:`~mfsdp.tools.memory_timeline.MemorySample`) of one model, oldest
+    first; it fills as the model runs until
+    :meth:`~mfsdp.tools.memory_timeline.MemoryTimeline.close`. The first sample (``"start"``) is
+    what was held when recording began."""
 
     def __init__(self, state):
         super().__init__()
@@ -113,8 +115,8 @@ class MemoryTimeline(list):
 def record_memory_timeline(model) -> MemoryTimeline:
     """Start recording what ``model``'s gathered weights and full gradient buffers hold after each
     allocation and release (``model``: from :func:`mfsdp.fully_shard`, or its ``fsdp_state()``);
-    the returned :class:`~mfsdp.tools.memory_timeline.MemoryTimeline` fills as the model runs. Stop with ``close()`` or use it
-    as a context manager."""
+    the returned :class:`~mfsdp.tools.memory_timeline.MemoryTimeline` fills as the model runs.
+    Stop with ``close()`` or use it as a context manager."""
     state = model.fsdp_state() if hasattr(model, "fsdp_state") else model
     if not hasattr(state, "memory_watchers"):
         raise TypeError(f"record_memory_timeline needs a model from mfsdp.fully_shard (or its "
