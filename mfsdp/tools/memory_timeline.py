@@ -40,8 +40,8 @@ class MemorySample(NamedTuple):
 def held_now(state) -> tuple[int, int, int, int]:
     """``(gathered, grads, root_gathered, root_grads)``: the bytes of gathered weights and of full
     gradient buffers that ``state``'s buckets hold now (see
-    :class:`~mfsdp.tools.memory_timeline.MemorySample`), read off the buffers' storages. A reduction in flight in another dtype holds its cast copy: counted in
-    ``grads``."""
+    :class:`~mfsdp.tools.memory_timeline.MemorySample`), read off the buffers' storages. A
+    reduction in flight in another dtype holds its cast copy: counted in ``grads``."""
     gathered = grads = root_gathered = root_grads = 0
     for b in state.buckets:
         weights = b.full.numel() * b.full.element_size() if b.sharded_params and b.gathered else 0
