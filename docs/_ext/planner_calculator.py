@@ -60,7 +60,8 @@ def form_html() -> str:
     return (f'<div class="mfsdp-calculator" data-tables="{TABLES}">'
             f'<form class="mfsdp-calc-inputs">{"".join(fields)}</form>'
             '<div class="mfsdp-calc-result" aria-live="polite">'
-            "<p>The calculator needs JavaScript: run <code>mfsdp plan</code> instead.</p>"
+            "<p>Loading the planner's tables (the calculator needs JavaScript; without it, run "
+            "<code>mfsdp plan</code>).</p>"
             "</div></div>")
 
 
