@@ -200,6 +200,18 @@ PRESETS: dict[str, Preset] = {
                             # 10 iterations so that every phase of the schedule runs
                             lr=0.003, min_lr=0.0003, lr_warmup_iters=2,
                             lr_decay_style="cosine", mock_data=True)),
+    "gpu-smoke": Preset("train", "GPU smoke test: one node of 8 GPUs trains a 4-layer "
+                        "Llama-3-8B-shaped model on mock data for 50 iterations with the GPU "
+                        "presets' settings (NCCL, bf16, ZeRO-3, compile, fused AdamW), saving "
+                        "twice and resuming if requeued; minutes, before you book a real "
+                        "preset.", dict(
+                            _TRAIN, **_GPU_NODES, job_name="mfsdp-gpu-smoke", nodes=1,
+                            time="00:30:00", model_args=_LLAMA3_8B + " --num-layers 4",
+                            micro_batch_size=1, global_batch_size=8, seq_length=4096,
+                            train_iters=50, lr=3e-4, min_lr=3e-5, lr_warmup_iters=5,
+                            lr_decay_style="cosine", mock_data=True, bf16=True,
+                            meta_init=True, save="checkpoints/gpu-smoke", save_interval=25,
+                            log_jsonl="gpu-smoke.jsonl"), _MEGATRON_LM_GPU),
     "llama3-8b": Preset("train", "Llama-3-8B-style dense model on 2 nodes x 8 GPUs with ZeRO-3 "
                         "(optim_grads_params), bf16 compute, fp32 main weights." + _FROM_BRIDGE.format("llama3_8b_pretrain_config", "1,168,251", "4-hour"), dict(
                             _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2,

@@ -105,10 +105,19 @@ def _count(n: float) -> str:
 
 
 def _duration(seconds: float) -> str:
-    """``seconds`` in days (from two days on) or hours."""
+    """``seconds`` in days (from two days on), hours (from an hour on) or minutes."""
     if seconds >= 2 * 86400:
         return f"about {seconds / 86400:,.0f} days"
-    return f"about {seconds / 3600:,.1f} hours"
+    if seconds >= 3600:
+        return f"about {seconds / 3600:,.1f} hours"
+    return "under a minute" if seconds < 60 else f"about {round(seconds / 60):,} min"
+
+
+def _span(seconds: float) -> str:
+    """``seconds`` in hours, or minutes under an hour."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return "under a minute" if seconds < 60 else f"{round(seconds / 60)} min"
 
 
 def schedule_lines(v: dict) -> list[str]:
@@ -124,9 +133,11 @@ def schedule_lines(v: dict) -> list[str]:
     lines = [f"mfsdp sbatch: schedule: {s.iterations:,} iterations x "
              f"{v['global_batch_size']:,} sequences x {v['seq_length']:,} tokens = "
              f"{_count(s.tokens)} tokens; at the planner's {s.step_s:.2f} s a step "
-             f"({s.gpus} x {s.gpu}), {_duration(s.seconds)} of chained jobs",
-             "mfsdp sbatch: for a trial, shorten it with --set train_iters=N --set "
-             "lr_warmup_iters=M (M < N)",
+             f"({s.gpus} x {s.gpu}), {_duration(s.seconds)} of chained jobs"]
+    if s.seconds > 86400:
+        lines.append("mfsdp sbatch: for a trial, shorten it with --set train_iters=N --set "
+                     "lr_warmup_iters=M (M < N)")
+    lines += [
              f"mfsdp sbatch: memory: the planner's peak is {gib:.1f} GiB per GPU; "
              + (f"fits 80 GiB GPUs (at most {usable} GiB)" if gib <= usable else
                 f"WARNING: over the {usable} GiB an 80 GiB GPU leaves (mfsdp plan shows the "
@@ -135,7 +146,7 @@ def schedule_lines(v: dict) -> list[str]:
         every = v["save_interval"] * s.step_s
         limit = time_limit_seconds(v["time"])
         line = (f"mfsdp sbatch: saves every {v['save_interval']:,} iterations, about "
-                f"{every / 3600:.1f} h at that step, in {limit / 3600:.0f} h jobs")
+                f"{_span(every)} at that step, in {_span(limit)} jobs")
         if every > limit:
             line += ("; WARNING: no save inside a job, so a crash without SIGTERM loses the "
                      "whole job (lower save_interval)")
