@@ -58,6 +58,7 @@ def test_fused_adam_needs_adam():
         TrainConfig.from_fields(optimizer="sgd", fused_adam=True)
 
 
+@pytest.mark.extended  # `make test-extended` (and CI) run it: 20-40 s of inductor compiling
 @pytest.mark.timeout(1200)  # inductor compiles the layer for each rank on the CPU (40 s here)
 def test_compile_compiles_the_layers_and_trains_as_eager():
     values = {**SHORT, "use_megatron_fsdp": True, "train_iters": 3}
