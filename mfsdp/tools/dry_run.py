@@ -313,7 +313,9 @@ class DryRun:
         for k in ("params", "grads", "optimizer", "weights", "main_weights", "gathered",
                   "grad_buffers", "double_buffer"):
             p = planned.get(k)
-            diff = f"{m[k] / p - 1:+7.2%}" if p else "      -"
+            # (the verdict's deviation: gathered counts the double buffer's slots too)
+            diff = (f"{dev[k]:+7.2%}" if k in dev else f"{m[k] / p - 1:+7.2%}") if p \
+                else "      -"
             rows.append(f"{k:<14} {m[k] / gib:11.3f} {'' if p is None else f'{p / gib:9.3f}'}"
                         f"{'' if p is not None else ' ' * 9} {diff}")
         rows.append(f"{'per step':<14} {'engine GiB':>11} {'plan GiB':>9}")
