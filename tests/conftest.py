@@ -43,7 +43,7 @@ def skip_or_fail(reason: str) -> None:
 # optimizer and size still appears in some case) and every case in `make test-extended`, which CI
 # also runs: test name -> stride.
 SAMPLED = {
-    "test_matches_single_process_reference": 3,          # test_engine.py: 48 cases
+    "test_matches_single_process_reference": 4,          # test_engine.py: 48 cases
     "test_gradient_accumulation_equals_one_large_batch": 3,  # test_engine.py: 26
     "test_four_ranks_match_reference": 2,                # test_hsdp_ep.py: 18
     "test_dispatcher_matches_dense_reference": 2,        # test_moe.py: 18
@@ -58,6 +58,12 @@ EXTENDED_CASES = {
     "tests/test_backward_idioms.py::"
     "test_activation_checkpointing_neither_regathers_nor_reshards[no-early-stop]",
     "tests/test_context_parallel.py::test_context_parallel_matches_one_process[cp2-tp2-sp-adamw]",
+    # the DDP engine's fused AdamW (mfsdp's stays), the double buffer's timeline (its own
+    # storage's stays)
+    "tests/test_train_speed.py::"
+    "test_fused_adam_builds_a_fused_adamw_that_trains_as_the_unfused_one[ddp]",
+    "tests/test_memory_timeline.py::"
+    "test_timeline_equals_the_engine_counters_after_every_event[double-buffer]",
 }
 
 
