@@ -267,6 +267,16 @@ def test_time_estimate_flops_links_and_overlap():
     # full recomputation costs time, not model FLOPs
     rc = step_time(model, Layout(world_size=8, seq_length=8192, recompute=True))
     assert rc.compute_s > fast.compute_s and rc.mfu < fast.mfu
+    # block recomputation of the first n layers costs n/L of that extra forward
+    L = model.num_layers
+    for n in (1, L // 4, L // 2):
+        block = step_time(model, Layout(world_size=8, seq_length=8192, recompute_granularity="full",
+                                        recompute_method="block", recompute_num_layers=n))
+        assert block.compute_s - fast.compute_s == pytest.approx(
+            n / L * (rc.compute_s - fast.compute_s), rel=1e-9)
+    every = step_time(model, Layout(world_size=8, seq_length=8192, recompute_granularity="full",
+                                    recompute_method="block", recompute_num_layers=L))
+    assert every.compute_s == pytest.approx(rc.compute_s, rel=1e-12)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -67,11 +67,14 @@ GPUS = {
 }
 
 
-def model_flops_per_token(model, seq_length: int, recompute_full: bool = False) -> tuple[float, float]:
+def model_flops_per_token(model, seq_length: int,
+                          recompute_full: float = False) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of training on one token of a ``seq_length`` sequence:
     ``6 N`` over the parameters a token uses (each MoE layer's top-k routed experts, not all of
     them; the embedding lookup is no matmul) plus causal attention. Hardware FLOPs add a second
-    forward under full recomputation (model FLOPs, which MFU counts, do not)."""
+    forward under full recomputation (model FLOPs, which MFU counts, do not); a number between
+    0 and 1 for ``recompute_full`` is the fraction of layers recomputed (block recomputation of
+    the first layers), and adds that fraction of a forward."""
     dense, expert = model.param_counts()
     active = dense - model.vocab * model.hidden  # the input embedding is a lookup
     if model.num_experts:
@@ -83,7 +86,7 @@ def model_flops_per_token(model, seq_length: int, recompute_full: bool = False) 
         d_qk = d_v = model.head_dim or model.hidden // model.num_heads
     attention = 3 * seq_length * model.num_heads * (d_qk + d_v) * model.num_layers
     flops = 6 * active + attention
-    return flops, flops + (2 * active + attention / 3 if recompute_full else 0.0)
+    return flops, flops + float(recompute_full) * (2 * active + attention / 3)
 
 
 @dataclass
@@ -137,7 +140,11 @@ def step_time(model, layout, sent: dict, gpu: Gpu | str = "h100", **overrides) -
     """
     gpu = replace(GPUS[gpu] if isinstance(gpu, str) else gpu, **overrides)
     granularity = layout.recompute_granularity or ("full" if layout.recompute else None)
-    model_flops, hw_flops = model_flops_per_token(model, layout.seq_length, granularity == "full")
+    recomputed = 0.0
+    if granularity == "full":  # uniform recomputes every layer; block only the first n
+        recomputed = (min(layout.recompute_num_layers, model.num_layers) / model.num_layers
+                      if layout.recompute_method == "block" else 1.0)
+    model_flops, hw_flops = model_flops_per_token(model, layout.seq_length, recomputed)
     dp = layout.world_size // (layout.tp * layout.cp)
     tokens = layout.micro_batch * layout.micro_batches * dp * layout.seq_length  # per step
     compute = hw_flops * tokens / layout.world_size / (gpu.peak_tflops * 1e12 * gpu.efficiency)
