@@ -16,6 +16,7 @@ shortest predicted step (:func:`mfsdp.tools.plan.estimate`). Every layout is ZeR
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from mfsdp.tools.plan import GiB, PRESETS, Layout, estimate, plan, smallest_layout
 
@@ -85,6 +86,7 @@ class Choice:
         return " \\\n    ".join(parts)
 
 
+@lru_cache(maxsize=None)  # the page's table and its commands ask for the same rows
 def choose(preset: str, seq_length: int, device_gib: float = 80.0, gpu: str = "h100",
            spare_gib: float = 0.0, max_nodes: int = 4096) -> Choice | None:
     """The layout of ``preset`` at ``seq_length`` tokens on the fewest ``device_gib`` GPUs (see
