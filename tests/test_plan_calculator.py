@@ -88,7 +88,7 @@ def _run_script(tables: dict, cases: list[dict], call: str = "compute(d.tables, 
             page.write_text(
                 "<!doctype html><html><body><pre id=result></pre><script>var module = "
                 f"{{exports: {{}}}};</script><script>{SCRIPT.read_text()}</script><script>"
-                f"const d = {data}; const {{compute, command}} = module.exports; "
+                f"const d = {data}; const {{compute, command, bar}} = module.exports; "
                 "document.getElementById('result').textContent = "
                 f"JSON.stringify(d.cases.map(c => {call}));"
                 "</script></body></html>")
@@ -105,7 +105,7 @@ def _run_script(tables: dict, cases: list[dict], call: str = "compute(d.tables, 
         if node:
             (Path(tmp) / "data.json").write_text(data)
             proc = subprocess.run(
-                [node, "-e", f"const {{compute, command}} = require({json.dumps(str(SCRIPT))}); "
+                [node, "-e", f"const {{compute, command, bar}} = require({json.dumps(str(SCRIPT))}); "
                  f"const d = require({json.dumps(str(Path(tmp) / 'data.json'))}); "
                  f"console.log(JSON.stringify(d.cases.map(c => {call})));"],
                 capture_output=True, text=True, timeout=120)
@@ -130,6 +130,37 @@ def test_the_page_script_gives_the_planners_numbers(tables):
         assert set(result) == set(want), inputs
         for name in want:
             assert result[name] == pytest.approx(want[name], rel=1e-8), (inputs, name)
+
+
+def test_the_memory_bar_stacks_the_planners_terms_against_the_device(tables):
+    """The page's memory bar (``bar`` of the page's script) on 60 valid layouts: one segment per
+    memory term of the planner, in the table's order, each starting where the one before ends,
+    widths in proportion to the terms (1e-9), the 80 GiB line where 80 GiB falls, all inside
+    the bar."""
+    import random
+
+    terms = ["weights", "main_weights", "grads", "optimizer", "gathered", "grad_buffers",
+             "activations", "logits"]
+    valid = [c for c in _inputs(SMALL) if not isinstance(direct(**c), str)]
+    cases = random.Random(1).sample(valid, 60)
+    got = _run_script(tables, cases, call="bar(compute(d.tables, c), 80)")
+    over = 0
+    for inputs, b in zip(cases, got):
+        want = direct(**inputs)
+        assert [s["name"] for s in b["segments"]] == terms
+        scale = b["scale"]
+        assert scale == pytest.approx(1.05 * max(want["total"], 80), rel=1e-9)
+        start = 0.0
+        for seg in b["segments"]:
+            assert seg["gib"] == pytest.approx(want[seg["name"]], rel=1e-9), inputs
+            assert seg["start"] == pytest.approx(start, abs=1e-9)
+            assert seg["width"] == pytest.approx(100 * want[seg["name"]] / scale, rel=1e-9)
+            start += seg["width"]
+        assert b["end"] * scale / 100 == pytest.approx(want["total"], rel=1e-9)
+        assert b["limit"] * scale / 100 == pytest.approx(80, rel=1e-9)
+        assert max(b["end"], b["limit"]) <= 100 / 1.05 + 1e-9
+        over += want["total"] > 80
+    assert 0 < over < len(cases)  # both sides of the line were drawn
 
 
 def test_mfsdp_plan_refuses_a_split_larger_than_the_world_in_one_line(capsys):

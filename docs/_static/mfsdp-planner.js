@@ -5,7 +5,8 @@
  * plan_time.py) over every input this form offers, split by what each number depends on. This
  * script looks the three rows up and combines them as mfsdp.tools.plan_export.lookup does (the
  * memory terms add up; the FSDP collectives overlap the compute, the others add to it).
- * tests/test_plan_calculator.py holds compute() to the planner in node, and
+ * tests/test_plan_calculator.py holds compute() and the memory bar (bar()) to the planner in
+ * Chromium or node, and
  * tests/test_browser.py holds the page's numbers to `mfsdp plan` in Chromium. */
 (function () {
   "use strict";
@@ -59,13 +60,32 @@
     return parts.join(" \\\n    ");
   }
 
+  const TERMS = ["weights", "main_weights", "grads", "optimizer", "gathered", "grad_buffers",
+                 "activations", "logits"];
+
+  /* The memory bar of one result (compute()'s): one segment per memory term, in TERMS order,
+     each from where the last ends, and the device's limit, all as percentages of the bar's
+     scale (the larger of the total and the device, plus a twentieth for the limit's label). */
+  function bar(got, deviceGib) {
+    const scale = 1.05 * Math.max(got.total, deviceGib);
+    let start = 0;
+    const segments = TERMS.map(name => {
+      const width = 100 * got[name] / scale;
+      const seg = {name, gib: got[name], start, width};
+      start += width;
+      return seg;
+    });
+    return {segments, end: start, limit: 100 * deviceGib / scale, scale};
+  }
+
   if (typeof module !== "undefined" && module.exports) {
-    module.exports = {compute, command};
+    module.exports = {compute, command, bar};
     return;
   }
 
-  const TERMS = ["weights", "main_weights", "grads", "optimizer", "gathered", "grad_buffers",
-                 "activations", "logits"];
+  // one colour per memory term (Okabe and Ito's palette, distinct for colour-blind readers)
+  const COLOURS = ["#0072b2", "#56b4e9", "#009e73", "#f0e442", "#e69f00", "#d55e00",
+                   "#cc79a7", "#999999"];
 
   /* x with d decimals as Python's format() writes it: JavaScript's toFixed rounds a value
      exactly halfway (17.125, a binary fraction) away from zero, Python to the even digit. */
@@ -120,6 +140,25 @@
       `<span data-out="mfu">${fixed(100 * got.mfu, 1)}</span>%.</p>` +
       `<p>The same estimate in a terminal:</p><pre class="mfsdp-calc-command"></pre>`;
     out.querySelector("pre").textContent = command(inputs);
+    out.querySelector("table").insertAdjacentHTML("afterend", barHtml(got, 80));
+  }
+
+  /* The memory bar as HTML: a stacked bar with the device's limit as a line, and a legend. */
+  function barHtml(got, deviceGib) {
+    const b = bar(got, deviceGib);
+    const segs = b.segments.map((s, i) =>
+      `<span class="mfsdp-calc-seg" style="left:${s.start}%;width:${s.width}%;` +
+      `background:${COLOURS[i]}" title="${s.name}: ${fixed(s.gib, 2)} GiB"></span>`).join("");
+    const legend = b.segments.map((s, i) =>
+      `<li><span class="mfsdp-calc-swatch" style="background:${COLOURS[i]}"></span>` +
+      `${s.name} ${fixed(s.gib, 1)}</li>`).join("");
+    const label = b.segments.map(s => `${s.name} ${fixed(s.gib, 1)}`).join(", ");
+    return `<div class="mfsdp-calc-bar" role="img" aria-label="GiB per GPU: ${label}; ` +
+      `total ${fixed(got.total, 1)} of ${deviceGib}">` +
+      `<div class="mfsdp-calc-track">${segs}` +
+      `<span class="mfsdp-calc-limit" style="left:${b.limit}%"></span>` +
+      `<span class="mfsdp-calc-limit-label" style="left:${b.limit}%">${deviceGib} GiB GPU` +
+      `</span></div><ul class="mfsdp-calc-legend">${legend}</ul></div>`;
   }
 
   async function start(root) {

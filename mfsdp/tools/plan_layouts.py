@@ -1,0 +1,150 @@
+"""Which layout for my model: the fewest GPUs on which a preset fits, and the command to check it.
+
+The guide's "Which layout for my model" page prints its table from here. For a preset, a
+sequence length and a device size, :func:`choose` runs the search of ``mfsdp plan --smallest``
+(:func:`mfsdp.tools.plan.smallest_layout`: whole 8-GPU nodes, TP with sequence parallelism and CP
+searched) once without recomputation and once with full recomputation, and for an MoE preset at
+each expert-parallel size of ``EPS``. Of the layouts on the fewest GPUs it keeps the one with the
+shortest predicted step (:func:`mfsdp.tools.plan.estimate`). Every layout is ZeRO-3
+(``optim_grads_params``), one micro-batch of one sequence per data-parallel rank.
+
+>>> c = choose("llama3-70b", 8192, 80)
+>>> c.layout.world_size >= 16 and c.layout.tp > 1, c.fits
+(True, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from mfsdp.tools.plan import GiB, PRESETS, Layout, estimate, plan, smallest_layout
+
+__all__ = ["Choice", "choose", "table", "EPS", "GPUS", "ROWS", "SBATCH"]
+
+EPS = (8, 16, 32, 64)
+"""Expert-parallel sizes tried for an MoE preset (EP groups of one node and more)."""
+
+GPUS = {"H100": (80.0, "h100"), "H200": (140.0, "h100")}
+"""A GPU's name -> (``--device-gib``, the ``--gpu`` whose peak and links price the step). An
+H200 reports about 140 GiB and computes as fast as an H100, whose figures time it."""
+
+SBATCH = {"llama3-8b": "llama3-8b", "llama3-70b": "llama3-70b",
+          "llama3.1-405b": "llama3.1-405b", "deepseek-v3": "deepseek-v3"}
+"""The ``mfsdp sbatch`` preset that trains each planner preset (``mfsdp sbatch list``)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A preset's layout on the fewest GPUs, and what the planner says of it."""
+
+    preset: str
+    layout: Layout
+    device_gib: float
+    total: float  # bytes per GPU at the peak (mfsdp plan's total)
+    tokens_per_gpu_s: float  # the predicted speed
+    gpu: str = "h100"  # mfsdp plan --gpu
+
+    @property
+    def fits(self) -> bool:
+        """Whether the plan fits (``device_gib`` less the 4 GiB ``mfsdp plan`` keeps)."""
+        return self.total <= (self.device_gib - 4) * GiB
+
+    @property
+    def spare_gib(self) -> float:
+        """GiB left below what ``mfsdp plan`` lets a job use."""
+        return self.device_gib - 4 - self.total / GiB
+
+    @property
+    def tight(self) -> bool:
+        """Fits with less than ``mfsdp plan``'s tight margin (``plan_cli.TIGHT_GIB``) to spare."""
+        from mfsdp.tools.plan_cli import TIGHT_GIB
+
+        return self.fits and self.spare_gib < TIGHT_GIB
+
+    @property
+    def recompute(self) -> str:
+        """``full`` or ``none``."""
+        return self.layout.recompute_granularity or "none"
+
+    def command(self) -> str:
+        """The ``mfsdp plan`` command that prints this plan (one flag group a line)."""
+        lay = self.layout
+        parts = [f"mfsdp plan {self.preset} --world-size {lay.world_size}"]
+        if lay.tp > 1:
+            parts.append(f"--tensor-model-parallel-size {lay.tp} --sequence-parallel")
+        if lay.cp > 1:
+            parts.append(f"--context-parallel-size {lay.cp}")
+        if lay.ep > 1:
+            parts.append(f"--expert-model-parallel-size {lay.ep}")
+        tail = f"--seq-length {lay.seq_length}"
+        if lay.recompute_granularity:
+            tail += f" --recompute-granularity {lay.recompute_granularity}"
+        parts.append(tail)
+        if self.device_gib != 80 or self.gpu != "h100":
+            parts.append(f"--device-gib {self.device_gib:g} --gpu {self.gpu}")
+        return " \\\n    ".join(parts)
+
+
+@lru_cache(maxsize=None)  # the page's table and its commands ask for the same rows
+def choose(preset: str, seq_length: int, device_gib: float = 80.0, gpu: str = "h100",
+           spare_gib: float = 0.0, max_nodes: int = 4096) -> Choice | None:
+    """The layout of ``preset`` at ``seq_length`` tokens on the fewest ``device_gib`` GPUs (see
+    the module's docstring) that leaves ``spare_gib`` of what ``mfsdp plan`` lets a job use, or
+    None when none does on up to ``max_nodes`` nodes."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r} is not a planner preset; use one of "
+                         f"{sorted(PRESETS)}")
+    model = PRESETS[preset]
+    eps = [ep for ep in EPS if model.num_experts % ep == 0] if model.num_experts else [1]
+    if spare_gib < 0 or spare_gib >= device_gib - 4:
+        raise ValueError(f"spare_gib={spare_gib} must be at least 0 and below device_gib - 4 = "
+                         f"{device_gib - 4:g}")
+    best, nodes = None, max_nodes
+    for recompute in ("full", None):  # full first: its fewer nodes bound the other searches
+        for ep in eps:
+            base = Layout(max(8, ep), ep=ep, seq_length=seq_length,
+                          recompute_granularity=recompute)
+            found = smallest_layout(model, base, device_gib - spare_gib, max_nodes=nodes)
+            if found is None:
+                continue
+            speed = estimate(model, found, gpu).tokens_per_gpu_s
+            key = (found.world_size, -speed)
+            if best is None or key < best[0]:
+                best = (key, found)
+                nodes = found.world_size // 8
+    if best is None:
+        return None
+    layout = best[1]
+    return Choice(preset, layout, device_gib, plan(model, layout).total, -best[0][1], gpu)
+
+
+ROWS = (("llama3-8b", 8192), ("llama3-70b", 8192), ("llama3.1-405b", 8192),
+        ("deepseek-v3", 4096), ("deepseek-v3", 8192))
+"""The guide's rows: each preset at 8192 tokens, and DeepSeek-V3 at its sbatch preset's 4096."""
+
+
+def table(rows=ROWS, gpus=tuple(GPUS)) -> str:
+    """One line per (preset, sequence length) of ``rows`` and GPU of :data:`GPUS` (the guide's
+    table, at most 88 columns): the layout on the fewest GPUs that leaves ``mfsdp plan``'s tight
+    margin (``plan_cli.TIGHT_GIB``) to spare, its GiB per GPU and what is left; then the fewest
+    GPUs on which it fits at all, marked ``tight`` when that plan leaves less than the margin."""
+    from mfsdp.tools.plan_cli import TIGHT_GIB
+
+    out = [f"{'model':<14}{'seq':>5} {'GPU':<5}{'GPUs':>5}{'TP':>4}{'CP':>4}{'EP':>4}  "
+           f"{'recompute':<10}{'GiB/GPU':>8}{'spare':>7}  fewest"]
+    for name, seq in rows:
+        for gpu_name in gpus:
+            device_gib, gpu = GPUS[gpu_name]
+            c = choose(name, seq, device_gib, gpu, spare_gib=TIGHT_GIB)
+            head = f"{name:<14}{seq:>5} {gpu_name:<5}"
+            if c is None:
+                out.append(head + " no layout fits with the margin")
+                continue
+            lay = c.layout
+            least = choose(name, seq, device_gib, gpu, max_nodes=lay.world_size // 8)
+            fewest = "same" if least.layout.world_size == lay.world_size else \
+                f"{least.layout.world_size}{' tight' if least.tight else ''}"
+            out.append(head + f"{lay.world_size:>5}{lay.tp:>4}{lay.cp:>4}{lay.ep:>4}  "
+                       f"{c.recompute:<10}{c.total / GiB:>8.1f}{c.spare_gib:>7.1f}  {fewest}")
+    return "\n".join(out)
