@@ -69,7 +69,7 @@ def render(preset: str, overrides: dict[str, str] | None = None) -> str:
 
         vocab_size = GPT_PRESETS[_model_preset(values["model_args"])].vocab_size
     text = env.get_template(f"{p.template}.sbatch.j2").render(
-        preset=preset, template=p.template, description=p.description, world=world,
+        preset=preset, template=p.template, description=p.describe(values), world=world,
         rendered_by=rendered_by, arg_lines=lines, task_cpus=task_cpus,
         vocab_size=vocab_size, **values)
     return text if text.endswith("\n") else text + "\n"
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "list":
         width = max(map(len, PRESETS))  # the longest name still leaves a space
         for name, p in PRESETS.items():
-            print(f"{name:<{width}} {p.description}")
+            print(f"{name:<{width}} {p.describe()}")
         print()
         width = max(map(len, SCHEMA))
         for key, (typ, help_) in SCHEMA.items():
