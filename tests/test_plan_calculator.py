@@ -213,3 +213,44 @@ def test_the_calculator_sets_the_guides_deepseek_v3_layout():
         assert main(line[1:]) in (0, None)
     total = re.search(r"^total +(\d+\.\d\d)$", out.getvalue(), re.M)[1]
     assert total == f"{got['total']:.2f}", (total, out.getvalue())
+
+
+def test_the_calculator_says_loading_then_names_a_table_it_could_not_load(tmp_path):
+    """The form as the planner page holds it, run by the page's script in Chromium with fetch
+    replaced: while a table loads, "Loading the planner's tables..." (and no claim that
+    JavaScript is missing: that advice is in <noscript>); when its fetch fails, one error line
+    naming the file."""
+    import html
+    import re
+    import sys
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    from planner_calculator import TABLES, form_html
+
+    form = form_html()
+    advice = re.search(r"<noscript>(.*?)</noscript>", form, re.S)
+    assert advice and "needs JavaScript" in advice.group(1) and "mfsdp plan" in advice.group(1)
+    assert "JavaScript" not in form.replace(advice.group(0), "")
+    chromium = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
+                     if shutil.which(n)), None)
+    if chromium is None:
+        skip_or_fail("Chromium is not installed (apt-get install chromium)")
+    # two calculators: one whose tables never arrive, one whose fetch fails
+    failing = form.replace(f'data-tables="{TABLES}"', 'data-tables="missing.json"')
+    page = tmp_path / "page.html"
+    page.write_text(
+        "<!doctype html><html><body><script>window.fetch = url => String(url).includes("
+        "'missing') ? Promise.reject(new TypeError('Failed to fetch')) : new Promise(() => {});"
+        f"</script>{form}{failing}<script>{SCRIPT.read_text()}</script></body></html>")
+    proc = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         f"--user-data-dir={tmp_path}/profile", "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120)
+    results = re.findall(r'<div class="mfsdp-calc-result"[^>]*>(.*?)</div>', proc.stdout, re.S)
+    assert len(results) == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    shown = [html.unescape(re.sub(r"<noscript>.*?</noscript>|<[^>]+>", "", r)).strip()
+             for r in results]
+    assert shown[0] == "Loading the planner's tables...", shown
+    assert 'data-out="error"' in results[1] and "mfsdp-calc-error" in results[1]
+    assert shown[1].startswith("The calculator could not load _static/missing.json (Failed to "
+                               "fetch): run mfsdp plan instead"), shown

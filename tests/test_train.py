@@ -55,6 +55,29 @@ def test_torchrun_two_ranks_lowers_the_loss(args, tmp_path):
         assert key in recs[0]
     assert recs[-1]["loss"] < recs[0]["loss"] - 0.1, [r["loss"] for r in recs]
     assert "iteration    12/12 | loss" in proc.stdout
+    # the model is named by the preset passed, or by the default's name (not its family, gpt)
+    from mfsdp.models.gpt import GPT_PRESETS
+
+    name = args[args.index("--model-preset") + 1] if "--model-preset" in args else "gpt-tiny"
+    c = GPT_PRESETS[name]
+    assert f", model {name} ({c.num_layers} layers, hidden {c.hidden_size}, " in proc.stdout
+    if args == ["--data-parallel-sharding-strategy", "optim_grads_params"]:  # the page's run
+        announce, iteration = _trainer_page_sample()
+        assert announce in proc.stdout.splitlines()
+        # the same fields in the same order; the numbers are this run's
+        fields = re.compile(" ".join(r"[\d.,e+-]+" if re.fullmatch(r"[\d.,e+-]*\d[\d.,e+-]*", w)
+                                     else re.escape(w) for w in iteration.split(" ")))
+        assert any(fields.fullmatch(line) for line in proc.stdout.splitlines()), iteration
+
+
+def _trainer_page_sample() -> tuple[str, str]:
+    """The trainer page's sample output of its first command: the start line and the last
+    iteration's line, each printed on one line (shown on the page in two)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text()
+    block = page.split("```text\n", 1)[1].split("```", 1)[0]
+    lines = block.replace("\n  ", " ").splitlines()
+    assert len(lines) == 2 and lines[0].startswith("mfsdp train: 2 ranks"), lines
+    return lines[0], lines[1].replace("20/20", "12/12")
 
 
 @functools.lru_cache(maxsize=None)
@@ -323,6 +346,15 @@ def test_a_resumed_schedule_follows_megatron_lm_rules(tmp_path):
     # end to end: stop at 2 of 4, resume with another --lr under each rule
     straight = straight_records(base)
     launch("mfsdp.train:run_in_rank", 1, args=(base + ["--exit-interval", "2", "--save", ckpt],))
+    # the log names the resumed default model as the fresh run does (gpt-tiny), though the
+    # checkpoint's model config holds no name and the run's sequence length for its positions
+    from dataclasses import replace
+
+    from mfsdp.trainer.build import model_config, model_family
+
+    cfg = model_config(TrainConfig.from_args(build_parser().parse_args(base + ["--load", ckpt])))
+    assert model_family(None, cfg, ckpt) == "gpt-tiny"
+    assert model_family(None, replace(cfg, num_layers=3), ckpt) == "gpt"  # no preset's shape
     kept = launch("mfsdp.train:run_in_rank", 1, args=(
         base + ["--lr", "0.01", "--load", ckpt, "--use-checkpoint-opt_param-scheduler"],))[0]
     assert [r["lr"] for r in kept] == [r["lr"] for r in straight[2:]]

@@ -60,8 +60,10 @@ def form_html() -> str:
     return (f'<div class="mfsdp-calculator" data-tables="{TABLES}">'
             f'<form class="mfsdp-calc-inputs">{"".join(fields)}</form>'
             '<div class="mfsdp-calc-result" aria-live="polite">'
-            "<p>Loading the planner's tables (the calculator needs JavaScript; without it, run "
-            "<code>mfsdp plan</code>).</p>"
+            # the script writes "Loading the planner's tables..." here when it starts, then the
+            # result, or the file it could not load; without JavaScript only this shows
+            "<noscript><p>The calculator needs JavaScript; without it, run <code>mfsdp plan"
+            "</code>.</p></noscript>"
             "</div></div>")
 
 

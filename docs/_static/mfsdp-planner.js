@@ -164,14 +164,23 @@
   async function start(root) {
     const base = document.documentElement.dataset.content_root || "";
     const out = root.querySelector(".mfsdp-calc-result");
+    const file = "_static/" + root.dataset.tables;
+    out.innerHTML = "";
+    const status = document.createElement("p");
+    status.dataset.out = "status";
+    status.textContent = "Loading the planner's tables...";
+    out.appendChild(status);
     let tables;
     try {
-      const response = await fetch(base + "_static/" + root.dataset.tables);
+      const response = await fetch(base + file);
+      if (!response.ok) throw new Error(`HTTP ${response.status}`);
       tables = await response.json();
     } catch (e) {
-      out.textContent = "The calculator's tables did not load (" + e + "): a page opened " +
-                        "as a file cannot read them. Serve the guide over http (make serve, " +
-                        "then http://localhost:8000) or run mfsdp plan.";
+      // (a page opened as a file cannot fetch: serve the guide, make serve)
+      status.className = "mfsdp-calc-error";
+      status.dataset.out = "error";
+      status.textContent = `The calculator could not load ${file} (${e.message || e}): run ` +
+                           "mfsdp plan instead, or serve the guide over http (make serve).";
       return;
     }
     root.querySelector("form").addEventListener("change", () => render(root, tables));

@@ -5,7 +5,7 @@ the figures the logs report (FLOPs per token, resident memory)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -17,6 +17,10 @@ from mfsdp.config import MixedPrecisionPolicy
 from mfsdp.trainer.config import (DTYPES, ModelConfig, MoEConfig, PrecisionConfig, TrainConfig,
                                   TrainingConfig)
 from mfsdp.trainer.state import LRScheduler
+
+
+DEFAULT_MODEL_PRESET = "gpt-tiny"
+"""The model ``mfsdp train`` builds without ``--model-preset`` or a checkpoint's model config."""
 
 
 def saved_config(load: str | None) -> dict | None:
@@ -54,7 +58,7 @@ def model_config(config: TrainConfig | argparse.Namespace):
     elif saved is not None:
         base = GPTConfig.from_dict(saved)
     else:
-        base = GPT_PRESETS["gpt-tiny"]
+        base = GPT_PRESETS[DEFAULT_MODEL_PRESET]
     try:
         cfg = overridden_config(base, model, config.moe)
         if model.max_position_embeddings is None and \
@@ -125,12 +129,24 @@ def overridden_config(base: GPTConfig, model: ModelConfig, moe: MoEConfig) -> GP
     return cfg
 
 
-def model_family(model_preset: str | None, cfg: GPTConfig) -> str:
-    """What the log calls the model: its preset, or its Hugging Face family."""
+def model_family(model_preset: str | None, cfg: GPTConfig, load: str | None = None) -> str:
+    """What the log calls the model: the ``--model-preset`` passed; without one, the default
+    preset's name (``gpt-tiny``, what :func:`model_config` builds) unless ``load`` holds a
+    model config: then the preset that config is, up to the sizes the run sets (a resumed run
+    of the default says ``gpt-tiny`` again), else its Hugging Face family (``gpt`` when it has none)."""
+    from mfsdp.models.gpt import GPT_PRESETS
     from mfsdp.models.hf import UnsupportedModel, hf_model_type
 
     if model_preset:
         return model_preset
+    if saved_config(load) is None:
+        return DEFAULT_MODEL_PRESET
+    # (the sizes the trainer sets from the run: the sequence length's and the tokenizer's)
+    same = [name for name, preset in GPT_PRESETS.items() if replace(
+        preset, max_position_embeddings=cfg.max_position_embeddings,
+        vocab_size=cfg.vocab_size) == cfg]
+    if same:
+        return same[0]
     try:
         return hf_model_type(cfg)
     except UnsupportedModel:

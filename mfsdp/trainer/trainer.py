@@ -170,7 +170,7 @@ class Trainer:
         self.log(f"mfsdp train: {ranks} ({dist.get_backend()}), {layout_name}, outer "
                  f"{c.parallel.num_distributed_optimizer_instances}, EP "
                  f"{c.parallel.expert_model_parallel_size}{tp_note}, model "
-                 f"{model_family(c.model.model_preset, cfg)} "
+                 f"{model_family(c.model.model_preset, cfg, c.checkpoint.load)} "
                  f"({cfg.num_layers} layers, hidden {cfg.hidden_size}, experts "
                  f"{cfg.num_experts}), "
                  f"{self.num_micro} micro-batches of {c.training.micro_batch_size} per rank",

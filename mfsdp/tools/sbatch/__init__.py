@@ -30,6 +30,7 @@ from mfsdp.tools.sbatch.arguments import (Var, _abs, _group, _in_job_dir, _quote
                                           megatron_lm_model_flags, train_args)
 from mfsdp.tools.sbatch.checks import _model_preset, resolve, time_limit_seconds
 from mfsdp.tools.sbatch.errors import RenderError
+from mfsdp.tools.sbatch.header import describe
 from mfsdp.tools.sbatch.presets import CHOICES, PRESETS, SCHEMA, Preset
 
 __all__ = ["CHOICES", "PRESETS", "Preset", "RenderError", "SCHEMA", "Var", "build_parser",
@@ -69,7 +70,7 @@ def render(preset: str, overrides: dict[str, str] | None = None) -> str:
 
         vocab_size = GPT_PRESETS[_model_preset(values["model_args"])].vocab_size
     text = env.get_template(f"{p.template}.sbatch.j2").render(
-        preset=preset, template=p.template, description=p.description, world=world,
+        preset=preset, template=p.template, description=describe(p, values), world=world,
         rendered_by=rendered_by, arg_lines=lines, task_cpus=task_cpus,
         vocab_size=vocab_size, **values)
     return text if text.endswith("\n") else text + "\n"
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "list":
         width = max(map(len, PRESETS))  # the longest name still leaves a space
         for name, p in PRESETS.items():
-            print(f"{name:<{width}} {p.description}")
+            print(f"{name:<{width}} {describe(p)}")
         print()
         width = max(map(len, SCHEMA))
         for key, (typ, help_) in SCHEMA.items():

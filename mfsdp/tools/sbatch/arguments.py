@@ -27,6 +27,23 @@ def _group(tokens: list[str]) -> list[list[str]]:
     return lines
 
 
+def _override(flags: list[str], more: list[str]) -> list[str]:
+    """``flags`` with each ``--flag value`` group of ``more`` in place of the group of the same
+    flag (appended where ``flags`` has none), so that every flag is passed once.
+
+    >>> _override(["--num-layers", "32", "--swiglu"], ["--num-layers", "4", "--bf16"])
+    ['--num-layers', '4', '--swiglu', '--bf16']
+    """
+    groups = _group(flags)
+    where = {g[0]: i for i, g in enumerate(groups)}
+    for group in _group(more):
+        if group[0] in where:
+            groups[where[group[0]]] = group
+        else:
+            groups.append(group)
+    return [t for g in groups for t in g]
+
+
 def megatron_lm_model_flags(name: str, seq_length: int) -> list[str]:
     """Megatron-LM's architecture flags for ``mfsdp``'s model preset ``name`` (the same model:
     layers, sizes, attention, normalisation, rotary embeddings, MoE routing).
@@ -105,7 +122,7 @@ def train_args(v: dict) -> list[str]:
         i = model.index("--model-preset") if "--model-preset" in model else None
         rest = (model[:i] + model[i + 2:]) if i is not None else [
             t for t in model if not t.startswith("--model-preset=")]
-        model = megatron_lm_model_flags(name, v["seq_length"]) + rest
+        model = _override(megatron_lm_model_flags(name, v["seq_length"]), rest)
     a: list[str] = ["--use-megatron-fsdp",
                     "--data-parallel-sharding-strategy", v["strategy"],
                     "--num-distributed-optimizer-instances", str(v["outer"])]

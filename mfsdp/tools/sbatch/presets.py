@@ -169,9 +169,6 @@ _LLAMA3_8B = "--model-preset llama3-8b"
 #   sequences, 2,000 warm-up iterations, the same cosine decay from 3e-4 to 3e-5.
 _BRIDGE_LLAMA3 = dict(global_batch_size=512, train_iters=1_168_251, lr=3e-4, min_lr=3e-5,
                       lr_warmup_iters=2000, lr_decay_style="cosine")
-_FROM_BRIDGE = (" Batch and learning-rate schedule: Megatron-Bridge's {} (512 x {} iterations, "
-                "cosine from 3e-4 to 3e-5 after 2,000 warm-up iterations), in {} jobs that save "
-                "and requeue until done.")
 _BRIDGE_DEEPSEEK_V3 = dict(global_batch_size=4096, train_iters=1_000_000, lr=3e-4, min_lr=3e-5,
                            lr_warmup_iters=2000, lr_decay_style="cosine")
 _FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
@@ -184,9 +181,10 @@ class Preset:
     """A template and the values of every variable it uses."""
 
     template: str
-    description: str
+    description: str  # may name values: "{train_iters:,} iterations" (header.py)
     values: dict
     megatron_lm: dict = field(default_factory=dict)  # values that differ with trainer=megatron-lm
+    recipe: str = ""  # the Megatron-Bridge recipe whose batch and schedule the values are
 
 
 PRESETS: dict[str, Preset] = {
@@ -201,9 +199,10 @@ PRESETS: dict[str, Preset] = {
                             lr=0.003, min_lr=0.0003, lr_warmup_iters=2,
                             lr_decay_style="cosine", mock_data=True)),
     "gpu-smoke": Preset("train", "GPU smoke test: one node of 8 GPUs trains a 4-layer "
-                        "Llama-3-8B-shaped model on mock data for 50 iterations with the GPU "
-                        "presets' settings (NCCL, bf16, ZeRO-3, compile, fused AdamW), saving "
-                        "twice and resuming if requeued; minutes, before you book a real "
+                        "Llama-3-8B-shaped model on mock data for {train_iters:,} iterations with the "
+                        "GPU presets' settings (NCCL, bf16, ZeRO-3; compile and fused AdamW with "
+                        "mfsdp train), "
+                        "saving every {save_interval:,} iterations and resuming if requeued; minutes, before you book a real "
                         "preset.", dict(
                             _TRAIN, **_GPU_NODES, job_name="mfsdp-gpu-smoke", nodes=1,
                             time="00:30:00", model_args=_LLAMA3_8B + " --num-layers 4",
@@ -213,30 +212,28 @@ PRESETS: dict[str, Preset] = {
                             meta_init=True, save="checkpoints/gpu-smoke", save_interval=25,
                             log_jsonl="gpu-smoke.jsonl"), _MEGATRON_LM_GPU),
     "llama3-8b": Preset("train", "Llama-3-8B-style dense model on 2 nodes x 8 GPUs with ZeRO-3 "
-                        "(optim_grads_params), bf16 compute, fp32 main weights." + _FROM_BRIDGE.format("llama3_8b_pretrain_config", "1,168,251", "4-hour"), dict(
+                        "(optim_grads_params), bf16 compute, fp32 main weights.", dict(
                             _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2,
                             time="04:00:00", model_args=_LLAMA3_8B,
                             micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
                             bf16=True, meta_init=True,
                             save="checkpoints/llama3-8b", save_interval=100,
-                            log_jsonl="llama3-8b.jsonl"), _MEGATRON_LM_GPU),
+                            log_jsonl="llama3-8b.jsonl"), _MEGATRON_LM_GPU,
+                        recipe="llama3_8b_pretrain_config"),
     "llama3-8b-container": Preset(
         "train", "The llama3-8b job in NGC's PyTorch container (pyxis/enroot): the image's torch, "
-        "mfsdp mounted from its source checkout." + _FROM_BRIDGE.format(
-            "llama3_8b_pretrain_config", "1,168,251", "4-hour"), dict(
+        "mfsdp mounted from its source checkout.", dict(
             _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2, time="04:00:00",
             model_args=_LLAMA3_8B, micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
             bf16=True, meta_init=True, save="checkpoints/llama3-8b",
             save_interval=100, log_jsonl="llama3-8b.jsonl",
-            container_image="nvcr.io#nvidia/pytorch:25.10-py3"), _MEGATRON_LM_GPU),
+            container_image="nvcr.io#nvidia/pytorch:25.10-py3"), _MEGATRON_LM_GPU,
+        recipe="llama3_8b_pretrain_config"),
     "deepseek-v3": Preset("train", "DeepSeek-V3-style MoE (256 routed experts, top-8, "
                           "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 32 over 4 "
                           "nodes (8 experts per GPU), ZeRO-3 over all 256 ranks (HFSDP over 2 "
                           "outer groups plans 5 GiB more per GPU, too close to 80 GiB), flex "
-                          "dispatcher with DeepEP. Batch and learning-rate schedule: Megatron-Bridge's "
-                          "deepseek_v3_pretrain_config_32nodes (4,096 x 1,000,000 iterations, "
-                          "cosine from 3e-4 to 3e-5 after 2,000 warm-up iterations), in 24-hour "
-                          "jobs that save and requeue until done.", dict(
+                          "dispatcher with DeepEP.", dict(
                               # compile off: the routed experts' token counts change every
                               # step, and each new count would compile the MoE layers again;
                               # fp32 gradient reduction: its shard groups have 256 ranks
@@ -249,24 +246,26 @@ PRESETS: dict[str, Preset] = {
                               bf16=True, meta_init=True, all_gather_group=True,
                               save="checkpoints/deepseek-v3", save_interval=50,
                               log_jsonl="deepseek-v3.jsonl"),
-                          dict(_MEGATRON_LM_GPU, flex_backend="hybridep")),
+                          dict(_MEGATRON_LM_GPU, flex_backend="hybridep"),
+                          recipe="deepseek_v3_pretrain_config_32nodes"),
     "llama3-70b": Preset("train", "Llama-3-70B-style dense model on 8 nodes x 8 GPUs: tensor "
                          "parallelism 4 with sequence parallelism inside a node, ZeRO-3 over the "
                          "16 data-parallel ranks, selective recompute, bf16 compute, meta-device "
-                         "initialisation." + _FROM_BRIDGE.format("llama3_70b_pretrain_config", "1,168,251", "24-hour"), dict(
+                         "initialisation.", dict(
                              _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-70b", nodes=8,
                              time="24:00:00", model_args="--model-preset llama3-70b --recompute-granularity "
                                         "selective",
                              tp=4, micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
                              bf16=True, meta_init=True,
                              save="checkpoints/llama3-70b", save_interval=40,
-                             log_jsonl="llama3-70b.jsonl"), _MEGATRON_LM_GPU),
+                             log_jsonl="llama3-70b.jsonl"), _MEGATRON_LM_GPU,
+                         recipe="llama3_70b_pretrain_config"),
     "llama3.1-405b": Preset("train", "Llama-3.1-405B-shaped dense model on 32 nodes x 8 GPUs: "
                             "FSDP x tensor parallelism 4 with sequence parallelism (Megatron-Bridge's "
                             "published Megatron-FSDP run uses TP 2 on 128 GB200s, which hold 186 "
                             "GiB; on 80 GiB GPUs TP 2 needs 42 nodes), ZeRO-3 over "
                             "64 data-parallel ranks, full recompute, bf16 compute, meta-device "
-                            "initialisation." + _FROM_BRIDGE.format("llama31_405b_pretrain_config", "1,168,251", "48-hour"), dict(
+                            "initialisation.", dict(
                                 _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3.1-405b", nodes=32,
                                 time="48:00:00",
                                 model_args="--model-preset llama3.1-405b " + _FULL_RECOMPUTE,
@@ -274,11 +273,12 @@ PRESETS: dict[str, Preset] = {
                                 seq_length=8192, **_BRIDGE_LLAMA3,
                                 bf16=True, meta_init=True, all_gather_group=True,
                                 save="checkpoints/llama3.1-405b", save_interval=24,
-                                log_jsonl="llama3.1-405b.jsonl"), _MEGATRON_LM_GPU),
+                                log_jsonl="llama3.1-405b.jsonl"), _MEGATRON_LM_GPU,
+                            recipe="llama31_405b_pretrain_config"),
     "llama3-8b-long": Preset("train", "Llama-3-8B-style model on 64K-token sequences, 2 nodes x 8 "
                              "GPUs: context parallelism 2 (each rank holds 32K tokens of a "
                              "sequence, attention exact over all of it), ZeRO-3 over the 16 ranks, "
-                             "full recompute, bf16 compute." + _FROM_BRIDGE.format("llama3_8b_64k_pretrain_config", "1,168,251", "12-hour"), dict(
+                             "full recompute, bf16 compute.", dict(
                                  _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b-long", nodes=2,
                                  time="12:00:00",
                                  model_args="--model-preset llama3-8b " + _FULL_RECOMPUTE,
@@ -286,7 +286,7 @@ PRESETS: dict[str, Preset] = {
                                  **_BRIDGE_LLAMA3, bf16=True,
                                  meta_init=True, save="checkpoints/llama3-8b-long",
                                  save_interval=5, log_jsonl="llama3-8b-long.jsonl"),
-                             _MEGATRON_LM_GPU),
+                             _MEGATRON_LM_GPU, recipe="llama3_8b_64k_pretrain_config"),
     "convert": Preset("convert", "Checkpoint conversion: a Megatron-LM torch_dist checkpoint to "
                       "fsdp_dtensor, on one node (mfsdp convert: CPU only; Megatron-LM's "
                       "checkpoint_inspector.py: 8 GPUs).", dict(

@@ -1,0 +1,82 @@
+"""What a rendered script says of itself: its header states the schedule it was rendered with
+(the script is copied as the job's provenance record), and its argument lists pass each flag
+once."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+
+from mfsdp.tools import sbatch
+
+
+def _header(text: str) -> str:
+    return text.splitlines()[2]  # after the shebang and the shellcheck directive
+
+
+def test_header_states_the_rendered_schedule_not_the_presets():
+    text = sbatch.render("llama3-8b", {"train_iters": "200", "lr_warmup_iters": "20"})
+    header = _header(text)
+    # the values the script trains with, as its TRAIN_ARGS pass them
+    assert "  --train-iters 200\n" in text and "  --lr-warmup-iters 20\n" in text
+    assert "schedule: 512 x 200 iterations, cosine from 3e-4 to 3e-5 after 20 warm-up " \
+           "iterations (rendered with --set" in header
+    # the preset's own schedule only as the preset's, after the rendered one
+    rendered, presets = header.split("the preset's:", 1)
+    assert "1,168,251" not in rendered and "2,000" not in rendered
+    assert "512 x 1,168,251 iterations" in presets and "2,000 warm-up" in presets
+
+
+def test_header_of_an_unchanged_preset_names_its_recipe_and_list_shows_the_presets(capsys):
+    header = _header(sbatch.render("llama3-8b"))
+    assert ("Megatron-Bridge's llama3_8b_pretrain_config (512 x 1,168,251 iterations, cosine "
+            "from 3e-4 to 3e-5 after 2,000 warm-up iterations), in 4-hour jobs that save and "
+            "requeue until done.") in header
+    assert "--set" not in header
+    # a change the schedule does not read leaves the recipe's sentence as it is
+    assert _header(sbatch.render("llama3-8b", {"nodes": "4"})) == header
+    # the job length follows time, and a script that does not save says it does not requeue
+    other = _header(sbatch.render("llama3-8b", {"time": "00:30:00", "save": ""}))
+    assert "in 30-minute jobs (this script neither saves" in other
+    # `mfsdp sbatch list` keeps the preset's own values
+    sbatch.main(["list"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("llama3-8b "))
+    assert line.endswith(header[2:])
+
+
+def test_gpu_smoke_header_follows_its_values():
+    header = _header(sbatch.render("gpu-smoke", {"train_iters": "80", "save_interval": "40"}))
+    assert "for 80 iterations" in header and "saving every 40 iterations" in header
+    assert "50" not in header and "25" not in header
+
+
+def _argument_lists(text: str) -> dict[str, list[list[str]]]:
+    """Each ``NAME=(...)`` array of a script: its lines, split like the shell splits them."""
+    arrays = re.findall(r"^([A-Z_]+)=\(\n(.*?)^\)", text, flags=re.M | re.S)
+    assert arrays, "no argument list found"
+    return {name: [shlex.split(line) for line in body.splitlines() if line.strip()]
+            for name, body in arrays}
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+@pytest.mark.parametrize("name, overrides, rel", sbatch.scripts(),
+                         ids=[rel for _, _, rel in sbatch.scripts()])
+def test_no_flag_appears_twice_in_an_argument_list(name, overrides, rel, launcher):
+    """Every preset, for each trainer that runs it (the committed scripts) and each launcher:
+    a flag passed twice leaves the trainer's parser to pick one (the last), which a reader of
+    the script cannot tell."""
+    values = dict(overrides, launcher=launcher) if sbatch.PRESETS[name].template == "train" \
+        else overrides
+    for array, lines in _argument_lists(sbatch.render(name, values)).items():
+        flags = [w.split("=", 1)[0] for line in lines for w in line if w.startswith("--")]
+        twice = sorted({f for f in flags if flags.count(f) > 1})
+        assert not twice, f"{rel} ({launcher}): {array} passes {twice} more than once"
+
+
+def test_model_flags_after_the_preset_replace_its_value_for_megatron_lm():
+    text = sbatch.render("gpu-smoke", {"trainer": "megatron-lm"})
+    train = dict((line[0], line[1:]) for line in _argument_lists(text)["TRAIN_ARGS"])
+    assert train["--num-layers"] == ["4"]  # the preset's 32, replaced where it stood
+    assert train["--hidden-size"] == ["4096"]  # the rest of llama3-8b's shape is kept
