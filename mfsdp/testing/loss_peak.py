@@ -75,7 +75,7 @@ def measured_step(preset: str, layout_kwargs: dict, model_flags: tuple[str, ...]
     rank's fed tokens, ``s b``; ``vocab``: the output layer's columns on this rank."""
     import torch.distributed as dist
 
-    from mfsdp.models.tensor_parallel import vocab_parallel_cross_entropy
+    from mfsdp.models.tensor_parallel import loss_parallel_context, vocab_parallel_cross_entropy
     from mfsdp.tools.dry_run import _validated_config, train_flags
     from mfsdp.tools.plan import Layout
     from mfsdp.trainer.parallel import build_sharded_model, micro_batch
@@ -101,7 +101,8 @@ def measured_step(preset: str, layout_kwargs: dict, model_flags: tuple[str, ...]
         logits.register_hook(layers_start)
         del logits  # the trainer's frame returns the loss alone
         live.phase = "loss backward"
-        loss.backward()
+        with loss_parallel_context(layout.tp):
+            loss.backward()
         live.phase = "optimizer"
         opt.step()
     return {"peak": live.peak, "peak_phase": live.peak_phase, "at_peak": live.at_peak,
