@@ -325,15 +325,14 @@ def test_smallest_search_draws_no_progress_bar_into_a_pipe():
 
 def test_a_plan_with_less_than_5_gib_to_spare_is_called_tight(capsys):
     """`mfsdp plan` says "tight" when a plan fits with under 5 GiB to spare (the planner was
-    6.8% low on the one GPU run compared), and only then."""
+    5.5% high on the one GPU run compared, with two errors of 4 to 6 GiB it does not model yet),
+    and only then."""
     from mfsdp.tools.plan_cli import TIGHT_GIB, main
 
     for argv, total_gib in ((["deepseek-v3", "--world-size", "256",
                               "--expert-model-parallel-size", "32",
-                              "--num-distributed-optimizer-instances", "2",
-                              "--outer-dp-sharding-strategy", "optim",
-                              "--recompute-granularity", "full"], 74.48),
-                            (["llama3-8b", "--world-size", "64"], 30.19)):
+                              "--recompute-granularity", "full"], 73.54),
+                            (["llama3-8b", "--world-size", "64"], 34.10)):
         main(argv)
         out = capsys.readouterr().out
         assert f"{total_gib:.2f}" in out and "fits on 80 GiB: yes" in out

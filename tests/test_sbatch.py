@@ -228,7 +228,7 @@ def test_deepseek_script_builds_the_intended_model():
 def test_gpu_presets_build_the_real_architecture_and_fit(name):
     """The script's flags build the published architecture, and the planner, on the script's
     own layout, says it fits on 80 GiB GPUs (the 405B preset on 256 of them, with FSDP x TP 2;
-    the long-context 8B with 64K-token sequences split over CP 2)."""
+    the long-context 8B with 64K-token sequences split over CP 4)."""
     from mfsdp.models.gpt import GPT_PRESETS
     from mfsdp.tools.plan import Layout, ModelConfig, plan
 

@@ -2,14 +2,15 @@
 
 ``mfsdp plan`` (or :func:`plan`) estimates, per rank, the bytes of each kind of state (compute
 weights, main weights, gradients, optimizer state; the gathered weights and full gradient buffers
-of a step at their peak; activations and the loss's logits) and the bytes each group moves per
-step, for a model and a layout. The state terms follow the engine exactly and the peak buffers are
-the bounds the engine keeps to (both checked against measured runs in the tests); activations and
-logits use the usual transformer estimate and are an estimate.
+of a step at their peak; activations and the loss's bytes at its peak) and the bytes each group
+moves per step, for a model and a layout. The state terms follow the engine exactly and the peak
+buffers are the bounds the engine keeps to (both checked against measured runs in the tests);
+activations use the usual transformer estimate, and the loss's bytes (``logits``) a coefficient
+measured on a real step (``tests/test_loss_peak.py``).
 
 >>> p = plan(PRESETS["llama3-8b"], Layout(world_size=8, strategy="optim_grads_params"))
 >>> round(p.params / 1e9, 2), p.dominant, round(p.total / GiB, 1)
-(8.03, 'activations', 44.9)
+(8.03, 'activations', 48.8)
 """
 
 from __future__ import annotations

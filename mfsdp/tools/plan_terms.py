@@ -39,15 +39,30 @@ def activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821 (plan imports
     return math.ceil(L / n) * 2 * s * b * h + n * per_layer
 
 
+LOSS_BYTES = {"whole": 12, "vocab_parallel": 16}
+"""Bytes per logit (``s b v / t`` of them) the trainer's loss holds at its peak, measured
+(:mod:`mfsdp.testing.loss_peak`, ``tests/test_loss_peak.py``): ``F.cross_entropy`` of whole
+logits (TP 1), and of logits split over TP ranks (``loss_parallel``)."""
+
+
 def logits(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
            layout: mfsdp.tools.plan.Layout) -> float:  # noqa: F821
-    """Bytes of the output layer's logits the loss keeps for backward: the cross-entropy's
-    float32 log-probabilities, ``4 s b v / t`` (Korthikanti et al., 2022, section 4.3), for one
-    rank's ``s = seq_length / cp`` tokens and its ``v / t`` vocabulary columns. An estimate, and
-    a low one at the loss itself: while it runs, the bf16 logits and their float32 copy exist
-    beside it (about ``8 s b v / t`` more, freed before the layers' backward)."""
+    """Bytes the trainer's loss holds at its peak, ``12 s b v`` (TP 1) or ``16 s b v / t`` (TP
+    ``t``), for one rank's ``s = seq_length / cp`` tokens and its ``v / t`` vocabulary columns.
+
+    The loss (``F.cross_entropy`` of the float32 logits) keeps its float32 log-probabilities for
+    backward, ``4 s b v / t`` (Korthikanti et al., 2022, section 4.3). Its peak comes in its
+    backward, with every layer's activations still held: ``nll_loss``'s backward writes a dense
+    float32 gradient of the log-probabilities and ``log_softmax``'s backward a float32 gradient
+    of the logits beside them, ``8 s b v`` more. Under TP, PyTorch's ``loss_parallel`` keeps
+    two float32 copies for backward and writes two, ``16 s b v / t``. Both coefficients
+    (:data:`LOSS_BYTES`) are measured: one step of the trainer's model under a live-storage
+    tracker (``tests/test_loss_peak.py``, at two vocabulary sizes and sequence lengths).
+    Megatron-LM's vocabulary-parallel cross-entropy computes its gradient in place of the
+    softmax it keeps, about ``4 s b v / t`` at its backward, so this overcounts its loss."""
     s = layout.seq_length // layout.cp
-    return 4 * s * layout.micro_batch * model.vocab / layout.tp
+    per_logit = LOSS_BYTES["vocab_parallel" if layout.tp > 1 else "whole"]
+    return per_logit * s * layout.micro_batch * model.vocab / layout.tp
 
 
 def padding(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821

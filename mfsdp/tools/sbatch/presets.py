@@ -276,13 +276,13 @@ PRESETS: dict[str, Preset] = {
                                 log_jsonl="llama3.1-405b.jsonl"), _MEGATRON_LM_GPU,
                             recipe="llama31_405b_pretrain_config"),
     "llama3-8b-long": Preset("train", "Llama-3-8B-style model on 64K-token sequences, 2 nodes x 8 "
-                             "GPUs: context parallelism 2 (each rank holds 32K tokens of a "
+                             "GPUs: context parallelism 4 (each rank holds 16K tokens of a "
                              "sequence, attention exact over all of it), ZeRO-3 over the 16 ranks, "
                              "full recompute, bf16 compute.", dict(
                                  _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b-long", nodes=2,
                                  time="12:00:00",
                                  model_args="--model-preset llama3-8b " + _FULL_RECOMPUTE,
-                                 cp=2, micro_batch_size=1, seq_length=65536,
+                                 cp=4, micro_batch_size=1, seq_length=65536,
                                  **_BRIDGE_LLAMA3, bf16=True,
                                  meta_init=True, save="checkpoints/llama3-8b-long",
                                  save_interval=5, log_jsonl="llama3-8b-long.jsonl"),
