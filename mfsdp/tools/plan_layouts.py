@@ -125,7 +125,7 @@ ROWS = (("llama3-8b", 8192), ("llama3-70b", 8192), ("llama3.1-405b", 8192),
 
 
 def table(rows=ROWS, gpus=tuple(GPUS)) -> str:
-    """One line per (preset, sequence length) of ``rows`` and GPU of :data:`GPUS` (the guide's
+    """One line per (preset, sequence length) of ``rows`` and GPU of ``GPUS`` (the guide's
     table, at most 88 columns): the layout on the fewest GPUs that leaves ``mfsdp plan``'s tight
     margin (``plan_cli.TIGHT_GIB``) to spare, its GiB per GPU and what is left; then the fewest
     GPUs on which it fits at all, marked ``tight`` when that plan leaves less than the margin."""
