@@ -13,7 +13,12 @@ from mfsdp.tools import sbatch
 
 
 def _header(text: str) -> str:
-    return text.splitlines()[2]  # after the shebang and the shellcheck directive
+    """The first comment (after the shebang and the shellcheck directive), unwrapped; its
+    lines fit 100 columns."""
+    lines = text.splitlines()[2:]
+    comment = lines[:lines.index("#")]
+    assert all(len(line) <= 100 for line in comment), comment
+    return " ".join(line.removeprefix("# ") for line in comment)
 
 
 def test_header_states_the_rendered_schedule_not_the_presets():

@@ -138,7 +138,9 @@
       `${fixed(got.compute_s, 2)}</span> s), <span data-out="tokens_per_gpu_s">` +
       `${grouped(got.tokens_per_gpu_s)}</span> tokens/s per GPU, <span data-out="tflops">` +
       `${grouped(got.model_tflops_per_gpu)}</span> model TFLOP/s per GPU, MFU ` +
-      `<span data-out="mfu">${fixed(100 * got.mfu, 1)}</span>%.</p>` +
+      `<span data-out="mfu">${fixed(100 * got.mfu, 1)}</span>%. The compute runs at an ` +
+      `assumed 40% of the GPU's peak (<code>mfsdp plan --compute-efficiency</code> changes ` +
+      `it), so a step limited by compute shows that 40% as its MFU.</p>` +
       `<p>The same estimate in a terminal:</p><pre class="mfsdp-calc-command"></pre>`;
     out.querySelector("pre").textContent = command(inputs);
     out.querySelector("table").insertAdjacentHTML("afterend", barHtml(got, 80));

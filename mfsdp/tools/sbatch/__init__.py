@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 
 from mfsdp.tools.sbatch.arguments import (Var, _abs, _group, _in_job_dir, _quote, convert_args,
@@ -70,7 +71,8 @@ def render(preset: str, overrides: dict[str, str] | None = None) -> str:
 
         vocab_size = GPT_PRESETS[_model_preset(values["model_args"])].vocab_size
     text = env.get_template(f"{p.template}.sbatch.j2").render(
-        preset=preset, template=p.template, description=describe(p, values), world=world,
+        preset=preset, template=p.template, world=world,
+        description="\n# ".join(textwrap.wrap(describe(p, values), 98, break_on_hyphens=False)),
         rendered_by=rendered_by, arg_lines=lines, task_cpus=task_cpus,
         vocab_size=vocab_size, **values)
     return text if text.endswith("\n") else text + "\n"
