@@ -43,6 +43,7 @@ extensions = [
     "cli_reference",  # docs/_ext: CLI reference tables generated from the argparse parsers
     "compat_matrix",  # docs/_ext: the compatibility matrix, measured and cached by a digest
     "planner_calculator",  # docs/_ext: the planner page's calculator, tables from mfsdp plan
+    "layout_table",  # docs/_ext: the layouts page's table, from mfsdp.tools.plan_layouts
     "measured",  # docs/_ext: when, where and with what a page's numbers were measured
     "external_links",  # docs/_ext: issue references and named projects become links
 ]

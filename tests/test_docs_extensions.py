@@ -85,3 +85,37 @@ def test_text_in_an_autosummary_table_is_linked():
     external_links.add_links(None, tree, "api")
     assert [(n.astext(), n["refuri"]) for n in tree.findall(nodes.reference)] == [
         ("NCCL", external_links.PROJECTS["NCCL"])]
+
+
+def test_the_layout_table_shows_what_the_search_chose():
+    """The layouts page's table (docs/_ext/layout_table.py) for two models on every GPU: each
+    cell is ``choose``'s (and ``why``'s) for its row, and the table parses to a docutils table
+    with a header row and one row per model and GPU."""
+    import layout_table
+    from cli_reference import rst_nodes
+
+    from mfsdp.tools.plan import GiB
+    from mfsdp.tools.plan_cli import TIGHT_GIB
+    from mfsdp.tools.plan_layouts import GPUS, NODE_GPUS, choose, why
+
+    models = (("llama3-8b", 8192), ("llama3-70b", 8192))
+    cells = layout_table.rows(models)
+    assert len(cells) == len(models) * len(GPUS)
+    for row, ((name, seq), gpu) in zip(cells, [(m, g) for m in models for g in GPUS]):
+        c = choose(name, seq, *GPUS[gpu], spare_gib=TIGHT_GIB)
+        lay = c.layout
+        assert dict(zip(layout_table.HEADER, row)) == {
+            "model": name, "sequence": str(seq), "GPU": gpu,
+            "GPUs (nodes)": f"{lay.world_size} ({lay.world_size // NODE_GPUS[gpu]})",
+            "TP": str(lay.tp), "CP": str(lay.cp), "EP": str(lay.ep),
+            "recompute": lay.recompute_granularity or "none",
+            "GiB/GPU": f"{c.total / GiB:.1f}",
+            "spare": f"{(GPUS[gpu][0] - 4 - c.total / GiB):.1f}",
+            "why": why(name, seq, gpu)}
+    assert cells[0][-1].startswith("CP 1 leaves")  # the 8B H100 row: CP 2 because CP 1 is tight
+    [table] = rst_nodes(layout_table.rst_table(cells))
+    assert isinstance(table, nodes.table) and "mfsdp-layout-table" in table["classes"]
+    body = [[entry.astext() for entry in row.findall(nodes.entry)]
+            for row in table.findall(nodes.row)]
+    assert body[0] == list(layout_table.HEADER)
+    assert body[1:] == [list(r) for r in cells]

@@ -15,19 +15,25 @@ shortest predicted step (:func:`mfsdp.tools.plan.estimate`). Every layout is ZeR
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from mfsdp.tools.plan import GiB, PRESETS, Layout, estimate, plan, smallest_layout
+from mfsdp.tools.plan import (GiB, PRESETS, Layout, _fits_without_state, estimate, plan,
+                              smallest_layout)
 
-__all__ = ["Choice", "choose", "table", "EPS", "GPUS", "ROWS", "SBATCH"]
+__all__ = ["Choice", "choose", "table", "why", "EPS", "GPUS", "NODE_GPUS", "ROWS", "SBATCH"]
 
 EPS = (8, 16, 32, 64)
 """Expert-parallel sizes tried for an MoE preset (EP groups of one node and more)."""
 
-GPUS = {"H100": (80.0, "h100"), "H200": (140.0, "h100")}
+GPUS = {"H100": (80.0, "h100"), "H200": (140.0, "h100"), "GB200": (186.0, "gb200")}
 """A GPU's name -> (``--device-gib``, the ``--gpu`` whose peak and links price the step). An
-H200 reports about 140 GiB and computes as fast as an H100, whose figures time it."""
+H200 reports about 140 GiB and computes as fast as an H100, whose figures time it. A GB200
+holds 186 GiB (``--device-gib 186`` as on the planner's page); the search counts it, like the
+others, in steps of 8 GPUs."""
+
+NODE_GPUS = {"H100": 8, "H200": 8, "GB200": 4}
+"""GPUs per node: a DGX H100 or H200 has 8; a GB200 NVL72 compute tray has 4."""
 
 SBATCH = {"llama3-8b": "llama3-8b", "llama3-70b": "llama3-70b",
           "llama3.1-405b": "llama3.1-405b", "deepseek-v3": "deepseek-v3"}
@@ -148,3 +154,66 @@ def table(rows=ROWS, gpus=tuple(GPUS)) -> str:
             out.append(head + f"{lay.world_size:>5}{lay.tp:>4}{lay.cp:>4}{lay.ep:>4}  "
                        f"{c.recompute:<10}{c.total / GiB:>8.1f}{c.spare_gib:>7.1f}  {fewest}")
     return "\n".join(out)
+
+
+def _drop(layout: Layout) -> tuple[str, Layout]:
+    """The layout without its TP and CP, and its name (``TP 1``, ``CP 1`` or ``TP 1 CP 1``)."""
+    name = " ".join(f"{k} 1" for k, v in (("TP", layout.tp), ("CP", layout.cp)) if v > 1)
+    return name, replace(layout, tp=1, cp=1, sequence_parallel=False)
+
+
+def why(preset: str, seq_length: int, gpu_name: str) -> str:
+    """Why the guide's row for ``preset`` at ``seq_length`` tokens on ``gpu_name`` (a key of
+    ``GPUS``) is what it is, from what its search tried: the same layout without TP and CP
+    (tight on as many GPUs, beyond the GPU whatever the world, or on how many GPUs it fits),
+    without recomputation (how many GPUs, or slower on as many), experts per GPU, and the
+    fewest GPUs when they leave less than the margin. Empty when nothing needs saying.
+
+    >>> why("llama3-8b", 8192, "H200")
+    ''
+    """
+    from mfsdp.tools.plan_cli import TIGHT_GIB
+
+    if gpu_name not in GPUS:
+        raise ValueError(f"gpu_name={gpu_name!r} is not one of {list(GPUS)}; pick one of them")
+    device_gib, gpu = GPUS[gpu_name]
+    c = choose(preset, seq_length, device_gib, gpu, spare_gib=TIGHT_GIB)
+    if c is None:
+        return f"nothing fits with {TIGHT_GIB:g} GiB to spare"
+    model, lay, usable = PRESETS[preset], c.layout, device_gib - TIGHT_GIB
+    out = []
+    if lay.tp * lay.cp > 1:
+        name, flat = _drop(lay)
+        p = plan(model, flat)
+        if p.fits(device_gib):
+            out.append(f"{name} leaves {device_gib - 4 - p.total / GiB:.1f} GiB: tight")
+        elif p.memory["activations"] > (device_gib - 4) * GiB:
+            out.append(f"{name}: the activations alone exceed the GPU")
+        elif not _fits_without_state(p, device_gib):
+            out.append(f"{name}: activations and gathered layers exceed the GPU")
+        else:  # it fits on more GPUs: how many (up to twice the row's)
+            more = smallest_layout(model, flat, usable, tps=(1,), cps=(1,),
+                                   max_nodes=2 * lay.world_size // 8)
+            out.append(f"{name} needs {more.world_size} GPUs" if more else
+                       f"{name} needs over {2 * lay.world_size} GPUs")
+    if lay.recompute_granularity:
+        nodes, best = 2 * lay.world_size // 8, None
+        for ep in sorted({lay.ep} | ({*EPS} if model.num_experts else set()), reverse=True):
+            if model.num_experts % ep:
+                continue
+            base = Layout(max(8, ep), ep=ep, seq_length=seq_length)
+            found = smallest_layout(model, base, usable, max_nodes=nodes)
+            if found is not None and (best is None or found.world_size < best.world_size):
+                best, nodes = found, found.world_size // 8
+        if best is None:
+            out.append(f"no recompute needs over {2 * lay.world_size} GPUs")
+        elif best.world_size > lay.world_size:
+            out.append(f"no recompute needs {best.world_size} GPUs")
+        else:
+            out.append(f"no recompute needs TP {best.tp} CP {best.cp}: slower")
+    if model.num_experts:
+        out.append(f"{model.num_experts // lay.ep} experts per GPU")
+    least = choose(preset, seq_length, device_gib, gpu, max_nodes=lay.world_size // 8)
+    if least.layout.world_size < lay.world_size:
+        out.append(f"{least.layout.world_size} GPUs leave {least.spare_gib:.1f} GiB: tight")
+    return "; ".join(out)
