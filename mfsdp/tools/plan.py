@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mfsdp.tools.plan_terms import activations, fsdp_traffic, logits, padded_units, padding
+from mfsdp.tools.plan_terms import (activations, fsdp_traffic, logits, logits_grad, padded_units,
+                                    padding)
 from mfsdp.tools.plan_time import step_time
 
 __all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes",
@@ -268,10 +269,30 @@ class Plan:
     comm: dict[str, float] = field(default_factory=dict)
     padding: float = 0.0
     """Shard padding of the buckets, as a fraction of the parameters (counted in ``memory``)."""
+    logits_grad: float = 0.0
+    """The bf16 gradient of the logits (:func:`~mfsdp.tools.plan_terms.logits_grad`), live
+    beside the first gradient buffers of the backward; counted in :attr:`moments`."""
+
+    @property
+    def moments(self) -> dict[str, float]:
+        """Bytes per rank at the step's two candidate peaks: ``"loss"``, the start of backward
+        (every term but ``grad_buffers``: no full gradient exists yet, the loss holds its
+        ``logits`` bytes), and ``"backward"`` (every term but ``logits``, which the loss has
+        freed, plus the logits' bf16 gradient ``logits_grad``)."""
+        common = sum(v for k, v in self.memory.items() if k not in ("grad_buffers", "logits"))
+        return {"loss": common + self.memory.get("logits", 0.0),
+                "backward": common + self.memory.get("grad_buffers", 0.0) + self.logits_grad}
+
+    @property
+    def peak_moment(self) -> str:
+        """``"loss"`` or ``"backward"``: the moment of :attr:`moments` that is the peak."""
+        m = self.moments
+        return "loss" if m["loss"] >= m["backward"] else "backward"
 
     @property
     def total(self) -> float:
-        return sum(self.memory.values())
+        """The step's peak bytes per rank: the larger of the two :attr:`moments`."""
+        return max(self.moments.values())
 
     @property
     def dominant(self) -> str:
@@ -282,12 +303,20 @@ class Plan:
         return self.total <= (device_gib - reserve_gib) * GiB
 
     def table(self) -> str:
-        """Memory terms in GiB per rank, then the GiB each rank sends per optimizer step and
-        group (a step: every micro-batch of the global batch, see :class:`Layout`)."""
+        """Memory terms in GiB per rank, the total (the larger of the two :attr:`moments`, with
+        a line saying which and what the other is), then the GiB each rank sends per optimizer
+        step and group (a step: every micro-batch of the global batch, see :class:`Layout`)."""
         rows = [f"{'term':<14} {'GiB per rank':>12}"]
         for k, v in self.memory.items():
             rows.append(f"{k:<14} {v / GiB:12.2f}")
         rows.append(f"{'total':<14} {self.total / GiB:12.2f}")
+        m, grad = self.moments, self.logits_grad / GiB
+        if self.peak_moment == "loss":
+            rows.append(f"  peak at the loss's peak (logits, no grad_buffers yet); in backward: "
+                        f"{m['backward'] / GiB:.2f} (grad_buffers + {grad:.2f} logits' gradient)")
+        else:
+            rows.append(f"  peak in backward (grad_buffers + {grad:.2f} logits' gradient); at "
+                        f"the loss's peak: {m['loss'] / GiB:.2f} (logits, no grad_buffers yet)")
         for k, v in self.comm.items():
             rows.append(f"{'sent ' + k:<14} {v / GiB:12.2f}  (GiB per optimizer step per rank)")
         return "\n".join(rows)
@@ -367,7 +396,8 @@ def plan(model: ModelConfig, layout: Layout) -> Plan:
         comm["ep"] = 4 * m * moe_layers * tokens * model.topk * model.hidden * layout.compute_bytes \
             * (layout.ep - 1) / layout.ep
     return Plan(dense + expert, dense, expert, memory, comm,
-                padding=(pad_dense * dense + pad_expert * expert) / (dense + expert))
+                padding=(pad_dense * dense + pad_expert * expert) / (dense + expert),
+                logits_grad=logits_grad(model, layout))
 
 
 def estimate(model: ModelConfig, layout: Layout, gpu="h100", **overrides):
