@@ -138,15 +138,14 @@
     rows.push(`<tr class="mfsdp-calc-total"><td>total</td>` +
               `<td data-out="total">${fixed(got.total, 2)}</td></tr>`);
     rows.push(`<tr><td colspan="2" data-out="peak">` + (atLoss(got) ?
-      "peak at the loss's peak (logits, no grad_buffers yet)" :
-      `peak in backward (grad_buffers + ${fixed(got.logits_grad, 2)} logits' gradient)`) +
-      `</td></tr>`);
+      "at the loss's peak (no grad_buffers yet)" :
+      `in backward (+ ${fixed(got.logits_grad, 2)} logits' grad, no logits)`) + `</td></tr>`);
     const fits = got.total <= 80 - 4;
-    // as mfsdp plan says: less than 5 GiB to spare is tight (the planner measured 5.5% high
-    // once, with two errors of 4 to 6 GiB it does not model)
+    // as mfsdp plan says: less than 5 GiB to spare is tight (the planner measured 0.8% high
+    // once, on one 6-layer run)
     const tight = fits && got.total > 80 - 4 - 5 ?
-      " Tight: within 5 GiB of the limit; on the one GPU run compared the plan was 5.5% " +
-      "high, with two 4 to 6 GiB errors unmodelled." : "";
+      " Tight: within 5 GiB of the limit; on the one GPU run compared the plan was 0.8% " +
+      "high, but it is one run of 6 layers." : "";
     out.innerHTML =
       `<table class="mfsdp-calc-memory"><thead><tr><th>memory term</th><th>GiB per GPU</th></tr>` +
       `</thead><tbody>${rows.join("")}</tbody></table>` +

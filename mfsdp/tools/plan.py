@@ -312,11 +312,11 @@ class Plan:
         rows.append(f"{'total':<14} {self.total / GiB:12.2f}")
         m, grad = self.moments, self.logits_grad / GiB
         if self.peak_moment == "loss":
-            rows.append(f"  peak at the loss's peak (logits, no grad_buffers yet); in backward: "
-                        f"{m['backward'] / GiB:.2f} (grad_buffers + {grad:.2f} logits' gradient)")
+            rows.append(f"  at the loss's peak (no grad_buffers yet); in backward "
+                        f"{m['backward'] / GiB:.2f} ({grad:.2f} logits' grad)")
         else:
-            rows.append(f"  peak in backward (grad_buffers + {grad:.2f} logits' gradient); at "
-                        f"the loss's peak: {m['loss'] / GiB:.2f} (logits, no grad_buffers yet)")
+            rows.append(f"  in backward (+ {grad:.2f} logits' grad, no logits); at the loss's "
+                        f"peak {m['loss'] / GiB:.2f}")
         for k, v in self.comm.items():
             rows.append(f"{'sent ' + k:<14} {v / GiB:12.2f}  (GiB per optimizer step per rank)")
         return "\n".join(rows)
