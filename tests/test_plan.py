@@ -196,7 +196,7 @@ def test_smallest_search_covers_tp_and_cp():
 
     model = PRESETS["llama3-70b"]
     layout = Layout(8, seq_length=8192)
-    # 170 GiB of activations on every rank, whatever the world (FSDP does not split them):
+    # 254 GiB of activations on every rank, whatever the world (FSDP does not split them):
     # 512 nodes show it as well as the default 4,096, in a tenth of the time
     assert smallest_world(model, layout, max_nodes=512) is None
     best = smallest_layout(model, layout)

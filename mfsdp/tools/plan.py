@@ -5,12 +5,14 @@ weights, main weights, gradients, optimizer state; the gathered weights and full
 of a step at their peak; activations and the loss's bytes at its peak) and the bytes each group
 moves per step, for a model and a layout. The state terms follow the engine exactly and the peak
 buffers are the bounds the engine keeps to (both checked against measured runs in the tests);
-activations use the usual transformer estimate, and the loss's bytes (``logits``) a coefficient
-measured on a real step (``tests/test_loss_peak.py``).
+activations count what the trainer's own layer keeps for backward, op by op
+(``tests/test_layer_bytes.py``), and the loss's bytes (``logits``) a coefficient measured on a
+real step (``tests/test_loss_peak.py``). The total is the larger of the step's two candidate
+peaks (:attr:`Plan.moments`).
 
 >>> p = plan(PRESETS["llama3-8b"], Layout(world_size=8, strategy="optim_grads_params"))
 >>> round(p.params / 1e9, 2), p.dominant, round(p.total / GiB, 1)
-(8.03, 'activations', 48.8)
+(8.03, 'activations', 52.8)
 """
 
 from __future__ import annotations
@@ -449,9 +451,9 @@ def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0
     ``progress``: a stream for a ``tqdm`` bar of the node counts tried (the CLI passes stderr).
 
     >>> best = smallest_layout(PRESETS["llama3-70b"], Layout(8, seq_length=8192))
-    >>> # FSDP alone fits nowhere (activations: 170 GiB)
+    >>> # FSDP alone fits nowhere (activations: 254 GiB)
     >>> best.world_size, best.tp, best.cp
-    (24, 8, 1)
+    (32, 4, 2)
     """
     options = sorted(((tp, cp) for tp in tps for cp in cps if tp <= gpus_per_node),
                      key=lambda tc: (tc[0] * tc[1], tc[0]))
