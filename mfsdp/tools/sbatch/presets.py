@@ -269,7 +269,7 @@ PRESETS: dict[str, Preset] = {
     "llama3.1-405b": Preset("train", "Llama-3.1-405B-shaped dense model on 32 nodes x 8 GPUs: "
                             "FSDP x tensor parallelism 4 with sequence parallelism (Megatron-Bridge's "
                             "published Megatron-FSDP run uses TP 2 on 128 GB200s, which hold 186 "
-                            "GiB; on 80 GiB GPUs TP 2 needs 42 nodes), ZeRO-3 over "
+                            "GiB; on 80 GiB GPUs TP 2 needs 79 nodes), ZeRO-3 over "
                             "64 data-parallel ranks, full recompute, bf16 compute, meta-device "
                             "initialisation.", dict(
                                 _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3.1-405b", nodes=32,
