@@ -24,9 +24,10 @@ def layer_activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
       fp32 reciprocal root (4): ``12 h + 8`` for the two;
     * ``linear_qkv`` and ``linear_fc1`` keep their inputs, the norms' outputs: ``4 h``;
     * attention keeps ``linear_qkv``'s output whole (RoPE and SDPA hold views of it,
-      ``2 q + 4 kv``), RoPE's rotated queries and keys and its rotate-half copy of the queries,
-      and SDPA's output and fp32 log-sum-exp (``4 a``): ``6 q + 6 kv + 4 a`` in all; RoPE's
-      bf16 cos and sin, cast per call for ``q`` and for ``k``, add ``8 d``;
+      ``2 q + 4 kv``), then what RoPE and SDPA add, ``4 q + 2 kv`` (rotated queries and keys,
+      a rotate-half copy, the attention output; the split among them is read off the code,
+      the sum is measured) and SDPA's fp32 log-sum-exp (``4 a``): ``6 q + 6 kv + 4 a`` in
+      all; RoPE's bf16 cos and sin, cast per call for ``q`` and for ``k``, add ``8 d``;
     * the SwiGLU MLP keeps ``linear_fc1``'s output (gate and up, ``4 f``), SiLU's output
       (``2 f``) and their product, ``linear_fc2``'s input (``2 f``): ``8 f``.
 
