@@ -177,8 +177,8 @@ def lookup(tables: dict, **inputs) -> dict | str:
     memory = dict(zip(tables["memory"], state), activations=activations, logits=logits)
     common = sum(v for k, v in memory.items() if k not in ("grad_buffers", "logits"))
     total = common + max(logits, memory["grad_buffers"] + logits_grad)  # Plan.moments
-    return {**memory, "logits_grad": logits_grad, "total": total, "compute_s": compute, "step_s": step,
-            "tokens_per_gpu_s": tokens / step, "model_tflops_per_gpu": tflops / step,
+    return {**memory, "logits_grad": logits_grad, "total": total, "compute_s": compute,
+            "step_s": step, "tokens_per_gpu_s": tokens / step, "model_tflops_per_gpu": tflops / step,
             "mfu": mfu / step}
 
 
