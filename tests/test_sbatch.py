@@ -555,10 +555,12 @@ def test_list_aligns_every_name_with_its_description(capsys):
 # or 256 H100s, global batch 512 of 8,192 tokens, one sequence per micro-batch, gradients
 # reduced in bf16), and its Megatron-Bridge schedule: 1,168,251 iterations.
 _SCHEDULES = {
-    "llama3-8b": ("llama3-8b", dict(world_size=16, micro_batches=512 // 16)),
+    "llama3-8b": ("llama3-8b", dict(world_size=16, recompute_granularity="full",
+                                    recompute_method="block", recompute_num_layers=3,
+                                    micro_batches=512 // 16)),
     "llama3-70b": ("llama3-70b", dict(world_size=64, tp=4, sequence_parallel=True,
                                       recompute_granularity="full", recompute_method="block",
-                                      recompute_num_layers=8, micro_batches=512 // 16)),
+                                      recompute_num_layers=26, micro_batches=512 // 16)),
 }
 
 

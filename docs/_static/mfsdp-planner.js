@@ -4,7 +4,7 @@
  * mfsdp.tools.plan_export.export(), the numbers of `mfsdp plan` (mfsdp/tools/plan.py and
  * plan_time.py) over every input this form offers, split by what each number depends on. This
  * script looks the three rows up and combines them as mfsdp.tools.plan_export.lookup does (the
- * memory terms add up; the FSDP collectives overlap the compute, the others add to it).
+ * total is the larger of the step's two moments; the FSDP collectives overlap the compute, the others add to it).
  * tests/test_plan_calculator.py holds compute() and the memory bar (bar()) to the planner in
  * Chromium or node, and
  * tests/test_browser.py holds the page's numbers to `mfsdp plan` in Chromium. */
@@ -28,13 +28,19 @@
   function compute(tables, inputs) {
     const rows = ["state", "activations", "time"].map(t => row(tables, t, inputs));
     for (const r of rows) if (typeof r === "string") return r;
-    const [state, [activations, logits], [compute_s, exposed, tokens, tflops, mfu]] = rows;
+    const [state, [activations, logits, logitsGrad], [compute_s, exposed, tokens, tflops, mfu]] =
+      rows;
     const step = Math.max(compute_s, state[tables.memory.length]) + exposed;
     const out = {};
     tables.memory.forEach((name, i) => { out[name] = state[i]; });
     out.activations = activations;
     out.logits = logits;
-    out.total = tables.memory.reduce((sum, name) => sum + out[name], 0) + activations + logits;
+    out.logits_grad = logitsGrad;
+    /* The peak: the larger of the loss's moment (logits, no gradient buffers yet) and the
+       backward's (gradient buffers and the logits' bf16 gradient), as Plan.moments. */
+    const common = tables.memory.reduce(
+      (sum, name) => name === "grad_buffers" ? sum : sum + out[name], 0) + activations;
+    out.total = common + Math.max(logits, out.grad_buffers + logitsGrad);
     Object.assign(out, {compute_s, step_s: step, tokens_per_gpu_s: tokens / step,
                         model_tflops_per_gpu: tflops / step, mfu: mfu / step});
     return out;
@@ -64,18 +70,28 @@
                  "activations", "logits"];
 
   /* The memory bar of one result (compute()'s): one segment per memory term, in TERMS order,
-     each from where the last ends, and the device's limit, all as percentages of the bar's
+     each from where the last ends, as live at the step's peak (the loss's: no grad_buffers yet;
+     or the backward's: the logits' gradient in place of the logits), and the device's limit, all as percentages of the bar's
      scale (the larger of the total and the device, plus a twentieth for the limit's label). */
   function bar(got, deviceGib) {
     const scale = 1.05 * Math.max(got.total, deviceGib);
+    const loss = atLoss(got);
     let start = 0;
     const segments = TERMS.map(name => {
-      const width = 100 * got[name] / scale;
-      const seg = {name, gib: got[name], start, width};
+      let gib = got[name];
+      if (name === "grad_buffers" && loss) gib = 0;
+      if (name === "logits" && !loss) { name = "logits' gradient"; gib = got.logits_grad; }
+      const width = 100 * gib / scale;
+      const seg = {name, gib, start, width};
       start += width;
       return seg;
     });
     return {segments, end: start, limit: 100 * deviceGib / scale, scale};
+  }
+
+  /* Whether the step's peak is the loss's (Plan.peak_moment "loss"), not the backward's. */
+  function atLoss(got) {
+    return got.logits >= got.grad_buffers + got.logits_grad;
   }
 
   if (typeof module !== "undefined" && module.exports) {
@@ -121,12 +137,15 @@
     const rows = TERMS.map(t => `<tr><td>${t}</td><td data-out="${t}">${fixed(got[t], 2)}</td></tr>`);
     rows.push(`<tr class="mfsdp-calc-total"><td>total</td>` +
               `<td data-out="total">${fixed(got.total, 2)}</td></tr>`);
+    rows.push(`<tr><td colspan="2" data-out="peak">` + (atLoss(got) ?
+      "at the loss's peak (no grad_buffers yet)" :
+      `in backward (+ ${fixed(got.logits_grad, 2)} logits' grad, no logits)`) + `</td></tr>`);
     const fits = got.total <= 80 - 4;
-    // as mfsdp plan says: less than 5 GiB to spare is tight (the planner measured 5.5% high
-    // once, with two errors of 4 to 6 GiB it does not model)
+    // as mfsdp plan says: less than 5 GiB to spare is tight (the planner measured 0.8% high
+    // once, on one 6-layer run)
     const tight = fits && got.total > 80 - 4 - 5 ?
-      " Tight: within 5 GiB of the limit; on the one GPU run compared the plan was 5.5% " +
-      "high, with two 4 to 6 GiB errors unmodelled." : "";
+      " Tight: within 5 GiB of the limit; on the one GPU run compared the plan was 0.8% " +
+      "high, but it is one run of 6 layers." : "";
     out.innerHTML =
       `<table class="mfsdp-calc-memory"><thead><tr><th>memory term</th><th>GiB per GPU</th></tr>` +
       `</thead><tbody>${rows.join("")}</tbody></table>` +

@@ -5,19 +5,22 @@ weights, main weights, gradients, optimizer state; the gathered weights and full
 of a step at their peak; activations and the loss's bytes at its peak) and the bytes each group
 moves per step, for a model and a layout. The state terms follow the engine exactly and the peak
 buffers are the bounds the engine keeps to (both checked against measured runs in the tests);
-activations use the usual transformer estimate, and the loss's bytes (``logits``) a coefficient
-measured on a real step (``tests/test_loss_peak.py``).
+activations count what the trainer's own layer keeps for backward, op by op
+(``tests/test_layer_bytes.py``), and the loss's bytes (``logits``) a coefficient measured on a
+real step (``tests/test_loss_peak.py``). The total is the larger of the step's two candidate
+peaks (:attr:`Plan.moments`).
 
 >>> p = plan(PRESETS["llama3-8b"], Layout(world_size=8, strategy="optim_grads_params"))
 >>> round(p.params / 1e9, 2), p.dominant, round(p.total / GiB, 1)
-(8.03, 'activations', 48.8)
+(8.03, 'activations', 52.8)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mfsdp.tools.plan_terms import activations, fsdp_traffic, logits, padded_units, padding
+from mfsdp.tools.plan_terms import (activations, fsdp_traffic, logits, logits_grad, padded_units,
+                                    padding)
 from mfsdp.tools.plan_time import step_time
 
 __all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes",
@@ -268,10 +271,30 @@ class Plan:
     comm: dict[str, float] = field(default_factory=dict)
     padding: float = 0.0
     """Shard padding of the buckets, as a fraction of the parameters (counted in ``memory``)."""
+    logits_grad: float = 0.0
+    """The bf16 gradient of the logits (:func:`~mfsdp.tools.plan_terms.logits_grad`), live
+    beside the first gradient buffers of the backward; counted in :attr:`moments`."""
+
+    @property
+    def moments(self) -> dict[str, float]:
+        """Bytes per rank at the step's two candidate peaks: ``"loss"``, the start of backward
+        (every term but ``grad_buffers``: no full gradient exists yet, the loss holds its
+        ``logits`` bytes), and ``"backward"`` (every term but ``logits``, which the loss has
+        freed, plus the logits' bf16 gradient ``logits_grad``)."""
+        common = sum(v for k, v in self.memory.items() if k not in ("grad_buffers", "logits"))
+        return {"loss": common + self.memory.get("logits", 0.0),
+                "backward": common + self.memory.get("grad_buffers", 0.0) + self.logits_grad}
+
+    @property
+    def peak_moment(self) -> str:
+        """``"loss"`` or ``"backward"``: the moment of :attr:`moments` that is the peak."""
+        m = self.moments
+        return "loss" if m["loss"] >= m["backward"] else "backward"
 
     @property
     def total(self) -> float:
-        return sum(self.memory.values())
+        """The step's peak bytes per rank: the larger of the two :attr:`moments`."""
+        return max(self.moments.values())
 
     @property
     def dominant(self) -> str:
@@ -282,12 +305,20 @@ class Plan:
         return self.total <= (device_gib - reserve_gib) * GiB
 
     def table(self) -> str:
-        """Memory terms in GiB per rank, then the GiB each rank sends per optimizer step and
-        group (a step: every micro-batch of the global batch, see :class:`Layout`)."""
+        """Memory terms in GiB per rank, the total (the larger of the two :attr:`moments`, with
+        a line saying which and what the other is), then the GiB each rank sends per optimizer
+        step and group (a step: every micro-batch of the global batch, see :class:`Layout`)."""
         rows = [f"{'term':<14} {'GiB per rank':>12}"]
         for k, v in self.memory.items():
             rows.append(f"{k:<14} {v / GiB:12.2f}")
         rows.append(f"{'total':<14} {self.total / GiB:12.2f}")
+        m, grad = self.moments, self.logits_grad / GiB
+        if self.peak_moment == "loss":
+            rows.append(f"  at the loss's peak (no grad_buffers yet); in backward "
+                        f"{m['backward'] / GiB:.2f} ({grad:.2f} logits' grad)")
+        else:
+            rows.append(f"  in backward (+ {grad:.2f} logits' grad, no logits); at the loss's "
+                        f"peak {m['loss'] / GiB:.2f}")
         for k, v in self.comm.items():
             rows.append(f"{'sent ' + k:<14} {v / GiB:12.2f}  (GiB per optimizer step per rank)")
         return "\n".join(rows)
@@ -367,7 +398,8 @@ def plan(model: ModelConfig, layout: Layout) -> Plan:
         comm["ep"] = 4 * m * moe_layers * tokens * model.topk * model.hidden * layout.compute_bytes \
             * (layout.ep - 1) / layout.ep
     return Plan(dense + expert, dense, expert, memory, comm,
-                padding=(pad_dense * dense + pad_expert * expert) / (dense + expert))
+                padding=(pad_dense * dense + pad_expert * expert) / (dense + expert),
+                logits_grad=logits_grad(model, layout))
 
 
 def estimate(model: ModelConfig, layout: Layout, gpu="h100", **overrides):
@@ -419,9 +451,9 @@ def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0
     ``progress``: a stream for a ``tqdm`` bar of the node counts tried (the CLI passes stderr).
 
     >>> best = smallest_layout(PRESETS["llama3-70b"], Layout(8, seq_length=8192))
-    >>> # FSDP alone fits nowhere (activations: 170 GiB)
+    >>> # FSDP alone fits nowhere (activations: 254 GiB)
     >>> best.world_size, best.tp, best.cp
-    (24, 8, 1)
+    (32, 4, 2)
     """
     options = sorted(((tp, cp) for tp in tps for cp in cps if tp <= gpus_per_node),
                      key=lambda tc: (tc[0] * tc[1], tc[0]))

@@ -14,13 +14,15 @@ depends on:
   buffers at their peak, and the
   seconds the FSDP collectives (``dp_shard``, ``dp_outer``) take, per (world size, strategy,
   outer size, outer strategy, TP, CP, EP): none of them depends on the batch or the sequence;
-* ``activations``: the layers' activations and the loss's logits, per (TP, CP, SP,
-  micro-batch, sequence length, recompute);
+* ``activations``: the layers' activations, the loss's logits and the logits' gradient, per
+  (TP, CP, SP, micro-batch, sequence length, recompute);
 * ``time``: the compute seconds, the seconds of the collectives between layers (TP, CP, EP), and
   the tokens and model FLOPs per rank and step, per (TP, CP, EP, micro-batch, sequence length,
   recompute): per rank, none of them depends on the world size or the sharding.
 
-The page adds the memory terms and combines the times as :func:`~mfsdp.tools.plan_time.step_time`
+The page takes the larger of the step's two moments (:attr:`mfsdp.tools.plan.Plan.moments`:
+the loss's peak, with ``logits``, and the backward, with ``grad_buffers`` and the logits'
+gradient) as the total and combines the times as :func:`~mfsdp.tools.plan_time.step_time`
 does (the FSDP collectives overlap the compute, the others add to it); :func:`lookup` is that
 combination in Python. :func:`check` compares it with direct calls of the planner on random
 layouts, and :func:`export` runs it: a change to the planner that breaks the split stops the docs
@@ -32,7 +34,7 @@ build instead of showing wrong numbers.
 ...              dp_outer=1, outer_strategy="no_shard", tp=1, cp=1, ep=1,
 ...              sequence_parallel=False, micro_batch=1, seq_length=4096, recompute="none")
 >>> round(got["total"], 2), round(got["step_s"], 2)   # mfsdp plan llama3-8b --world-size 64
-(34.1, 0.5)
+(38.1, 0.5)
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def _row(preset: str, table: str, inputs: dict) -> list[float] | str:
         return str(exc)
     p = plan(model, layout)
     if table == "activations":
-        return [p.memory["activations"] / GiB, p.memory["logits"] / GiB]
+        return [p.memory["activations"] / GiB, p.memory["logits"] / GiB, p.logits_grad / GiB]
     t = step_time(model, layout, p.comm, GPU)
     if table == "state":
         return [p.memory[m] / GiB for m in MEMORY] + [
@@ -170,11 +172,13 @@ def lookup(tables: dict, **inputs) -> dict | str:
     for row in rows:
         if isinstance(row, str):
             return row
-    state, (activations, logits), (compute, exposed, tokens, tflops, mfu) = rows
+    state, (activations, logits, logits_grad), (compute, exposed, tokens, tflops, mfu) = rows
     step = max(compute, state[len(tables["memory"])]) + exposed
     memory = dict(zip(tables["memory"], state), activations=activations, logits=logits)
-    return {**memory, "total": sum(memory.values()), "compute_s": compute, "step_s": step,
-            "tokens_per_gpu_s": tokens / step, "model_tflops_per_gpu": tflops / step,
+    common = sum(v for k, v in memory.items() if k not in ("grad_buffers", "logits"))
+    total = common + max(logits, memory["grad_buffers"] + logits_grad)  # Plan.moments
+    return {**memory, "logits_grad": logits_grad, "total": total, "compute_s": compute,
+            "step_s": step, "tokens_per_gpu_s": tokens / step, "model_tflops_per_gpu": tflops / step,
             "mfu": mfu / step}
 
 
@@ -194,7 +198,8 @@ def direct(preset: str, world_size: int, strategy: str, dp_outer: int, outer_str
     p = plan(model, layout)
     t = step_time(model, layout, p.comm, GPU)
     memory = {m: p.memory[m] / GiB for m in (*MEMORY, "activations", "logits")}
-    return {**memory, "total": p.total / GiB, "compute_s": t.compute_s, "step_s": t.step_s,
+    return {**memory, "logits_grad": p.logits_grad / GiB, "total": p.total / GiB,
+            "compute_s": t.compute_s, "step_s": t.step_s,
             "tokens_per_gpu_s": t.tokens_per_gpu_s,
             "model_tflops_per_gpu": t.model_tflops_per_gpu, "mfu": t.mfu}
 

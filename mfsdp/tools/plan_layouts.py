@@ -4,9 +4,10 @@ The guide's "Which layout for my model" page prints its table from here. For a p
 sequence length and a device size, :func:`choose` runs the search of ``mfsdp plan --smallest``
 (:func:`mfsdp.tools.plan.smallest_layout`: whole 8-GPU nodes, TP with sequence parallelism and CP
 searched) once without recomputation and once with full recomputation, and for an MoE preset at
-each expert-parallel size of ``EPS``. Of the layouts on the fewest GPUs it keeps the one with the
-shortest predicted step (:func:`mfsdp.tools.plan.estimate`). Every layout is ZeRO-3
-(``optim_grads_params``), one micro-batch of one sequence per data-parallel rank.
+each expert-parallel size of ``EPS``. Of every TP, CP, EP and recompute choice that fits on the
+fewest GPUs it keeps the one with the shortest predicted step
+(:func:`mfsdp.tools.plan.estimate`). Every layout is ZeRO-3 (``optim_grads_params``), one
+micro-batch of one sequence per data-parallel rank.
 
 >>> c = choose("llama3-70b", 8192, 80)
 >>> c.layout.world_size >= 16 and c.layout.tp > 1, c.fits
@@ -121,8 +122,25 @@ def choose(preset: str, seq_length: int, device_gib: float = 80.0, gpu: str = "h
                 nodes = found.world_size // 8
     if best is None:
         return None
-    layout = best[1]
-    return Choice(preset, layout, device_gib, plan(model, layout).total, -best[0][1], gpu)
+    layout, speed = best[1], -best[0][1]
+    # the search returns the least TP x CP that fits on each world: every other choice on the
+    # fewest nodes may still run faster
+    for recompute in ("full", None):
+        for ep in eps:
+            for tp in (1, 2, 4, 8):
+                for cp in (1, 2, 4, 8):
+                    try:
+                        other = Layout(layout.world_size, ep=ep, tp=tp, cp=cp,
+                                       sequence_parallel=tp > 1, seq_length=seq_length,
+                                       recompute_granularity=recompute)
+                    except ValueError:
+                        continue
+                    if not plan(model, other).fits(device_gib - spare_gib):
+                        continue
+                    rate = estimate(model, other, gpu).tokens_per_gpu_s
+                    if rate > speed:
+                        layout, speed = other, rate
+    return Choice(preset, layout, device_gib, plan(model, layout).total, speed, gpu)
 
 
 ROWS = (("llama3-8b", 8192), ("llama3-70b", 8192), ("llama3.1-405b", 8192),

@@ -6,25 +6,69 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["padding", "padded_units", "fsdp_traffic", "activations", "logits"]
+__all__ = ["padding", "padded_units", "fsdp_traffic", "layer_activations", "activations",
+           "logits", "logits_grad"]
 
 
-def activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821 (plan imports this module)
+def layer_activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
+                      layout: mfsdp.tools.plan.Layout) -> float:  # noqa: F821
+    """Bytes one of the trainer's Llama layers (:class:`~mfsdp.models.gpt.TransformerLayer`:
+    RMSNorm, RoPE, grouped-query attention through SDPA's flash kernel, SwiGLU, no biases, no
+    dropout) keeps for backward in bf16, for one rank's ``s = seq_length / cp`` tokens of a
+    micro-batch of ``b`` sequences, measured op by op (:mod:`mfsdp.testing.layer_bytes`).
+
+    Per token, with ``q = heads x head_dim``, ``kv = kv_heads x head_dim``, ``d = head_dim``,
+    ``a = heads`` and ``f = ffn_hidden``:
+
+    * each RMSNorm keeps its fp32 input (``4 h``), its bf16 normalised output (``2 h``) and the
+      fp32 reciprocal root (4): ``12 h + 8`` for the two;
+    * ``linear_qkv`` and ``linear_fc1`` keep their inputs, the norms' outputs: ``4 h``;
+    * attention keeps ``linear_qkv``'s output whole (RoPE and SDPA hold views of it,
+      ``2 q + 4 kv``), then what RoPE and SDPA add, ``4 q + 2 kv`` (rotated queries and keys,
+      a rotate-half copy, the attention output; the split among them is read off the code,
+      the sum is measured) and SDPA's fp32 log-sum-exp (``4 a``): ``6 q + 6 kv + 4 a`` in
+      all; RoPE's bf16 cos and sin, cast per call for ``q`` and for ``k``, add ``8 d``;
+    * the SwiGLU MLP keeps ``linear_fc1``'s output (gate and up, ``4 f``), SiLU's output
+      (``2 f``) and their product, ``linear_fc2``'s input (``2 f``): ``8 f``.
+
+    That is ``s b (16 h + 6 q + 6 kv + 8 f + 4 a + 8 d + 8)``: 51.8 bytes per token and
+    channel for Llama 3 8B, where Korthikanti et al. (2022) count 34 for a GPT layer. Under
+    TP the widths ``q``, ``kv``, ``f`` and heads are split over the ``t`` ranks; the ``h``
+    terms too with sequence parallelism, else every rank keeps them whole; the ``d`` term
+    stays whole. No term grows with ``s^2`` (flash attention).
+    """
+    s, b, h, t = layout.seq_length // layout.cp, layout.micro_batch, model.hidden, layout.tp
+    d = model.head_dim or h // model.num_heads
+    q, kv = model.num_heads * d, (model.num_kv_heads or model.num_heads) * d
+    whole = 16 * h + 8
+    split = 6 * q + 6 * kv + 8 * model.ffn_hidden + 4 * model.num_heads
+    return s * b * ((whole / t if layout.sequence_parallel else whole) + split / t + 8 * d)
+
+
+def activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
                 layout: mfsdp.tools.plan.Layout) -> float:  # noqa: F821
-    """Activation bytes of one micro-batch in bf16 (Korthikanti et al., 2022), an estimate.
+    """Activation bytes of one micro-batch in bf16, for all of the model's layers.
 
-    Per layer ``s b h (34 + 5 a s / h)`` bytes without recomputation (the second term vanishes
-    with flash attention or selective recomputation). Full recomputation keeps ``2 s b h`` per
-    recomputed chunk's input plus one chunk's activations while it is recomputed (uniform), or
-    ``2 s b h`` for each of the first ``recompute_num_layers`` layers (block).
+    Grouped-query (Llama) layers: :func:`layer_activations`, measured on the trainer's layer.
+    Multi-head latent attention (DeepSeek) layers keep Korthikanti et al.'s (2022) GPT
+    estimate, per layer ``s b h (34 + 5 a s / h)`` bytes (the second term vanishes with flash
+    attention or selective recomputation), and their routed experts add ``topk - 1`` more copies
+    of a SwiGLU MLP's ``3 f`` bf16 activations per token. Full recomputation keeps ``2 s b h``
+    per recomputed chunk's input plus one chunk's activations while it is recomputed (uniform),
+    or ``2 s b h`` for each of the first ``recompute_num_layers`` layers (block).
     """
     s, b, h, a = layout.seq_length // layout.cp, layout.micro_batch, model.hidden, model.num_heads
     t = layout.tp
     granularity = layout.recompute_granularity or ("full" if layout.recompute else None)
-    scores = 0 if layout.flash_attention or granularity == "selective" else 5 * a * s / (h * t)
-    # Korthikanti et al.: 10 of the 34 bytes per token and channel (norm inputs, dropout masks)
-    # stay whole on every TP rank unless sequence parallelism splits them too.
-    per_layer = s * b * h * ((34 / t if layout.sequence_parallel else 10 + 24 / t) + scores)
+    if model.mla:
+        scores = 0 if layout.flash_attention or granularity == "selective" else 5 * a * s / (h * t)
+        # Korthikanti et al.: 10 of the 34 bytes per token and channel (norm inputs, dropout
+        # masks) stay whole on every TP rank unless sequence parallelism splits them too.
+        per_layer = s * b * h * ((34 / t if layout.sequence_parallel else 10 + 24 / t) + scores)
+    else:
+        per_layer = layer_activations(model, layout)
+        if not (layout.flash_attention or granularity == "selective"):
+            per_layer += s * b * 5 * a * s / t  # scores, softmax and its dropout mask kept
     if model.num_experts:  # routed tokens: topk copies of the MLP activations
         per_layer += s * b * (model.topk - 1) * 3 * model.moe_ffn_hidden * 2
     if layout.sequence_parallel:  # the checkpointed layer inputs are sequence shards too
@@ -63,6 +107,15 @@ def logits(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
     s = layout.seq_length // layout.cp
     per_logit = LOSS_BYTES["vocab_parallel" if layout.tp > 1 else "whole"]
     return per_logit * s * layout.micro_batch * model.vocab / layout.tp
+
+
+def logits_grad(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
+                layout: mfsdp.tools.plan.Layout) -> float:  # noqa: F821
+    """The bf16 gradient of the logits, ``2 s b v / t`` bytes, that the output layer's backward
+    reads once the loss has freed the rest of its bytes: live beside the first full gradient
+    buffers of the backward (:attr:`mfsdp.tools.plan.Plan.moments`)."""
+    s = layout.seq_length // layout.cp
+    return 2 * s * layout.micro_batch * model.vocab / layout.tp
 
 
 def padding(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
