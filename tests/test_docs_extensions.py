@@ -112,7 +112,7 @@ def test_the_layout_table_shows_what_the_search_chose():
             "GiB/GPU": f"{c.total / GiB:.1f}",
             "spare": f"{(GPUS[gpu][0] - 4 - c.total / GiB):.1f}",
             "why": why(name, seq, gpu)}
-    assert cells[0][-1].startswith("CP 1 leaves")  # the 8B H100 row: CP 2 because CP 1 is tight
+    assert cells[0][-1].startswith("CP 1 ")  # the 8B H100 row: why CP 2 (what CP 1 needs)
     [table] = rst_nodes(layout_table.rst_table(cells))
     assert isinstance(table, nodes.table) and "mfsdp-layout-table" in table["classes"]
     body = [[entry.astext() for entry in row.findall(nodes.entry)]
