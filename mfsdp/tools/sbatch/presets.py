@@ -235,16 +235,15 @@ PRESETS: dict[str, Preset] = {
         recipe="llama3_8b_pretrain_config"),
     "deepseek-v3": Preset("train", "DeepSeek-V3-style MoE (256 routed experts, top-8, "
                           "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 32 over 4 "
-                          "nodes (8 experts per GPU), context parallelism 2, ZeRO-3 over all "
-                          "256 ranks (without CP the plan leaves under 5 GiB of 80 spare; HFSDP "
-                          "over 2 outer groups does not fit), flex dispatcher with DeepEP.", dict(
+                          "nodes (8 experts per GPU), ZeRO-3 over all 256 ranks, flex "
+                          "dispatcher with DeepEP.", dict(
                               # compile off: the routed experts' token counts change every
                               # step, and each new count would compile the MoE layers again;
                               # fp32 gradient reduction: its shard groups have 256 ranks
                               _TRAIN, **dict(_GPU_NODES, compile=False, grad_reduce_in_bf16=False),
                               job_name="mfsdp-deepseek-v3", nodes=32,
                               time="24:00:00", model_args=_DEEPSEEK_V3,
-                              ep=32, cp=2, num_experts=256,
+                              ep=32, num_experts=256,
                               dispatcher="flex", flex_backend="deepep", micro_batch_size=1,
                               seq_length=4096, **_BRIDGE_DEEPSEEK_V3,
                               bf16=True, meta_init=True, all_gather_group=True,
