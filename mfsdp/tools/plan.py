@@ -272,7 +272,7 @@ class Plan:
     padding: float = 0.0
     """Shard padding of the buckets, as a fraction of the parameters (counted in ``memory``)."""
     logits_grad: float = 0.0
-    """The bf16 gradient of the logits (:func:`~mfsdp.tools.plan_terms.logits_grad`), live
+    """The bf16 gradient of the logits (``plan_terms.logits_grad``), live
     beside the first gradient buffers of the backward; counted in :attr:`moments`."""
 
     @property
