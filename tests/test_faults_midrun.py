@@ -178,7 +178,8 @@ def test_plan_searches_show_a_progress_bar():
     layout = Layout(8, seq_length=8192)
     buf = io.StringIO()
     best = smallest_layout(PRESETS["llama3-70b"], layout, progress=buf)
-    assert (best.world_size, best.tp, best.cp) == (24, 8, 1)
+    assert best == smallest_layout(PRESETS["llama3-70b"], layout)  # the bar changes nothing
+    assert best.tp * best.cp > 1  # 70B at 8K tokens needs TP or CP (docs/layouts.md)
     assert "smallest layout with TP/CP" in buf.getvalue() and "/4096" in buf.getvalue()
     buf = io.StringIO()
     assert smallest_world(PRESETS["llama3-8b"], layout, progress=buf) == \

@@ -94,6 +94,7 @@ def test_a_user_error_is_one_line_printed_once(flags, message, tmp_path):
         assert "Traceback" in proc.stdout + proc.stderr
 
 
+@pytest.mark.extended  # 17 s: make test's 25-minute budget
 def test_a_second_job_cannot_save_into_a_locked_directory(tmp_path):
     """Job A holds --save's lock while it runs; job B with the same --save stops at once naming
     A's pid, and A's checkpoints are untouched. A's SIGTERM (--exit-signal-handler) saves,

@@ -519,6 +519,7 @@ def test_nan_stops_every_rank_before_the_step_and_nothing_non_finite_is_saved(tm
     assert [r["iteration"] for r in _jsonl(log)] == [1, 2, 3]
 
 
+@pytest.mark.extended  # 20 s: make test's 25-minute budget
 def test_load_of_what_is_not_a_checkpoint_is_refused_and_nothing_is_overwritten(tmp_path):
     """--load starts from iteration 0 only where the directory is new or empty; a file, a Hugging
     Face directory, iteration directories without latest, or anything else is refused with one

@@ -10,7 +10,7 @@ the planner's peak per GPU for the same layout (:func:`mfsdp.tools.plan.plan`).
 >>> from mfsdp.tools.sbatch import resolve
 >>> s = schedule(resolve("llama3-8b")[1])
 >>> f"{s.tokens / 1e12:.2f}T tokens, {s.step_s:.2f} s a step, {s.seconds / 86400:.0f} days"
-'4.90T tokens, 34.11 s a step, 461 days'
+'4.90T tokens, 35.17 s a step, 476 days'
 >>> schedule(resolve("cpu-smoke")[1]) is None  # (a CPU job: the planner models GPUs)
 True
 """
