@@ -166,6 +166,7 @@ def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
     assert (save / latest / "manifest.json").exists()  # what it names was written whole
 
 
+@pytest.mark.extended  # 17 s: make test's 25-minute budget
 def test_a_stalled_rank_is_named_before_the_timeout(tmp_path):
     """Rank 1 stopped with SIGSTOP: within --distributed-timeout-minutes (0.25 here) one line
     says rank 1 is behind and where rank 0 waits; the job then ends with an error, not a hang.

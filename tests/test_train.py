@@ -322,6 +322,7 @@ def test_save_then_load_continues_the_run(fmt, base, tmp_path):
     assert manifest["format"] == fmt
 
 
+@pytest.mark.extended  # 13 s: make test's 25-minute budget
 def test_a_resumed_schedule_follows_megatron_lm_rules(tmp_path):
     """As Megatron-LM's OptimizerParamScheduler: a resumed run whose schedule differs from the
     checkpoint's stops with the value named, unless told which one wins; SGD so that the learning

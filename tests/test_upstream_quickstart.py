@@ -13,6 +13,7 @@ SCRIPT = Path(__file__).parent / "upstream" / "quickstart.py"
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 30 s: make test's 25-minute budget
 def test_readme_quick_start_trains_saves_and_loads(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
