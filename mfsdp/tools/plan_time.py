@@ -6,8 +6,8 @@ A first-order model, stated in full so that a reader can check each term:
   lookup excluded, plus causal attention's ``3 s n_heads (d_qk + d_v)`` per token and layer;
   full recomputation adds the forward again) at ``efficiency`` x the GPU's dense peak. The
   efficiency is the one empirical constant, the fraction of the peak a whole step's kernels
-  reach (0.4 by default: the published Llama runs ``docs/planner.md`` compares with reach 0.30
-  to 0.37 of their precision's peak, and large dense models up to about 0.5).
+  reach (0.4 by default: the published Llama runs ``docs/planner-accuracy.md`` compares with
+  reach 0.30 to 0.37 of their precision's peak, and large dense models up to about 0.5).
 * **communication**: the bytes :func:`mfsdp.tools.plan.plan` counts per group (passed in: this module
   does not import the planner, which imports it), over the links the
   group spans. Inside one NVLink domain (a node of 8 H100s, a rack of 72 GB200s) a collective
@@ -20,8 +20,8 @@ A first-order model, stated in full so that a reader can check each term:
   mfsdp's prefetch and bucketed reductions make them: the step takes the longer of the two. TP,
   CP and EP collectives sit on the critical path between layers and add to it.
 
-Nothing here is measured; ``docs/planner.md`` sets the predictions next to published runs and
-says how far off they are and why.
+Nothing here is measured; ``docs/planner-accuracy.md`` sets the predictions next to published
+runs and says how far off they are and why.
 """
 
 from __future__ import annotations
