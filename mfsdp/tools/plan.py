@@ -15,8 +15,8 @@ peaks (:attr:`Plan.moments`).
 >>> p = plan(PRESETS["llama3-8b"], Layout(world_size=8, strategy="optim_grads_params"))
 >>> round(p.params / 1e9, 2), p.dominant, round(p.total / GiB, 1)
 (8.03, 'activations', 52.8)
->>> te = Layout(world_size=8, transformer_impl="transformer_engine")
->>> round(plan(PRESETS["llama3-8b"], te).total / GiB, 1)
+>>> engine = Layout(world_size=8, transformer_impl="transformer_engine")
+>>> round(plan(PRESETS["llama3-8b"], engine).total / GiB, 1)
 43.0
 """
 
@@ -215,7 +215,7 @@ class Layout:
     cp: int = 1  # context-parallel size: each rank holds seq_length / cp tokens of a sequence
     sequence_parallel: bool = False  # norms and dropout on sequence shards (needs tp > 1)
     # The layer and loss the activation terms model (Megatron-LM's --transformer-impl): "local",
-    # mfsdp train's (measured), or "transformer_engine", Megatron-LM's TE layer (its estimate).
+    # mfsdp train's (measured), or "transformer_engine", Megatron-LM's Transformer Engine layer.
     transformer_impl: str = "local"
 
     def __post_init__(self) -> None:
