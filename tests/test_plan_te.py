@@ -219,3 +219,6 @@ def test_smallest_keeps_the_layouts_margin(capsys):
     assert answers[0.0] < answers[TIGHT_GIB], answers
     with pytest.raises(SystemExit, match="--margin belongs to the --smallest search"):
         main(["llama3-8b", "--margin", "2"])
+    with pytest.raises(SystemExit, match="--margin 76 leaves nothing of --device-gib 80 - 4"):
+        main(["llama3-8b", "--smallest", "--margin", "76"])
+    assert capsys.readouterr().out == ""  # refused before any plan is printed

@@ -121,6 +121,12 @@ def run(args: argparse.Namespace) -> int:
     if (args.json or args.fsdp_double_buffer or args.dry_run_ranks) and not args.dry_run:
         raise SystemExit("mfsdp plan: --json, --dry-run-ranks and --fsdp-double-buffer belong "
                          "to the dry run; add --dry-run")
+    if args.margin is not None and not args.smallest:
+        raise SystemExit("mfsdp plan: --margin belongs to the --smallest search; add --smallest")
+    margin = TIGHT_GIB if args.margin is None else args.margin
+    if args.smallest and margin >= args.device_gib - 4:
+        raise SystemExit(f"mfsdp plan: --margin {margin:g} leaves nothing of --device-gib "
+                         f"{args.device_gib:g} - 4; give a smaller --margin")
     bad = [r for r in args.dry_run_ranks or () if not 0 <= r < args.world_size]
     if bad:
         raise SystemExit(f"mfsdp plan: --dry-run-ranks {bad[0]} is not a rank of --world-size "
@@ -140,13 +146,7 @@ def run(args: argparse.Namespace) -> int:
              "nvlink_gbps": args.nvlink_gbps, "network_gbps": args.network_gbps}
     print(step_time(model, layout, p.comm, args.gpu,
                     **{k: v for k, v in given.items() if v is not None}).summary())
-    if args.margin is not None and not args.smallest:
-        raise SystemExit("mfsdp plan: --margin belongs to the --smallest search; add --smallest")
     if args.smallest:
-        margin = TIGHT_GIB if args.margin is None else args.margin
-        if margin >= args.device_gib - 4:
-            raise SystemExit(f"mfsdp plan: --margin {margin:g} leaves nothing of --device-gib "
-                             f"{args.device_gib:g} - 4; give a smaller --margin")
         usable, spare = args.device_gib - margin, f"with {margin:g} GiB spare"
         world = smallest_world(model, layout, usable, progress=_bar_stream())
         print(f"smallest world that fits {spare}: "

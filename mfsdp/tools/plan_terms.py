@@ -7,8 +7,7 @@ from __future__ import annotations
 import math
 
 __all__ = ["padding", "padded_units", "fsdp_traffic", "layer_activations", "te_layer_activations",
-           "te_outside_layers",
-           "activations", "logits", "logits_grad", "TRANSFORMER_IMPLS"]
+           "te_outside_layers", "activations", "logits", "logits_grad", "TRANSFORMER_IMPLS"]
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 """The layers the activation and loss terms model, by Megatron-LM's ``--transformer-impl``
@@ -100,9 +99,10 @@ def activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
     et al.'s (2022) GPT estimate under either, per layer ``s b h (34 + 5 a s / h)`` bytes (the
     second term vanishes with flash attention or selective recomputation): Megatron-LM's
     estimate models neither latent attention nor top-k routing. Routed experts add ``topk - 1``
-    more copies of a SwiGLU MLP's ``3 f`` bf16 activations per token. Full recomputation keeps ``2 s b h``
-    per recomputed chunk's input plus one chunk's activations while it is recomputed (uniform),
-    or ``2 s b h`` for each of the first ``recompute_num_layers`` layers (block).
+    more copies of a SwiGLU MLP's ``3 f`` bf16 activations per token. Full recomputation keeps
+    ``2 s b h`` per recomputed chunk's input plus one chunk's activations while it is
+    recomputed (uniform), or ``2 s b h`` for each of the first ``recompute_num_layers`` layers
+    (block).
     """
     s, b, h, a = layout.seq_length // layout.cp, layout.micro_batch, model.hidden, model.num_heads
     t = layout.tp
@@ -122,7 +122,8 @@ def activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
     if layout.sequence_parallel:  # the checkpointed layer inputs are sequence shards too
         s = s // t
     L = model.num_layers
-    outside = te_outside_layers(model, layout) if layout.transformer_impl != "local" else 0.0
+    engine = layout.transformer_impl == "transformer_engine"
+    outside = te_outside_layers(model, layout) if engine else 0.0
     if granularity != "full":
         return L * per_layer + outside
     n = min(layout.recompute_num_layers, L)
@@ -160,7 +161,8 @@ def logits(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
     keeps for backward, where it writes the gradient in place. Not counted, as upstream does
     not: the bf16 logits beside their float32 copy while the loss's forward runs (2 more
     bytes per logit, for that moment), and the bf16 cast of the gradient at the end of its
-    backward (:func:`logits_grad`)."""
+    backward (:func:`logits_grad`). Transformer Engine's own cross-entropy (the other
+    ``--cross-entropy-fusion-impl``) keeps only the bf16 logits, 2 bytes per logit."""
     s = layout.seq_length // layout.cp
     if layout.transformer_impl == "transformer_engine":
         return 4 * s * layout.micro_batch * model.vocab / layout.tp
