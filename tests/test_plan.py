@@ -328,7 +328,7 @@ def test_smallest_search_draws_no_progress_bar_into_a_pipe():
                           "--world-size", "8", "--seq-length", "8192", "--smallest"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "smallest with TP/CP searched: 32 (TP 4 + SP, CP 2)" in run.stdout
+    assert "smallest with TP/CP searched with 5 GiB spare: 32 (TP 2 + SP, CP 8;" in run.stdout
     assert "\r" not in run.stderr and "node counts" not in run.stderr, run.stderr
 
 

@@ -7,20 +7,25 @@ moves per step, for a model and a layout. The state terms follow the engine exac
 buffers are the bounds the engine keeps to (both checked against measured runs in the tests);
 activations count what the trainer's own layer keeps for backward, op by op
 (``tests/test_layer_bytes.py``), and the loss's bytes (``logits``) a coefficient measured on a
-real step (``tests/test_loss_peak.py``). The total is the larger of the step's two candidate
+real step (``tests/test_loss_peak.py``). For a Megatron-LM job with Transformer Engine layers
+(``Layout(transformer_impl="transformer_engine")``) both follow Megatron-LM's own estimate
+instead (``mfsdp.tools.plan_terms``). The total is the larger of the step's two candidate
 peaks (:attr:`Plan.moments`).
 
 >>> p = plan(PRESETS["llama3-8b"], Layout(world_size=8, strategy="optim_grads_params"))
 >>> round(p.params / 1e9, 2), p.dominant, round(p.total / GiB, 1)
 (8.03, 'activations', 52.8)
+>>> engine = Layout(world_size=8, transformer_impl="transformer_engine")
+>>> round(plan(PRESETS["llama3-8b"], engine).total / GiB, 1)
+43.0
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mfsdp.tools.plan_terms import (activations, fsdp_traffic, logits, logits_grad, padded_units,
-                                    padding)
+from mfsdp.tools.plan_terms import (TRANSFORMER_IMPLS, activations, fsdp_traffic, logits,
+                                    logits_grad, padded_units, padding)
 from mfsdp.tools.plan_time import step_time
 
 __all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes",
@@ -209,6 +214,9 @@ class Layout:
     tp: int = 1  # tensor-parallel size (Megatron-LM's split, see ModelConfig.tp_replicated_params)
     cp: int = 1  # context-parallel size: each rank holds seq_length / cp tokens of a sequence
     sequence_parallel: bool = False  # norms and dropout on sequence shards (needs tp > 1)
+    # The layer and loss the activation terms model (Megatron-LM's --transformer-impl): "local",
+    # mfsdp train's (measured), or "transformer_engine", Megatron-LM's Transformer Engine layer.
+    transformer_impl: str = "local"
 
     def __post_init__(self) -> None:
         from mfsdp.config import ShardingStrategy
@@ -224,6 +232,9 @@ class Layout:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 0")
         if self.max_inflight_reduce < 1:
             raise ValueError(f"max_inflight_reduce={self.max_inflight_reduce} must be at least 1")
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"transformer_impl={self.transformer_impl!r} is not one of "
+                             f"{TRANSFORMER_IMPLS} (mfsdp plan --transformer-impl); pick one")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True needs tp > 1 (it splits the TP region's "
                              "norms and dropout over the TP ranks)")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mfsdp.argtypes import fraction, positive_float, positive_int
-from mfsdp.tools.plan import PRESETS, Layout, plan, smallest_layout, smallest_world
+from mfsdp.argtypes import fraction, non_negative_float, positive_float, positive_int
+from mfsdp.tools.plan import PRESETS, GiB, Layout, plan, smallest_layout, smallest_world
+from mfsdp.tools.plan_terms import TRANSFORMER_IMPLS
 from mfsdp.tools.plan_time import step_time
 
 __all__ = ["build_parser", "run", "describe", "main"]
@@ -50,6 +51,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--recompute-num-layers", type=positive_int, default=1)
     parser.add_argument("--recompute", action="store_true",
                         help="shorthand for --recompute-granularity full (uniform, 1 layer)")
+    parser.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
+                        help="the layer and loss the activations are counted for (Megatron-LM's "
+                             "flag): local, mfsdp train's (measured); transformer_engine, "
+                             "Megatron-LM's Transformer Engine layer (Megatron-LM's estimate)")
     parser.add_argument("--device-gib", type=positive_float, default=80.0)
     gpu = parser.add_argument_group("time estimate (mfsdp/tools/plan_time.py)")
     gpu.add_argument("--gpu", choices=("h100", "gb200", "gb300"), default="h100",
@@ -83,7 +88,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                           "report its two slots")
     parser.add_argument("--smallest", action="store_true",
                         help="also find the smallest number of devices (whole 8-GPU nodes) that "
-                             "fits: with this layout's TP/CP, and searching TP (with SP) and CP")
+                             "fits with --margin to spare: with this layout's TP/CP, and "
+                             "searching TP (with SP) and CP")
+    parser.add_argument("--margin", metavar="GIB", type=non_negative_float,
+                        help="with --smallest: GiB a plan must leave spare, beyond the 4 kept for "
+                             "the CUDA context (default 5, the margin under which a plan is "
+                             "called tight)")
     return parser
 
 
@@ -106,10 +116,17 @@ def run(args: argparse.Namespace) -> int:
                     recompute_method=args.recompute_method,
                     recompute_num_layers=args.recompute_num_layers, tp=args.tp, cp=args.cp,
                     sequence_parallel=args.sequence_parallel,
-                    grad_comm_bytes=2 if args.grad_reduce_in_bf16 else None)
+                    grad_comm_bytes=2 if args.grad_reduce_in_bf16 else None,
+                    transformer_impl=args.transformer_impl)
     if (args.json or args.fsdp_double_buffer or args.dry_run_ranks) and not args.dry_run:
         raise SystemExit("mfsdp plan: --json, --dry-run-ranks and --fsdp-double-buffer belong "
                          "to the dry run; add --dry-run")
+    if args.margin is not None and not args.smallest:
+        raise SystemExit("mfsdp plan: --margin belongs to the --smallest search; add --smallest")
+    margin = TIGHT_GIB if args.margin is None else args.margin
+    if args.smallest and margin >= args.device_gib - 4:
+        raise SystemExit(f"mfsdp plan: --margin {margin:g} leaves nothing of --device-gib "
+                         f"{args.device_gib:g} - 4; give a smaller --margin")
     bad = [r for r in args.dry_run_ranks or () if not 0 <= r < args.world_size]
     if bad:
         raise SystemExit(f"mfsdp plan: --dry-run-ranks {bad[0]} is not a rank of --world-size "
@@ -130,12 +147,15 @@ def run(args: argparse.Namespace) -> int:
     print(step_time(model, layout, p.comm, args.gpu,
                     **{k: v for k, v in given.items() if v is not None}).summary())
     if args.smallest:
-        world = smallest_world(model, layout, args.device_gib, progress=_bar_stream())
-        print(f"smallest world that fits: {world if world else 'none up to 4096 nodes'}")
-        best = smallest_layout(model, layout, args.device_gib, progress=_bar_stream())
+        usable, spare = args.device_gib - margin, f"with {margin:g} GiB spare"
+        world = smallest_world(model, layout, usable, progress=_bar_stream())
+        print(f"smallest world that fits {spare}: "
+              f"{world if world else 'none up to 4096 nodes'}")
+        best = smallest_layout(model, layout, usable, progress=_bar_stream())
         if best is not None:
-            print(f"smallest with TP/CP searched: {best.world_size} (TP {best.tp}"
-                  f"{' + SP' if best.sequence_parallel else ''}, CP {best.cp})")
+            print(f"smallest with TP/CP searched {spare}: {best.world_size} (TP {best.tp}"
+                  f"{' + SP' if best.sequence_parallel else ''}, CP {best.cp}; "
+                  f"{plan(model, best).total / GiB:.2f} GiB)")
     if args.dry_run:
         return _dry_run(args, layout)
     return 0
@@ -181,7 +201,9 @@ def describe(layout: Layout, dp: int) -> str:
             f"prefetch depth {layout.prefetch_depth}; "
             f"{recompute + ' recomputation' if recompute else 'no recomputation'}"
             + (" (saves nothing with flash attention: the attention scores it drops are not "
-               "kept)" if recompute == "selective" and layout.flash_attention else ""))
+               "kept)" if recompute == "selective" and layout.flash_attention else "")
+            + ("; Transformer Engine layers and loss (Megatron-LM's estimate)"
+               if layout.transformer_impl == "transformer_engine" else ""))
 
 
 TIGHT_GIB = 5.0

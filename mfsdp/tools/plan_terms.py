@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["padding", "padded_units", "fsdp_traffic", "layer_activations", "activations",
-           "logits", "logits_grad"]
+__all__ = ["padding", "padded_units", "fsdp_traffic", "layer_activations", "te_layer_activations",
+           "te_outside_layers", "activations", "logits", "logits_grad", "TRANSFORMER_IMPLS"]
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+"""The layers the activation and loss terms model, by Megatron-LM's ``--transformer-impl``
+names: ``local``, mfsdp train's own layer and loss (measured), and ``transformer_engine``,
+Megatron-LM's Transformer Engine layer and fused loss (Megatron-LM's own estimate)."""
 
 
 def layer_activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
@@ -45,17 +50,59 @@ def layer_activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
     return s * b * ((whole / t if layout.sequence_parallel else whole) + split / t + 8 * d)
 
 
+def te_layer_activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
+                         layout: mfsdp.tools.plan.Layout) -> float:  # noqa: F821
+    """Bytes one Megatron-LM Transformer Engine layer keeps for backward, by Megatron-LM's own
+    estimate (``compute_activation_memory`` in ``megatron/training/theoretical_memory_usage.py``,
+    NVIDIA/Megatron-LM at d98e8a64): ``s b h (18 + 4 f / h)`` for one rank's
+    ``s = seq_length / cp`` tokens, all of it split over the ``t`` TP ranks with sequence
+    parallelism. It is Korthikanti et al.'s (2022, Table 2) ``34 s b h`` for a GPT layer with
+    selective recomputation or flash attention, its MLP's ``16 s b h`` written ``4 s b f``.
+    Without sequence parallelism their split applies: norm inputs, the layer inputs of
+    attention and MLP and the dropout masks, ``10 h``, stay whole on every TP rank, the rest,
+    ``8 h + 4 f``, is split.
+
+    Read off Transformer Engine's modules, a Llama layer keeps less and differently: the
+    ``LayerNormLinear`` before attention and the ``LayerNormMLP`` each keep their bf16 input and
+    normalised output (``8 h`` for the two), flash attention its rotated queries and keys, the
+    values and its output (``4 q + 2 kv``, ``2 kv`` more when RoPE is not fused), the MLP its
+    ``fc1`` output and the SwiGLU product (``6 f``), plus fp32 norm and log-sum-exp statistics.
+    For Llama 3 8B that is 33.5 bytes per token and channel against the estimate's 32.0 (and
+    the local layer's 51.8); 33.2 against 32.0 for 70B, 31.6 against 31.0 for 405B. No
+    dropout mask is kept, and the estimate's ``4 f`` stands for the ``6 f`` a SwiGLU MLP
+    keeps. The planner uses the estimate, as Megatron-LM reports it.
+    """
+    s, b, h, t = layout.seq_length // layout.cp, layout.micro_batch, model.hidden, layout.tp
+    if layout.sequence_parallel:
+        return s * b * (18 * h + 4 * model.ffn_hidden) / t
+    return s * b * (10 * h + (8 * h + 4 * model.ffn_hidden) / t)
+
+
+def te_outside_layers(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
+                      layout: mfsdp.tools.plan.Layout) -> float:  # noqa: F821
+    """Activation bytes of a Transformer Engine model outside its layers, by the same upstream
+    estimate: the embedding's input token ids (``8 s b``), its dropout mask (``s b h``) and the
+    output layer's input (``4 s b h``), split over TP as upstream splits them (with sequence
+    parallelism; whole on every TP rank without it)."""
+    s, b, h = layout.seq_length // layout.cp, layout.micro_batch, model.hidden
+    return s * b * (8 + 5 * h) / (layout.tp if layout.sequence_parallel else 1)
+
+
 def activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
                 layout: mfsdp.tools.plan.Layout) -> float:  # noqa: F821
     """Activation bytes of one micro-batch in bf16, for all of the model's layers.
 
-    Grouped-query (Llama) layers: :func:`layer_activations`, measured on the trainer's layer.
-    Multi-head latent attention (DeepSeek) layers keep Korthikanti et al.'s (2022) GPT
-    estimate, per layer ``s b h (34 + 5 a s / h)`` bytes (the second term vanishes with flash
-    attention or selective recomputation), and their routed experts add ``topk - 1`` more copies
-    of a SwiGLU MLP's ``3 f`` bf16 activations per token. Full recomputation keeps ``2 s b h``
-    per recomputed chunk's input plus one chunk's activations while it is recomputed (uniform),
-    or ``2 s b h`` for each of the first ``recompute_num_layers`` layers (block).
+    Grouped-query (Llama) layers: :func:`layer_activations`, measured on the trainer's layer,
+    or with ``layout.transformer_impl == "transformer_engine"`` :func:`te_layer_activations`,
+    Megatron-LM's estimate, plus what that estimate counts outside the layers
+    (:func:`te_outside_layers`). Multi-head latent attention (DeepSeek) layers keep Korthikanti
+    et al.'s (2022) GPT estimate under either, per layer ``s b h (34 + 5 a s / h)`` bytes (the
+    second term vanishes with flash attention or selective recomputation): Megatron-LM's
+    estimate models neither latent attention nor top-k routing. Routed experts add ``topk - 1``
+    more copies of a SwiGLU MLP's ``3 f`` bf16 activations per token. Full recomputation keeps
+    ``2 s b h`` per recomputed chunk's input plus one chunk's activations while it is
+    recomputed (uniform), or ``2 s b h`` for each of the first ``recompute_num_layers`` layers
+    (block).
     """
     s, b, h, a = layout.seq_length // layout.cp, layout.micro_batch, model.hidden, model.num_heads
     t = layout.tp
@@ -66,7 +113,8 @@ def activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
         # masks) stay whole on every TP rank unless sequence parallelism splits them too.
         per_layer = s * b * h * ((34 / t if layout.sequence_parallel else 10 + 24 / t) + scores)
     else:
-        per_layer = layer_activations(model, layout)
+        engine = layout.transformer_impl == "transformer_engine"
+        per_layer = (te_layer_activations if engine else layer_activations)(model, layout)
         if not (layout.flash_attention or granularity == "selective"):
             per_layer += s * b * 5 * a * s / t  # scores, softmax and its dropout mask kept
     if model.num_experts:  # routed tokens: topk copies of the MLP activations
@@ -74,13 +122,15 @@ def activations(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
     if layout.sequence_parallel:  # the checkpointed layer inputs are sequence shards too
         s = s // t
     L = model.num_layers
+    engine = layout.transformer_impl == "transformer_engine"
+    outside = te_outside_layers(model, layout) if engine else 0.0
     if granularity != "full":
-        return L * per_layer
+        return L * per_layer + outside
     n = min(layout.recompute_num_layers, L)
     if layout.recompute_method == "block":  # the first n layers keep only their input
-        return n * 2 * s * b * h + (L - n) * per_layer
+        return n * 2 * s * b * h + (L - n) * per_layer + outside
     # uniform: every chunk keeps its input; one chunk is recomputed at a time
-    return math.ceil(L / n) * 2 * s * b * h + n * per_layer
+    return math.ceil(L / n) * 2 * s * b * h + n * per_layer + outside
 
 
 LOSS_BYTES = {"whole": 12, "vocab_parallel": 16}
@@ -103,8 +153,19 @@ def logits(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
     (:data:`LOSS_BYTES`) are measured: one step of the trainer's model under a live-storage
     tracker (``tests/test_loss_peak.py``, at two vocabulary sizes and sequence lengths).
     Megatron-LM's vocabulary-parallel cross-entropy computes its gradient in place of the
-    softmax it keeps, about ``4 s b v / t`` at its backward, so this overcounts its loss."""
+    softmax it keeps, about ``4 s b v / t`` at its backward, so this overcounts its loss.
+
+    With ``layout.transformer_impl == "transformer_engine"`` the loss is Megatron-LM's and its
+    bytes Megatron-LM's own estimate (``theoretical_memory_usage.py``), ``4 s b v / t``: the
+    float32 softmax its cross-entropy (``tensor_parallel/cross_entropy.py``, fused or not)
+    keeps for backward, where it writes the gradient in place. Not counted, as upstream does
+    not: the bf16 logits beside their float32 copy while the loss's forward runs (2 more
+    bytes per logit, for that moment), and the bf16 cast of the gradient at the end of its
+    backward (:func:`logits_grad`). Transformer Engine's own cross-entropy (the other
+    ``--cross-entropy-fusion-impl``) keeps only the bf16 logits, 2 bytes per logit."""
     s = layout.seq_length // layout.cp
+    if layout.transformer_impl == "transformer_engine":
+        return 4 * s * layout.micro_batch * model.vocab / layout.tp
     per_logit = LOSS_BYTES["vocab_parallel" if layout.tp > 1 else "whole"]
     return per_logit * s * layout.micro_batch * model.vocab / layout.tp
 
@@ -113,7 +174,15 @@ def logits_grad(model: mfsdp.tools.plan.ModelConfig,  # noqa: F821
                 layout: mfsdp.tools.plan.Layout) -> float:  # noqa: F821
     """The bf16 gradient of the logits, ``2 s b v / t`` bytes, that the output layer's backward
     reads once the loss has freed the rest of its bytes: live beside the first full gradient
-    buffers of the backward (:attr:`mfsdp.tools.plan.Plan.moments`)."""
+    buffers of the backward (:attr:`mfsdp.tools.plan.Plan.moments`).
+
+    The same under either ``transformer_impl``: Megatron-LM's fused cross-entropy (its default
+    ``--cross-entropy-fusion-impl``, ``native``, ``fusions/fused_cross_entropy.py``) writes
+    the gradient over its float32 softmax and returns a bf16 cast of it; its unfused one
+    returns the float32 gradient, which autograd casts to the bf16 logits' dtype; Transformer
+    Engine's (the other ``--cross-entropy-fusion-impl``) writes it over the bf16 logits
+    themselves. In each the output layer's backward reads 2 bytes per logit, the float32
+    buffer freed with the loss's graph."""
     s = layout.seq_length // layout.cp
     return 2 * s * layout.micro_batch * model.vocab / layout.tp
 
