@@ -52,8 +52,9 @@ COLOURS = ["#0072b2", "#56b4e9", "#009e73", "#f0e442", "#e69f00", "#d55e00", "#c
 _TABLES: dict = {}
 
 
-def _option(value, selected: bool) -> str:
-    text = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+def _option(value, selected: bool, text=None) -> str:
+    if text is None:
+        text = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
     data = json.dumps(value)
     return (f'<option value="{html.escape(data)}"{" selected" if selected else ""}>'
             f"{html.escape(str(text))}</option>")
@@ -181,12 +182,14 @@ def result_html(got: dict, inputs: dict, tables: dict) -> str:
 def form_html(prerender: bool = True) -> str:
     """The calculator's form, its status line and the default inputs' result, as HTML (without
     ``prerender``, an empty result: no export needed)."""
-    from mfsdp.tools.plan_export import lookup
+    from mfsdp.tools.plan_export import DEVICES, lookup
 
     start = defaults()
     fields = []
     for name, values in choices().items():
-        options = "".join(_option(v, v == start[name]) for v in values)
+        shown = {"efficiency": lambda v: f"{v:.2f}", "device": lambda v: (
+            f"{v} ({DEVICES[v][0]:g} GiB)")}.get(name, lambda v: None)
+        options = "".join(_option(v, v == start[name], shown(v)) for v in values)
         fields.append(f'<label class="mfsdp-calc-field"><span>{LABELS[name]}</span>'
                       f'<select name="{name}">{options}</select></label>')
     result = ""
