@@ -151,7 +151,8 @@ def _run_script(tables: dict, cases: list[dict], call: str = "compute(d.tables, 
         if node:
             (Path(tmp) / "data.json").write_text(data)
             proc = subprocess.run(
-                [node, "-e", f"const {{compute, command, bar, resultHtml}} = require({json.dumps(str(SCRIPT))}); "
+                [node, "-e", "const {compute, command, bar, resultHtml} = "
+                 f"require({json.dumps(str(SCRIPT))}); "
                  f"const d = require({json.dumps(str(Path(tmp) / 'data.json'))}); "
                  f"console.log(JSON.stringify(d.cases.map(c => {call})));"],
                 capture_output=True, text=True, timeout=120)
@@ -277,8 +278,8 @@ def _shown(markup: str) -> dict:
 
 def test_the_prerendered_result_is_the_scripts_and_mfsdp_plans(tables):
     """The result the build writes into the page (``planner_calculator.result_html``) shows, for
-    the form's defaults and for a layout on each GPU (at various efficiencies), the same text in every
-    ``data-out`` element and the same command as the page's script (``resultHtml``), and those
+    the form's defaults and for a layout on each GPU (at various efficiencies), the same text in
+    every ``data-out`` element and the same command as the page's script (``resultHtml``), and those
     are the strings ``mfsdp plan`` prints for the printed command (memory, fit, time, each
     group's traffic)."""
     import random
