@@ -192,27 +192,37 @@ def test_no_page_overflows_and_diagram_text_is_readable(site):
     assert sum(len(r["plot_text_px"]) for r in results.values()) >= 2 * 14  # the plots did
 
 
-def _plan_cli(inputs: dict) -> dict | str:
-    """What ``mfsdp plan`` prints for one calculator case: its memory lines and time estimate
-    as the strings it prints, or the error it stops with."""
+def _plan_cli(inputs: dict | list) -> dict | str:
+    """What ``mfsdp plan`` prints for one calculator case (or for an argument list): its memory
+    lines, whether it fits, its time estimate and each group's traffic (``sent G``, ``seconds
+    G``, ``links G``) as the strings it prints, or the error it stops with. A case's GPU
+    (``device``, default H100) and ``efficiency`` (default 0.4) are passed as ``--gpu``,
+    ``--device-gib`` and ``--compute-efficiency`` whatever their value."""
     import contextlib
     import io
     import re
 
     from mfsdp.tools.plan_cli import main
+    from mfsdp.tools.plan_export import DEVICES
 
-    argv = [inputs["preset"], "--world-size", str(inputs["world_size"]),
-            "--data-parallel-sharding-strategy", inputs["strategy"],
-            "--num-distributed-optimizer-instances", str(inputs["dp_outer"]),
-            "--outer-dp-sharding-strategy", inputs["outer_strategy"],
-            "--tensor-model-parallel-size", str(inputs["tp"]),
-            "--context-parallel-size", str(inputs["cp"]),
-            "--expert-model-parallel-size", str(inputs["ep"]),
-            "--micro-batch-size", str(inputs["micro_batch"]),
-            "--seq-length", str(inputs["seq_length"])]
-    argv += ["--sequence-parallel"] if inputs["sequence_parallel"] else []
-    if inputs["recompute"] != "none":
-        argv += ["--recompute-granularity", inputs["recompute"]]
+    if isinstance(inputs, list):
+        argv = inputs
+    else:
+        gib, gpu = DEVICES[inputs.get("device", "H100")]
+        argv = [inputs["preset"], "--world-size", str(inputs["world_size"]),
+                "--data-parallel-sharding-strategy", inputs["strategy"],
+                "--num-distributed-optimizer-instances", str(inputs["dp_outer"]),
+                "--outer-dp-sharding-strategy", inputs["outer_strategy"],
+                "--tensor-model-parallel-size", str(inputs["tp"]),
+                "--context-parallel-size", str(inputs["cp"]),
+                "--expert-model-parallel-size", str(inputs["ep"]),
+                "--micro-batch-size", str(inputs["micro_batch"]),
+                "--seq-length", str(inputs["seq_length"]), "--gpu", gpu,
+                "--device-gib", str(gib),
+                "--compute-efficiency", str(inputs.get("efficiency", 0.4))]
+        argv += ["--sequence-parallel"] if inputs["sequence_parallel"] else []
+        if inputs["recompute"] != "none":
+            argv += ["--recompute-granularity", inputs["recompute"]]
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
@@ -221,27 +231,37 @@ def _plan_cli(inputs: dict) -> dict | str:
         return str(exc)
     text = out.getvalue()
     got = {m[1]: m[2] for m in re.finditer(r"^(\w+) +(\d+\.\d\d)$", text, re.M)}
+    got.update({f"sent {m[1]}": m[2]
+                for m in re.finditer(r"^sent (\w+) +(\d+\.\d\d)  \(GiB", text, re.M)})
     step = re.search(r"predicted step ([\d.]+) s: ([\d,]+) tokens/s per GPU, ([\d,]+) model "
                      r"TFLOP/s per GPU, MFU ([\d.]+)%", text)
+    time = re.search(r"^time: compute ([\d.]+) s; communication (.*)$", text, re.M)
     got.update(step_s=step[1], tokens_per_gpu_s=step[2], tflops=step[3], mfu=step[4],
-               compute_s=re.search(r"time: compute ([\d.]+) s", text)[1])
-    got["fits"] = "yes" in re.search(r"fits on 80 GiB: (yes|no)", text)[1]
+               compute_s=time[1])
+    for m in re.finditer(r"(\w+) ([\d.]+) s \(([^)]+)\)", time[2]):
+        got[f"seconds {m[1]}"], got[f"links {m[1]}"] = m[2], m[3]
+    got["fits"] = "yes" in re.search(r"fits on [\d.]+ GiB: (yes|no)", text)[1]
+    got["tight"] = "  tight: within" in text
     return got
 
 
 def test_the_planner_calculator_agrees_with_mfsdp_plan(site):
     """The calculator on the built planner page, driven in Chromium over 60 layouts of its grid
     (every preset, strategy and recompute choice; TP, CP, EP, SP, outer size and strategy
-    (HSDP, HFSDP), batch and sequence on and off; some invalid): every memory term, the total,
-    whether it fits and the step time, tokens/s, model TFLOP/s and MFU are the strings `mfsdp
-    plan` prints for the same flags, and an invalid layout shows the planner's error."""
+    (HSDP, HFSDP), batch and sequence on and off; every GPU and efficiency; some invalid):
+    every memory term, the total, whether it fits the GPU, the step time, tokens/s, model
+    TFLOP/s and MFU, and each group's GiB sent, seconds and links are the strings `mfsdp plan`
+    prints for the same flags; the FSDP traffic is called hidden exactly when the planner's
+    FSDP seconds are at most its compute; the page's command prints the same; an invalid layout
+    shows the planner's error. Before its script runs (and without JavaScript), the page holds
+    the default inputs' result, the same strings."""
     import html
     import json
     import random
     import re
     from pathlib import Path
 
-    from mfsdp.tools.plan_export import GRID
+    from mfsdp.tools.plan_export import DEVICES, EFFICIENCY, GRID, direct
 
     base, shots = site
     root = shots.parent
@@ -252,6 +272,8 @@ def test_the_planner_calculator_agrees_with_mfsdp_plan(site):
         case = {name: rng.choice(values) for name, values in GRID.items()}
         case["preset"] = GRID["preset"][i % len(GRID["preset"])]
         case["recompute"] = GRID["recompute"][i % 3]
+        case["device"] = list(DEVICES)[i % len(DEVICES)]
+        case["efficiency"] = EFFICIENCY[(i // len(DEVICES)) % len(EFFICIENCY)]
         if case["preset"] != "deepseek-v3":
             case["ep"] = 1
         cases.append(case)
@@ -262,7 +284,7 @@ def test_the_planner_calculator_agrees_with_mfsdp_plan(site):
     assert found and found.group(1), dom[-2000:]
     got = json.loads(html.unescape(found.group(1)))
     assert isinstance(got, list) and len(got) == len(cases), got
-    valid = 0
+    valid = commands = 0
     for case, page in zip(cases, got):
         want = _plan_cli(case)
         if isinstance(want, str):
@@ -270,9 +292,40 @@ def test_the_planner_calculator_agrees_with_mfsdp_plan(site):
             continue
         valid += 1
         assert page["fits"].startswith("Fits") == want.pop("fits"), (case, page)
+        assert ("Tight" in page["fits"]) == want.pop("tight"), (case, page)
+        traffic = {k for k in page if k.split(" ")[0] in ("sent", "seconds", "links")}
+        assert traffic == {k for k in want if k.split(" ")[0] in ("sent", "seconds", "links")}
         for name, value in want.items():
             assert page[name] == value, (case, name, page[name], value)
+        exact = direct(**case)
+        hidden = exact["fsdp_s"] <= exact["compute_s"]
+        assert ("is hidden under the compute" in page["overlap"]) == hidden, (case, page)
         assert page["command"].startswith(f"mfsdp plan {case['preset']} "), page["command"]
         outer = f"--outer-dp-sharding-strategy {case['outer_strategy']}"
         assert (outer in page["command"]) == (case["outer_strategy"] != "no_shard"), page
-    assert valid >= 20, valid
+        if valid % 4 == 0:  # the command, run, prints the page's numbers (15 of them)
+            commands += 1
+            line = page["command"].replace("\\\n", " ").split()
+            again = _plan_cli(line[2:])
+            assert {k: v for k, v in again.items() if k not in ("fits", "tight")} == want
+    assert valid >= 20 and commands >= 5, (valid, commands)
+    # the page as served, no script run: the default inputs' result is already there
+    sys_path = str(Path(__file__).resolve().parents[1] / "docs" / "_ext")
+    import sys
+
+    sys.path.insert(0, sys_path)
+    from planner_calculator import defaults
+
+    raw = urllib.request.urlopen(f"{base}/docs/planner.html").read().decode()
+    result = re.search(r'<div class="mfsdp-calc-result"[^>]*>(.*?)<pre class="mfsdp-calc-command">'
+                       r"(.*?)</pre>", raw, re.S)
+    assert result, "no pre-rendered result in planner.html"
+    shown = {m[1]: html.unescape(re.sub(r"<[^>]+>", "", m[2]))
+             for m in re.finditer(r'data-out="([^"]+)">(.*?)</(?:td|b|span|p)>', result[1])}
+    want = _plan_cli(defaults())
+    assert shown.pop("fits").startswith("Fits") == want.pop("fits"), shown
+    want.pop("tight")
+    for name, value in want.items():
+        assert shown[name] == value, (name, shown[name], value)
+    assert _plan_cli(html.unescape(result[2]).replace("\\\n", " ").split()[2:]) == \
+        _plan_cli(defaults())

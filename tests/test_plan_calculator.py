@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import skip_or_fail
 
-from mfsdp.tools.plan_export import GRID, check, direct, export, lookup
+from mfsdp.tools.plan_export import DEVICES, EFFICIENCY, GRID, check, direct, export, lookup
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "docs" / "_static" / "mfsdp-planner.js"
@@ -36,6 +36,8 @@ def tables():
 
 
 def _inputs(grid: dict) -> list[dict]:
+    """Every layout of ``grid`` (EP only for the MoE preset), each on a GPU and efficiency of
+    the calculator's, in turn."""
     import itertools
 
     names = list(grid)
@@ -44,12 +46,29 @@ def _inputs(grid: dict) -> list[dict]:
         inputs = dict(zip(names, combo))
         if inputs["ep"] > 1 and inputs["preset"] != "deepseek-v3":
             continue
+        inputs["device"] = list(DEVICES)[len(out) % len(DEVICES)]
+        inputs["efficiency"] = EFFICIENCY[len(out) // len(DEVICES) % len(EFFICIENCY)]
         out.append(inputs)
     return out
 
 
+def _assert_close(got, want, rel: float, where) -> None:
+    """``got`` equals ``want`` (numbers, strings, or dicts of them, keys in the same order) to
+    ``rel``."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), (where, got, want)
+        for name in want:
+            _assert_close(got[name], want[name], rel, (where, name))
+    elif isinstance(want, str):
+        assert got == want, (where, got, want)
+    else:
+        assert got == pytest.approx(want, rel=rel, abs=1e-12), where
+
+
 def test_the_lookup_equals_the_planner_on_every_layout_of_a_grid(tables):
-    """Every layout of SMALL (valid or not): the tables, combined, give the planner's numbers."""
+    """Every layout of SMALL (valid or not), each on one of the calculator's GPUs at one of its
+    efficiencies: the tables, combined, give the planner's numbers (memory, time, and each
+    group's traffic, seconds and links, in ``plan().comm``'s order) to 1e-8."""
     cases = _inputs(SMALL)
     assert len(cases) > 1000
     invalid = 0
@@ -59,10 +78,37 @@ def test_the_lookup_equals_the_planner_on_every_layout_of_a_grid(tables):
             assert got == want, inputs
             invalid += 1
             continue
-        assert got.keys() == want.keys()
-        for name in want:
-            assert got[name] == pytest.approx(want[name], rel=1e-8), (inputs, name)
+        _assert_close(got, want, 1e-8, inputs)
     assert 0 < invalid < len(cases)
+
+
+def test_any_efficiency_scales_the_compute_as_step_time_does(tables):
+    """An efficiency the form does not offer (0.23 and 0.97 on every GPU, a few layouts) gives the
+    planner's compute, step time and MFU from the same tables: none is stored per efficiency."""
+    cases = [c for c in _inputs(SMALL) if not isinstance(direct(**c), str)][::250]
+    for inputs in cases:
+        for device in DEVICES:
+            for efficiency in (0.23, 0.97):
+                case = dict(inputs, device=device, efficiency=efficiency)
+                _assert_close(lookup(tables, **case), direct(**case), 1e-8, case)
+    with pytest.raises(ValueError, match="efficiency=1.5 must be in"):
+        lookup(tables, **dict(cases[0], efficiency=1.5))
+    with pytest.raises(ValueError, match="device='A100' is not one of"):
+        lookup(tables, **dict(cases[0], device="A100"))
+
+
+def test_a_table_with_another_gpus_seconds_is_caught(tables):
+    """The build's check fails on tables whose FSDP seconds for GB200 are H100's (a column
+    mix-up), instead of publishing them."""
+    broken = json.loads(json.dumps(tables))
+    cols = broken["columns"]["state"]
+    h100, gb200 = cols.index("s:h100:dp_shard"), cols.index("s:gb200:dp_shard")
+    for preset, rows in broken["state"].items():
+        for r in rows:
+            if not isinstance(r, int):
+                r[gb200] = r[h100]
+    with pytest.raises(AssertionError):
+        check(broken, samples=100)
 
 
 def test_a_table_that_disagrees_with_the_planner_is_caught(tables):
@@ -88,7 +134,7 @@ def _run_script(tables: dict, cases: list[dict], call: str = "compute(d.tables, 
             page.write_text(
                 "<!doctype html><html><body><pre id=result></pre><script>var module = "
                 f"{{exports: {{}}}};</script><script>{SCRIPT.read_text()}</script><script>"
-                f"const d = {data}; const {{compute, command, bar}} = module.exports; "
+                f"const d = {data}; const {{compute, command, bar, resultHtml}} = module.exports; "
                 "document.getElementById('result').textContent = "
                 f"JSON.stringify(d.cases.map(c => {call}));"
                 "</script></body></html>")
@@ -105,7 +151,8 @@ def _run_script(tables: dict, cases: list[dict], call: str = "compute(d.tables, 
         if node:
             (Path(tmp) / "data.json").write_text(data)
             proc = subprocess.run(
-                [node, "-e", f"const {{compute, command, bar}} = require({json.dumps(str(SCRIPT))}); "
+                [node, "-e", "const {compute, command, bar, resultHtml} = "
+                 f"require({json.dumps(str(SCRIPT))}); "
                  f"const d = require({json.dumps(str(Path(tmp) / 'data.json'))}); "
                  f"console.log(JSON.stringify(d.cases.map(c => {call})));"],
                 capture_output=True, text=True, timeout=120)
@@ -115,8 +162,9 @@ def _run_script(tables: dict, cases: list[dict], call: str = "compute(d.tables, 
 
 
 def test_the_page_script_gives_the_planners_numbers(tables):
-    """The script the planner page runs, on 400 layouts of the grid: the planner's memory terms,
-    step time, tokens/s and MFU to 1e-8, and its error message for an invalid layout."""
+    """The script the planner page runs, on 400 layouts of the grid, GPUs and efficiencies: the
+    planner's memory terms, step time, tokens/s, MFU and traffic to 1e-8, and its error message
+    for an invalid layout."""
     import random
 
     cases = random.Random(0).sample(_inputs(SMALL), 400)
@@ -127,9 +175,7 @@ def test_the_page_script_gives_the_planners_numbers(tables):
         if isinstance(want, str):
             assert result == want, inputs
             continue
-        assert set(result) == set(want), inputs
-        for name in want:
-            assert result[name] == pytest.approx(want[name], rel=1e-8), (inputs, name)
+        _assert_close(result, want, 1e-8, inputs)
 
 
 def test_the_memory_bar_stacks_the_planners_terms_against_the_device(tables):
@@ -197,21 +243,18 @@ def test_the_calculator_sets_the_guides_deepseek_v3_layout():
 
     case = dict(preset="deepseek-v3", world_size=256, strategy="optim_grads_params", dp_outer=2,
                 outer_strategy="optim", tp=1, cp=1, ep=32, sequence_parallel=False,
-                micro_batch=1, seq_length=4096, recompute="full")
+                micro_batch=1, seq_length=4096, recompute="full", device="H100", efficiency=0.4)
     assert all(case[name] in values for name, values in GRID.items()), case  # the form offers it
-    one = export({name: [value] for name, value in case.items()}, samples=1)
+    one = export({name: [case[name]] for name in GRID}, samples=1)
     assert one["ep"]["deepseek-v3"] == [32]  # EP 32 divides the 256 experts
     (got,) = _run_script(one, [case])
-    want = direct(**case)
-    assert set(got) == set(want)
-    for name in want:
-        assert got[name] == pytest.approx(want[name], rel=1e-8), name
+    _assert_close(got, direct(**case), 1e-8, case)
     page = plan(PRESETS["deepseek-v3"], Layout(world_size=256, strategy="optim_grads_params",
                                                dp_outer=2, outer_strategy="optim", ep=32,
                                                recompute=True))
     assert got["total"] == pytest.approx(page.total / GiB, rel=1e-8) and page.fits(80)
     assert 80 - 4 - 5 < got["total"] <= 80 - 4  # the page's "Fits" and "Tight" (4 GiB for CUDA)
-    (printed,) = _run_script(one, [case], call="command(c)")
+    (printed,) = _run_script(one, [case], call="command(c, d.tables)")
     line = printed.replace("\\\n", " ").split()
     assert line[:2] == ["mfsdp", "plan"] and "--outer-dp-sharding-strategy" in line, line
     out = io.StringIO()
@@ -221,19 +264,71 @@ def test_the_calculator_sets_the_guides_deepseek_v3_layout():
     assert total == f"{got['total']:.2f}", (total, out.getvalue())
 
 
+def _shown(markup: str) -> dict:
+    """The text of every ``data-out`` element of a result's HTML, and its command."""
+    import html
+    import re
+
+    out = {m[1]: html.unescape(re.sub(r"<[^>]+>", "", m[2])) for m in
+           re.finditer(r'data-out="([^"]+)">(.*?)</(?:td|b|span|p)>', markup)}
+    out["command"] = html.unescape(re.search(r'<pre class="mfsdp-calc-command">(.*?)</pre>',
+                                             markup, re.S)[1])
+    return out
+
+
+def test_the_prerendered_result_is_the_scripts_and_mfsdp_plans(tables):
+    """The result the build writes into the page (``planner_calculator.result_html``) shows, for
+    the form's defaults and for a layout on each GPU (at various efficiencies), the same text in
+    every ``data-out`` element and the same command as the page's script (``resultHtml``), and those
+    are the strings ``mfsdp plan`` prints for the printed command (memory, fit, time, each
+    group's traffic)."""
+    import random
+    import sys
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    from planner_calculator import defaults, result_html
+    from test_browser import _plan_cli
+
+    start = defaults()
+    one = export({name: [start[name]] for name in GRID}, samples=1)  # the default's rows
+    layouts = _inputs(SMALL)
+    random.Random(2).shuffle(layouts)
+    cases = [next(c for c in layouts if c["device"] == device and
+                  not isinstance(direct(**c), str)) for device in DEVICES]
+    call = "resultHtml(compute(d.tables, c), c, d.tables)"
+    scripts = _run_script(one, [start], call=call) + _run_script(tables, cases, call=call)
+    for case, script in zip([start] + cases, scripts):
+        table = one if case is start else tables
+        built = _shown(result_html(lookup(table, **case), case, table))
+        assert built == _shown(script), case
+        want = _plan_cli(built["command"].replace("\\\n", " ").split()[2:])
+        fits = built.pop("fits")
+        assert fits.startswith("Fits") == want.pop("fits"), (case, fits)
+        assert ("Tight" in fits) == want.pop("tight"), (case, fits)
+        for name, value in want.items():
+            assert built[name] == value, (case, name, built[name], value)
+
+
 def test_the_calculator_says_loading_then_names_a_table_it_could_not_load(tmp_path):
-    """The form as the planner page holds it, run by the page's script in Chromium with fetch
-    replaced: while a table loads, "Loading the planner's tables..." (and no claim that
-    JavaScript is missing: that advice is in <noscript>); when its fetch fails, one error line
-    naming the file."""
+    """The form as the planner page holds it (the default inputs' result written in), run by
+    the page's script in Chromium with fetch replaced: while a table loads, "Loading the
+    planner's tables..." above the written result (and no claim that JavaScript is missing:
+    that advice is in <noscript>); when its fetch fails, one error line naming the file, the
+    written result kept and the inputs disabled."""
     import html
     import re
     import sys
 
     sys.path.insert(0, str(ROOT / "docs" / "_ext"))
-    from planner_calculator import TABLES, form_html
+    from planner_calculator import TABLES, defaults, form_html, result_html
 
-    form = form_html()
+    small = {name: [value] for name, value in defaults().items() if name in GRID}
+    one = export(small, samples=1)
+    form = form_html(prerender=False).replace(
+        '<div class="mfsdp-calc-result" aria-live="polite"></div>',
+        '<div class="mfsdp-calc-result" aria-live="polite">'
+        f"{result_html(lookup(one, **defaults()), defaults(), one)}</div>")
+    assert "mfsdp-calc-command" in form  # the result was written in
     advice = re.search(r"<noscript>(.*?)</noscript>", form, re.S)
     assert advice and "needs JavaScript" in advice.group(1) and "mfsdp plan" in advice.group(1)
     assert "JavaScript" not in form.replace(advice.group(0), "")
@@ -252,11 +347,17 @@ def test_the_calculator_says_loading_then_names_a_table_it_could_not_load(tmp_pa
         [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
          f"--user-data-dir={tmp_path}/profile", "--dump-dom", page.as_uri()],
         capture_output=True, text=True, timeout=120)
-    results = re.findall(r'<div class="mfsdp-calc-result"[^>]*>(.*?)</div>', proc.stdout, re.S)
-    assert len(results) == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    shown = [html.unescape(re.sub(r"<noscript>.*?</noscript>|<[^>]+>", "", r)).strip()
-             for r in results]
+    status = re.findall(r'<p class="(mfsdp-calc-status[^"]*)"[^>]*>(.*?)</p>', proc.stdout, re.S)
+    assert len(status) == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    shown = [html.unescape(re.sub(r"<[^>]+>", "", text)).strip() for _, text in status]
     assert shown[0] == "Loading the planner's tables...", shown
-    assert 'data-out="error"' in results[1] and "mfsdp-calc-error" in results[1]
+    assert "mfsdp-calc-error" in status[1][0] and "mfsdp-calc-error" not in status[0][0]
     assert shown[1].startswith("The calculator could not load _static/missing.json (Failed to "
-                               "fetch): run mfsdp plan instead"), shown
+                               "fetch): the result below is for the default inputs only; run "
+                               "mfsdp plan instead"), shown
+    written = _shown(form)
+    parts = [part.split("<script>")[0]
+             for part in proc.stdout.split('<div class="mfsdp-calculator"')[1:]]
+    assert [_shown(part) for part in parts] == [written, written]  # the defaults' numbers stay
+    second = parts[1]
+    assert second.count("<select") == second.count("disabled") > 10

@@ -4,7 +4,11 @@
  * mfsdp.tools.plan_export.export(), the numbers of `mfsdp plan` (mfsdp/tools/plan.py and
  * plan_time.py) over every input this form offers, split by what each number depends on. This
  * script looks the three rows up and combines them as mfsdp.tools.plan_export.lookup does (the
- * total is the larger of the step's two moments; the FSDP collectives overlap the compute, the others add to it).
+ * total is the larger of the step's two moments; the compute is the FLOPs over the GPU's peak
+ * times the chosen efficiency; the FSDP collectives overlap the compute, the others add to it).
+ * The directive pre-renders the default inputs' result (docs/_ext/planner_calculator.py's
+ * result_html, the same markup as resultHtml here), so the page shows numbers before this
+ * script runs, and without it.
  * tests/test_plan_calculator.py holds compute() and the memory bar (bar()) to the planner in
  * Chromium or node, and
  * tests/test_browser.py holds the page's numbers to `mfsdp plan` in Chromium. */
@@ -24,31 +28,56 @@
     return typeof got === "number" ? tables.errors[got] : got;
   }
 
-  /* One layout's numbers (memory in GiB, times in seconds), or the planner's error message. */
+  /* One layout's numbers (memory in GiB, times in seconds) on inputs.device's GPU at
+     inputs.efficiency, or the planner's error message. */
   function compute(tables, inputs) {
+    const device = tables.devices[inputs.device];
+    if (!device) throw new Error(`device=${inputs.device} is not one of ` +
+                                 Object.keys(tables.devices));
+    const gpu = device.gpu;
     const rows = ["state", "activations", "time"].map(t => row(tables, t, inputs));
     for (const r of rows) if (typeof r === "string") return r;
-    const [state, [activations, logits, logitsGrad], [compute_s, exposed, tokens, tflops, mfu]] =
-      rows;
-    const step = Math.max(compute_s, state[tables.memory.length]) + exposed;
+    const [state, act, time] = rows.map((r, i) => {
+      const named = {};
+      tables.columns[["state", "activations", "time"][i]].forEach((c, j) => { named[c] = r[j]; });
+      return named;
+    });
+    const sent = {}, comm = {}, links = {};
+    for (const r of [state, time]) {
+      for (const g of tables.groups) {
+        if (r[`sent:${g}`] === undefined || r[`sent:${g}`] === null) continue;
+        sent[g] = r[`sent:${g}`];
+        comm[g] = r[`s:${gpu}:${g}`];
+        links[g] = tables.links[r[`link:${gpu}:${g}`]];
+      }
+    }
+    const peak = tables.peak_tflops[gpu] * 1e12;
+    const compute_s = time.flops_hw / (peak * inputs.efficiency);
+    let fsdp = 0, exposed = 0;
+    for (const [g, s] of Object.entries(comm)) {
+      if (g === "dp_shard" || g === "dp_outer") fsdp += s; else exposed += s;
+    }
+    const step = Math.max(compute_s, fsdp) + exposed;
     const out = {};
-    tables.memory.forEach((name, i) => { out[name] = state[i]; });
-    out.activations = activations;
-    out.logits = logits;
-    out.logits_grad = logitsGrad;
+    tables.memory.forEach(name => { out[name] = state[name]; });
+    out.activations = act.activations;
+    out.logits = act.logits;
+    out.logits_grad = act.logits_grad;
     /* The peak: the larger of the loss's moment (logits, no gradient buffers yet) and the
        backward's (gradient buffers and the logits' bf16 gradient), as Plan.moments. */
     const common = tables.memory.reduce(
-      (sum, name) => name === "grad_buffers" ? sum : sum + out[name], 0) + activations;
-    out.total = common + Math.max(logits, out.grad_buffers + logitsGrad);
-    Object.assign(out, {compute_s, step_s: step, tokens_per_gpu_s: tokens / step,
-                        model_tflops_per_gpu: tflops / step, mfu: mfu / step});
+      (sum, name) => name === "grad_buffers" ? sum : sum + out[name], 0) + out.activations;
+    out.total = common + Math.max(out.logits, out.grad_buffers + out.logits_grad);
+    Object.assign(out, {compute_s, step_s: step, tokens_per_gpu_s: time.tokens / step,
+                        model_tflops_per_gpu: time.flops_model / step / 1e12,
+                        mfu: time.flops_model / step / peak, sent, comm_s: comm, links,
+                        fsdp_s: fsdp, exposed_s: exposed});
     return out;
   }
 
   /* The `mfsdp plan` command that prints the same estimate (a flag only where it is not the
-     default). */
-  function command(inputs) {
+     default; --device-gib does not follow --gpu, so each is given where it differs). */
+  function command(inputs, tables) {
     const parts = [`mfsdp plan ${inputs.preset} --world-size ${inputs.world_size}`];
     if (inputs.strategy !== "optim_grads_params")
       parts.push(`--data-parallel-sharding-strategy ${inputs.strategy}`);
@@ -62,6 +91,11 @@
     if (inputs.micro_batch > 1) parts.push(`--micro-batch-size ${inputs.micro_batch}`);
     if (inputs.seq_length !== 4096) parts.push(`--seq-length ${inputs.seq_length}`);
     if (inputs.recompute !== "none") parts.push(`--recompute-granularity ${inputs.recompute}`);
+    const device = tables.devices[inputs.device];
+    if (device.gpu !== "h100") parts.push(`--gpu ${device.gpu}`);
+    if (device.device_gib !== 80) parts.push(`--device-gib ${device.device_gib}`);
+    if (inputs.efficiency !== tables.efficiency.default)
+      parts.push(`--compute-efficiency ${inputs.efficiency}`);
     // one flag per line, as the guide's commands are written, so the block fits the page
     return parts.join(" \\\n    ");
   }
@@ -94,11 +128,6 @@
     return got.logits >= got.grad_buffers + got.logits_grad;
   }
 
-  if (typeof module !== "undefined" && module.exports) {
-    module.exports = {compute, command, bar};
-    return;
-  }
-
   // one colour per memory term (Okabe and Ito's palette, distinct for colour-blind readers)
   const COLOURS = ["#0072b2", "#56b4e9", "#009e73", "#f0e442", "#e69f00", "#d55e00",
                    "#cc79a7", "#999999"];
@@ -114,6 +143,64 @@
     return Number(down[down.length - 1]) % 2 ? rounded : (x < 0 ? "-" : "") + down;
   }
   const grouped = n => fixed(n, 0).replace(/\B(?=(\d{3})+(?!\d))/g, ",");
+
+  const escape = text => String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;")
+    .replace(/>/g, "&gt;");
+
+  /* A result (compute()'s) as HTML: the memory table, its bar, whether it fits the GPU, the
+     step time, each group's traffic and whether the FSDP traffic hides under the compute, and
+     the command. planner_calculator.result_html writes the same for the page's default. */
+  function resultHtml(got, inputs, tables) {
+    const name = inputs.device;
+    const gib = tables.devices[name].device_gib;
+    const pct = fixed(100 * inputs.efficiency, 0);
+    const rows = TERMS.map(t => `<tr><td>${t}</td><td data-out="${t}">${fixed(got[t], 2)}</td></tr>`);
+    rows.push(`<tr class="mfsdp-calc-total"><td>total</td>` +
+              `<td data-out="total">${fixed(got.total, 2)}</td></tr>`);
+    rows.push(`<tr><td colspan="2" data-out="peak">` + (atLoss(got) ?
+      "at the loss's peak (no grad_buffers yet)" :
+      `in backward (+ ${fixed(got.logits_grad, 2)} logits' grad, no logits)`) + `</td></tr>`);
+    const fits = got.total <= gib - 4;
+    // as mfsdp plan says: less than 5 GiB to spare is tight (the planner measured 0.8% high
+    // once, on one 6-layer run)
+    const tight = fits && got.total > gib - 4 - 5 ?
+      " Tight: within 5 GiB of the limit; on the one GPU run compared the plan was 0.8% " +
+      "high, but it is one run of 6 layers." : "";
+    const traffic = Object.keys(got.sent).map(g =>
+      `<tr><td>${g}</td><td data-out="sent ${g}">${fixed(got.sent[g], 2)}</td>` +
+      `<td data-out="seconds ${g}">${fixed(got.comm_s[g], 2)}</td>` +
+      `<td data-out="links ${g}">${got.links[g]}</td></tr>`);
+    const fsdp = `The FSDP traffic (${fixed(got.fsdp_s, 2)} s) is ` + (got.fsdp_s <= got.compute_s ?
+      `hidden under the compute (${fixed(got.compute_s, 2)} s).` :
+      `exposed: it outlasts the compute (${fixed(got.compute_s, 2)} s), so the step waits ` +
+      `for it.`);
+    const exposed = got.exposed_s > 0 ?
+      ` TP, CP and EP traffic adds ${fixed(got.exposed_s, 2)} s to the step.` : "";
+    return `<table class="mfsdp-calc-memory"><thead><tr><th>memory term</th>` +
+      `<th>GiB per GPU</th></tr></thead><tbody>${rows.join("")}</tbody></table>` +
+      barHtml(got, gib) +
+      `<p class="mfsdp-calc-fits" data-out="fits">${fits ? "Fits" : "Does not fit"} on ` +
+      `${name} (${gib} GiB: total at most ${gib - 4} GiB, 4 GiB stay with the CUDA context ` +
+      `and the allocator).${tight}</p>` +
+      `<p class="mfsdp-calc-time">Predicted step on ${name}s at ${pct}% of the peak: ` +
+      `<b data-out="step_s">${fixed(got.step_s, 2)}</b> s (compute <span data-out="compute_s">` +
+      `${fixed(got.compute_s, 2)}</span> s), <span data-out="tokens_per_gpu_s">` +
+      `${grouped(got.tokens_per_gpu_s)}</span> tokens/s per GPU, <span data-out="tflops">` +
+      `${grouped(got.model_tflops_per_gpu)}</span> model TFLOP/s per GPU, MFU ` +
+      `<span data-out="mfu">${fixed(100 * got.mfu, 1)}</span>%. When the compute sets the ` +
+      `step, the MFU is the ${pct}% efficiency picked above, an assumption, not a ` +
+      `measurement.</p>` +
+      `<table class="mfsdp-calc-traffic"><thead><tr><th>traffic</th><th>GiB sent per GPU ` +
+      `and step</th><th>seconds</th><th>links</th></tr></thead><tbody>${traffic.join("")}` +
+      `</tbody></table><p data-out="overlap">${fsdp}${exposed}</p>` +
+      `<p>The same estimate in a terminal:</p>` +
+      `<pre class="mfsdp-calc-command">${escape(command(inputs, tables))}</pre>`;
+  }
+
+  if (typeof module !== "undefined" && module.exports) {
+    module.exports = {compute, command, bar, resultHtml};
+    return;
+  }
 
   function render(root, tables) {
     const form = root.querySelector("form");
@@ -134,35 +221,7 @@
       out.appendChild(p);
       return;
     }
-    const rows = TERMS.map(t => `<tr><td>${t}</td><td data-out="${t}">${fixed(got[t], 2)}</td></tr>`);
-    rows.push(`<tr class="mfsdp-calc-total"><td>total</td>` +
-              `<td data-out="total">${fixed(got.total, 2)}</td></tr>`);
-    rows.push(`<tr><td colspan="2" data-out="peak">` + (atLoss(got) ?
-      "at the loss's peak (no grad_buffers yet)" :
-      `in backward (+ ${fixed(got.logits_grad, 2)} logits' grad, no logits)`) + `</td></tr>`);
-    const fits = got.total <= 80 - 4;
-    // as mfsdp plan says: less than 5 GiB to spare is tight (the planner measured 0.8% high
-    // once, on one 6-layer run)
-    const tight = fits && got.total > 80 - 4 - 5 ?
-      " Tight: within 5 GiB of the limit; on the one GPU run compared the plan was 0.8% " +
-      "high, but it is one run of 6 layers." : "";
-    out.innerHTML =
-      `<table class="mfsdp-calc-memory"><thead><tr><th>memory term</th><th>GiB per GPU</th></tr>` +
-      `</thead><tbody>${rows.join("")}</tbody></table>` +
-      `<p class="mfsdp-calc-fits" data-out="fits">${fits ? "Fits" : "Does not fit"} on an 80 GiB ` +
-      `GPU (total at most 76 GiB: 4 GiB stay with the CUDA context and the allocator).` +
-      `${tight}</p>` +
-      `<p class="mfsdp-calc-time">Predicted step on H100s: <b data-out="step_s">` +
-      `${fixed(got.step_s, 2)}</b> s (compute <span data-out="compute_s">` +
-      `${fixed(got.compute_s, 2)}</span> s), <span data-out="tokens_per_gpu_s">` +
-      `${grouped(got.tokens_per_gpu_s)}</span> tokens/s per GPU, <span data-out="tflops">` +
-      `${grouped(got.model_tflops_per_gpu)}</span> model TFLOP/s per GPU, MFU ` +
-      `<span data-out="mfu">${fixed(100 * got.mfu, 1)}</span>%. The compute runs at an ` +
-      `assumed 40% of the GPU's peak (<code>mfsdp plan --compute-efficiency</code> changes ` +
-      `it), so a step limited by compute shows that 40% as its MFU.</p>` +
-      `<p>The same estimate in a terminal:</p><pre class="mfsdp-calc-command"></pre>`;
-    out.querySelector("pre").textContent = command(inputs);
-    out.querySelector("table").insertAdjacentHTML("afterend", barHtml(got, 80));
+    out.innerHTML = resultHtml(got, inputs, tables);
   }
 
   /* The memory bar as HTML: a stacked bar with the device's limit as a line, and a legend. */
@@ -185,13 +244,11 @@
 
   async function start(root) {
     const base = document.documentElement.dataset.content_root || "";
-    const out = root.querySelector(".mfsdp-calc-result");
     const file = "_static/" + root.dataset.tables;
-    out.innerHTML = "";
-    const status = document.createElement("p");
-    status.dataset.out = "status";
+    // the result holds the default inputs' numbers, written at build time; the status line
+    // says what happens until the tables arrive, and why if they do not
+    const status = root.querySelector(".mfsdp-calc-status");
     status.textContent = "Loading the planner's tables...";
-    out.appendChild(status);
     let tables;
     try {
       const response = await fetch(base + file);
@@ -199,12 +256,15 @@
       tables = await response.json();
     } catch (e) {
       // (a page opened as a file cannot fetch: serve the guide, make serve)
-      status.className = "mfsdp-calc-error";
+      status.className = "mfsdp-calc-status mfsdp-calc-error";
       status.dataset.out = "error";
-      status.textContent = `The calculator could not load ${file} (${e.message || e}): run ` +
-                           "mfsdp plan instead, or serve the guide over http (make serve).";
+      status.textContent = `The calculator could not load ${file} (${e.message || e}): the ` +
+                           "result below is for the default inputs only; run mfsdp plan " +
+                           "instead, or serve the guide over http (make serve).";
+      for (const select of root.querySelectorAll("select")) select.disabled = true;
       return;
     }
+    status.textContent = "";
     root.querySelector("form").addEventListener("change", () => render(root, tables));
     render(root, tables);
     root.dataset.ready = "1";

@@ -11,22 +11,25 @@ strategies and so on make about two million layouts), so the tables follow what 
 depends on:
 
 * ``state``: weights, main weights, gradients, optimizer state, gathered weights and gradient
-  buffers at their peak, and the
-  seconds the FSDP collectives (``dp_shard``, ``dp_outer``) take, per (world size, strategy,
-  outer size, outer strategy, TP, CP, EP): none of them depends on the batch or the sequence;
+  buffers at their peak, the bytes the FSDP groups (``dp_shard``, ``dp_outer``) send and, for
+  each GPU of :data:`~mfsdp.tools.plan_time.GPUS`, the seconds they take and the links they
+  cross, per (world size, strategy, outer size, outer strategy, TP, CP, EP): none of them
+  depends on the batch or the sequence;
 * ``activations``: the layers' activations, the loss's logits and the logits' gradient, per
   (TP, CP, SP, micro-batch, sequence length, recompute);
-* ``time``: the compute seconds, the seconds of the collectives between layers (TP, CP, EP), and
-  the tokens and model FLOPs per rank and step, per (TP, CP, EP, micro-batch, sequence length,
-  recompute): per rank, none of them depends on the world size or the sharding.
+* ``time``: one rank's hardware and model FLOPs and tokens per step, and the bytes, seconds and
+  links of the collectives between layers (TP, CP, EP), per (TP, CP, EP, micro-batch, sequence
+  length, recompute): per rank, none of them depends on the world size or the sharding.
 
-The page takes the larger of the step's two moments (:attr:`mfsdp.tools.plan.Plan.moments`:
-the loss's peak, with ``logits``, and the backward, with ``grad_buffers`` and the logits'
-gradient) as the total and combines the times as :func:`~mfsdp.tools.plan_time.step_time`
-does (the FSDP collectives overlap the compute, the others add to it); :func:`lookup` is that
-combination in Python. :func:`check` compares it with direct calls of the planner on random
-layouts, and :func:`export` runs it: a change to the planner that breaks the split stops the docs
-build instead of showing wrong numbers.
+The page divides the FLOPs by the GPU's peak times the compute efficiency it is given, as
+:func:`~mfsdp.tools.plan_time.step_time` does, so any efficiency needs no table of its own. It
+takes the larger of the step's two moments (:attr:`mfsdp.tools.plan.Plan.moments`: the loss's
+peak, with ``logits``, and the backward, with ``grad_buffers`` and the logits' gradient) as the
+total and combines the times as :func:`~mfsdp.tools.plan_time.step_time` does (the FSDP
+collectives overlap the compute, the others add to it); :func:`lookup` is that combination in
+Python. :func:`check` compares it with direct calls of the planner on random layouts, GPUs and
+efficiencies, and :func:`export` runs it: a change to the planner that breaks the split stops
+the docs build instead of showing wrong numbers.
 
 >>> small = {**GRID, "preset": ["llama3-8b"], "world_size": [8, 64], "seq_length": [4096]}
 >>> tables = export(small, samples=20)
@@ -35,6 +38,12 @@ build instead of showing wrong numbers.
 ...              sequence_parallel=False, micro_batch=1, seq_length=4096, recompute="none")
 >>> round(got["total"], 2), round(got["step_s"], 2)   # mfsdp plan llama3-8b --world-size 64
 (38.1, 0.5)
+>>> got = lookup(tables, device="GB200", efficiency=0.5, preset="llama3-8b", world_size=64,
+...              strategy="optim_grads_params", dp_outer=1, outer_strategy="no_shard", tp=1,
+...              cp=1, ep=1, sequence_parallel=False, micro_batch=1, seq_length=4096,
+...              recompute="none")
+>>> round(got["compute_s"], 3), round(got["comm_s"]["dp_shard"], 3), got["links"]["dp_shard"]
+(0.158, 0.085, 'NVLink')
 """
 
 from __future__ import annotations
@@ -43,9 +52,11 @@ import itertools
 import random
 
 from mfsdp.tools.plan import GiB, PRESETS, Layout, plan
-from mfsdp.tools.plan_time import step_time
+from mfsdp.tools.plan_layouts import GPUS as LAYOUT_GPUS
+from mfsdp.tools.plan_time import GPUS, step_time
 
-__all__ = ["GRID", "RECOMPUTE", "AXES", "MEMORY", "export", "check", "lookup", "direct"]
+__all__ = ["GRID", "RECOMPUTE", "AXES", "MEMORY", "DEVICES", "EFFICIENCY", "GROUPS", "LINKS",
+           "export", "check", "lookup", "direct"]
 
 GRID: dict[str, list] = {
     "preset": ["llama3-8b", "llama3-70b", "llama3.1-405b", "deepseek-v3"],
@@ -61,13 +72,32 @@ GRID: dict[str, list] = {
     "seq_length": [2048, 4096, 8192, 16384, 32768],
     "recompute": ["none", "selective", "full"],
 }
-"""The inputs the calculator offers, each a drop-down list of these values (EP for the
+"""The layout inputs the calculator offers, each a drop-down list of these values (EP for the
 mixture-of-experts presets only, the sizes that divide their routed experts). The outer size
 is ``mfsdp plan --num-distributed-optimizer-instances``, the outer strategy its
 ``--outer-dp-sharding-strategy``: ``no_shard`` replicates across the outer groups (HSDP),
-``optim`` also shards the optimizer state over them (HFSDP). Times are for the H100 (``mfsdp
-plan``'s default ``--gpu``) and one micro-batch per data-parallel rank and step (its default
-``--global-batch-size``)."""
+``optim`` also shards the optimizer state over them (HFSDP). Times are for one micro-batch per
+data-parallel rank and step (``mfsdp plan``'s default ``--global-batch-size``), on the GPU of
+:data:`DEVICES` and at the compute efficiency of :data:`EFFICIENCY` the reader picks."""
+
+DEVICES: dict[str, tuple[float, str]] = {**LAYOUT_GPUS, "GB300": (279.0, "gb300")}
+"""The calculator's GPU choices: name -> (``mfsdp plan --device-gib``, its ``--gpu``, whose
+peak and links price the step). ``mfsdp plan``'s ``--device-gib`` does not follow ``--gpu``
+(80 unless given), so the page prints both. H100, H200 and GB200 are the layouts page's
+(:data:`mfsdp.tools.plan_layouts.GPUS`: an H200 computes as an H100 and holds about 140 GiB);
+a GB300 holds 279 GB (a GB300 NVL72 rack's 20.1 TB over its 72 GPUs), the capacity taken as
+GiB like the others."""
+
+EFFICIENCY = [0.3, 0.35, 0.4, 0.45, 0.5]
+"""The compute efficiencies offered (``mfsdp plan --compute-efficiency``; 0.4 by default): the
+fraction of the GPU's dense peak a step's kernels reach (see :mod:`mfsdp.tools.plan_time`)."""
+
+GROUPS = ("dp_shard", "dp_outer", "tp", "cp", "ep")
+"""The groups whose traffic the tables hold, in ``plan().comm``'s order (``mfsdp plan``'s)."""
+
+LINKS = ["none", "NVLink", "network", "NVLink + network"]
+"""The links a group's traffic crosses, as :func:`~mfsdp.tools.plan_time.step_time` names
+them; a table holds the index."""
 
 RECOMPUTE = {"none": None, "selective": "selective", "full": "full"}
 """The calculator's recompute choices as ``Layout.recompute_granularity`` (``mfsdp plan
@@ -81,9 +111,22 @@ AXES = {
 """Each table's inputs, in the order of its rows (the last one varies fastest)."""
 
 MEMORY = ("weights", "main_weights", "grads", "optimizer", "gathered", "grad_buffers")
-"""The memory terms of a ``state`` row; the row's last number is the FSDP seconds."""
+"""The memory terms of a ``state`` row (the rest of the row: :func:`columns`)."""
 
-GPU = "h100"
+_TABLE_GROUPS = {"state": GROUPS[:2], "time": GROUPS[2:]}
+
+
+def columns(table: str) -> list[str]:
+    """The names of a row's numbers in ``table``: memory terms in GiB, ``flops_hw``,
+    ``flops_model`` and ``tokens`` per rank and step, ``sent:G`` (GiB group ``G`` sends per rank
+    and step), ``s:GPU:G`` (its seconds on ``GPU``) and ``link:GPU:G`` (an index of
+    :data:`LINKS`); ``null`` where the planner has no such group (``mfsdp plan`` prints none)."""
+    if table == "activations":
+        return ["activations", "logits", "logits_grad"]
+    head = list(MEMORY) if table == "state" else ["flops_hw", "flops_model", "tokens"]
+    groups = _TABLE_GROUPS[table]
+    return head + [f"sent:{g}" for g in groups] + [
+        f"{kind}:{gpu}:{g}" for gpu in GPUS for g in groups for kind in ("s", "link")]
 
 
 def _values(grid: dict, preset: str, axis: str) -> list:
@@ -95,9 +138,9 @@ def _values(grid: dict, preset: str, axis: str) -> list:
     return list(grid[axis])
 
 
-def _row(preset: str, table: str, inputs: dict) -> list[float] | str:
-    """One row of ``table``: what the planner gives for ``inputs`` (the table's axes), or the
-    planner's error message."""
+def _row(preset: str, table: str, inputs: dict) -> list | str:
+    """One row of ``table`` (:func:`columns`): what the planner gives for ``inputs`` (the
+    table's axes), or the planner's error message."""
     model = PRESETS[preset]
     kw = {k: v for k, v in inputs.items() if k != "recompute"}
     kw["recompute_granularity"] = RECOMPUTE[inputs.get("recompute", "none")]
@@ -112,27 +155,47 @@ def _row(preset: str, table: str, inputs: dict) -> list[float] | str:
     p = plan(model, layout)
     if table == "activations":
         return [p.memory["activations"] / GiB, p.memory["logits"] / GiB, p.logits_grad / GiB]
-    t = step_time(model, layout, p.comm, GPU)
+    groups = _TABLE_GROUPS[table]
+    sent = {g: b for g, b in p.comm.items() if g in groups}
+    times = {gpu: step_time(model, layout, sent, gpu) for gpu in GPUS}
     if table == "state":
-        return [p.memory[m] / GiB for m in MEMORY] + [
-            t.comm_s.get("dp_shard", 0.0) + t.comm_s.get("dp_outer", 0.0)]
-    exposed = sum(s for g, s in t.comm_s.items() if g not in ("dp_shard", "dp_outer"))
-    return [t.compute_s, exposed, t.tokens_per_gpu_s * t.step_s,
-            t.model_tflops_per_gpu * t.step_s, t.mfu * t.step_s]
+        row = [p.memory[m] / GiB for m in MEMORY]
+    else:  # at efficiency 1 the compute takes flops_hw / peak; tokens and model FLOPs per rank
+        t = times["h100"]
+        row = [t.compute_s * GPUS["h100"].peak_tflops * 1e12 * GPUS["h100"].efficiency,
+               t.model_tflops_per_gpu * 1e12 * t.step_s, t.tokens_per_gpu_s * t.step_s]
+    row += [sent[g] / GiB if g in sent else None for g in groups]
+    for gpu in GPUS:
+        for g in groups:
+            row += ([times[gpu].comm_s[g], LINKS.index(times[gpu].links[g])] if g in sent
+                    else [None, None])
+    return row
 
 
 def export(grid: dict | None = None, samples: int = 300, seed: int = 0) -> dict:
     """The calculator's tables over ``grid`` (default :data:`GRID`), checked by :func:`check` on
-    ``samples`` random layouts.
+    ``samples`` random layouts, GPUs and efficiencies.
 
     For each table of :data:`AXES` and each preset: one row per combination of the table's
-    inputs, in ``itertools.product`` order; memory in GiB, times in seconds. A row that is an
-    integer is the index of the planner's error message in ``errors``.
+    inputs, in ``itertools.product`` order, its numbers named by ``columns``; memory in GiB,
+    times in seconds. A row that is an integer is the index of the planner's error message in
+    ``errors``. ``devices`` and ``efficiency`` are the GPU and efficiency choices, ``peak_tflops``
+    each timed GPU's peak.
     """
+    untimed = set(GPUS) - {gpu for _, gpu in DEVICES.values()}
+    if untimed:
+        raise ValueError(f"plan_time.GPUS has {sorted(untimed)} but plan_export.DEVICES offers "
+                         "no GPU timed by it: add it to DEVICES with its --device-gib")
     grid = {k: list(v) for k, v in (GRID if grid is None else grid).items()}
     errors: list[str] = []
     tables: dict = {"grid": grid, "axes": {k: list(v) for k, v in AXES.items()},
-                    "memory": list(MEMORY), "errors": errors,
+                    "columns": {t: columns(t) for t in AXES}, "memory": list(MEMORY),
+                    "groups": list(GROUPS), "links": LINKS, "errors": errors,
+                    "devices": {name: {"device_gib": gib, "gpu": gpu}
+                                for name, (gib, gpu) in DEVICES.items()},
+                    "peak_tflops": {gpu: g.peak_tflops for gpu, g in GPUS.items()},
+                    "efficiency": {"choices": list(EFFICIENCY),
+                                   "default": GPUS["h100"].efficiency},
                     "ep": {p: _values(grid, p, "ep") for p in grid["preset"]}}
     for table, axes in AXES.items():
         tables[table] = {}
@@ -151,41 +214,69 @@ def export(grid: dict | None = None, samples: int = 300, seed: int = 0) -> dict:
     return tables
 
 
-def _get(tables: dict, table: str, inputs: dict) -> list[float] | str:
+def _get(tables: dict, table: str, inputs: dict) -> dict | str:
     preset, index = inputs["preset"], 0
     for axis in tables["axes"][table]:
         values = tables["ep"][preset] if axis == "ep" else tables["grid"][axis]
         index = index * len(values) + values.index(inputs[axis])
     row = tables[table][preset][index]
-    return tables["errors"][row] if isinstance(row, int) else row
+    return tables["errors"][row] if isinstance(row, int) else dict(zip(tables["columns"][table],
+                                                                       row))
 
 
-def lookup(tables: dict, **inputs) -> dict | str:
+def lookup(tables: dict, device: str = "H100", efficiency: float = 0.4, **inputs) -> dict | str:
     """One layout's numbers from the tables, combined as the page's script combines them (the
     reference the tests hold the script to).
 
-    ``inputs``: one value of each :data:`GRID` input. Returns the memory terms and ``total`` in
-    GiB and the step's ``compute_s``, ``step_s``, ``tokens_per_gpu_s``,
-    ``model_tflops_per_gpu`` and ``mfu``; or the planner's error message for an invalid layout.
+    ``inputs``: one value of each :data:`GRID` input; ``device`` a key of :data:`DEVICES`;
+    ``efficiency`` the fraction of the peak the compute reaches (``mfsdp plan
+    --compute-efficiency``). Returns the memory terms and ``total`` in GiB, the step's
+    ``compute_s``, ``step_s``, ``tokens_per_gpu_s``, ``model_tflops_per_gpu`` and ``mfu``, and
+    per group of ``plan().comm`` (in its order) the GiB ``sent`` per rank and step, its seconds
+    ``comm_s`` and its ``links``; ``fsdp_s`` (the FSDP groups' seconds, which overlap the
+    compute) and ``exposed_s`` (the others', which add to it). Or the planner's error message
+    for an invalid layout.
     """
+    if device not in tables["devices"]:
+        raise ValueError(f"device={device!r} is not one of {sorted(tables['devices'])}: "
+                         "pick a GPU the calculator offers")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency} must be in (0, 1]: the fraction of the "
+                         "peak a step's kernels reach (0.4 by default)")
+    gpu = tables["devices"][device]["gpu"]
     rows = [_get(tables, t, inputs) for t in ("state", "activations", "time")]
     for row in rows:
         if isinstance(row, str):
             return row
-    state, (activations, logits, logits_grad), (compute, exposed, tokens, tflops, mfu) = rows
-    step = max(compute, state[len(tables["memory"])]) + exposed
-    memory = dict(zip(tables["memory"], state), activations=activations, logits=logits)
+    state, act, time = rows
+    sent, comm, links = {}, {}, {}
+    for row in (state, time):
+        for g in tables["groups"]:
+            if row.get(f"sent:{g}") is not None:
+                sent[g], comm[g] = row[f"sent:{g}"], row[f"s:{gpu}:{g}"]
+                links[g] = tables["links"][row[f"link:{gpu}:{g}"]]
+    peak = tables["peak_tflops"][gpu] * 1e12
+    compute = time["flops_hw"] / (peak * efficiency)
+    fsdp = sum(s for g, s in comm.items() if g in ("dp_shard", "dp_outer"))
+    exposed = sum(s for g, s in comm.items() if g not in ("dp_shard", "dp_outer"))
+    step = max(compute, fsdp) + exposed
+    memory = {m: state[m] for m in tables["memory"]}
+    memory.update(activations=act["activations"], logits=act["logits"])
     common = sum(v for k, v in memory.items() if k not in ("grad_buffers", "logits"))
-    total = common + max(logits, memory["grad_buffers"] + logits_grad)  # Plan.moments
-    return {**memory, "logits_grad": logits_grad, "total": total, "compute_s": compute,
-            "step_s": step, "tokens_per_gpu_s": tokens / step, "model_tflops_per_gpu": tflops / step,
-            "mfu": mfu / step}
+    total = common + max(act["logits"], memory["grad_buffers"] + act["logits_grad"])  # moments
+    return {**memory, "logits_grad": act["logits_grad"], "total": total, "compute_s": compute,
+            "step_s": step, "tokens_per_gpu_s": time["tokens"] / step,
+            "model_tflops_per_gpu": time["flops_model"] / step / 1e12,
+            "mfu": time["flops_model"] / step / peak, "sent": sent, "comm_s": comm,
+            "links": links, "fsdp_s": fsdp, "exposed_s": exposed}
 
 
 def direct(preset: str, world_size: int, strategy: str, dp_outer: int, outer_strategy: str,
            tp: int, cp: int, ep: int, sequence_parallel: bool, micro_batch: int,
-           seq_length: int, recompute: str) -> dict | str:
-    """The numbers :func:`lookup` gives, from one direct call of the planner."""
+           seq_length: int, recompute: str, device: str = "H100",
+           efficiency: float = 0.4) -> dict | str:
+    """The numbers :func:`lookup` gives, from one direct call of the planner (``mfsdp plan``'s
+    ``plan`` and ``step_time``) on ``device``'s GPU at ``efficiency``."""
     model = PRESETS[preset]
     try:
         layout = Layout(world_size=world_size, strategy=strategy, dp_outer=dp_outer,
@@ -196,25 +287,44 @@ def direct(preset: str, world_size: int, strategy: str, dp_outer: int, outer_str
     except ValueError as exc:
         return str(exc)
     p = plan(model, layout)
-    t = step_time(model, layout, p.comm, GPU)
+    t = step_time(model, layout, p.comm, DEVICES[device][1], efficiency=efficiency)
     memory = {m: p.memory[m] / GiB for m in (*MEMORY, "activations", "logits")}
+    fsdp = sum(s for g, s in t.comm_s.items() if g in ("dp_shard", "dp_outer"))
     return {**memory, "logits_grad": p.logits_grad / GiB, "total": p.total / GiB,
             "compute_s": t.compute_s, "step_s": t.step_s,
             "tokens_per_gpu_s": t.tokens_per_gpu_s,
-            "model_tflops_per_gpu": t.model_tflops_per_gpu, "mfu": t.mfu}
+            "model_tflops_per_gpu": t.model_tflops_per_gpu, "mfu": t.mfu,
+            "sent": {g: b / GiB for g, b in p.comm.items()}, "comm_s": dict(t.comm_s),
+            "links": dict(t.links), "fsdp_s": fsdp,
+            "exposed_s": sum(t.comm_s.values()) - fsdp}
+
+
+def _differences(got, want, rel: float, name: str = "") -> list[str]:
+    """Where ``got`` and ``want`` (numbers, strings, or dicts of them) differ beyond ``rel``."""
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or list(got) != list(want):
+            return [f"{name}: {got!r} != {want!r}"]
+        return [d for k in want for d in _differences(got[k], want[k], rel, f"{name}.{k}")]
+    if isinstance(want, str) or isinstance(got, str):
+        return [] if got == want else [f"{name}: {got!r} != {want!r}"]
+    return [] if abs(got - want) <= rel * max(abs(want), 1e-12) else [f"{name}: {got} != {want}"]
 
 
 def check(tables: dict, samples: int = 300, seed: int = 0, rel: float = 1e-8) -> None:
-    """Raise ``AssertionError`` unless :func:`lookup` equals :func:`direct` (to ``rel``) on
-    ``samples`` random layouts of the tables' grid, and both find the same layouts invalid."""
+    """Raise ``AssertionError`` unless :func:`lookup` equals :func:`direct` (to ``rel``; the same
+    groups in the same order, the same links) on ``samples`` random layouts of the tables' grid,
+    on random GPUs of ``devices`` and efficiencies in [0.2, 1], and both find the same layouts
+    invalid."""
     rng = random.Random(seed)
     for _ in range(samples):
         inputs = {n: rng.choice(values) for n, values in tables["grid"].items()}
         inputs["ep"] = rng.choice(tables["ep"][inputs["preset"]])
+        inputs["device"] = rng.choice(sorted(tables["devices"]))
+        inputs["efficiency"] = rng.choice([*tables["efficiency"]["choices"],
+                                           rng.uniform(0.2, 1.0)])
         got, want = lookup(tables, **inputs), direct(**inputs)
         if isinstance(want, str) or isinstance(got, str):
             assert isinstance(got, str) and isinstance(want, str), (inputs, got, want)
             continue
-        for name, value in want.items():
-            assert abs(got[name] - value) <= rel * max(abs(value), 1e-12), \
-                (inputs, name, got[name], value)
+        wrong = _differences(got, want, rel)
+        assert not wrong, (inputs, wrong)
