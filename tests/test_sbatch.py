@@ -361,8 +361,8 @@ def test_megatron_lm_render_names_the_transformer_engine_plan(capsys):
         **layout)).total / 2**30
     engine = plan(PRESETS["llama3-70b"], Layout(transformer_impl="transformer_engine",
                                                 **layout)).total / 2**30
-    assert peaks == {"mfsdp": pytest.approx(local, abs=0.05),
-                     "megatron-lm": pytest.approx(engine, abs=0.05)}
+    assert peaks == {"mfsdp": pytest.approx(local, abs=0.051),
+                     "megatron-lm": pytest.approx(engine, abs=0.051)}  # (printed to 0.1)
     assert peaks["megatron-lm"] != peaks["mfsdp"]
     assert main(["sbatch", "render", "llama3-70b", "--set", "trainer=megatron-lm", "--set",
                  "extra_args=--transformer-impl local"]) == 0
