@@ -172,7 +172,10 @@ def test_every_flag_in_a_script_exists(name, overrides, rel):
                                   "llama3-8b-long"])
 def test_megatron_lm_scripts_build_the_same_model_and_layout(name):
     """The Megatron-LM script asks for the mfsdp script's model and layout, with the
-    Megatron-FSDP flags of the upstream guide."""
+    Megatron-FSDP flags of the upstream guide; its recomputation is its own (sized by the plan
+    of Megatron-LM's Transformer Engine layer, see
+    test_gpu_presets_build_the_real_architecture_and_fit), as its preset's megatron_lm values
+    give it."""
     from mfsdp.models.gpt import GPT_PRESETS
 
     ours = train.build_parser().parse_args(_array((SCRIPTS / f"{name}.sbatch").read_text(),
@@ -189,14 +192,22 @@ def test_megatron_lm_scripts_build_the_same_model_and_layout(name):
                   "expert_model_parallel_size", "tensor_model_parallel_size",
                   "context_parallel_size", "sequence_parallel", "micro_batch_size",
                   "global_batch_size", "seq_length", "train_iters", "lr", "bf16",
-                  "init_model_with_meta_device", "recompute_granularity",
-                  "grad_reduce_in_bf16", "exit_signal_handler"):
+                  "init_model_with_meta_device", "grad_reduce_in_bf16",
+                  "exit_signal_handler"):
         flag = "--" + field.replace("_", "-")
         value = getattr(theirs, field)
         if value is None:  # not on the command line: Megatron-LM's default
             value = MEGATRON_DEFAULTS.get(flag)
         assert value == getattr(ours, field), field
     assert theirs.fsdp_double_buffer and theirs.nccl_ub
+    own = train.build_parser().parse_args(
+        shlex.split(sbatch.resolve(name, {"trainer": "megatron-lm"})[1]["model_args"]))
+    for field in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        value = getattr(theirs, field)
+        if value is None:
+            value = MEGATRON_DEFAULTS.get("--" + field.replace("_", "-"))
+        assert value == getattr(own, field), field
+    assert theirs.transformer_impl in (None, "transformer_engine")  # what the plan models
     if name == "deepseek-v3":
         assert (theirs.moe_token_dispatcher_type, theirs.moe_flex_dispatcher_backend) == (
             "flex", "hybridep")
@@ -261,6 +272,103 @@ def test_gpu_presets_build_the_real_architecture_and_fit(name):
     from mfsdp.tools.sbatch.schedule import schedule
 
     assert schedule(sbatch.resolve(name)[1]).peak_bytes == pytest.approx(p.total, rel=1e-12)
+
+
+_MEGATRON_LM_GPU_PRESETS = [name for name, p in sbatch.PRESETS.items()
+                            if p.megatron_lm and p.template == "train"]
+
+
+@pytest.mark.parametrize("name", _MEGATRON_LM_GPU_PRESETS)
+def test_megatron_lm_variants_recompute_the_least_that_keeps_5_gib_spare(name):
+    """Each GPU preset's Megatron-LM script, planned with Megatron-LM's Transformer Engine
+    layer (its default --transformer-impl) on the layout written out from the script's own
+    flags, leaves TIGHT_GIB of 80 GiB spare, and recomputes as little as that allows: one
+    block-recomputed layer fewer (or none instead of one) would leave under TIGHT_GIB spare;
+    the render's memory figure is this plan."""
+    from dataclasses import replace
+
+    from mfsdp.tools.plan import GiB, Layout, ModelConfig, plan
+    from mfsdp.tools.plan_cli import TIGHT_GIB
+    from mfsdp.tools.sbatch.schedule import schedule
+
+    text = (SCRIPTS / "megatron-lm" / f"{name}.sbatch").read_text()
+    theirs = SnapshotParser().parse_args(_array(text, "TRAIN_ARGS"))
+    assert theirs.transformer_impl is None  # Megatron-LM's default: transformer_engine
+    assert MEGATRON_DEFAULTS["--transformer-impl"] == "transformer_engine"
+    # the model: the mfsdp script's (the same, test_megatron_lm_scripts_build_the_same_model...)
+    ours = train.build_parser().parse_args(_array((SCRIPTS / f"{name}.sbatch").read_text(),
+                                                  "TRAIN_ARGS"))
+    model = ModelConfig.from_gpt(train.model_config(ours))
+    v = sbatch.PRESETS[name].values
+    world = v["nodes"] * v["gpus_per_node"]
+    dp = world // (theirs.tensor_model_parallel_size or 1) // (theirs.context_parallel_size or 1)
+    layout = Layout(world, theirs.data_parallel_sharding_strategy,
+                    theirs.num_distributed_optimizer_instances or 1,
+                    theirs.outer_dp_sharding_strategy or "no_shard",
+                    theirs.expert_model_parallel_size or 1, micro_batch=theirs.micro_batch_size,
+                    micro_batches=theirs.global_batch_size // (theirs.micro_batch_size * dp),
+                    tp=theirs.tensor_model_parallel_size or 1,
+                    cp=theirs.context_parallel_size or 1,
+                    sequence_parallel=bool(theirs.sequence_parallel),
+                    seq_length=theirs.seq_length,
+                    recompute_granularity=theirs.recompute_granularity,
+                    recompute_method=theirs.recompute_method or "uniform",
+                    recompute_num_layers=theirs.recompute_num_layers or 1,
+                    grad_comm_bytes=2 if theirs.grad_reduce_in_bf16 else None,
+                    transformer_impl="transformer_engine")
+    p = plan(model, layout)
+    assert p.fits(80 - TIGHT_GIB), f"{name} leaves under {TIGHT_GIB} GiB spare:\n{p.table()}"
+    if theirs.recompute_granularity is not None:  # and no less recomputation would
+        assert (theirs.recompute_granularity, theirs.recompute_method) == ("full", "block")
+        n = theirs.recompute_num_layers
+        fewer = (replace(layout, recompute_num_layers=n - 1) if n > 1 else
+                 replace(layout, recompute_granularity=None, recompute_method="uniform",
+                         recompute_num_layers=1))
+        less = plan(model, fewer)
+        assert not less.fits(80 - TIGHT_GIB), (
+            f"{name}: {n - 1} recomputed layers would leave {76 - less.total / GiB:.2f} GiB "
+            "spare; recompute fewer")
+    s = schedule(sbatch.resolve(name, {"trainer": "megatron-lm"})[1])
+    assert s.peak_bytes == pytest.approx(p.total, rel=1e-12)
+    assert s.transformer_impl == "transformer_engine"
+
+
+def test_megatron_lm_render_names_the_transformer_engine_plan(capsys):
+    """A Megatron-LM render says, on stderr and in its header, that its plan is of Megatron-LM's
+    Transformer Engine layers, and its peak is that plan's, not the mfsdp render's (the same
+    model and layout with mfsdp train's layer); --transformer-impl local in its extra_args
+    plans it with the local layer."""
+    from mfsdp.cli import main
+    from mfsdp.tools.plan import PRESETS, Layout, plan
+
+    peaks = {}
+    for trainer in ("mfsdp", "megatron-lm"):
+        assert main(["sbatch", "render", "llama3-70b", "--set", f"trainer={trainer}"]) == 0
+        out, err = capsys.readouterr()
+        memory = [line for line in err.splitlines() if "memory:" in line]
+        assert len(memory) == 1, err
+        peaks[trainer] = float(re.search(r"peak is ([\d.]+) GiB", memory[0]).group(1))
+        header = " ".join(line[2:] for line in out.splitlines()[2:8])
+        layers = ("Megatron-LM's Transformer Engine layers" if trainer == "megatron-lm" else
+                  "mfsdp train's layers")
+        assert f"GiB per GPU with {layers};" in memory[0], memory[0]
+        assert f"the plan of {layers}" in header, header
+    # the hand-written layout of the 70B script (64 H100s, TP 4 with SP, 512 x 8,192 tokens)
+    layout = dict(world_size=64, tp=4, sequence_parallel=True, seq_length=8192,
+                  micro_batch=1, micro_batches=512 // 16, grad_comm_bytes=2)
+    local = plan(PRESETS["llama3-70b"], Layout(
+        recompute_granularity="full", recompute_method="block", recompute_num_layers=26,
+        **layout)).total / 2**30
+    engine = plan(PRESETS["llama3-70b"], Layout(transformer_impl="transformer_engine",
+                                                **layout)).total / 2**30
+    assert peaks == {"mfsdp": pytest.approx(local, abs=0.051),
+                     "megatron-lm": pytest.approx(engine, abs=0.051)}  # (printed to 0.1)
+    assert peaks["megatron-lm"] != peaks["mfsdp"]
+    assert main(["sbatch", "render", "llama3-70b", "--set", "trainer=megatron-lm", "--set",
+                 "extra_args=--transformer-impl local"]) == 0
+    err = capsys.readouterr().err
+    assert "GiB per GPU with mfsdp train's layers;" in err, err
+    assert f"peak is {plan(PRESETS['llama3-70b'], Layout(**layout)).total / 2**30:.1f} " in err
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "deepseek-v3", "llama3.1-405b",
@@ -594,7 +702,8 @@ def test_render_says_how_long_the_schedule_takes(name, capsys):
         peak = plan(PRESETS[model], Layout(seq_length=8192, micro_batch=1, grad_comm_bytes=2,
                                            **layout)).total / 2**30
         assert lines[0] == (f"mfsdp sbatch: memory: the planner's peak is {peak:.1f} "
-                                       f"GiB per GPU; fits 80 GiB GPUs (at most 76 GiB)")
+                            f"GiB per GPU with mfsdp train's layers; fits 80 GiB GPUs (at "
+                            f"most 76 GiB)")
         assert "mfsdp sbatch: schedule:" not in out and out.startswith("#!/bin/bash")
         s = sbatch_schedule(sbatch.resolve(name, {"train_iters": str(iters),
                                                   "lr_warmup_iters": "500"})[1])

@@ -41,7 +41,14 @@ def test_header_of_an_unchanged_preset_names_its_recipe_and_list_shows_the_prese
             "requeue until done.") in header
     assert "--set" not in header
     # a change the schedule does not read leaves the recipe's sentence as it is
-    assert _header(sbatch.render("llama3-8b", {"nodes": "4"})) == header
+    recipe = header[header.index("Batch and learning-rate schedule:"):]
+    wider = _header(sbatch.render("llama3-8b", {"nodes": "4"}))
+    assert wider.endswith(recipe)
+    # but the recomputation is stated from the rendered plan: on 32 GPUs (each holds half the
+    # sharded state) 3 layers are no longer the fewest that fit
+    assert "first 3 of 32 layers (with fewer the plan of mfsdp train's layers leaves under " \
+           "5 GiB of 80 spare; it costs about 3% of the step)" in header
+    assert "first 3 of 32 layers (it costs about 3% of the step)" in wider
     # the job length follows time, and a script that does not save says it does not requeue
     other = _header(sbatch.render("llama3-8b", {"time": "00:30:00", "save": ""}))
     assert "in 30-minute jobs (this script neither saves" in other
@@ -49,6 +56,27 @@ def test_header_of_an_unchanged_preset_names_its_recipe_and_list_shows_the_prese
     sbatch.main(["list"])
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("llama3-8b "))
     assert line.endswith(header[2:])
+
+
+def test_header_states_the_rendered_recomputation():
+    """The recomputation the header names is the one model_args pass, in the plan of the
+    rendered trainer's layer."""
+    from mfsdp.tools.plan import PRESETS, Layout, estimate
+
+    layout = dict(world_size=16, seq_length=8192, micro_batch=1, micro_batches=32,
+                  grad_comm_bytes=2)
+    args = "--model-preset llama3-8b --recompute-granularity full --recompute-method block"
+    five = _header(sbatch.render("llama3-8b", {"model_args": f"{args} --recompute-num-layers 5"}))
+    cost = (estimate(PRESETS["llama3-8b"], Layout(recompute_granularity="full",
+                                                  recompute_method="block",
+                                                  recompute_num_layers=5, **layout)).step_s
+            / estimate(PRESETS["llama3-8b"], Layout(**layout)).step_s - 1)
+    assert f"first 5 of 32 layers (it costs about {cost:.0%} of the step)" in five
+    none = _header(sbatch.render("llama3-8b", {"model_args": "--model-preset llama3-8b"}))
+    assert ", no activation recomputation, bf16 compute" in none  # over 71 GiB: no claim
+    mlm = _header(sbatch.render("llama3-8b", {"trainer": "megatron-lm"}))
+    assert ("no activation recomputation (the plan of Megatron-LM's Transformer Engine layers "
+            "leaves 5 GiB of 80 spare without it)") in mlm
 
 
 def test_gpu_smoke_header_follows_its_values():

@@ -13,7 +13,10 @@ __all__ = ["describe"]
 def describe(preset: Preset, values: dict | None = None) -> str:
     """The description of ``preset`` for the script ``values`` render (resolved; None: the
     preset's own values), its schedule stated from those values: a value changed with
-    ``--set`` is written as rendered, with the preset's beside it.
+    ``--set`` is written as rendered, with the preset's beside it. A ``{recompute}`` in the
+    description is the script's recomputation as
+    :func:`mfsdp.tools.sbatch.schedule.recompute_phrase` says it (planned with the layer of the
+    script's trainer).
 
     >>> text = describe(PRESETS["llama3-8b"], dict(PRESETS["llama3-8b"].values,
     ...                                            train_iters=200))
@@ -22,7 +25,12 @@ def describe(preset: Preset, values: dict | None = None) -> str:
     """
     own = preset.values
     values = own if values is None else values
-    text = preset.description.format(**values)
+    if "{recompute}" in preset.description:  # the script's own, in the plan of its trainer
+        from mfsdp.tools.sbatch.schedule import recompute_phrase
+
+        text = preset.description.format(**values, recompute=recompute_phrase(values))
+    else:
+        text = preset.description.format(**values)
     if not preset.recipe:
         return text
     hours = _job_length(values["time"])

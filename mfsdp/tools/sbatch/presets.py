@@ -172,8 +172,18 @@ _BRIDGE_LLAMA3 = dict(global_batch_size=512, train_iters=1_168_251, lr=3e-4, min
 _BRIDGE_DEEPSEEK_V3 = dict(global_batch_size=4096, train_iters=1_000_000, lr=3e-4, min_lr=3e-5,
                            lr_warmup_iters=2000, lr_decay_style="cosine")
 _FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-_DEEPSEEK_V3 = ("--model-preset deepseek-v3 --moe-aux-loss-coeff 0.0001 --moe-grouped-gemm "
-                + _FULL_RECOMPUTE)
+
+
+def _block(n: int) -> str:
+    """Full recomputation of the first ``n`` layers (Megatron-LM's and mfsdp train's flags)."""
+    return f"--recompute-granularity full --recompute-method block --recompute-num-layers {n}"
+
+
+# Each trainer's variant recomputes the fewest layers that leave 5 GiB of 80 spare in the plan of
+# its own layer (schedule.recompute_phrase): mfsdp train's measured layer, or Megatron-LM's
+# Transformer Engine layer (its default --transformer-impl), which keeps fewer activations.
+_DEEPSEEK_V3_MODEL = "--model-preset deepseek-v3 --moe-aux-loss-coeff 0.0001 --moe-grouped-gemm"
+_DEEPSEEK_V3 = f"{_DEEPSEEK_V3_MODEL} {_FULL_RECOMPUTE}"
 
 
 @dataclass(frozen=True)
@@ -212,17 +222,15 @@ PRESETS: dict[str, Preset] = {
                             meta_init=True, save="checkpoints/gpu-smoke", save_interval=25,
                             log_jsonl="gpu-smoke.jsonl"), _MEGATRON_LM_GPU),
     "llama3-8b": Preset("train", "Llama-3-8B-style dense model on 2 nodes x 8 GPUs with ZeRO-3 "
-                        "(optim_grads_params), full recomputation of the first 3 of 32 layers "
-                        "(with fewer the plan leaves under 5 GiB of 80 spare; it costs about 3% "
-                        "of the step), bf16 compute, fp32 main weights.", dict(
+                        "(optim_grads_params), {recompute}, bf16 compute, fp32 main weights.", dict(
                             _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2,
                             time="04:00:00",
-                            model_args=_LLAMA3_8B + " --recompute-granularity full "
-                                       "--recompute-method block --recompute-num-layers 3",
+                            model_args=f"{_LLAMA3_8B} {_block(3)}",
                             micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
                             bf16=True, meta_init=True,
                             save="checkpoints/llama3-8b", save_interval=100,
-                            log_jsonl="llama3-8b.jsonl"), _MEGATRON_LM_GPU,
+                            log_jsonl="llama3-8b.jsonl"),
+                        dict(_MEGATRON_LM_GPU, model_args=_LLAMA3_8B),
                         recipe="llama3_8b_pretrain_config"),
     "llama3-8b-container": Preset(
         "train", "The llama3-8b job in NGC's PyTorch container (pyxis/enroot): the image's torch, "
@@ -249,27 +257,30 @@ PRESETS: dict[str, Preset] = {
                               bf16=True, meta_init=True, all_gather_group=True,
                               save="checkpoints/deepseek-v3", save_interval=50,
                               log_jsonl="deepseek-v3.jsonl"),
-                          dict(_MEGATRON_LM_GPU, flex_backend="hybridep"),
+                          # (MLA and MoE layers keep the planner's GPT estimate under either
+                          # layer; the Transformer Engine plan's activations are 0.14 GiB more
+                          # at its peak, in backward: 59 of 61 layers, not 58, keep 5 GiB)
+                          dict(_MEGATRON_LM_GPU, flex_backend="hybridep",
+                               model_args=f"{_DEEPSEEK_V3_MODEL} {_block(59)}"),
                           recipe="deepseek_v3_pretrain_config_32nodes"),
     "llama3-70b": Preset("train", "Llama-3-70B-style dense model on 8 nodes x 8 GPUs: tensor "
                          "parallelism 4 with sequence parallelism inside a node, ZeRO-3 over the "
-                         "16 data-parallel ranks, full recomputation of the first 26 of 80 layers "
-                         "(with fewer the plan leaves under 5 GiB of 80 spare; it costs about 14% "
-                         "of the step), bf16 compute, meta-device initialisation.", dict(
+                         "16 data-parallel ranks, {recompute}, bf16 compute, meta-device "
+                         "initialisation.", dict(
                              _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-70b", nodes=8,
                              time="24:00:00",
-                             model_args="--model-preset llama3-70b --recompute-granularity full "
-                                        "--recompute-method block --recompute-num-layers 26",
+                             model_args=f"--model-preset llama3-70b {_block(26)}",
                              tp=4, micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
                              bf16=True, meta_init=True,
                              save="checkpoints/llama3-70b", save_interval=40,
-                             log_jsonl="llama3-70b.jsonl"), _MEGATRON_LM_GPU,
+                             log_jsonl="llama3-70b.jsonl"),
+                         dict(_MEGATRON_LM_GPU, model_args="--model-preset llama3-70b"),
                          recipe="llama3_70b_pretrain_config"),
     "llama3.1-405b": Preset("train", "Llama-3.1-405B-shaped dense model on 32 nodes x 8 GPUs: "
                             "FSDP x tensor parallelism 4 with sequence parallelism (Megatron-Bridge's "
                             "published Megatron-FSDP run uses TP 2 on 128 GB200s, which hold 186 "
                             "GiB; on 80 GiB GPUs TP 2 needs 79 nodes), ZeRO-3 over "
-                            "64 data-parallel ranks, full recompute, bf16 compute, meta-device "
+                            "64 data-parallel ranks, {recompute}, bf16 compute, meta-device "
                             "initialisation.", dict(
                                 _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3.1-405b", nodes=32,
                                 time="48:00:00",
@@ -278,12 +289,14 @@ PRESETS: dict[str, Preset] = {
                                 seq_length=8192, **_BRIDGE_LLAMA3,
                                 bf16=True, meta_init=True, all_gather_group=True,
                                 save="checkpoints/llama3.1-405b", save_interval=24,
-                                log_jsonl="llama3.1-405b.jsonl"), _MEGATRON_LM_GPU,
+                                log_jsonl="llama3.1-405b.jsonl"),
+                            dict(_MEGATRON_LM_GPU,
+                                 model_args=f"--model-preset llama3.1-405b {_block(112)}"),
                             recipe="llama31_405b_pretrain_config"),
     "llama3-8b-long": Preset("train", "Llama-3-8B-style model on 64K-token sequences, 2 nodes x 8 "
                              "GPUs: context parallelism 4 (each rank holds 16K tokens of a "
                              "sequence, attention exact over all of it), ZeRO-3 over the 16 ranks, "
-                             "full recompute, bf16 compute.", dict(
+                             "{recompute}, bf16 compute.", dict(
                                  _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b-long", nodes=2,
                                  time="12:00:00",
                                  model_args="--model-preset llama3-8b " + _FULL_RECOMPUTE,
@@ -291,7 +304,9 @@ PRESETS: dict[str, Preset] = {
                                  **_BRIDGE_LLAMA3, bf16=True,
                                  meta_init=True, save="checkpoints/llama3-8b-long",
                                  save_interval=5, log_jsonl="llama3-8b-long.jsonl"),
-                             _MEGATRON_LM_GPU, recipe="llama3_8b_64k_pretrain_config"),
+                             dict(_MEGATRON_LM_GPU,
+                                  model_args=f"--model-preset llama3-8b {_block(10)}"),
+                             recipe="llama3_8b_64k_pretrain_config"),
     "convert": Preset("convert", "Checkpoint conversion: a Megatron-LM torch_dist checkpoint to "
                       "fsdp_dtensor, on one node (mfsdp convert: CPU only; Megatron-LM's "
                       "checkpoint_inspector.py: 8 GPUs).", dict(

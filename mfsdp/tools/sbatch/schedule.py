@@ -5,7 +5,9 @@ The schedule is ``train_iters`` optimizer steps of ``global_batch_size`` sequenc
 ``seq_length`` tokens; the time of a step is the planner's first-order estimate
 (:func:`mfsdp.tools.plan.estimate`, ``mfsdp plan``) for the script's model and layout on an
 H100 SXM; the wall-clock is their product (queueing and restarts not counted). The memory is
-the planner's peak per GPU for the same layout (:func:`mfsdp.tools.plan.plan`).
+the planner's peak per GPU for the same layout (:func:`mfsdp.tools.plan.plan`), its activations
+those of the trainer's layer: mfsdp train's for trainer=mfsdp, Megatron-LM's Transformer Engine
+layer for trainer=megatron-lm (:func:`transformer_impl`).
 
 >>> from mfsdp.tools.sbatch import resolve
 >>> s = schedule(resolve("llama3-8b")[1])
@@ -20,7 +22,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-__all__ = ["Schedule", "schedule", "schedule_lines", "BF16_REDUCE_MAX_RANKS"]
+__all__ = ["ACTIVATION_MODELS", "Schedule", "schedule", "schedule_lines", "recompute_phrase",
+           "transformer_impl", "BF16_REDUCE_MAX_RANKS"]
 
 BF16_REDUCE_MAX_RANKS = 64
 """The largest reduction group for which the guide's numerics page accepts bf16 gradient
@@ -38,6 +41,7 @@ class Schedule:
     gpu: str  # the GPU the planner priced
     peak_bytes: float = 0.0  # the planner's memory per GPU at its peak
     shard_ranks: int = 1  # ranks of the group the gradients are reduce-scattered over
+    transformer_impl: str = "local"  # the layer whose activations the plan counts
 
     @property
     def seconds(self) -> float:
@@ -45,9 +49,53 @@ class Schedule:
         return self.iterations * self.step_s
 
 
+def transformer_impl(v: dict) -> str:
+    """The layer the planner models for resolved train values ``v``: ``"local"`` (mfsdp
+    train's measured layer) for trainer=mfsdp; for trainer=megatron-lm, Megatron-LM's
+    ``--transformer-impl`` as ``model_args`` and ``extra_args`` pass it (the last one given),
+    default ``"transformer_engine"``. ``--transformer-impl local`` (Megatron-LM's own local
+    layer) is planned as ``"local"``, the nearest layer the planner has;
+    ``inference_optimized`` as ``"transformer_engine"``.
+
+    >>> transformer_impl({"trainer": "megatron-lm", "model_args": "--model-preset llama3-8b",
+    ...                   "extra_args": "--transformer-impl local"})
+    'local'
+    """
+    if v["trainer"] != "megatron-lm":
+        return "local"
+    impl = "transformer_engine"
+    words = shlex.split(v["model_args"]) + shlex.split(v.get("extra_args", ""))
+    for i, word in enumerate(words):
+        if word == "--transformer-impl" and i + 1 < len(words):
+            impl = words[i + 1]
+        elif word.startswith("--transformer-impl="):
+            impl = word.split("=", 1)[1]
+    return "local" if impl == "local" else "transformer_engine"
+
+
+ACTIVATION_MODELS = {"local": "mfsdp train's layers",
+                     "transformer_engine": "Megatron-LM's Transformer Engine layers"}
+"""What the render says the planner's activations model, by :func:`transformer_impl`."""
+
+
+def _without_impl(words: list[str]) -> list[str]:
+    """``words`` without Megatron-LM's ``--transformer-impl`` (mfsdp train has no such flag)."""
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word == "--transformer-impl":
+            skip = True
+        elif not word.startswith("--transformer-impl="):
+            out.append(word)
+    return out
+
+
 def _layout(v: dict):
     """The planner's model and layout of resolved train values ``v``, or None where the planner
-    does not model the script's model (no ``--model-preset``, GELU MLPs or linear biases)."""
+    does not model the script's model (no ``--model-preset``, GELU MLPs or linear biases). A
+    Megatron-LM script is planned with the layer of :func:`transformer_impl` (Transformer
+    Engine's unless it passes ``--transformer-impl local``), an mfsdp one with mfsdp train's."""
     from mfsdp.tools.plan import Layout, ModelConfig
     from mfsdp.trainer.arguments import build_parser
     from mfsdp.trainer.build import model_config
@@ -57,6 +105,8 @@ def _layout(v: dict):
         if "--model-preset" not in words and not any(w.startswith("--model-preset=")
                                                      for w in words):
             return None
+        if v["trainer"] == "megatron-lm":
+            words = _without_impl(words)
         cfg = model_config(build_parser().parse_args(words + ["--seq-length",
                                                               str(v["seq_length"])]))
         model = ModelConfig.from_gpt(cfg)
@@ -71,8 +121,50 @@ def _layout(v: dict):
                     recompute_method=cfg.recompute_method or "uniform",
                     recompute_num_layers=cfg.recompute_num_layers or 1, tp=v["tp"], cp=v["cp"],
                     sequence_parallel=v["tp"] > 1 and v["sequence_parallel"],
-                    grad_comm_bytes=2 if v["grad_reduce_in_bf16"] else None)
+                    grad_comm_bytes=2 if v["grad_reduce_in_bf16"] else None,
+                    transformer_impl=transformer_impl(v))
     return model, layout
+
+
+def recompute_phrase(v: dict, gpu_gib: float = 80.0) -> str:
+    """How the script of resolved train values ``v`` recomputes activations, as its header says
+    it: the layers, and for block recomputation its cost in the planner's step and whether one
+    layer fewer would leave under ``TIGHT_GIB`` of ``gpu_gib`` spare in the plan (of the layer
+    :func:`transformer_impl` names); for no recomputation, whether the plan leaves that much.
+
+    >>> from mfsdp.tools.sbatch import resolve
+    >>> recompute_phrase(resolve("llama3-8b")[1])[:47]
+    'full recomputation of the first 3 of 32 layers '
+    """
+    from dataclasses import replace
+
+    from mfsdp.tools.plan import estimate, plan
+    from mfsdp.tools.plan_cli import TIGHT_GIB
+
+    planned = _layout(v)
+    if planned is None:
+        return "activation recomputation as model_args set it"
+    model, layout = planned
+    layers = ACTIVATION_MODELS[layout.transformer_impl]
+    if layout.recompute_granularity is None:
+        if plan(model, layout).fits(gpu_gib - TIGHT_GIB):
+            return (f"no activation recomputation (the plan of {layers} leaves "
+                    f"{TIGHT_GIB:g} GiB of {gpu_gib:g} spare without it)")
+        return "no activation recomputation"
+    if layout.recompute_granularity == "selective":
+        return "selective activation recomputation"
+    if layout.recompute_method != "block":
+        return "full recompute"
+    n = layout.recompute_num_layers
+    none = replace(layout, recompute_granularity=None, recompute_method="uniform",
+                   recompute_num_layers=1)
+    cost = estimate(model, layout).step_s / estimate(model, none).step_s - 1
+    fewer = (replace(layout, recompute_num_layers=n - 1) if n > 1 else none)
+    text = f"full recomputation of the first {n} of {model.num_layers} layers ("
+    if not plan(model, fewer).fits(gpu_gib - TIGHT_GIB):
+        text += (f"with fewer the plan of {layers} leaves under {TIGHT_GIB:g} GiB of "
+                 f"{gpu_gib:g} spare; ")
+    return text + f"it costs about {cost:.0%} of the step)"
 
 
 def schedule(v: dict, gpu: str = "h100") -> Schedule | None:
@@ -93,7 +185,7 @@ def schedule(v: dict, gpu: str = "h100") -> Schedule | None:
     step = estimate(model, layout, gpu).step_s
     return Schedule(v["train_iters"], v["train_iters"] * v["global_batch_size"] * v["seq_length"],
                     step, layout.world_size, GPUS[gpu].name, plan(model, layout).total,
-                    layout.shard)
+                    layout.shard, layout.transformer_impl)
 
 
 def _count(n: float) -> str:
@@ -138,7 +230,8 @@ def schedule_lines(v: dict) -> list[str]:
         lines.append("mfsdp sbatch: for a trial, shorten it with --set train_iters=N --set "
                      "lr_warmup_iters=M (M < N)")
     lines += [
-             f"mfsdp sbatch: memory: the planner's peak is {gib:.1f} GiB per GPU; "
+             f"mfsdp sbatch: memory: the planner's peak is {gib:.1f} GiB per GPU with "
+             f"{ACTIVATION_MODELS[s.transformer_impl]}; "
              + (f"fits 80 GiB GPUs (at most {usable} GiB)" if gib <= usable else
                 f"WARNING: over the {usable} GiB an 80 GiB GPU leaves (mfsdp plan shows the "
                 f"terms)")]
