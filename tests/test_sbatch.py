@@ -235,7 +235,7 @@ def test_deepseek_script_builds_the_intended_model():
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "deepseek-v3", "llama3.1-405b",
-                                  "llama3-8b-long"])
+                                  "llama3-8b-long", "llama3-8b-container"])
 def test_gpu_presets_build_the_real_architecture_and_fit(name):
     """The script's flags build the published architecture, and the planner, on the script's
     own layout, says it fits on 80 GiB GPUs (the 405B preset on 256 of them, with FSDP x TP 2;
@@ -251,7 +251,7 @@ def test_gpu_presets_build_the_real_architecture_and_fit(name):
     assert cfg.multi_latent_attention == (name == "deepseek-v3")
     for field in ("hidden_size", "num_layers", "num_query_groups", "num_experts", "vocab_size"):
         assert getattr(cfg, field) == getattr(GPT_PRESETS[args.model_preset], field), field
-    assert args.model_preset == name.removesuffix("-long")
+    assert args.model_preset == name.removesuffix("-long").removesuffix("-container")
     world = int(sbatch.PRESETS[name].values["nodes"]) * int(sbatch.PRESETS[name].values["gpus_per_node"])
     layout = Layout(world, args.data_parallel_sharding_strategy,
                     args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy,

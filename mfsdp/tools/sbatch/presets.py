@@ -236,15 +236,16 @@ PRESETS: dict[str, Preset] = {
         "train", "The llama3-8b job in NGC's PyTorch container (pyxis/enroot): the image's torch, "
         "mfsdp mounted from its source checkout.", dict(
             _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2, time="04:00:00",
-            model_args=_LLAMA3_8B, micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
-            bf16=True, meta_init=True, save="checkpoints/llama3-8b",
+            model_args=f"{_LLAMA3_8B} {_block(3)}", micro_batch_size=1, seq_length=8192,
+            **_BRIDGE_LLAMA3, bf16=True, meta_init=True, save="checkpoints/llama3-8b",
             save_interval=100, log_jsonl="llama3-8b.jsonl",
-            container_image="nvcr.io#nvidia/pytorch:25.10-py3"), _MEGATRON_LM_GPU,
+            container_image="nvcr.io#nvidia/pytorch:25.10-py3"),
+        dict(_MEGATRON_LM_GPU, model_args=_LLAMA3_8B),
         recipe="llama3_8b_pretrain_config"),
     "deepseek-v3": Preset("train", "DeepSeek-V3-style MoE (256 routed experts, top-8, "
                           "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 32 over 4 "
                           "nodes (8 experts per GPU), ZeRO-3 over all 256 ranks, flex "
-                          "dispatcher with DeepEP.", dict(
+                          "dispatcher with {flex_backend}.", dict(
                               # compile off: the routed experts' token counts change every
                               # step, and each new count would compile the MoE layers again;
                               # fp32 gradient reduction: its shard groups have 256 ranks
