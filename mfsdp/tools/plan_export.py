@@ -13,8 +13,8 @@ depends on:
 * ``state``: weights, main weights, gradients, optimizer state, gathered weights and gradient
   buffers at their peak, the bytes the FSDP groups (``dp_shard``, ``dp_outer``) send and, for
   each GPU of :data:`~mfsdp.tools.plan_time.GPUS` with figures of its own (an H200 is timed
-  as an H100), the seconds they take and the links they cross, per (world size, strategy, outer size, outer strategy, TP, CP, EP): none of them
-  depends on the batch or the sequence;
+  as an H100), the seconds they take and the links they cross, per (world size, strategy,
+  outer size, outer strategy, TP, CP, EP): none of them depends on the batch or the sequence;
 * ``activations``: the layers' activations, the loss's logits and the logits' gradient, per
   (TP, CP, SP, micro-batch, sequence length, recompute, layer: ``mfsdp plan
   --transformer-impl``);
@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import itertools
 import random
-
 from dataclasses import replace
 
 from mfsdp.tools.plan import GiB, PRESETS, Layout, plan
@@ -159,6 +158,7 @@ def columns(table: str) -> list[str]:
 
 
 def _timed_keys() -> list[str]:
+    """The GPUs whose columns the tables hold (:data:`TIMED`'s values, in ``GPUS``' order)."""
     return list(dict.fromkeys(TIMED.values()))
 
 
