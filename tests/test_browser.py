@@ -196,8 +196,9 @@ def _plan_cli(inputs: dict | list) -> dict | str:
     """What ``mfsdp plan`` prints for one calculator case (or for an argument list): its memory
     lines, whether it fits, its time estimate and each group's traffic (``sent G``, ``seconds
     G``, ``links G``) as the strings it prints, or the error it stops with. A case's GPU
-    (``device``, default H100) and ``efficiency`` (default 0.4) are passed as ``--gpu``,
-    ``--device-gib`` and ``--compute-efficiency`` whatever their value."""
+    (``device``, default H100), ``efficiency`` (default 0.4) and layer (``transformer_impl``,
+    default local) are passed as ``--gpu``, ``--compute-efficiency`` and ``--transformer-impl``
+    whatever their value; ``--device-gib`` is not: the GPU's memory is its default."""
     import contextlib
     import io
     import re
@@ -208,7 +209,7 @@ def _plan_cli(inputs: dict | list) -> dict | str:
     if isinstance(inputs, list):
         argv = inputs
     else:
-        gib, gpu = DEVICES[inputs.get("device", "H100")]
+        _, gpu = DEVICES[inputs.get("device", "H100")]
         argv = [inputs["preset"], "--world-size", str(inputs["world_size"]),
                 "--data-parallel-sharding-strategy", inputs["strategy"],
                 "--num-distributed-optimizer-instances", str(inputs["dp_outer"]),
@@ -218,8 +219,8 @@ def _plan_cli(inputs: dict | list) -> dict | str:
                 "--expert-model-parallel-size", str(inputs["ep"]),
                 "--micro-batch-size", str(inputs["micro_batch"]),
                 "--seq-length", str(inputs["seq_length"]), "--gpu", gpu,
-                "--device-gib", str(gib),
-                "--compute-efficiency", str(inputs.get("efficiency", 0.4))]
+                "--compute-efficiency", str(inputs.get("efficiency", 0.4)),
+                "--transformer-impl", inputs.get("transformer_impl", "local")]
         argv += ["--sequence-parallel"] if inputs["sequence_parallel"] else []
         if inputs["recompute"] != "none":
             argv += ["--recompute-granularity", inputs["recompute"]]
@@ -248,8 +249,9 @@ def _plan_cli(inputs: dict | list) -> dict | str:
 def test_the_planner_calculator_agrees_with_mfsdp_plan(site):
     """The calculator on the built planner page, driven in Chromium over 60 layouts of its grid
     (every preset, strategy and recompute choice; TP, CP, EP, SP, outer size and strategy
-    (HSDP, HFSDP), batch and sequence on and off; every GPU and efficiency; some invalid):
-    every memory term, the total, whether it fits the GPU, the step time, tokens/s, model
+    (HSDP, HFSDP), batch and sequence on and off; every GPU, efficiency and layer; some
+    invalid): every memory term, the total, whether it fits the GPU (its memory, mfsdp plan's
+    default --device-gib for its --gpu), the step time, tokens/s, model
     TFLOP/s and MFU, and each group's GiB sent, seconds and links are the strings `mfsdp plan`
     prints for the same flags; the FSDP traffic is called hidden exactly when the planner's
     FSDP seconds are at most its compute; the page's command prints the same; an invalid layout
@@ -274,6 +276,7 @@ def test_the_planner_calculator_agrees_with_mfsdp_plan(site):
         case["recompute"] = GRID["recompute"][i % 3]
         case["device"] = list(DEVICES)[i % len(DEVICES)]
         case["efficiency"] = EFFICIENCY[(i // len(DEVICES)) % len(EFFICIENCY)]
+        case["transformer_impl"] = GRID["transformer_impl"][(i // len(DEVICES)) % 2]
         if case["preset"] != "deepseek-v3":
             case["ep"] = 1
         cases.append(case)
@@ -303,11 +306,15 @@ def test_the_planner_calculator_agrees_with_mfsdp_plan(site):
         assert page["command"].startswith(f"mfsdp plan {case['preset']} "), page["command"]
         outer = f"--outer-dp-sharding-strategy {case['outer_strategy']}"
         assert (outer in page["command"]) == (case["outer_strategy"] != "no_shard"), page
+        engine = "--transformer-impl transformer_engine" in page["command"]
+        assert engine == (case["transformer_impl"] == "transformer_engine"), page["command"]
         if valid % 4 == 0:  # the command, run, prints the page's numbers (15 of them)
             commands += 1
             line = page["command"].replace("\\\n", " ").split()
             again = _plan_cli(line[2:])
-            assert {k: v for k, v in again.items() if k not in ("fits", "tight")} == want
+            assert again.pop("fits") == page["fits"].startswith("Fits"), (line, page)
+            assert again.pop("tight") == ("Tight" in page["fits"]), (line, page)
+            assert again == want
     assert valid >= 20 and commands >= 5, (valid, commands)
     # the page as served, no script run: the default inputs' result is already there
     sys_path = str(Path(__file__).resolve().parents[1] / "docs" / "_ext")

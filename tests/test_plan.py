@@ -349,3 +349,35 @@ def test_a_plan_with_less_than_5_gib_to_spare_is_called_tight(capsys):
         assert ("tight: within" in out) == (total_gib > 80 - 4 - TIGHT_GIB), out
     main(["llama3-8b", "--world-size", "8", "--recompute-granularity", "selective"])
     assert "saves nothing with flash attention" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gpu, argv, layout", [
+    ("gb200", ["llama3-70b", "--world-size", "8", "--context-parallel-size", "4",
+               "--seq-length", "8192", "--recompute-granularity", "full"],
+     dict(world_size=8, cp=4, seq_length=8192, recompute_granularity="full")),
+    ("h200", ["llama3-70b", "--world-size", "16", "--tensor-model-parallel-size", "4",
+              "--sequence-parallel", "--context-parallel-size", "2", "--seq-length", "8192"],
+     dict(world_size=16, tp=4, sequence_parallel=True, cp=2, seq_length=8192)),
+])
+def test_device_gib_defaults_to_the_gpus_memory(gpu, argv, layout, capsys):
+    """Without --device-gib, `mfsdp plan --gpu G` checks the fit on G's memory (plan_time.GPUS):
+    the same verdict and tightness as with that --device-gib given, a different one from the
+    H100's 80 GiB (these layouts need more than 76), each the verdict of ``Plan.fits`` itself;
+    an explicit --device-gib still wins."""
+    from mfsdp.tools.plan_cli import main
+    from mfsdp.tools.plan_time import GPUS
+
+    gib = GPUS[gpu].memory_gib
+    p = plan(PRESETS[argv[0]], Layout(**layout))
+    assert p.fits(gib) and not p.fits(80.0)
+
+    def verdict(*extra):
+        main([*argv, "--gpu", gpu, *extra])
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.startswith("dominant term:"))
+        return line.split("; fits on ")[1].split(" (")[0], "tight: within" in out, line
+
+    default, explicit = verdict(), verdict("--device-gib", f"{gib:g}")
+    assert default[:2] == explicit[:2] and default[0] == f"{gib:g} GiB: yes", (default, explicit)
+    assert f"--gpu {gpu}'s memory" in default[2] and explicit[2].endswith("GiB: --device-gib)")
+    assert verdict("--device-gib", "80")[0] == "80 GiB: no"

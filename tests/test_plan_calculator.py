@@ -36,18 +36,21 @@ def tables():
 
 
 def _inputs(grid: dict) -> list[dict]:
-    """Every layout of ``grid`` (EP only for the MoE preset), each on a GPU and efficiency of
-    the calculator's, in turn."""
+    """Every layout of ``grid`` (EP only for the MoE preset), each on a GPU, efficiency and
+    layer (``transformer_impl``: each of ``grid``'s in turn, not all of them for each layout,
+    which would double the cases) of the calculator's, in turn."""
     import itertools
 
-    names = list(grid)
+    names = [name for name in grid if name != "transformer_impl"]
+    layers = grid["transformer_impl"]
     out = []
-    for combo in itertools.product(*grid.values()):
+    for combo in itertools.product(*(grid[name] for name in names)):
         inputs = dict(zip(names, combo))
         if inputs["ep"] > 1 and inputs["preset"] != "deepseek-v3":
             continue
         inputs["device"] = list(DEVICES)[len(out) % len(DEVICES)]
         inputs["efficiency"] = EFFICIENCY[len(out) // len(DEVICES) % len(EFFICIENCY)]
+        inputs["transformer_impl"] = layers[len(out) // len(DEVICES) % len(layers)]
         out.append(inputs)
     return out
 
@@ -243,7 +246,8 @@ def test_the_calculator_sets_the_guides_deepseek_v3_layout():
 
     case = dict(preset="deepseek-v3", world_size=256, strategy="optim_grads_params", dp_outer=2,
                 outer_strategy="optim", tp=1, cp=1, ep=32, sequence_parallel=False,
-                micro_batch=1, seq_length=4096, recompute="full", device="H100", efficiency=0.4)
+                micro_batch=1, seq_length=4096, recompute="full", transformer_impl="local",
+                device="H100", efficiency=0.4)
     assert all(case[name] in values for name, values in GRID.items()), case  # the form offers it
     one = export({name: [case[name]] for name in GRID}, samples=1)
     assert one["ep"]["deepseek-v3"] == [32]  # EP 32 divides the 256 experts
@@ -262,6 +266,77 @@ def test_the_calculator_sets_the_guides_deepseek_v3_layout():
         assert main(line[1:]) in (0, None)
     total = re.search(r"^total +(\d+\.\d\d)$", out.getvalue(), re.M)[1]
     assert total == f"{got['total']:.2f}", (total, out.getvalue())
+
+
+def test_the_calculators_gpus_are_mfsdp_plans(tables):
+    """Every GPU of ``mfsdp plan --gpu`` (plan_time.GPUS) is a choice of the form, with its
+    memory (``--device-gib``'s default for it) in the form, the tables and the fit; a GPU is
+    timed by columns of the same peak, links and efficiency (an H200 by the H100's: the tables
+    hold no second copy of them)."""
+    import sys
+    from dataclasses import replace
+
+    from mfsdp.tools.plan_time import GPUS
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    from planner_calculator import form_html
+
+    assert sorted(gpu for _, gpu in DEVICES.values()) == sorted(GPUS)
+    form = form_html(prerender=False)
+    for name, (gib, gpu) in DEVICES.items():
+        assert gib == GPUS[gpu].memory_gib, name
+        assert tables["devices"][name]["device_gib"] == GPUS[gpu].memory_gib, name
+        assert f">{name} ({GPUS[gpu].memory_gib:g} GiB)</option>" in form, name
+        timed = tables["devices"][name]["timed"]
+        assert replace(GPUS[timed], name="", memory_gib=1.0) == \
+            replace(GPUS[gpu], name="", memory_gib=1.0), name
+    assert tables["devices"]["H200"]["timed"] == "h100"
+    assert not any(":h200:" in c for cols in tables["columns"].values() for c in cols)
+    from planner_calculator import result_html
+
+    fit = [c for c in _inputs(SMALL) if c["device"] == "H200" and not isinstance(
+        direct(**c), str) and 80 - 4 < direct(**c)["total"] <= 140 - 4][:3]  # not on 80 GiB
+    assert fit
+    for case in fit:
+        _assert_close(lookup(tables, **case), direct(**case), 1e-8, case)
+        shown = result_html(lookup(tables, **case), case, tables)
+        assert ">Fits on H200 (140 GiB: total at most 136 GiB" in shown, case
+
+
+def test_the_layer_is_mfsdp_plans_transformer_impl(tables):
+    """The form's layer choice is ``mfsdp plan --transformer-impl``: for a Llama layout the
+    tables give the planner's numbers under each (to 1e-8), Megatron-LM's estimate is not the
+    measured layer's (the axis is not ignored), and the command (the build's and the
+    script's) adds ``--transformer-impl transformer_engine`` exactly when it is chosen and
+    prints the same total."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    from planner_calculator import LAYERS, command, form_html
+    from test_browser import _plan_cli
+
+    assert list(LAYERS) == GRID["transformer_impl"] == ["local", "transformer_engine"]
+    form = form_html(prerender=False)
+    assert all(f">{html_text}</option>" in form for html_text in (
+        "mfsdp train (measured)",
+        "Megatron-LM with Transformer Engine (Megatron-LM&#x27;s estimate)"))
+    base = dict(preset="llama3-70b", world_size=256, strategy="optim_grads_params",
+                dp_outer=1, outer_strategy="no_shard", tp=8, cp=1, ep=1,
+                sequence_parallel=True, micro_batch=1, seq_length=4096, recompute="none",
+                device="H100", efficiency=0.4)
+    cases = [dict(base, transformer_impl=impl) for impl in GRID["transformer_impl"]]
+    got = [lookup(tables, **c) for c in cases]
+    for case, result in zip(cases, got):
+        _assert_close(result, direct(**case), 1e-8, case)
+    assert got[0]["activations"] != pytest.approx(got[1]["activations"], rel=1e-3)
+    assert got[0]["weights"] == got[1]["weights"] and got[0]["step_s"] == got[1]["step_s"]
+    script = _run_script(tables, cases, call="command(c, d.tables)")
+    for case, result, printed in zip(cases, got, script):
+        assert printed == command(case, tables)
+        engine = case["transformer_impl"] == "transformer_engine"
+        assert ("--transformer-impl transformer_engine" in printed) == engine, printed
+        assert _plan_cli(printed.replace("\\\n", " ").split()[2:])["total"] == \
+            f"{result['total']:.2f}"
 
 
 def _shown(markup: str) -> dict:

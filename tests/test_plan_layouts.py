@@ -13,6 +13,7 @@ import pytest
 from mfsdp.tools.plan import GiB, PRESETS, Layout, estimate, plan
 from mfsdp.tools.plan_cli import TIGHT_GIB
 from mfsdp.tools.plan_layouts import GPUS, ROWS, choose, table, why
+from mfsdp.tools.plan_time import GPUS as PLAN_GPUS
 
 
 def _fits(model, layout, device_gib, spare):
@@ -57,16 +58,20 @@ def test_an_moe_preset_gets_an_expert_parallel_layout_that_fits():
         assert not _fits(PRESETS["deepseek-v3"], layout, 80.0, TIGHT_GIB), layout
 
 
-@pytest.mark.parametrize("preset, seq, device_gib", [("llama3-70b", 8192, 80.0),
-                                                     ("deepseek-v3", 8192, 140.0)])
-def test_the_command_prints_the_same_total(preset, seq, device_gib):
+@pytest.mark.parametrize("preset, seq, device_gib, gpu", [
+    ("llama3-70b", 8192, 80.0, "h100"), ("deepseek-v3", 8192, *GPUS["H200"]),
+    ("llama3-70b", 8192, 140.0, "h100")])
+def test_the_command_prints_the_same_total(preset, seq, device_gib, gpu):
     """The page's command for a row, run through ``mfsdp plan``: the total it prints is the
-    row's, and it says the layout fits."""
+    row's, and it says the layout fits on the row's GPU, whose memory ``--gpu`` alone sets
+    (``--device-gib`` only where the row's differs from the --gpu's)."""
     from mfsdp.cli import main
 
-    c = choose(preset, seq, device_gib, spare_gib=TIGHT_GIB)
+    c = choose(preset, seq, device_gib, gpu, spare_gib=TIGHT_GIB)
     argv = c.command().replace("\\\n", " ").split()
     assert argv[:2] == ["mfsdp", "plan"]
+    assert ("--device-gib" in argv) == (device_gib != PLAN_GPUS[gpu].memory_gib), argv
+    assert ("--gpu" in argv) == (gpu != "h100"), argv
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(argv[1:]) in (0, None)

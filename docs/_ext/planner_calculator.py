@@ -6,7 +6,8 @@ Usage in MyST::
     ```
 
 The directive writes the form (one drop-down list per input of
-:data:`mfsdp.tools.plan_export.GRID`, then the GPU of :data:`~mfsdp.tools.plan_export.DEVICES`
+:data:`mfsdp.tools.plan_export.GRID`, the layer among them: ``mfsdp plan --transformer-impl``,
+then the GPU of :data:`~mfsdp.tools.plan_export.DEVICES`
 and the compute efficiency of :data:`~mfsdp.tools.plan_export.EFFICIENCY`) and the default
 inputs' result, looked up in the same tables the page's script reads, so the page shows numbers
 before the script runs and without JavaScript. ``docs/_static/mfsdp-planner.js`` then fills the
@@ -40,6 +41,7 @@ LABELS = {
     "micro_batch": "Micro-batch (sequences)",
     "seq_length": "Sequence length (tokens)",
     "recompute": "Recompute",
+    "transformer_impl": "Layer (activations and loss)",
     "device": "GPU (memory, peak and links)",
     "efficiency": "Compute efficiency (fraction of peak)",
 }
@@ -49,6 +51,9 @@ TERMS = ["weights", "main_weights", "grads", "optimizer", "gathered", "grad_buff
          "activations", "logits"]
 COLOURS = ["#0072b2", "#56b4e9", "#009e73", "#f0e442", "#e69f00", "#d55e00", "#cc79a7",
            "#999999"]  # the script's, one per memory term
+LAYERS = {"local": "mfsdp train (measured)",
+          "transformer_engine": "Megatron-LM with Transformer Engine (Megatron-LM's estimate)"}
+"""The layer choices (``mfsdp plan --transformer-impl``) as the form names them."""
 _TABLES: dict = {}
 
 
@@ -115,15 +120,14 @@ def command(inputs: dict, tables: dict) -> str:
              ("tp", 1, "--tensor-model-parallel-size"), ("sequence_parallel", False, None),
              ("cp", 1, "--context-parallel-size"), ("ep", 1, "--expert-model-parallel-size"),
              ("micro_batch", 1, "--micro-batch-size"), ("seq_length", 4096, "--seq-length"),
-             ("recompute", "none", "--recompute-granularity")]
+             ("recompute", "none", "--recompute-granularity"),
+             ("transformer_impl", "local", "--transformer-impl")]
     for name, default, flag in flags:
         if inputs[name] != default:
             parts.append(f"{flag} {inputs[name]}" if flag else "--sequence-parallel")
     device = tables["devices"][inputs["device"]]
-    if device["gpu"] != "h100":
+    if device["gpu"] != "h100":  # --device-gib follows --gpu: the device's memory
         parts.append(f"--gpu {device['gpu']}")
-    if device["device_gib"] != 80:
-        parts.append(f"--device-gib {device['device_gib']:g}")
     if inputs["efficiency"] != tables["efficiency"]["default"]:
         parts.append(f"--compute-efficiency {inputs['efficiency']:g}")
     return " \\\n    ".join(parts)
@@ -188,7 +192,8 @@ def form_html(prerender: bool = True) -> str:
     fields = []
     for name, values in choices().items():
         shown = {"efficiency": lambda v: f"{v:.2f}", "device": lambda v: (
-            f"{v} ({DEVICES[v][0]:g} GiB)")}.get(name, lambda v: None)
+            f"{v} ({DEVICES[v][0]:g} GiB)"), "transformer_impl": LAYERS.get}.get(
+            name, lambda v: None)
         options = "".join(_option(v, v == start[name], shown(v)) for v in values)
         fields.append(f'<label class="mfsdp-calc-field"><span>{LABELS[name]}</span>'
                       f'<select name="{name}">{options}</select></label>')

@@ -34,7 +34,7 @@
     const device = tables.devices[inputs.device];
     if (!device) throw new Error(`device=${inputs.device} is not one of ` +
                                  Object.keys(tables.devices));
-    const gpu = device.gpu;
+    const gpu = device.timed;  // the GPU whose columns and peak time it (an H200: h100)
     const rows = ["state", "activations", "time"].map(t => row(tables, t, inputs));
     for (const r of rows) if (typeof r === "string") return r;
     const [state, act, time] = rows.map((r, i) => {
@@ -76,7 +76,7 @@
   }
 
   /* The `mfsdp plan` command that prints the same estimate (a flag only where it is not the
-     default; --device-gib does not follow --gpu, so each is given where it differs). */
+     default). */
   function command(inputs, tables) {
     const parts = [`mfsdp plan ${inputs.preset} --world-size ${inputs.world_size}`];
     if (inputs.strategy !== "optim_grads_params")
@@ -91,9 +91,11 @@
     if (inputs.micro_batch > 1) parts.push(`--micro-batch-size ${inputs.micro_batch}`);
     if (inputs.seq_length !== 4096) parts.push(`--seq-length ${inputs.seq_length}`);
     if (inputs.recompute !== "none") parts.push(`--recompute-granularity ${inputs.recompute}`);
+    if (inputs.transformer_impl !== "local")
+      parts.push(`--transformer-impl ${inputs.transformer_impl}`);
+    // --device-gib follows --gpu: the device's memory is its default
     const device = tables.devices[inputs.device];
     if (device.gpu !== "h100") parts.push(`--gpu ${device.gpu}`);
-    if (device.device_gib !== 80) parts.push(`--device-gib ${device.device_gib}`);
     if (inputs.efficiency !== tables.efficiency.default)
       parts.push(`--compute-efficiency ${inputs.efficiency}`);
     // one flag per line, as the guide's commands are written, so the block fits the page

@@ -14,7 +14,7 @@ import sys
 from mfsdp.argtypes import fraction, non_negative_float, positive_float, positive_int
 from mfsdp.tools.plan import PRESETS, GiB, Layout, plan, smallest_layout, smallest_world
 from mfsdp.tools.plan_terms import TRANSFORMER_IMPLS
-from mfsdp.tools.plan_time import step_time
+from mfsdp.tools.plan_time import GPUS, step_time
 
 __all__ = ["build_parser", "run", "describe", "main"]
 
@@ -55,13 +55,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="the layer and loss the activations are counted for (Megatron-LM's "
                              "flag): local, mfsdp train's (measured); transformer_engine, "
                              "Megatron-LM's Transformer Engine layer (Megatron-LM's estimate)")
-    parser.add_argument("--device-gib", type=positive_float, default=80.0)
+    memory = ", ".join(f"{k} {g.memory_gib:g}" for k, g in GPUS.items())
+    parser.add_argument("--device-gib", type=positive_float,
+                        help=f"GiB of one GPU (default: the --gpu's memory: {memory})")
     gpu = parser.add_argument_group("time estimate (mfsdp/tools/plan_time.py)")
-    gpu.add_argument("--gpu", choices=("h100", "gb200", "gb300"), default="h100",
-                     help="peak, NVLink and network figures of this GPU (defaults below)")
+    gpu.add_argument("--gpu", choices=tuple(GPUS), default="h100",
+                     help="peak, NVLink, network and memory figures of this GPU (defaults "
+                          "below; an h200 computes as an h100)")
     gpu.add_argument("--peak-tflops", type=positive_float,
-                     help="dense peak at the training precision (h100: 989 bf16, 1979 FP8; "
-                          "gb200 and gb300: 2500 bf16, 5000 FP8)")
+                     help="dense peak at the training precision (h100 and h200: 989 bf16, "
+                          "1979 FP8; gb200 and gb300: 2500 bf16, 5000 FP8)")
     gpu.add_argument("--compute-efficiency", type=fraction,
                      help="fraction of the peak a step's kernels reach (default 0.4)")
     gpu.add_argument("--nvlink-gbps", type=positive_float, help="GB/s per GPU inside an NVLink domain")
@@ -124,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
     if args.margin is not None and not args.smallest:
         raise SystemExit("mfsdp plan: --margin belongs to the --smallest search; add --smallest")
     margin = TIGHT_GIB if args.margin is None else args.margin
+    given_gib = args.device_gib is not None
+    if not given_gib:  # the GPU's own memory; an explicit --device-gib wins
+        args.device_gib = GPUS[args.gpu].memory_gib
     if args.smallest and margin >= args.device_gib - 4:
         raise SystemExit(f"mfsdp plan: --margin {margin:g} leaves nothing of --device-gib "
                          f"{args.device_gib:g} - 4; give a smaller --margin")
@@ -138,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
     print(p.table())
     print(f"dominant term: {p.dominant}; fits on {args.device_gib:g} GiB: "
           f"{'yes' if p.fits(args.device_gib) else 'no'} (total <= {args.device_gib:g} - 4 GiB "
-          "kept for the CUDA context and the allocator)")
+          f"kept for the CUDA context and the allocator; {args.device_gib:g} GiB: "
+          + ("--device-gib)" if given_gib else f"--gpu {args.gpu}'s memory, --device-gib to "
+             "change)"))
     if p.fits(args.device_gib) and not p.fits(args.device_gib - TIGHT_GIB):
         print(f"  tight: within {TIGHT_GIB:g} GiB of the limit; on the one GPU run compared "
               "the plan was 0.8% high, but it is one run of 6 layers (docs: planner)")

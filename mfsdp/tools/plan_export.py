@@ -12,11 +12,12 @@ depends on:
 
 * ``state``: weights, main weights, gradients, optimizer state, gathered weights and gradient
   buffers at their peak, the bytes the FSDP groups (``dp_shard``, ``dp_outer``) send and, for
-  each GPU of :data:`~mfsdp.tools.plan_time.GPUS`, the seconds they take and the links they
-  cross, per (world size, strategy, outer size, outer strategy, TP, CP, EP): none of them
-  depends on the batch or the sequence;
+  each GPU of :data:`~mfsdp.tools.plan_time.GPUS` with figures of its own (an H200 is timed
+  as an H100), the seconds they take and the links they cross, per (world size, strategy,
+  outer size, outer strategy, TP, CP, EP): none of them depends on the batch or the sequence;
 * ``activations``: the layers' activations, the loss's logits and the logits' gradient, per
-  (TP, CP, SP, micro-batch, sequence length, recompute);
+  (TP, CP, SP, micro-batch, sequence length, recompute, layer: ``mfsdp plan
+  --transformer-impl``);
 * ``time``: one rank's hardware and model FLOPs and tokens per step, and the bytes, seconds and
   links of the collectives between layers (TP, CP, EP), per (TP, CP, EP, micro-batch, sequence
   length, recompute): per rank, none of them depends on the world size or the sharding.
@@ -44,19 +45,26 @@ the docs build instead of showing wrong numbers.
 ...              recompute="none")
 >>> round(got["compute_s"], 3), round(got["comm_s"]["dp_shard"], 3), got["links"]["dp_shard"]
 (0.158, 0.085, 'NVLink')
+>>> got = lookup(tables, transformer_impl="transformer_engine", preset="llama3-8b",
+...              world_size=64, strategy="optim_grads_params", dp_outer=1,
+...              outer_strategy="no_shard", tp=1, cp=1, ep=1, sequence_parallel=False,
+...              micro_batch=1, seq_length=4096, recompute="none")
+>>> round(got["total"], 2)   # ... --transformer-impl transformer_engine
+28.29
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 from mfsdp.tools.plan import GiB, PRESETS, Layout, plan
-from mfsdp.tools.plan_layouts import GPUS as LAYOUT_GPUS
+from mfsdp.tools.plan_terms import TRANSFORMER_IMPLS
 from mfsdp.tools.plan_time import GPUS, step_time
 
 __all__ = ["GRID", "RECOMPUTE", "AXES", "MEMORY", "DEVICES", "EFFICIENCY", "GROUPS", "LINKS",
-           "export", "check", "lookup", "direct"]
+           "TIMED", "export", "check", "lookup", "direct"]
 
 GRID: dict[str, list] = {
     "preset": ["llama3-8b", "llama3-70b", "llama3.1-405b", "deepseek-v3"],
@@ -71,6 +79,7 @@ GRID: dict[str, list] = {
     "micro_batch": [1, 2, 4],
     "seq_length": [2048, 4096, 8192, 16384, 32768],
     "recompute": ["none", "selective", "full"],
+    "transformer_impl": list(TRANSFORMER_IMPLS),
 }
 """The layout inputs the calculator offers, each a drop-down list of these values (EP for the
 mixture-of-experts presets only, the sizes that divide their routed experts). The outer size
@@ -78,15 +87,32 @@ is ``mfsdp plan --num-distributed-optimizer-instances``, the outer strategy its
 ``--outer-dp-sharding-strategy``: ``no_shard`` replicates across the outer groups (HSDP),
 ``optim`` also shards the optimizer state over them (HFSDP). Times are for one micro-batch per
 data-parallel rank and step (``mfsdp plan``'s default ``--global-batch-size``), on the GPU of
-:data:`DEVICES` and at the compute efficiency of :data:`EFFICIENCY` the reader picks."""
+:data:`DEVICES` and at the compute efficiency of :data:`EFFICIENCY` the reader picks. The
+layer is ``mfsdp plan --transformer-impl``: ``local``, mfsdp train's own (its activations
+measured), or ``transformer_engine``, Megatron-LM's with Transformer Engine (Megatron-LM's
+estimate); it changes the activations and the logits only."""
 
-DEVICES: dict[str, tuple[float, str]] = {**LAYOUT_GPUS, "GB300": (279.0, "gb300")}
-"""The calculator's GPU choices: name -> (``mfsdp plan --device-gib``, its ``--gpu``, whose
-peak and links price the step). ``mfsdp plan``'s ``--device-gib`` does not follow ``--gpu``
-(80 unless given), so the page prints both. H100, H200 and GB200 are the layouts page's
-(:data:`mfsdp.tools.plan_layouts.GPUS`: an H200 computes as an H100 and holds about 140 GiB);
-a GB300 holds 279 GB (a GB300 NVL72 rack's 20.1 TB over its 72 GPUs), the capacity taken as
-GiB like the others."""
+DEVICES: dict[str, tuple[float, str]] = {gpu.upper(): (g.memory_gib, gpu)
+                                          for gpu, g in GPUS.items()}
+"""The calculator's GPU choices: name -> (its memory in GiB, ``mfsdp plan --gpu``): every GPU
+of :data:`mfsdp.tools.plan_time.GPUS`, with the memory that is ``mfsdp plan``'s default
+``--device-gib`` for it (H100 80, H200 140, GB200 186, GB300 279: NVIDIA's GB taken as GiB,
+and the 140 GiB an H200's 141 GB report)."""
+
+
+def _timed() -> dict[str, str]:
+    """Each GPU of ``GPUS`` -> the first GPU with the same peak, links and efficiency, whose
+    columns time it (an H200 -> ``h100``): the tables hold each set of figures once."""
+    out: dict[str, str] = {}
+    for gpu, g in GPUS.items():
+        same = [k for k in out.values() if replace(GPUS[k], name="", memory_gib=1.0)
+                == replace(g, name="", memory_gib=1.0)]
+        out[gpu] = same[0] if same else gpu
+    return out
+
+
+TIMED = _timed()
+"""``--gpu`` -> the ``--gpu`` whose columns in the tables time it (see :func:`columns`)."""
 
 EFFICIENCY = [0.3, 0.35, 0.4, 0.45, 0.5]
 """The compute efficiencies offered (``mfsdp plan --compute-efficiency``; 0.4 by default): the
@@ -105,7 +131,8 @@ RECOMPUTE = {"none": None, "selective": "selective", "full": "full"}
 
 AXES = {
     "state": ("world_size", "strategy", "dp_outer", "outer_strategy", "tp", "cp", "ep"),
-    "activations": ("tp", "cp", "sequence_parallel", "micro_batch", "seq_length", "recompute"),
+    "activations": ("tp", "cp", "sequence_parallel", "micro_batch", "seq_length", "recompute",
+                    "transformer_impl"),
     "time": ("tp", "cp", "ep", "micro_batch", "seq_length", "recompute"),
 }
 """Each table's inputs, in the order of its rows (the last one varies fastest)."""
@@ -119,14 +146,20 @@ _TABLE_GROUPS = {"state": GROUPS[:2], "time": GROUPS[2:]}
 def columns(table: str) -> list[str]:
     """The names of a row's numbers in ``table``: memory terms in GiB, ``flops_hw``,
     ``flops_model`` and ``tokens`` per rank and step, ``sent:G`` (GiB group ``G`` sends per rank
-    and step), ``s:GPU:G`` (its seconds on ``GPU``) and ``link:GPU:G`` (an index of
-    :data:`LINKS`); ``null`` where the planner has no such group (``mfsdp plan`` prints none)."""
+    and step), ``s:GPU:G`` (its seconds on ``GPU``, each of :data:`TIMED`'s values) and
+    ``link:GPU:G`` (an index of :data:`LINKS`); ``null`` where the planner has no such group
+    (``mfsdp plan`` prints none)."""
     if table == "activations":
         return ["activations", "logits", "logits_grad"]
     head = list(MEMORY) if table == "state" else ["flops_hw", "flops_model", "tokens"]
     groups = _TABLE_GROUPS[table]
     return head + [f"sent:{g}" for g in groups] + [
-        f"{kind}:{gpu}:{g}" for gpu in GPUS for g in groups for kind in ("s", "link")]
+        f"{kind}:{gpu}:{g}" for gpu in _timed_keys() for g in groups for kind in ("s", "link")]
+
+
+def _timed_keys() -> list[str]:
+    """The GPUs whose columns the tables hold (:data:`TIMED`'s values, in ``GPUS``' order)."""
+    return list(dict.fromkeys(TIMED.values()))
 
 
 def _values(grid: dict, preset: str, axis: str) -> list:
@@ -157,7 +190,7 @@ def _row(preset: str, table: str, inputs: dict) -> list | str:
         return [p.memory["activations"] / GiB, p.memory["logits"] / GiB, p.logits_grad / GiB]
     groups = _TABLE_GROUPS[table]
     sent = {g: b for g, b in p.comm.items() if g in groups}
-    times = {gpu: step_time(model, layout, sent, gpu) for gpu in GPUS}
+    times = {gpu: step_time(model, layout, sent, gpu) for gpu in _timed_keys()}
     if table == "state":
         row = [p.memory[m] / GiB for m in MEMORY]
     else:  # at efficiency 1 the compute takes flops_hw / peak; tokens and model FLOPs per rank
@@ -165,7 +198,7 @@ def _row(preset: str, table: str, inputs: dict) -> list | str:
         row = [t.compute_s * GPUS["h100"].peak_tflops * 1e12 * GPUS["h100"].efficiency,
                t.model_tflops_per_gpu * 1e12 * t.step_s, t.tokens_per_gpu_s * t.step_s]
     row += [sent[g] / GiB if g in sent else None for g in groups]
-    for gpu in GPUS:
+    for gpu in _timed_keys():
         for g in groups:
             row += ([times[gpu].comm_s[g], LINKS.index(times[gpu].links[g])] if g in sent
                     else [None, None])
@@ -179,21 +212,18 @@ def export(grid: dict | None = None, samples: int = 300, seed: int = 0) -> dict:
     For each table of :data:`AXES` and each preset: one row per combination of the table's
     inputs, in ``itertools.product`` order, its numbers named by ``columns``; memory in GiB,
     times in seconds. A row that is an integer is the index of the planner's error message in
-    ``errors``. ``devices`` and ``efficiency`` are the GPU and efficiency choices, ``peak_tflops``
-    each timed GPU's peak.
+    ``errors``. ``devices`` and ``efficiency`` are the GPU and efficiency choices (a device's
+    ``timed`` names the GPU whose columns and peak time it), ``peak_tflops`` each timed GPU's
+    peak.
     """
-    untimed = set(GPUS) - {gpu for _, gpu in DEVICES.values()}
-    if untimed:
-        raise ValueError(f"plan_time.GPUS has {sorted(untimed)} but plan_export.DEVICES offers "
-                         "no GPU timed by it: add it to DEVICES with its --device-gib")
     grid = {k: list(v) for k, v in (GRID if grid is None else grid).items()}
     errors: list[str] = []
     tables: dict = {"grid": grid, "axes": {k: list(v) for k, v in AXES.items()},
                     "columns": {t: columns(t) for t in AXES}, "memory": list(MEMORY),
                     "groups": list(GROUPS), "links": LINKS, "errors": errors,
-                    "devices": {name: {"device_gib": gib, "gpu": gpu}
+                    "devices": {name: {"device_gib": gib, "gpu": gpu, "timed": TIMED[gpu]}
                                 for name, (gib, gpu) in DEVICES.items()},
-                    "peak_tflops": {gpu: g.peak_tflops for gpu, g in GPUS.items()},
+                    "peak_tflops": {gpu: GPUS[gpu].peak_tflops for gpu in _timed_keys()},
                     "efficiency": {"choices": list(EFFICIENCY),
                                    "default": GPUS["h100"].efficiency},
                     "ep": {p: _values(grid, p, "ep") for p in grid["preset"]}}
@@ -224,11 +254,13 @@ def _get(tables: dict, table: str, inputs: dict) -> dict | str:
                                                                        row))
 
 
-def lookup(tables: dict, device: str = "H100", efficiency: float = 0.4, **inputs) -> dict | str:
+def lookup(tables: dict, device: str = "H100", efficiency: float = 0.4,
+           transformer_impl: str = "local", **inputs) -> dict | str:
     """One layout's numbers from the tables, combined as the page's script combines them (the
     reference the tests hold the script to).
 
-    ``inputs``: one value of each :data:`GRID` input; ``device`` a key of :data:`DEVICES`;
+    ``inputs``: one value of each other :data:`GRID` input; ``transformer_impl`` the layer
+    (``mfsdp plan --transformer-impl``); ``device`` a key of :data:`DEVICES`;
     ``efficiency`` the fraction of the peak the compute reaches (``mfsdp plan
     --compute-efficiency``). Returns the memory terms and ``total`` in GiB, the step's
     ``compute_s``, ``step_s``, ``tokens_per_gpu_s``, ``model_tflops_per_gpu`` and ``mfu``, and
@@ -243,7 +275,8 @@ def lookup(tables: dict, device: str = "H100", efficiency: float = 0.4, **inputs
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency} must be in (0, 1]: the fraction of the "
                          "peak a step's kernels reach (0.4 by default)")
-    gpu = tables["devices"][device]["gpu"]
+    gpu = tables["devices"][device]["timed"]
+    inputs["transformer_impl"] = transformer_impl
     rows = [_get(tables, t, inputs) for t in ("state", "activations", "time")]
     for row in rows:
         if isinstance(row, str):
@@ -274,7 +307,7 @@ def lookup(tables: dict, device: str = "H100", efficiency: float = 0.4, **inputs
 def direct(preset: str, world_size: int, strategy: str, dp_outer: int, outer_strategy: str,
            tp: int, cp: int, ep: int, sequence_parallel: bool, micro_batch: int,
            seq_length: int, recompute: str, device: str = "H100",
-           efficiency: float = 0.4) -> dict | str:
+           efficiency: float = 0.4, transformer_impl: str = "local") -> dict | str:
     """The numbers :func:`lookup` gives, from one direct call of the planner (``mfsdp plan``'s
     ``plan`` and ``step_time``) on ``device``'s GPU at ``efficiency``."""
     model = PRESETS[preset]
@@ -283,7 +316,8 @@ def direct(preset: str, world_size: int, strategy: str, dp_outer: int, outer_str
                         outer_strategy=outer_strategy, tp=tp, cp=cp, ep=ep,
                         sequence_parallel=sequence_parallel, micro_batch=micro_batch,
                         seq_length=seq_length,
-                        recompute_granularity=RECOMPUTE[recompute])
+                        recompute_granularity=RECOMPUTE[recompute],
+                        transformer_impl=transformer_impl)
     except ValueError as exc:
         return str(exc)
     p = plan(model, layout)

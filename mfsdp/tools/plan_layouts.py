@@ -21,17 +21,19 @@ from functools import lru_cache
 
 from mfsdp.tools.plan import (GiB, PRESETS, Layout, _fits_without_state, estimate, plan,
                               smallest_layout)
+from mfsdp.tools.plan_time import GPUS as PLAN_GPUS
 
 __all__ = ["Choice", "choose", "table", "why", "EPS", "GPUS", "NODE_GPUS", "ROWS", "SBATCH"]
 
 EPS = (8, 16, 32, 64)
 """Expert-parallel sizes tried for an MoE preset (EP groups of one node and more)."""
 
-GPUS = {"H100": (80.0, "h100"), "H200": (140.0, "h100"), "GB200": (186.0, "gb200")}
-"""A GPU's name -> (``--device-gib``, the ``--gpu`` whose peak and links price the step). An
-H200 reports about 140 GiB and computes as fast as an H100, whose figures time it. A GB200
-holds 186 GiB (``--device-gib 186`` as on the planner's page); the search counts it, like the
-others, in steps of 8 GPUs."""
+GPUS = {name: (PLAN_GPUS[gpu].memory_gib, gpu)
+        for name, gpu in (("H100", "h100"), ("H200", "h200"), ("GB200", "gb200"))}
+"""A GPU's name -> (``--device-gib``, the ``--gpu`` whose peak and links price the step): the
+memory of :data:`mfsdp.tools.plan_time.GPUS`, ``mfsdp plan --gpu``'s default ``--device-gib``
+(H100 80 GiB, H200 140, GB200 186). An H200 computes as fast as an H100. The search counts
+every GPU, a GB200's too, in steps of 8."""
 
 NODE_GPUS = {"H100": 8, "H200": 8, "GB200": 4}
 """GPUs per node: a DGX H100 or H200 has 8; a GB200 NVL72 compute tray has 4."""
@@ -88,8 +90,11 @@ class Choice:
         if lay.recompute_granularity:
             tail += f" --recompute-granularity {lay.recompute_granularity}"
         parts.append(tail)
-        if self.device_gib != 80 or self.gpu != "h100":
-            parts.append(f"--device-gib {self.device_gib:g} --gpu {self.gpu}")
+        flags = [f"--gpu {self.gpu}"] if self.gpu != "h100" else []
+        if self.device_gib != PLAN_GPUS[self.gpu].memory_gib:  # not the --gpu's default
+            flags.append(f"--device-gib {self.device_gib:g}")
+        if flags:
+            parts.append(" ".join(flags))
         return " \\\n    ".join(parts)
 
 

@@ -41,9 +41,10 @@ class Gpu:
     network_gbps: float  # GB/s per GPU across domains (one 400 Gb/s NIC per GPU: ~45)
     nvlink_domain: int  # GPUs that share NVLink: 8 in a DGX H100, 72 in a GB200 NVL72 rack
     efficiency: float = 0.4  # fraction of the peak the compute reaches (see the module notes)
+    memory_gib: float = 80.0  # what a job may hold: mfsdp plan's --device-gib for this --gpu
 
     def __post_init__(self) -> None:
-        for name in ("peak_tflops", "nvlink_gbps", "network_gbps"):
+        for name in ("peak_tflops", "nvlink_gbps", "network_gbps", "memory_gib"):
             value = getattr(self, name)
             if not 0 < value < float("inf"):
                 raise ValueError(f"{name}={value} must be a finite number above 0")
@@ -55,16 +56,28 @@ class Gpu:
 
 
 GPUS = {
-    # H100 SXM: 989 dense bf16 TFLOP/s; NVLink 4 is 450 GB/s per direction, NCCL's all-gather
-    # and reduce-scatter reach about 360 of it; a 400 Gb/s ConnectX-7 per GPU, about 45 GB/s.
-    "h100": Gpu("H100 SXM", 989.0, 360.0, 45.0, 8),
-    # GB200: 2,500 dense bf16 TFLOP/s per GPU; NVLink 5 is 900 GB/s per direction over the
-    # 72-GPU rack (about 720 reached); a 400 Gb/s NIC per GPU between racks.
-    "gb200": Gpu("GB200", 2500.0, 720.0, 45.0, 72),
-    # GB300: the same dense bf16 and FP8 peak per GPU in NVIDIA's GB300 NVL72 datasheet (its
-    # gain is FP4), NVLink 5 over the 72-GPU rack; an 800 Gb/s ConnectX-8 NIC per GPU.
-    "gb300": Gpu("GB300", 2500.0, 720.0, 90.0, 72),
+    # Memory: NVIDIA's figure per GPU, in GB as its spec pages give it, taken as GiB for
+    # --device-gib (an 80 GB H100 reports 79.6 GiB; the 4 GiB mfsdp plan keeps spare covers
+    # the difference), except the H200, whose 141 GB report as 140.4 GiB.
+    # H100 SXM (NVIDIA H100 spec page): 80 GB HBM3; 989 dense bf16 TFLOP/s; NVLink 4 is 450 GB/s
+    # per direction, NCCL's all-gather and reduce-scatter reach about 360 of it; a 400 Gb/s
+    # ConnectX-7 per GPU, about 45 GB/s.
+    "h100": Gpu("H100 SXM", 989.0, 360.0, 45.0, 8, memory_gib=80.0),
+    # H200 SXM (NVIDIA H200 spec page): 141 GB HBM3e, an H100's compute (989 dense bf16
+    # TFLOP/s), NVLink 4 and NICs; it reports about 140 GiB.
+    "h200": Gpu("H200 SXM", 989.0, 360.0, 45.0, 8, memory_gib=140.0),
+    # GB200 (NVIDIA GB200 NVL72 spec page): 186 GB HBM3e per GPU (13.4 TB over the rack's 72);
+    # 2,500 dense bf16 TFLOP/s per GPU; NVLink 5 is 900 GB/s per direction over the 72-GPU rack
+    # (about 720 reached); a 400 Gb/s NIC per GPU between racks.
+    "gb200": Gpu("GB200", 2500.0, 720.0, 45.0, 72, memory_gib=186.0),
+    # GB300 (NVIDIA GB300 NVL72 datasheet): 279 GB HBM3e per GPU (20.1 TB over the rack's 72;
+    # the Blackwell Ultra chip carries 288 GB, the figure often quoted); the same dense bf16
+    # and FP8 peak per GPU as GB200 (its gain is FP4), NVLink 5 over the 72-GPU rack; an
+    # 800 Gb/s ConnectX-8 NIC per GPU.
+    "gb300": Gpu("GB300", 2500.0, 720.0, 90.0, 72, memory_gib=279.0),
 }
+"""``mfsdp plan --gpu``'s choices: each GPU's peak, links and memory (``--device-gib``'s
+default)."""
 
 
 def model_flops_per_token(model, seq_length: int,
