@@ -30,7 +30,8 @@ from mfsdp.tools.plan_time import step_time
 
 __all__ = ["ModelConfig", "Layout", "Plan", "PRESETS", "plan", "padding", "state_bytes",
            "fsdp_traffic",
-           "smallest_world", "smallest_layout", "tp_dense", "estimate", "peak_buffers"]
+           "smallest_world", "smallest_layout", "with_global_batch", "tp_dense", "estimate",
+           "peak_buffers"]
 
 GiB = 2**30
 
@@ -428,16 +429,38 @@ def _nodes(what: str, max_nodes: int, progress) -> object:
                 disable=progress is None, leave=False, mininterval=0.5, dynamic_ncols=True)
 
 
+def with_global_batch(layout: Layout, global_batch: int | None) -> Layout | None:
+    """``layout`` with the micro-batches per rank that make ``global_batch`` sequences a step, or
+    None when its data-parallel ranks x ``micro_batch`` do not divide it; ``layout`` itself when
+    ``global_batch`` is None (no batch to keep).
+
+    >>> with_global_batch(Layout(24, tp=2, sequence_parallel=True), 512) is None  # DP 12
+    True
+    >>> with_global_batch(Layout(32, tp=2, sequence_parallel=True), 512).micro_batches
+    32
+    """
+    if global_batch is None:
+        return layout
+    per_step = layout.micro_batch * layout.world_size // (layout.tp * layout.cp)
+    if global_batch % per_step:
+        return None
+    return replace(layout, micro_batches=global_batch // per_step)
+
+
 def smallest_world(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
                    gpus_per_node: int = 8, max_nodes: int = 4096,
-                   progress=None) -> int | None:
+                   progress=None, global_batch: int | None = None) -> int | None:
     """The smallest world size (whole nodes) on which every rank fits, or None; ``progress``: a
-    stream for a ``tqdm`` bar of the node counts tried (the CLI passes stderr)."""
+    stream for a ``tqdm`` bar of the node counts tried (the CLI passes stderr). With
+    ``global_batch`` (sequences per step) only worlds whose data-parallel ranks x micro-batch
+    divide it count (:func:`with_global_batch`)."""
     for nodes in _nodes("smallest world", max_nodes, progress):
         world = nodes * gpus_per_node
         try:
-            candidate = replace(layout, world_size=world)
+            candidate = with_global_batch(replace(layout, world_size=world), global_batch)
         except ValueError:
+            continue
+        if candidate is None:
             continue
         p = plan(model, candidate)
         if p.fits(device_gib):
@@ -456,10 +479,13 @@ def _fits_without_state(p: Plan, device_gib: float) -> bool:
 
 def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
                     gpus_per_node: int = 8, tps=(1, 2, 4, 8), cps=(1, 2, 4, 8),
-                    max_nodes: int = 4096, progress=None) -> Layout | None:
+                    max_nodes: int = 4096, progress=None,
+                    global_batch: int | None = None) -> Layout | None:
     """The layout on the fewest whole nodes where every rank fits, searching the TP and CP sizes
     too (TP at most a node: its traffic needs NVLink); among equal worlds the least TP x CP.
     ``progress``: a stream for a ``tqdm`` bar of the node counts tried (the CLI passes stderr).
+    With ``global_batch`` (sequences per step) only layouts whose data-parallel ranks x
+    micro-batch divide it count (:func:`with_global_batch`).
 
     >>> best = smallest_layout(PRESETS["llama3-70b"], Layout(8, seq_length=8192))
     >>> # FSDP alone fits nowhere (activations: 254 GiB)
@@ -472,9 +498,11 @@ def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0
         world = nodes * gpus_per_node
         for tp, cp in list(options):
             try:
-                candidate = replace(layout, world_size=world, tp=tp, cp=cp,
-                                    sequence_parallel=tp > 1)
+                candidate = with_global_batch(replace(layout, world_size=world, tp=tp, cp=cp,
+                                                      sequence_parallel=tp > 1), global_batch)
             except ValueError:
+                continue
+            if candidate is None:
                 continue
             p = plan(model, candidate)
             if p.fits(device_gib):

@@ -92,7 +92,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--smallest", action="store_true",
                         help="also find the smallest number of devices (whole 8-GPU nodes) that "
                              "fits with --margin to spare: with this layout's TP/CP, and "
-                             "searching TP (with SP) and CP")
+                             "searching TP (with SP) and CP; with --global-batch-size, only "
+                             "layouts whose DP x micro-batch divides it")
     parser.add_argument("--margin", metavar="GIB", type=non_negative_float,
                         help="with --smallest: GiB a plan must leave spare, beyond the 4 kept for "
                              "the CUDA context (default 5, the margin under which a plan is "
@@ -156,10 +157,15 @@ def run(args: argparse.Namespace) -> int:
                     **{k: v for k, v in given.items() if v is not None}).summary())
     if args.smallest:
         usable, spare = args.device_gib - margin, f"with {margin:g} GiB spare"
-        world = smallest_world(model, layout, usable, progress=_bar_stream())
+        gbs_given = args.global_batch_size
+        if gbs_given:
+            spare += f" and DP x micro-batch dividing --global-batch-size {gbs_given}"
+        world = smallest_world(model, layout, usable, progress=_bar_stream(),
+                               global_batch=gbs_given)
         print(f"smallest world that fits {spare}: "
               f"{world if world else 'none up to 4096 nodes'}")
-        best = smallest_layout(model, layout, usable, progress=_bar_stream())
+        best = smallest_layout(model, layout, usable, progress=_bar_stream(),
+                               global_batch=gbs_given)
         if best is not None:
             print(f"smallest with TP/CP searched {spare}: {best.world_size} (TP {best.tp}"
                   f"{' + SP' if best.sequence_parallel else ''}, CP {best.cp}; "

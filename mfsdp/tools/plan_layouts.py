@@ -6,8 +6,10 @@ sequence length and a device size, :func:`choose` runs the search of ``mfsdp pla
 searched) once without recomputation and once with full recomputation, and for an MoE preset at
 each expert-parallel size of ``EPS``. Of every TP, CP, EP and recompute choice that fits on the
 fewest GPUs it keeps the one with the shortest predicted step
-(:func:`mfsdp.tools.plan.estimate`). Every layout is ZeRO-3 (``optim_grads_params``), one
-micro-batch of one sequence per data-parallel rank.
+(:func:`mfsdp.tools.plan.estimate`). Every layout is ZeRO-3 (``optim_grads_params``), with
+micro-batches of one sequence; given a global batch (the guide's rows: ``GLOBAL_BATCH``), only
+layouts whose data-parallel ranks divide it count, and each rank runs the micro-batches that
+make it.
 
 >>> c = choose("llama3-70b", 8192, 80)
 >>> c.layout.world_size >= 16 and c.layout.tp > 1, c.fits
@@ -20,10 +22,12 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from mfsdp.tools.plan import (GiB, PRESETS, Layout, _fits_without_state, estimate, plan,
-                              smallest_layout)
+                              smallest_layout, with_global_batch)
 from mfsdp.tools.plan_time import GPUS as PLAN_GPUS
+from mfsdp.tools.sbatch.presets import _BRIDGE_DEEPSEEK_V3, _BRIDGE_LLAMA3
 
-__all__ = ["Choice", "choose", "table", "why", "EPS", "GPUS", "NODE_GPUS", "ROWS", "SBATCH"]
+__all__ = ["Choice", "choose", "row", "table", "why", "EPS", "GPUS", "GLOBAL_BATCH", "NODE_GPUS",
+           "ROWS", "SBATCH"]
 
 EPS = (8, 16, 32, 64)
 """Expert-parallel sizes tried for an MoE preset (EP groups of one node and more)."""
@@ -42,6 +46,13 @@ SBATCH = {"llama3-8b": "llama3-8b", "llama3-70b": "llama3-70b",
           "llama3.1-405b": "llama3.1-405b", "deepseek-v3": "deepseek-v3"}
 """The ``mfsdp sbatch`` preset that trains each planner preset (``mfsdp sbatch list``)."""
 
+GLOBAL_BATCH = {"llama3-8b": _BRIDGE_LLAMA3["global_batch_size"],
+                "llama3-70b": _BRIDGE_LLAMA3["global_batch_size"],
+                "llama3.1-405b": _BRIDGE_LLAMA3["global_batch_size"],
+                "deepseek-v3": _BRIDGE_DEEPSEEK_V3["global_batch_size"]}
+"""Sequences per optimizer step the guide's rows assume: the Slurm presets' (Megatron-Bridge's
+recipes: 512 for Llama 3, 4096 for DeepSeek-V3)."""
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -53,6 +64,7 @@ class Choice:
     total: float  # bytes per GPU at the peak (mfsdp plan's total)
     tokens_per_gpu_s: float  # the predicted speed
     gpu: str = "h100"  # mfsdp plan --gpu
+    global_batch: int | None = None  # mfsdp plan --global-batch-size
 
     @property
     def fits(self) -> bool:
@@ -89,8 +101,12 @@ class Choice:
         tail = f"--seq-length {lay.seq_length}"
         if lay.recompute_granularity:
             tail += f" --recompute-granularity {lay.recompute_granularity}"
+        if self.global_batch is not None:
+            tail += f" --global-batch-size {self.global_batch}"
         parts.append(tail)
         flags = [f"--gpu {self.gpu}"] if self.gpu != "h100" else []
+        if lay.transformer_impl != "local":
+            flags.append(f"--transformer-impl {lay.transformer_impl}")
         if self.device_gib != PLAN_GPUS[self.gpu].memory_gib:  # not the --gpu's default
             flags.append(f"--device-gib {self.device_gib:g}")
         if flags:
@@ -100,10 +116,13 @@ class Choice:
 
 @lru_cache(maxsize=None)  # the page's table and its commands ask for the same rows
 def choose(preset: str, seq_length: int, device_gib: float = 80.0, gpu: str = "h100",
-           spare_gib: float = 0.0, max_nodes: int = 4096) -> Choice | None:
+           spare_gib: float = 0.0, max_nodes: int = 4096, global_batch: int | None = None,
+           transformer_impl: str = "local") -> Choice | None:
     """The layout of ``preset`` at ``seq_length`` tokens on the fewest ``device_gib`` GPUs (see
     the module's docstring) that leaves ``spare_gib`` of what ``mfsdp plan`` lets a job use, or
-    None when none does on up to ``max_nodes`` nodes."""
+    None when none does on up to ``max_nodes`` nodes. ``global_batch``: sequences per step that
+    the data-parallel ranks must divide (None: any world); ``transformer_impl``: the layer the
+    activations model (``mfsdp plan --transformer-impl``)."""
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r} is not a planner preset; use one of "
                          f"{sorted(PRESETS)}")
@@ -116,8 +135,9 @@ def choose(preset: str, seq_length: int, device_gib: float = 80.0, gpu: str = "h
     for recompute in ("full", None):  # full first: its fewer nodes bound the other searches
         for ep in eps:
             base = Layout(max(8, ep), ep=ep, seq_length=seq_length,
-                          recompute_granularity=recompute)
-            found = smallest_layout(model, base, device_gib - spare_gib, max_nodes=nodes)
+                          recompute_granularity=recompute, transformer_impl=transformer_impl)
+            found = smallest_layout(model, base, device_gib - spare_gib, max_nodes=nodes,
+                                    global_batch=global_batch)
             if found is None:
                 continue
             speed = estimate(model, found, gpu).tokens_per_gpu_s
@@ -135,17 +155,19 @@ def choose(preset: str, seq_length: int, device_gib: float = 80.0, gpu: str = "h
             for tp in (1, 2, 4, 8):
                 for cp in (1, 2, 4, 8):
                     try:
-                        other = Layout(layout.world_size, ep=ep, tp=tp, cp=cp,
-                                       sequence_parallel=tp > 1, seq_length=seq_length,
-                                       recompute_granularity=recompute)
+                        other = with_global_batch(Layout(
+                            layout.world_size, ep=ep, tp=tp, cp=cp, sequence_parallel=tp > 1,
+                            seq_length=seq_length, recompute_granularity=recompute,
+                            transformer_impl=transformer_impl), global_batch)
                     except ValueError:
                         continue
-                    if not plan(model, other).fits(device_gib - spare_gib):
+                    if other is None or not plan(model, other).fits(device_gib - spare_gib):
                         continue
                     rate = estimate(model, other, gpu).tokens_per_gpu_s
                     if rate > speed:
                         layout, speed = other, rate
-    return Choice(preset, layout, device_gib, plan(model, layout).total, speed, gpu)
+    return Choice(preset, layout, device_gib, plan(model, layout).total, speed, gpu,
+                  global_batch)
 
 
 ROWS = (("llama3-8b", 8192), ("llama3-70b", 8192), ("llama3.1-405b", 8192),
@@ -153,29 +175,43 @@ ROWS = (("llama3-8b", 8192), ("llama3-70b", 8192), ("llama3.1-405b", 8192),
 """The guide's rows: each preset at 8192 tokens, and DeepSeek-V3 at its sbatch preset's 4096."""
 
 
-def table(rows=ROWS, gpus=tuple(GPUS)) -> str:
-    """One line per (preset, sequence length) of ``rows`` and GPU of ``GPUS`` (the guide's
-    table, at most 88 columns): the layout on the fewest GPUs that leaves ``mfsdp plan``'s tight
-    margin (``plan_cli.TIGHT_GIB``) to spare, its GiB per GPU and what is left; then the fewest
-    GPUs on which it fits at all, marked ``tight`` when that plan leaves less than the margin."""
+def row(preset: str, seq_length: int, gpu_name: str, spare_gib: float | None = None,
+        max_nodes: int = 4096, transformer_impl: str = "local") -> Choice | None:
+    """The guide's row for ``preset`` at ``seq_length`` tokens on ``gpu_name`` (a key of
+    ``GPUS``): :func:`choose` at the preset's ``GLOBAL_BATCH``, leaving ``spare_gib`` (default
+    ``mfsdp plan``'s tight margin, ``plan_cli.TIGHT_GIB``)."""
     from mfsdp.tools.plan_cli import TIGHT_GIB
 
-    out = [f"{'model':<14}{'seq':>5} {'GPU':<5}{'GPUs':>5}{'TP':>4}{'CP':>4}{'EP':>4}  "
-           f"{'recompute':<10}{'GiB/GPU':>8}{'spare':>7}  fewest"]
+    if gpu_name not in GPUS:
+        raise ValueError(f"gpu_name={gpu_name!r} is not one of {list(GPUS)}; pick one of them")
+    device_gib, gpu = GPUS[gpu_name]
+    return choose(preset, seq_length, device_gib, gpu,
+                  TIGHT_GIB if spare_gib is None else spare_gib, max_nodes,
+                  GLOBAL_BATCH.get(preset), transformer_impl)
+
+
+def table(rows=ROWS, gpus=tuple(GPUS), transformer_impl: str = "local") -> str:
+    """One line per (preset, sequence length) of ``rows`` and GPU of ``GPUS`` (the guide's
+    table, at most 88 columns), at the preset's global batch (``GLOBAL_BATCH``, column ``GBS``):
+    the layout on the fewest GPUs that leaves ``mfsdp plan``'s tight margin
+    (``plan_cli.TIGHT_GIB``) to spare, its GiB per GPU and what is left; then the fewest GPUs on
+    which it fits at all, marked ``tight`` when that plan leaves less than the margin.
+    ``transformer_impl``: the layer planned (:func:`choose`)."""
+    out = [f"{'model':<14}{'seq':>5}{'GBS':>5} {'GPU':<5}{'GPUs':>5}{'TP':>4}{'CP':>4}{'EP':>4}  "
+           f"{'recompute':<10}{'GiB/GPU':>8}{'spare':>6}  fewest"]
     for name, seq in rows:
         for gpu_name in gpus:
-            device_gib, gpu = GPUS[gpu_name]
-            c = choose(name, seq, device_gib, gpu, spare_gib=TIGHT_GIB)
-            head = f"{name:<14}{seq:>5} {gpu_name:<5}"
+            c = row(name, seq, gpu_name, transformer_impl=transformer_impl)
+            head = f"{name:<14}{seq:>5}{GLOBAL_BATCH[name]:>5} {gpu_name:<5}"
             if c is None:
                 out.append(head + " no layout fits with the margin")
                 continue
             lay = c.layout
-            least = choose(name, seq, device_gib, gpu, max_nodes=lay.world_size // 8)
+            least = row(name, seq, gpu_name, 0.0, lay.world_size // 8, transformer_impl)
             fewest = "same" if least.layout.world_size == lay.world_size else \
                 f"{least.layout.world_size}{' tight' if least.tight else ''}"
             out.append(head + f"{lay.world_size:>5}{lay.tp:>4}{lay.cp:>4}{lay.ep:>4}  "
-                       f"{c.recompute:<10}{c.total / GiB:>8.1f}{c.spare_gib:>7.1f}  {fewest}")
+                       f"{c.recompute:<10}{c.total / GiB:>8.1f}{c.spare_gib:>6.1f}  {fewest}")
     return "\n".join(out)
 
 
@@ -197,10 +233,8 @@ def why(preset: str, seq_length: int, gpu_name: str) -> str:
     """
     from mfsdp.tools.plan_cli import TIGHT_GIB
 
-    if gpu_name not in GPUS:
-        raise ValueError(f"gpu_name={gpu_name!r} is not one of {list(GPUS)}; pick one of them")
-    device_gib, gpu = GPUS[gpu_name]
-    c = choose(preset, seq_length, device_gib, gpu, spare_gib=TIGHT_GIB)
+    c = row(preset, seq_length, gpu_name)
+    device_gib, batch = GPUS[gpu_name][0], GLOBAL_BATCH.get(preset)
     if c is None:
         return f"nothing fits with {TIGHT_GIB:g} GiB to spare"
     model, lay, usable = PRESETS[preset], c.layout, device_gib - TIGHT_GIB
@@ -216,7 +250,7 @@ def why(preset: str, seq_length: int, gpu_name: str) -> str:
             out.append(f"{name}: activations and gathered layers exceed the GPU")
         else:  # it fits on more GPUs: how many (up to twice the row's)
             more = smallest_layout(model, flat, usable, tps=(1,), cps=(1,),
-                                   max_nodes=2 * lay.world_size // 8)
+                                   max_nodes=2 * lay.world_size // 8, global_batch=batch)
             out.append(f"{name} needs {more.world_size} GPUs" if more else
                        f"{name} needs over {2 * lay.world_size} GPUs")
     if lay.recompute_granularity:
@@ -225,7 +259,7 @@ def why(preset: str, seq_length: int, gpu_name: str) -> str:
             if model.num_experts % ep:
                 continue
             base = Layout(max(8, ep), ep=ep, seq_length=seq_length)
-            found = smallest_layout(model, base, usable, max_nodes=nodes)
+            found = smallest_layout(model, base, usable, max_nodes=nodes, global_batch=batch)
             if found is not None and (best is None or found.world_size < best.world_size):
                 best, nodes = found, found.world_size // 8
         if best is None:
@@ -236,7 +270,7 @@ def why(preset: str, seq_length: int, gpu_name: str) -> str:
             out.append(f"no recompute needs TP {best.tp} CP {best.cp}: slower")
     if model.num_experts:
         out.append(f"{model.num_experts // lay.ep} experts per GPU")
-    least = choose(preset, seq_length, device_gib, gpu, max_nodes=lay.world_size // 8)
+    least = row(preset, seq_length, gpu_name, 0.0, lay.world_size // 8)
     if least.layout.world_size < lay.world_size:
         out.append(f"{least.layout.world_size} GPUs leave {least.spare_gib:.1f} GiB: tight")
     return "; ".join(out)
