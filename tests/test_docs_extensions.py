@@ -101,11 +101,13 @@ def test_the_layout_table_shows_what_the_search_chose():
     models = (("llama3-8b", 8192), ("llama3-70b", 8192))
     cells = layout_table.rows(models)
     assert len(cells) == len(models) * len(GPUS)
+    batch = 512  # the Llama presets' global batch (mfsdp/tools/sbatch/presets.py)
     for row, ((name, seq), gpu) in zip(cells, [(m, g) for m in models for g in GPUS]):
-        c = choose(name, seq, *GPUS[gpu], spare_gib=TIGHT_GIB)
+        c = choose(name, seq, *GPUS[gpu], spare_gib=TIGHT_GIB, global_batch=batch)
         lay = c.layout
+        assert batch % (lay.world_size // (lay.tp * lay.cp)) == 0
         assert dict(zip(layout_table.HEADER, row)) == {
-            "model": name, "sequence": str(seq), "GPU": gpu,
+            "model": name, "sequence": str(seq), "global batch": str(batch), "GPU": gpu,
             "GPUs (nodes)": f"{lay.world_size} ({lay.world_size // NODE_GPUS[gpu]})",
             "TP": str(lay.tp), "CP": str(lay.cp), "EP": str(lay.ep),
             "recompute": lay.recompute_granularity or "none",
@@ -119,3 +121,16 @@ def test_the_layout_table_shows_what_the_search_chose():
             for row in table.findall(nodes.row)]
     assert body[0] == list(layout_table.HEADER)
     assert body[1:] == [list(r) for r in cells]
+    # the Transformer Engine table: the same search planning Megatron-LM's layer, without "why"
+    te = layout_table.rows(models[1:], ("H100",), "transformer_engine")
+    c = choose("llama3-70b", 8192, *GPUS["H100"], spare_gib=TIGHT_GIB, global_batch=batch,
+               transformer_impl="transformer_engine")
+    assert te == [("llama3-70b", "8192", str(batch), "H100",
+                   f"{c.layout.world_size} ({c.layout.world_size // 8})", str(c.layout.tp),
+                   str(c.layout.cp), str(c.layout.ep), c.recompute, f"{c.total / GiB:.1f}",
+                   f"{80 - 4 - c.total / GiB:.1f}")]
+    [table] = rst_nodes(layout_table.rst_table(te))
+    assert [e.astext() for e in next(table.findall(nodes.row)).findall(nodes.entry)] == \
+        list(layout_table.HEADER[:-1])
+    with pytest.raises(ValueError, match="transformer-impl"):
+        layout_table._impl("te")
