@@ -212,6 +212,15 @@ def _span(seconds: float) -> str:
     return "under a minute" if seconds < 60 else f"{round(seconds / 60)} min"
 
 
+def _every(seconds: float) -> str:
+    """How often a save comes, ``seconds`` apart: 'about 57 min', 'less than a minute apart'.
+
+    >>> _every(3420), _every(2.3)
+    ('about 57 min', 'less than a minute apart')
+    """
+    return "less than a minute apart" if seconds < 60 else f"about {_span(seconds)}"
+
+
 def schedule_lines(v: dict) -> list[str]:
     """What ``mfsdp sbatch render`` says of the schedule of resolved train values ``v``: its
     tokens, the planner's step time and the wall-clock, and the key that shortens it (no line
@@ -238,8 +247,8 @@ def schedule_lines(v: dict) -> list[str]:
     if v.get("save") and v.get("save_interval"):
         every = v["save_interval"] * s.step_s
         limit = time_limit_seconds(v["time"])
-        line = (f"mfsdp sbatch: saves every {v['save_interval']:,} iterations, about "
-                f"{_span(every)} at that step, in {_span(limit)} jobs")
+        line = (f"mfsdp sbatch: saves every {v['save_interval']:,} iterations, "
+                f"{_every(every)} at that step, in {_span(limit)} jobs")
         if every > limit:
             line += ("; WARNING: no save inside a job, so a crash without SIGTERM loses the "
                      "whole job (lower save_interval)")
