@@ -12,7 +12,7 @@ layer for trainer=megatron-lm (:func:`transformer_impl`).
 >>> from mfsdp.tools.sbatch import resolve
 >>> s = schedule(resolve("llama3-8b")[1])
 >>> f"{s.tokens / 1e12:.2f}T tokens, {s.step_s:.2f} s a step, {s.seconds / 86400:.0f} days"
-'4.90T tokens, 35.17 s a step, 476 days'
+'4.90T tokens, 34.30 s a step, 464 days'
 >>> schedule(resolve("cpu-smoke")[1]) is None  # (a CPU job: the planner models GPUs)
 True
 """
@@ -133,7 +133,11 @@ def recompute_phrase(v: dict, gpu_gib: float = 80.0) -> str:
     :func:`transformer_impl` names); for no recomputation, whether the plan leaves that much.
 
     >>> from mfsdp.tools.sbatch import resolve
-    >>> recompute_phrase(resolve("llama3-8b")[1])[:47]
+    >>> recompute_phrase(resolve("llama3-8b")[1])[:57]
+    "no activation recomputation (the plan of mfsdp train's la"
+    >>> block = "--recompute-granularity full --recompute-method block --recompute-num-layers"
+    >>> recompute_phrase(resolve("llama3-8b", {
+    ...     "cp": "1", "model_args": f"--model-preset llama3-8b {block} 3"})[1])[:47]
     'full recomputation of the first 3 of 32 layers '
     """
     from dataclasses import replace
