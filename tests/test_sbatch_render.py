@@ -164,3 +164,59 @@ def test_model_flags_after_the_preset_replace_its_value_for_megatron_lm():
     train = dict((line[0], line[1:]) for line in _argument_lists(text)["TRAIN_ARGS"])
     assert train["--num-layers"] == ["4"]  # the preset's 32, replaced where it stood
     assert train["--hidden-size"] == ["4096"]  # the rest of llama3-8b's shape is kept
+
+
+def _guide_renders() -> list[tuple[str, str]]:
+    """``(page, command)`` of every ``mfsdp sbatch render`` command line in the guide's fenced
+    code blocks, continuation lines joined."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = []
+    for page in sorted((root / "docs").glob("*.md")):
+        fence, pending = None, []
+        for line in page.read_text().splitlines():
+            match = re.match(r"^\s*(`{3,}|~{3,})(.*)$", line)
+            if fence is None:
+                fence = match.group(1) if match else None
+                continue
+            if match and match.group(1) == fence and not match.group(2).strip():
+                fence, pending = None, []
+                continue
+            pending.append(line.strip().removesuffix("\\").strip())
+            if line.rstrip().endswith("\\"):
+                continue
+            command, pending = " ".join(pending), []
+            if command.startswith("mfsdp sbatch render "):
+                out.append((page.name, command))
+    return out
+
+
+@pytest.mark.parametrize("page, command", _guide_renders())
+def test_every_render_command_of_the_guide_renders(page, command, tmp_path, monkeypatch,
+                                                   capsys):
+    """Each ``mfsdp sbatch render`` command the guide shows renders as printed (``$PWD`` is the
+    submission directory), and writes the script it names with ``-o``."""
+    argv = [w.replace("$PWD", str(tmp_path)) for w in shlex.split(command)]
+    monkeypatch.chdir(tmp_path)
+    assert sbatch.main(argv[2:]) == 0, capsys.readouterr().err
+    script = (tmp_path / argv[argv.index("-o") + 1]).read_text()
+    assert script.startswith("#!/bin/bash")
+
+
+def test_the_slurm_pages_first_trial_and_two_node_smoke_are_short():
+    """The Slurm page's first trial saves twice and takes minutes in the planner's estimate,
+    in its own checkpoint directory; its two-node smoke test asks for 2 nodes alone."""
+    from mfsdp.tools.sbatch.schedule import schedule
+
+    commands = [c for page, c in _guide_renders() if page == "slurm.md"]
+    trials = [c for c in commands if "render llama3-8b" in c]
+    assert len(trials) == 2  # mfsdp train and Megatron-LM
+    for command in trials:
+        words = shlex.split(command)
+        overrides = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--set")
+        v = sbatch.resolve("llama3-8b", overrides)[1]
+        assert v["train_iters"] == 2 * v["save_interval"] and v["save"] != "checkpoints/llama3-8b"
+        assert schedule(v).seconds < 20 * 60
+    smoke = [c for c in commands if "render gpu-smoke" in c]
+    assert len(smoke) == 1 and "--set nodes=2" in smoke[0] and "global_batch_size" not in smoke[0]
