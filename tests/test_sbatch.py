@@ -314,6 +314,8 @@ def test_llama3_8b_takes_the_faster_context_parallel_size_that_fits(trainer):
          if "--recompute-granularity" in words else 0)
     assert n == options[best][0], options
     assert (v["cp"], n) == ((2, 0) if trainer == "mfsdp" else (1, 0))
+    if trainer == "mfsdp":  # what the Slurm page says CP 1 would cost: 3 of 32 layers
+        assert options[1][0] == 3 and options[1][1] > options[2][1], options
     assert 512 % (16 // v["cp"]) == 0
 
 
