@@ -190,7 +190,7 @@ def test_megatron_lm_scripts_build_the_same_model_and_layout(name):
     assert theirs.num_experts == (cfg.num_experts or None)
     for field in ("data_parallel_sharding_strategy", "num_distributed_optimizer_instances",
                   "expert_model_parallel_size", "tensor_model_parallel_size",
-                  "context_parallel_size", "sequence_parallel", "micro_batch_size",
+                  "sequence_parallel", "micro_batch_size",
                   "global_batch_size", "seq_length", "train_iters", "lr", "bf16",
                   "init_model_with_meta_device", "grad_reduce_in_bf16",
                   "exit_signal_handler"):
@@ -207,6 +207,11 @@ def test_megatron_lm_scripts_build_the_same_model_and_layout(name):
         if value is None:
             value = MEGATRON_DEFAULTS.get("--" + field.replace("_", "-"))
         assert value == getattr(own, field), field
+    # context parallelism too is the variant's own (llama3-8b: CP 2 with mfsdp train, none
+    # with Megatron-LM, test_llama3_8b_takes_the_faster_context_parallel_size_that_fits)
+    assert (theirs.context_parallel_size or 1) == sbatch.resolve(
+        name, {"trainer": "megatron-lm"})[1]["cp"]
+    assert ours.context_parallel_size == sbatch.resolve(name)[1]["cp"]
     assert theirs.transformer_impl in (None, "transformer_engine")  # what the plan models
     if name == "deepseek-v3":
         assert (theirs.moe_token_dispatcher_type, theirs.moe_flex_dispatcher_backend) == (
@@ -239,7 +244,8 @@ def test_deepseek_script_builds_the_intended_model():
 def test_gpu_presets_build_the_real_architecture_and_fit(name):
     """The script's flags build the published architecture, and the planner, on the script's
     own layout, says it fits on 80 GiB GPUs (the 405B preset on 256 of them, with FSDP x TP 2;
-    the long-context 8B with 64K-token sequences split over CP 4)."""
+    the long-context 8B with 64K-token sequences split over CP 4; the 8B with 8K-token
+    sequences over CP 2, without recomputation)."""
     from mfsdp.models.gpt import GPT_PRESETS
     from mfsdp.tools.plan import Layout, ModelConfig, plan
 
@@ -272,6 +278,45 @@ def test_gpu_presets_build_the_real_architecture_and_fit(name):
     from mfsdp.tools.sbatch.schedule import schedule
 
     assert schedule(sbatch.resolve(name)[1]).peak_bytes == pytest.approx(p.total, rel=1e-12)
+
+
+@pytest.mark.parametrize("trainer", ["mfsdp", "megatron-lm"])
+def test_llama3_8b_takes_the_faster_context_parallel_size_that_fits(trainer):
+    """On the preset's 16 H100s, each trainer's llama3-8b variant uses the context-parallel
+    size (1, 2 or 4, each with the fewest block-recomputed layers that leave TIGHT_GIB of 80
+    spare in the plan of that trainer's layer) whose planner step is the shortest: CP 2 without
+    recomputation for mfsdp train (its measured layer needs 3 recomputed layers without CP),
+    CP 1 without recomputation for Megatron-LM's Transformer Engine layer. The global batch
+    divides over the data-parallel ranks (the render refuses otherwise)."""
+    from mfsdp.tools.plan import PRESETS, Layout, estimate, plan
+    from mfsdp.tools.plan_cli import TIGHT_GIB
+
+    impl = "local" if trainer == "mfsdp" else "transformer_engine"
+    v = sbatch.resolve("llama3-8b", {"trainer": trainer})[1]
+    model = PRESETS["llama3-8b"]
+
+    def cheapest(cp):  # the layout of cp with the fewest recomputed layers that fit
+        for n in range(model.num_layers + 1):
+            recompute = (dict(recompute_granularity="full", recompute_method="block",
+                              recompute_num_layers=n) if n else {})
+            layout = Layout(16, seq_length=8192, micro_batch=1, cp=cp, grad_comm_bytes=2,
+                            micro_batches=512 // (16 // cp), transformer_impl=impl,
+                            **recompute)
+            if plan(model, layout).fits(80 - TIGHT_GIB):
+                return n, estimate(model, layout, "h100").step_s
+        raise AssertionError(f"cp={cp}: no recomputation fits")
+
+    options = {cp: cheapest(cp) for cp in (1, 2, 4)}
+    best = min(options, key=lambda cp: options[cp][1])
+    assert v["cp"] == best, options
+    words = shlex.split(v["model_args"])
+    n = (int(words[words.index("--recompute-num-layers") + 1])
+         if "--recompute-granularity" in words else 0)
+    assert n == options[best][0], options
+    assert (v["cp"], n) == ((2, 0) if trainer == "mfsdp" else (1, 0))
+    if trainer == "mfsdp":  # what the Slurm page says CP 1 would cost: 3 of 32 layers
+        assert options[1][0] == 3 and options[1][1] > options[2][1], options
+    assert 512 % (16 // v["cp"]) == 0
 
 
 _MEGATRON_LM_GPU_PRESETS = [name for name, p in sbatch.PRESETS.items()
@@ -545,7 +590,7 @@ def test_values_slurm_or_the_trainer_would_refuse_fail_at_render_time(overrides,
     ("convert", {"trainer": "megatron-lm", "to_format": "hf"}, "torch_dist to fsdp_dtensor only"),
     ("convert", {"trainer": "megatron-lm", "gpus_per_node": "0"}, "converts on GPUs"),
     ("deepseek-v3", {"nodes": "3"}, "3 x 8 = 24 ranks cannot be split"),
-    ("llama3-8b", {"nodes": "3"}, "not divisible by micro_batch_size x data-parallel ranks = 1 x 24"),
+    ("llama3-8b", {"nodes": "3"}, "not divisible by micro_batch_size x data-parallel ranks = 1 x 12"),
     ("cpu-smoke", {"ep": "2"}, "needs an MoE model"),
     ("llama3-70b", {"tp": "16"}, "tp=16 exceeds ranks_per_node=8"),
     ("llama3-70b", {"tp": "8", "cp": "3"}, "cannot be split with tp=8 x cp=3"),
@@ -661,11 +706,10 @@ def test_list_aligns_every_name_with_its_description(capsys):
 
 # The planner's layout of each GPU preset, written out by hand from the preset's values (16, 64
 # or 256 H100s, global batch 512 of 8,192 tokens, one sequence per micro-batch, gradients
-# reduced in bf16), and its Megatron-Bridge schedule: 1,168,251 iterations.
+# reduced in bf16; llama3-8b: context parallelism 2, so 8 data-parallel ranks, and no
+# recomputation), and its Megatron-Bridge schedule: 1,168,251 iterations.
 _SCHEDULES = {
-    "llama3-8b": ("llama3-8b", dict(world_size=16, recompute_granularity="full",
-                                    recompute_method="block", recompute_num_layers=3,
-                                    micro_batches=512 // 16)),
+    "llama3-8b": ("llama3-8b", dict(world_size=16, cp=2, micro_batches=512 // 8)),
     "llama3-70b": ("llama3-70b", dict(world_size=64, tp=4, sequence_parallel=True,
                                       recompute_granularity="full", recompute_method="block",
                                       recompute_num_layers=26, micro_batches=512 // 16)),

@@ -44,11 +44,20 @@ def test_header_of_an_unchanged_preset_names_its_recipe_and_list_shows_the_prese
     recipe = header[header.index("Batch and learning-rate schedule:"):]
     wider = _header(sbatch.render("llama3-8b", {"nodes": "4"}))
     assert wider.endswith(recipe)
-    # but the recomputation is stated from the rendered plan: on 32 GPUs (each holds half the
-    # sharded state) 3 layers are no longer the fewest that fit
+    # the preset's layout: CP 2, no recomputation, and the plan's reason
+    assert ("(optim_grads_params), context parallelism 2 (each rank holds 4,096 tokens of a "
+            "sequence), no activation recomputation (the plan of mfsdp train's layers leaves "
+            "5 GiB of 80 spare without it), bf16 compute") in header
+    # the recomputation is stated from the rendered plan: without CP, on 32 GPUs (each holds
+    # half the sharded state) 3 layers are no longer the fewest that fit, on 16 they are
+    block3 = {"cp": "1", "model_args": "--model-preset llama3-8b --recompute-granularity full "
+                                       "--recompute-method block --recompute-num-layers 3"}
+    narrow = _header(sbatch.render("llama3-8b", block3))
+    assert "(optim_grads_params), full recomputation" in narrow  # no CP, no CP phrase
     assert "first 3 of 32 layers (with fewer the plan of mfsdp train's layers leaves under " \
-           "5 GiB of 80 spare; it costs about 3% of the step)" in header
-    assert "first 3 of 32 layers (it costs about 3% of the step)" in wider
+           "5 GiB of 80 spare; it costs about 3% of the step)" in narrow
+    assert "first 3 of 32 layers (it costs about 3% of the step)" in _header(
+        sbatch.render("llama3-8b", dict(block3, nodes="4")))
     # the job length follows time, and a script that does not save says it does not requeue
     other = _header(sbatch.render("llama3-8b", {"time": "00:30:00", "save": ""}))
     assert "in 30-minute jobs (this script neither saves" in other
@@ -66,13 +75,14 @@ def test_header_states_the_rendered_recomputation():
     layout = dict(world_size=16, seq_length=8192, micro_batch=1, micro_batches=32,
                   grad_comm_bytes=2)
     args = "--model-preset llama3-8b --recompute-granularity full --recompute-method block"
-    five = _header(sbatch.render("llama3-8b", {"model_args": f"{args} --recompute-num-layers 5"}))
+    five = _header(sbatch.render("llama3-8b", {"cp": "1",
+                                               "model_args": f"{args} --recompute-num-layers 5"}))
     cost = (estimate(PRESETS["llama3-8b"], Layout(recompute_granularity="full",
                                                   recompute_method="block",
                                                   recompute_num_layers=5, **layout)).step_s
             / estimate(PRESETS["llama3-8b"], Layout(**layout)).step_s - 1)
     assert f"first 5 of 32 layers (it costs about {cost:.0%} of the step)" in five
-    none = _header(sbatch.render("llama3-8b", {"model_args": "--model-preset llama3-8b"}))
+    none = _header(sbatch.render("llama3-8b", {"cp": "1"}))
     assert ", no activation recomputation, bf16 compute" in none  # over 71 GiB: no claim
     mlm = _header(sbatch.render("llama3-8b", {"trainer": "megatron-lm"}))
     assert ("no activation recomputation (the plan of Megatron-LM's Transformer Engine layers "
@@ -83,6 +93,47 @@ def test_gpu_smoke_header_follows_its_values():
     header = _header(sbatch.render("gpu-smoke", {"train_iters": "80", "save_interval": "40"}))
     assert "for 80 iterations" in header and "saving every 40 iterations" in header
     assert "50" not in header and "25" not in header
+
+
+def test_gpu_smoke_scales_an_unset_global_batch_with_the_nodes(capsys):
+    """gpu-smoke renders at any node count: a global batch not given with --set is one
+    sequence per data-parallel rank (nodes x 8 over tp x cp), and the script's ranks, batch and
+    header agree; a global batch given with --set is used as given, or refused."""
+    from mfsdp.cli import main
+
+    for nodes, tp in ((1, 1), (2, 1), (3, 1), (2, 2)):
+        text = sbatch.render("gpu-smoke", {"nodes": str(nodes), "tp": str(tp)})
+        ranks = nodes * 8
+        assert f"#SBATCH --nodes={nodes}\n" in text
+        assert "--nnodes \"$SLURM_JOB_NUM_NODES\" --nproc-per-node 8" in text
+        assert f"  --global-batch-size {ranks // tp}\n" in text
+        header = _header(text)
+        assert f"{nodes} x 8 GPUs" in header and f"a step ({ranks // tp:,})" in header
+    two = sbatch.render("gpu-smoke", {"nodes": "2", "global_batch_size": "32"})
+    assert "  --global-batch-size 32\n" in two
+    with pytest.raises(sbatch.RenderError, match=re.escape("1 x 16")):
+        sbatch.render("gpu-smoke", {"nodes": "2", "global_batch_size": "8"})
+    assert main(["sbatch", "render", "gpu-smoke", "--set", "nodes=2"]) == 0
+    assert "16 sequences" in capsys.readouterr().err
+
+
+def test_a_save_interval_under_a_minute_reads_naturally(capsys):
+    """The render's save-cadence line: 'about N min' from a minute on, 'less than a minute
+    apart' below it (gpu-smoke saves every 25 iterations of a step well under 2.4 s)."""
+    from mfsdp.cli import main
+    from mfsdp.tools.sbatch.schedule import schedule
+
+    step = schedule(sbatch.resolve("gpu-smoke")[1]).step_s
+    assert 25 * step < 60
+    assert main(["sbatch", "render", "gpu-smoke"]) == 0
+    err = capsys.readouterr().err
+    assert ("mfsdp sbatch: saves every 25 iterations, less than a minute apart at that step, "
+            "in 30 min jobs") in err.splitlines()
+    assert "about under" not in err
+    interval = int(120 / step) + 1  # two minutes and a little more
+    assert main(["sbatch", "render", "gpu-smoke", "--set", f"save_interval={interval}"]) == 0
+    assert (f"saves every {interval:,} iterations, about {round(interval * step / 60)} min at "
+            "that step") in capsys.readouterr().err
 
 
 def _argument_lists(text: str) -> dict[str, list[list[str]]]:
@@ -113,3 +164,59 @@ def test_model_flags_after_the_preset_replace_its_value_for_megatron_lm():
     train = dict((line[0], line[1:]) for line in _argument_lists(text)["TRAIN_ARGS"])
     assert train["--num-layers"] == ["4"]  # the preset's 32, replaced where it stood
     assert train["--hidden-size"] == ["4096"]  # the rest of llama3-8b's shape is kept
+
+
+def _guide_renders() -> list[tuple[str, str]]:
+    """``(page, command)`` of every ``mfsdp sbatch render`` command line in the guide's fenced
+    code blocks, continuation lines joined."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = []
+    for page in sorted((root / "docs").glob("*.md")):
+        fence, pending = None, []
+        for line in page.read_text().splitlines():
+            match = re.match(r"^\s*(`{3,}|~{3,})(.*)$", line)
+            if fence is None:
+                fence = match.group(1) if match else None
+                continue
+            if match and match.group(1) == fence and not match.group(2).strip():
+                fence, pending = None, []
+                continue
+            pending.append(line.strip().removesuffix("\\").strip())
+            if line.rstrip().endswith("\\"):
+                continue
+            command, pending = " ".join(pending), []
+            if command.startswith("mfsdp sbatch render "):
+                out.append((page.name, command))
+    return out
+
+
+@pytest.mark.parametrize("page, command", _guide_renders())
+def test_every_render_command_of_the_guide_renders(page, command, tmp_path, monkeypatch,
+                                                   capsys):
+    """Each ``mfsdp sbatch render`` command the guide shows renders as printed (``$PWD`` is the
+    submission directory), and writes the script it names with ``-o``."""
+    argv = [w.replace("$PWD", str(tmp_path)) for w in shlex.split(command)]
+    monkeypatch.chdir(tmp_path)
+    assert sbatch.main(argv[2:]) == 0, capsys.readouterr().err
+    script = (tmp_path / argv[argv.index("-o") + 1]).read_text()
+    assert script.startswith("#!/bin/bash")
+
+
+def test_the_slurm_pages_first_trial_and_two_node_smoke_are_short():
+    """The Slurm page's first trial saves twice and takes minutes in the planner's estimate,
+    in its own checkpoint directory; its two-node smoke test asks for 2 nodes alone."""
+    from mfsdp.tools.sbatch.schedule import schedule
+
+    commands = [c for page, c in _guide_renders() if page == "slurm.md"]
+    trials = [c for c in commands if "render llama3-8b" in c]
+    assert len(trials) == 2  # mfsdp train and Megatron-LM
+    for command in trials:
+        words = shlex.split(command)
+        overrides = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--set")
+        v = sbatch.resolve("llama3-8b", overrides)[1]
+        assert v["train_iters"] == 2 * v["save_interval"] and v["save"] != "checkpoints/llama3-8b"
+        assert schedule(v).seconds < 20 * 60
+    smoke = [c for c in commands if "render gpu-smoke" in c]
+    assert len(smoke) == 1 and "--set nodes=2" in smoke[0] and "global_batch_size" not in smoke[0]

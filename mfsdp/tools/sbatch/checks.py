@@ -34,7 +34,15 @@ def _parse(key: str, raw: str) -> object:
 def resolve(preset: str, overrides: dict[str, str] | None = None) -> tuple[Preset, dict]:
     """The preset and its values with ``overrides`` (strings, as given to ``--set``) applied and
     checked: types, choices, values Slurm or the trainer would refuse, and that the ranks split
-    into the requested parallel sizes. Every refusal is one line naming the key."""
+    into the requested parallel sizes. Every refusal is one line naming the key. A preset with
+    ``micro_batches`` (gpu-smoke) scales a global batch not given with ``--set``: it is
+    micro_batch_size x data-parallel ranks x micro_batches.
+
+    >>> resolve("gpu-smoke", {"nodes": "2"})[1]["global_batch_size"]
+    16
+    >>> resolve("gpu-smoke", {"nodes": "2", "global_batch_size": "32"})[1]["global_batch_size"]
+    32
+    """
     if preset not in PRESETS:
         raise RenderError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[preset]
@@ -50,6 +58,10 @@ def resolve(preset: str, overrides: dict[str, str] | None = None) -> tuple[Prese
     if parsed.get("trainer", values["trainer"]) == "megatron-lm":
         values.update(p.megatron_lm)
     values.update(parsed)
+    if p.micro_batches and "global_batch_size" not in parsed:  # scales with the ranks
+        ranks = values["nodes"] * values["ranks_per_node"]
+        dp = max(ranks // (values["tp"] * values["cp"]), 1)
+        values["global_batch_size"] = values["micro_batch_size"] * dp * p.micro_batches
     for key, value in values.items():
         typ = SCHEMA[key][0]
         if typ is float and isinstance(value, int) and not isinstance(value, bool):

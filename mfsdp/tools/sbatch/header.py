@@ -16,7 +16,7 @@ def describe(preset: Preset, values: dict | None = None) -> str:
     ``--set`` is written as rendered, with the preset's beside it. A ``{recompute}`` in the
     description is the script's recomputation as
     :func:`mfsdp.tools.sbatch.schedule.recompute_phrase` says it (planned with the layer of the
-    script's trainer).
+    script's trainer); a ``{context}`` is its context parallelism (empty without).
 
     >>> text = describe(PRESETS["llama3-8b"], dict(PRESETS["llama3-8b"].values,
     ...                                            train_iters=200))
@@ -25,12 +25,16 @@ def describe(preset: Preset, values: dict | None = None) -> str:
     """
     own = preset.values
     values = own if values is None else values
+    context = (f", context parallelism {values['cp']} (each rank holds "
+               f"{values['seq_length'] // values['cp']:,} tokens of a sequence)"
+               if values.get("cp", 1) > 1 else "")
     if "{recompute}" in preset.description:  # the script's own, in the plan of its trainer
         from mfsdp.tools.sbatch.schedule import recompute_phrase
 
-        text = preset.description.format(**values, recompute=recompute_phrase(values))
+        text = preset.description.format(**values, recompute=recompute_phrase(values),
+                                         context=context)
     else:
-        text = preset.description.format(**values)
+        text = preset.description.format(**values, context=context)
     if not preset.recipe:
         return text
     hours = _job_length(values["time"])

@@ -12,7 +12,7 @@ layer for trainer=megatron-lm (:func:`transformer_impl`).
 >>> from mfsdp.tools.sbatch import resolve
 >>> s = schedule(resolve("llama3-8b")[1])
 >>> f"{s.tokens / 1e12:.2f}T tokens, {s.step_s:.2f} s a step, {s.seconds / 86400:.0f} days"
-'4.90T tokens, 35.17 s a step, 476 days'
+'4.90T tokens, 34.30 s a step, 464 days'
 >>> schedule(resolve("cpu-smoke")[1]) is None  # (a CPU job: the planner models GPUs)
 True
 """
@@ -133,7 +133,11 @@ def recompute_phrase(v: dict, gpu_gib: float = 80.0) -> str:
     :func:`transformer_impl` names); for no recomputation, whether the plan leaves that much.
 
     >>> from mfsdp.tools.sbatch import resolve
-    >>> recompute_phrase(resolve("llama3-8b")[1])[:47]
+    >>> recompute_phrase(resolve("llama3-8b")[1])[:57]
+    "no activation recomputation (the plan of mfsdp train's la"
+    >>> block = "--recompute-granularity full --recompute-method block --recompute-num-layers"
+    >>> recompute_phrase(resolve("llama3-8b", {
+    ...     "cp": "1", "model_args": f"--model-preset llama3-8b {block} 3"})[1])[:47]
     'full recomputation of the first 3 of 32 layers '
     """
     from dataclasses import replace
@@ -212,6 +216,15 @@ def _span(seconds: float) -> str:
     return "under a minute" if seconds < 60 else f"{round(seconds / 60)} min"
 
 
+def _every(seconds: float) -> str:
+    """How often a save comes, ``seconds`` apart: 'about 57 min', 'less than a minute apart'.
+
+    >>> _every(3420), _every(2.3)
+    ('about 57 min', 'less than a minute apart')
+    """
+    return "less than a minute apart" if seconds < 60 else f"about {_span(seconds)}"
+
+
 def schedule_lines(v: dict) -> list[str]:
     """What ``mfsdp sbatch render`` says of the schedule of resolved train values ``v``: its
     tokens, the planner's step time and the wall-clock, and the key that shortens it (no line
@@ -238,8 +251,8 @@ def schedule_lines(v: dict) -> list[str]:
     if v.get("save") and v.get("save_interval"):
         every = v["save_interval"] * s.step_s
         limit = time_limit_seconds(v["time"])
-        line = (f"mfsdp sbatch: saves every {v['save_interval']:,} iterations, about "
-                f"{_span(every)} at that step, in {_span(limit)} jobs")
+        line = (f"mfsdp sbatch: saves every {v['save_interval']:,} iterations, "
+                f"{_every(every)} at that step, in {_span(limit)} jobs")
         if every > limit:
             line += ("; WARNING: no save inside a job, so a crash without SIGTERM loses the "
                      "whole job (lower save_interval)")
