@@ -453,7 +453,7 @@ def smallest_world(model: ModelConfig, layout: Layout, device_gib: float = 80.0,
     """The smallest world size (whole nodes) on which every rank fits, or None; ``progress``: a
     stream for a ``tqdm`` bar of the node counts tried (the CLI passes stderr). With
     ``global_batch`` (sequences per step) only worlds whose data-parallel ranks x micro-batch
-    divide it count (:func:`with_global_batch`)."""
+    divide it count (``with_global_batch``)."""
     for nodes in _nodes("smallest world", max_nodes, progress):
         world = nodes * gpus_per_node
         try:
@@ -485,7 +485,7 @@ def smallest_layout(model: ModelConfig, layout: Layout, device_gib: float = 80.0
     too (TP at most a node: its traffic needs NVLink); among equal worlds the least TP x CP.
     ``progress``: a stream for a ``tqdm`` bar of the node counts tried (the CLI passes stderr).
     With ``global_batch`` (sequences per step) only layouts whose data-parallel ranks x
-    micro-batch divide it count (:func:`with_global_batch`).
+    micro-batch divide it count (``with_global_batch``).
 
     >>> best = smallest_layout(PRESETS["llama3-70b"], Layout(8, seq_length=8192))
     >>> # FSDP alone fits nowhere (activations: 254 GiB)
