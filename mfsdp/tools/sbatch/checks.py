@@ -40,7 +40,8 @@ def resolve(preset: str, overrides: dict[str, str] | None = None) -> tuple[Prese
 
     >>> resolve("gpu-smoke", {"nodes": "2"})[1]["global_batch_size"]
     16
-    >>> resolve("gpu-smoke", {"nodes": "2", "global_batch_size": "32"})[1]["global_batch_size"]
+    >>> values = resolve("gpu-smoke", {"nodes": "2", "global_batch_size": "32"})[1]
+    >>> values["global_batch_size"]
     32
     """
     if preset not in PRESETS:
