@@ -124,7 +124,7 @@ def test_container_script_stops_without_the_mfsdp_source(cluster, tmp_path):
     script = tmp_path / "container.sbatch"
     script.write_text(render("llama3-8b-container", {"nodes": "1", "gpus_per_node": "0",
                                                      "ranks_per_node": "1", "cpus_per_task": "1",
-                                                     "global_batch_size": "1",
+                                                     "global_batch_size": "1", "cp": "1",
                                                      "mock_data": "true"}))
     empty = tmp_path / "empty"
     empty.mkdir()
