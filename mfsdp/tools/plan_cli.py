@@ -12,7 +12,8 @@ import argparse
 import sys
 
 from mfsdp.argtypes import fraction, non_negative_float, positive_float, positive_int
-from mfsdp.tools.plan import PRESETS, GiB, Layout, plan, smallest_layout, smallest_world
+from mfsdp.tools.plan import (PRESETS, GiB, Layout, plan, smallest_layout, smallest_world,
+                              with_global_batch)
 from mfsdp.tools.plan_terms import TRANSFORMER_IMPLS
 from mfsdp.tools.plan_time import GPUS, step_time
 
@@ -108,20 +109,21 @@ def run(args: argparse.Namespace) -> int:
     # division by zero below
     Layout(args.world_size, args.strategy, args.dp_outer, args.outer_strategy, args.ep,
            tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
-    dp = args.world_size // (args.tp * args.cp)  # data-parallel ranks: one batch slice each
-    gbs = args.global_batch_size or args.micro_batch * dp
-    if gbs % (args.micro_batch * dp):
-        raise SystemExit(f"mfsdp plan: --global-batch-size {gbs} is not a multiple of "
-                         f"--micro-batch-size x data-parallel ranks = {args.micro_batch} x {dp}")
     layout = Layout(args.world_size, args.strategy, args.dp_outer, args.outer_strategy, args.ep,
                     micro_batch=args.micro_batch, seq_length=args.seq_length,
-                    micro_batches=gbs // (args.micro_batch * dp),
                     recompute=args.recompute, recompute_granularity=args.recompute_granularity,
                     recompute_method=args.recompute_method,
                     recompute_num_layers=args.recompute_num_layers, tp=args.tp, cp=args.cp,
                     sequence_parallel=args.sequence_parallel,
                     grad_comm_bytes=2 if args.grad_reduce_in_bf16 else None,
                     transformer_impl=args.transformer_impl)
+    dp = args.world_size // (args.tp * args.cp)  # data-parallel ranks: one batch slice each
+    fitted = with_global_batch(layout, args.global_batch_size or None)
+    if fitted is None:  # the micro-batches a rank runs must make the global batch exactly
+        raise SystemExit(f"mfsdp plan: --global-batch-size {args.global_batch_size} is not a "
+                         f"multiple of --micro-batch-size x data-parallel ranks = "
+                         f"{args.micro_batch} x {dp}")
+    layout = fitted
     if (args.json or args.fsdp_double_buffer or args.dry_run_ranks) and not args.dry_run:
         raise SystemExit("mfsdp plan: --json, --dry-run-ranks and --fsdp-double-buffer belong "
                          "to the dry run; add --dry-run")
