@@ -96,7 +96,7 @@ def _layout(v: dict):
     does not model the script's model (no ``--model-preset``, GELU MLPs or linear biases). A
     Megatron-LM script is planned with the layer of :func:`transformer_impl` (Transformer
     Engine's unless it passes ``--transformer-impl local``), an mfsdp one with mfsdp train's."""
-    from mfsdp.tools.plan import Layout, ModelConfig
+    from mfsdp.tools.plan import Layout, ModelConfig, with_global_batch
     from mfsdp.trainer.arguments import build_parser
     from mfsdp.trainer.build import model_config
 
@@ -113,17 +113,16 @@ def _layout(v: dict):
     except (SystemExit, ValueError):
         return None
     world = v["nodes"] * v["ranks_per_node"]
-    dp = world // (v["tp"] * v["cp"])
     layout = Layout(world, v["strategy"], v["outer"], v["outer_strategy"], v["ep"],
                     micro_batch=v["micro_batch_size"], seq_length=v["seq_length"],
-                    micro_batches=v["global_batch_size"] // (v["micro_batch_size"] * dp),
                     recompute_granularity=cfg.recompute_granularity,
                     recompute_method=cfg.recompute_method or "uniform",
                     recompute_num_layers=cfg.recompute_num_layers or 1, tp=v["tp"], cp=v["cp"],
                     sequence_parallel=v["tp"] > 1 and v["sequence_parallel"],
                     grad_comm_bytes=2 if v["grad_reduce_in_bf16"] else None,
                     transformer_impl=transformer_impl(v))
-    return model, layout
+    # the render has refused a batch the data-parallel ranks x micro-batch do not divide
+    return model, with_global_batch(layout, v["global_batch_size"])
 
 
 def recompute_phrase(v: dict, gpu_gib: float = 80.0) -> str:
