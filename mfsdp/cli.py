@@ -65,6 +65,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "sbatch": ("mfsdp.tools.sbatch", "run", "render Slurm batch scripts from presets"),
     "bench": ("mfsdp.tools.benchmark", "run",
               "step time, memory and bytes: DDP, PyTorch FSDP2 and mfsdp side by side"),
+    "bandwidth": ("mfsdp.tools.bandwidth", "run",
+                  "all-gather and reduce-scatter bus bandwidth inside a node and across nodes, "
+                  "beside mfsdp plan's link assumptions"),
     "check": ("mfsdp.check.cli", "run",
               "check that a model trains the same sharded as in one process, layout by layout"),
     "preprocess": ("mfsdp.data.preprocess", "run",
@@ -78,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mfsdp", formatter_class=PlainFormatter,
         description="Megatron-FSDP-style sharded training on torch.distributed: convert "
                     "checkpoints, plan memory, train, render Slurm scripts, benchmark, "
-                    "check parity, preprocess data.",
+                    "measure bandwidth, check parity, preprocess data.",
         epilog="Run 'mfsdp COMMAND --help' for the options of a command.")
     parser.add_argument("--version", action="version", version=f"mfsdp {__version__}")
     parser.add_argument("--debug", action="store_true",
