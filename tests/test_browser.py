@@ -75,16 +75,18 @@ def test_code_blocks_have_copy_buttons(site):
 
 
 def test_left_navigation_follows_the_readers_path(site):
-    """Every page's left sidebar lists the guide in order: get started, concepts, features,
-    operate at scale, recipes, reference (the captions of the root toctree)."""
+    """Every page's left sidebar lists the guide in order, in the groups of the home page's
+    cards: get started, concepts, train, sharding, MoE, checks, planning, GPU clusters, recipes,
+    reference (the captions of the root toctree)."""
     import re
 
     dom = _chromium("--dump-dom", f"{site[0]}/docs/checkpointing.html")
     nav = dom[dom.index('aria-label="Guide navigation"'):]
     nav = nav[:nav.index("</nav>")]
     captions = re.findall(r'class="caption-text">([^<]+)<', nav)
-    assert captions == ["Get started", "Concepts", "Features", "Operate at scale", "Recipes",
-                        "Reference"], captions
+    assert captions == ["Get started", "Concepts", "Train and convert", "Sharding and parallelism",
+                        "Mixture of experts", "Check parity", "Plan memory and time",
+                        "Run on GPU clusters", "Recipes", "Reference"], captions
     for page in ("quickstart.html", "slurm.html", "api.html"):
         assert f'href="{page}"' in nav, page
 
