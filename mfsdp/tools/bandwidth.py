@@ -224,8 +224,8 @@ def report(result: dict, gpu: str = "h100", cpu: bool = False) -> str:
     lines = [f"mfsdp bandwidth: {why}" for why in result["skipped"].values()]
     head = ("group", "ranks", "op", "size MiB", "time ms", "algbw GB/s", "busbw GB/s")
     table = [head] + [(r["group"], str(r["ranks"]), r["op"], f"{r['size_bytes'] / 2**20:g}",
-                       f"{r['time_s'] * 1e3:.3f}", _figure(r["algbw_gbps"]),
-                       _figure(r["busbw_gbps"])) for r in result["rows"]]
+                       f"{r['time_s'] * 1e3:.3f}", f"{r['algbw_gbps']:#.3g}",
+                       f"{r['busbw_gbps']:#.3g}") for r in result["rows"]]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
         lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w)
@@ -241,7 +241,8 @@ def report(result: dict, gpu: str = "h100", cpu: bool = False) -> str:
             continue
         ratio = measured[kind] / assumed
         lines.append(f"{name} ({kind} groups): measured busbw {_figure(measured[kind])} GB/s, the "
-                     f"planner assumes {assumed:g} GB/s for {spec.name} ({100 * ratio:.0f}%)")
+                     f"planner assumes {assumed:g} GB/s for {spec.name} "
+                     f"({_figure(100 * ratio) if ratio < 0.01 else f'{100 * ratio:.0f}'}%)")
         if ratio < _LOW:
             hint = ("check NCCL_DEBUG=INFO for NET/IB; NET/Socket is TCP" if kind == "network"
                     else "check NCCL_DEBUG=INFO for P2P/CUMEM or NVLS and nvidia-smi topo -m "
