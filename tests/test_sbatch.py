@@ -18,6 +18,7 @@ from conftest import ROOT, skip_or_fail
 from mfsdp import train
 from mfsdp.tools import sbatch
 from mfsdp.checkpoint import convert
+from mfsdp.tools import bandwidth
 
 SCRIPTS = ROOT / "example-scripts"
 ALL = sbatch.scripts()
@@ -40,7 +41,10 @@ def test_no_stale_scripts():
 
 
 def test_every_gpu_preset_renders_for_both_trainers():
-    gpu = [n for n, p in sbatch.PRESETS.items() if p.values.get("gpus_per_node")]
+    # (every GPU preset that trains or converts; bandwidth runs mfsdp's own tool only)
+    gpu = [n for n, p in sbatch.PRESETS.items()
+           if p.values.get("gpus_per_node") and "trainer" in p.values]
+    assert "bandwidth" not in gpu and "megatron-lm/bandwidth.sbatch" not in IDS
     assert gpu and all(f"megatron-lm/{n}.sbatch" in IDS for n in gpu)
     with pytest.raises(sbatch.RenderError, match="Megatron-LM's pretrain_gpt.py does not train"):
         sbatch.render("cpu-smoke", {"trainer": "megatron-lm"})
@@ -164,6 +168,9 @@ def test_every_flag_in_a_script_exists(name, overrides, rel):
     if template == "train":
         args = train.build_parser().parse_args(_array(text, "TRAIN_ARGS") + _appended(text))
         assert args.use_megatron_fsdp and args.tensorboard_dir
+    elif template == "bandwidth":
+        args = bandwidth.build_parser().parse_args(_array(text, "BANDWIDTH_ARGS"))
+        assert args.json == "$BANDWIDTH_JSON" and args.size_mib
     else:
         convert.build_parser().parse_args(_array(text, "CONVERT_ARGS"))
 
@@ -437,13 +444,17 @@ def test_gpu_presets_save_inside_a_job_and_reduce_as_the_numerics_page_says(name
     assert any("bf16" in line for line in warned) == (s.shard_ranks > BF16_REDUCE_MAX_RANKS)
 
 
-def test_container_flags_only_with_an_image():
+def test_container_flags_only_with_an_image(tmp_path):
     assert "--container-image" not in sbatch.render("llama3-8b")
     assert "MFSDP_SRC" not in sbatch.render("llama3-8b")
     text = sbatch.render("llama3-8b", {"container_image": "nvcr.io#nvidia/pytorch:25.01-py3",
                                        "container_mounts": "/lustre:/lustre"})
     assert "  --container-image='nvcr.io#nvidia/pytorch:25.01-py3'\n" in text
-    assert '--container-mounts="$CODE_MOUNT,$PWD:$PWD,$LOG_DIR:$LOG_DIR",/lustre:/lustre\n' in text
+    # (inside the quotes: container_mounts holds no character the shell reads there)
+    assert '--container-mounts="$CODE_MOUNT,$PWD:$PWD,$LOG_DIR:$LOG_DIR,/lustre:/lustre"\n' in text
+    path = tmp_path / "mounts.sbatch"
+    path.write_text(text)
+    _lint(path)
     assert 'srun --kill-on-bad-exit=1 "${CONTAINER_ARGS[@]}" \\\n' in text
     assert 'export PYTHONPATH="/opt/mfsdp' in text
     assert "transformers when TOKENIZER_MODEL is set" in text  # what the image must hold

@@ -220,3 +220,127 @@ def test_the_slurm_pages_first_trial_and_two_node_smoke_are_short():
         assert schedule(v).seconds < 20 * 60
     smoke = [c for c in commands if "render gpu-smoke" in c]
     assert len(smoke) == 1 and "--set nodes=2" in smoke[0] and "global_batch_size" not in smoke[0]
+
+
+# ---- the bandwidth preset: mfsdp bandwidth under torchrun --------------------------------
+
+def _sbatch_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("#SBATCH")]
+
+
+def _bandwidth_args(text: str):
+    """The script's BANDWIDTH_ARGS as ``mfsdp bandwidth``'s own parser reads them."""
+    from mfsdp.tools import bandwidth
+
+    lines = _argument_lists(text)["BANDWIDTH_ARGS"]
+    return bandwidth.build_parser().parse_args([w for line in lines for w in line])
+
+
+def _torchrun_args(text: str):
+    """The script's TORCHRUN_ARGS and the command it runs, as torchrun's own parser reads
+    them (its variables unexpanded)."""
+    from torch.distributed.run import get_args_parser
+
+    lines = _argument_lists(text)["TORCHRUN_ARGS"]
+    return get_args_parser().parse_args([w for line in lines for w in line]
+                                        + ["-m", "mfsdp.cli", "bandwidth"])
+
+
+def test_bandwidth_runs_the_tool_under_torchrun_on_every_node():
+    text = sbatch.render("bandwidth")
+    assert _sbatch_lines(text) == [
+        "#SBATCH --job-name=mfsdp-bandwidth", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8", "#SBATCH --cpus-per-task=64", "#SBATCH --time=00:15:00",
+        "#SBATCH --output=%x-%j.log", "#SBATCH --exclusive"]
+    run = _torchrun_args(text)
+    assert (run.nnodes, run.nproc_per_node) == ("$SLURM_JOB_NUM_NODES", "8")
+    assert (run.rdzv_backend, run.rdzv_endpoint, run.rdzv_id) == (
+        "c10d", "$HEAD_NODE:$RDZV_PORT", "$SLURM_JOB_ID")
+    # the training scripts' torchrun flags and rendezvous port, from the same includes
+    train = sbatch.render("llama3-8b")
+    assert _argument_lists(text)["TORCHRUN_ARGS"] == _argument_lists(train)["TORCHRUN_ARGS"]
+    port = "RDZV_PORT=$((15000 + SLURM_JOB_ID % 15000))\n"
+    assert port in text and port in train
+    assert "RDZV_PORT=29400\n" in sbatch.render("bandwidth", {"rdzv_port": "29400"})
+    # one srun task per node runs torchrun, which runs mfsdp bandwidth in every rank
+    assert ('srun --kill-on-bad-exit=1 \\\n  bash -c "$NODE_TASK" node-task "$JOB_DIR" "$PYTHON" '
+            '"${TORCHRUN_ARGS[@]}" \\\n  -m mfsdp.cli bandwidth "${BANDWIDTH_ARGS[@]}"\n') in text
+    assert "exec \"$2\" -m torch.distributed.run --log-dir" in text
+    args = _bandwidth_args(text)
+    assert (args.device, args.gpu, args.size_mib) == ("cuda", "h100", [256.0, 1024.0])
+    assert args.json == "$BANDWIDTH_JSON" and args.nproc is None  # torchrun's ranks
+    assert 'BANDWIDTH_JSON="$PWD"/"$SLURM_JOB_NAME"-"$SLURM_JOB_ID".json\n' in text
+    assert "export NCCL_DEBUG=${NCCL_DEBUG:-INFO}\n" in text  # INFO unless the user sets it
+
+
+def test_bandwidth_gpu_and_sizes_reach_the_command_line():
+    text = sbatch.render("bandwidth", {"gpu": "gb200", "size_mib": "64 512", "nodes": "4"})
+    args = _bandwidth_args(text)
+    assert (args.gpu, args.size_mib) == ("gb200", [64.0, 512.0])
+    assert "#SBATCH --nodes=4" in _sbatch_lines(text)
+    header = " ".join(line for line in text.splitlines()[2:6])
+    assert "4 x 8 ranks" in header and "--gpu gb200" in header
+
+
+def test_bandwidth_on_a_cpu_job_runs_gloo_ranks():
+    text = sbatch.render("bandwidth", {"nodes": "1", "gpus_per_node": "0",
+                                       "ranks_per_node": "4", "cpus_per_task": "2",
+                                       "size_mib": "1 4"})
+    assert not any("--gpus-per-node" in line for line in _sbatch_lines(text))
+    assert _torchrun_args(text).nproc_per_node == "4"
+    args = _bandwidth_args(text)
+    assert (args.device, args.size_mib) == ("cpu", [1.0, 4.0])
+    assert "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}" in text and "NCCL_DEBUG" not in text
+
+
+def _without_provenance_line(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.startswith("# Rendered by"))
+
+
+# a changed value for each key the preset takes (gpus_per_node with ranks_per_node: one rank
+# per GPU), from a CPU render so that ranks_per_node can change alone
+_BANDWIDTH_CHANGES = {
+    "job_name": {"job_name": "bw"}, "nodes": {"nodes": "2"},
+    "gpus_per_node": {"gpus_per_node": "4", "ranks_per_node": "4"},
+    "ranks_per_node": {"ranks_per_node": "2"}, "cpus_per_task": {"cpus_per_task": "3"},
+    "time": {"time": "00:20:00"}, "output": {"output": "bw-%j.log"},
+    "log_dir": {"log_dir": "/scratch/logs"}, "partition": {"partition": "batch"},
+    "account": {"account": "proj"}, "exclusive": {"exclusive": "true"},
+    "env_setup": {"env_setup": "source /venv/bin/activate"},
+    "container_image": {"container_image": "img"},
+    "container_mounts": {"container_image": "img", "container_mounts": "/a:/b"},
+    "rdzv_port": {"rdzv_port": "29400"}, "gpu": {"gpu": "h200"}, "size_mib": {"size_mib": "8"},
+}
+
+
+@pytest.mark.parametrize("key", sorted(_BANDWIDTH_CHANGES))
+def test_every_key_of_the_bandwidth_preset_acts(key):
+    assert set(_BANDWIDTH_CHANGES) == set(sbatch.PRESETS["bandwidth"].values)
+    base = {"nodes": "1", "gpus_per_node": "0", "ranks_per_node": "4", "cpus_per_task": "2",
+            "exclusive": "false", "size_mib": "4"}
+    before = dict(base, container_image="img") if key == "container_mounts" else base
+    assert (_without_provenance_line(sbatch.render("bandwidth", before))
+            != _without_provenance_line(sbatch.render("bandwidth",
+                                                      dict(base, **_BANDWIDTH_CHANGES[key]))))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"train_iters": "5"}, "preset 'bandwidth' does not use 'train_iters'"),
+    ({"trainer": "megatron-lm"}, "does not use 'trainer'"),
+    ({"launcher": "srun"}, "does not use 'launcher'"),
+    ({"save": "ckpt"}, "does not use 'save'"),
+    ({"gpu": "a100"}, "choose one of gb200, gb300, h100, h200"),
+    ({"size_mib": "0"}, "size_mib='0' for 16 ranks: --size-mib 0 is not above 0"),
+    ({"size_mib": ""}, "is not above 0"),
+    ({"size_mib": "fast"}, "size_mib='fast' for 16 ranks: MiB as numbers"),
+    ({"size_mib": "inf"}, "MiB as numbers"),
+    ({"nodes": "3", "size_mib": "1"}, "do not split evenly over 24 ranks"),
+    ({"ranks_per_node": "4"}, "ranks_per_node=4 but gpus_per_node=8"),
+    ({"output": "%N-%j.log"}, "knows only %x (job name) and %j (job id)"),
+    ({"rdzv_port": "80"}, "rdzv_port=80: a TCP port from 1024 to 65535"),
+    ({"nodes": "0"}, "nodes=0 must be at least 1"),
+])
+def test_bandwidth_refuses_in_one_line(overrides, message):
+    with pytest.raises(sbatch.RenderError, match=re.escape(message)) as err:
+        sbatch.render("bandwidth", overrides)
+    assert "\n" not in str(err.value)

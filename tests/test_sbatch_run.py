@@ -137,6 +137,44 @@ def test_convert_paths_arrive_intact(tmp_path):
     assert got["argv"][i + 2:i + 4] == [src, dst], got["argv"]
 
 
+@pytest.mark.parametrize("overrides, json_name, device", [
+    ({}, "j-123.json", "cuda"),
+    ({"output": "bw+1/%j-of-%x.out", "gpus_per_node": "0", "ranks_per_node": "2",
+      "size_mib": "1"}, "bw+1/123-of-j.out.json", "cpu")], ids=["gpu", "cpu"])
+def test_the_bandwidth_script_runs_the_tool_with_its_json_beside_the_log(tmp_path, overrides,
+                                                                          json_name, device):
+    """The bandwidth script run by bash on node 1 of 2: torchrun's own parser reads the
+    rendezvous of the training scripts and ``-m mfsdp.cli bandwidth``, whose own parser reads
+    its flags; ``--json`` is the log's name (Slurm's %x and %j expanded) with ``.json``, in
+    the job's working directory; NCCL_DEBUG is INFO unless the environment sets it."""
+    from torch.distributed.run import get_args_parser
+
+    from mfsdp.tools import bandwidth
+
+    text = sbatch.render("bandwidth", dict(overrides, rdzv_port="29400"))
+    for env, nccl in (({}, "INFO"), ({"NCCL_DEBUG": "WARN"}, "WARN")):
+        where = tmp_path / nccl
+        where.mkdir()
+        proc, got = _execute(text, where, SLURM_JOB_NUM_NODES="2", **env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert got["argv"][:2] == ["-m", "torch.distributed.run"]
+        run = get_args_parser().parse_args(got["argv"][2:])
+        assert (run.nnodes, run.rdzv_backend, run.rdzv_endpoint, run.rdzv_id) == (
+            "2", "c10d", "node1:29400", "123")
+        assert run.nproc_per_node == ("8" if device == "cuda" else "2")
+        assert run.log_dir == f"{where}/logs/j/123/ranks/node-0"
+        assert run.module and run.training_script == "mfsdp.cli"
+        assert run.training_script_args[0] == "bandwidth"
+        args = bandwidth.build_parser().parse_args(run.training_script_args[1:])
+        assert args.device == device and args.json == f"{where}/{json_name}"
+        assert f"mfsdp sbatch: the measurements are in {where}/{json_name}\n" in proc.stdout
+        if device == "cuda":
+            assert got["env"]["NCCL_DEBUG"] == nccl
+        else:
+            assert "NCCL_DEBUG" not in got["env"] or env
+            assert got["env"]["OMP_NUM_THREADS"] == "1"
+
+
 @pytest.mark.parametrize("key", ["save", "load", "log_dir", "job_name", "data_path"])
 def test_a_newline_in_a_value_is_refused_in_one_line(key):
     """A newline in a path or name cannot survive Slurm's #SBATCH lines, the job's log lines

@@ -82,6 +82,40 @@ def test_cpu_smoke_script_trains_under_slurm(cluster, tmp_path):
     assert list((tmp_path / "logs" / "mfsdp-cpu-smoke" / "tensorboard").glob("events.*"))
 
 
+@pytest.mark.extended
+def test_bandwidth_script_measures_under_slurm(cluster, tmp_path):
+    """The bandwidth preset rendered for CPU (one node, 4 gloo ranks) and submitted: rank 0's
+    table in the log, the ``mfsdp plan`` line with the node group's busbw, and the JSON file
+    beside the log with the same rows and flags."""
+    script = tmp_path / "bandwidth.sbatch"
+    script.write_text(render("bandwidth", {"nodes": "1", "gpus_per_node": "0",
+                                           "ranks_per_node": "4", "cpus_per_task": "2",
+                                           "exclusive": "false", "size_mib": "1 4"}))
+    rc, log = _submit(cluster, script, tmp_path)
+    assert rc == 0, f"job failed:\n{log[-4000:]}\n{cluster.log_tail()}"
+    job_id = next(tmp_path.glob("mfsdp-bandwidth-*.log")).stem.rsplit("-", 1)[1]
+    path = tmp_path / f"mfsdp-bandwidth-{job_id}.json"
+    assert f"mfsdp sbatch: the measurements are in {path}\n" in log
+    result = json.loads(path.read_text())
+    assert result["environment"]["world_size"] == 4 and result["environment"]["backend"] == "gloo"
+    # the table (torchrun --tee puts the local rank in front): one node group of 4 ranks, both
+    # collectives at 1 and 4 MiB, as in the JSON
+    rows = re.findall(r"^\[default0\]:node +4 +(\w+) +([\d.]+) +[\d.]+ +[\d.e-]+ +([\d.e-]+)$",
+                      log, re.M)
+    assert sorted((op, float(size)) for op, size, _ in rows) == sorted(
+        (r["op"], r["size_bytes"] / 2**20) for r in result["rows"]), log[-3000:]
+    assert len(rows) == 4 and {r["group"] for r in result["rows"]} == {"node"}
+    # the plan line: the lower collective's busbw at 4 MiB, the JSON's flags
+    busbw = min(float(b) for op, size, b in rows if float(size) == 4)
+    flags = re.search(r"^\[default0\]:mfsdp plan \.\.\. (--nvlink-gbps (\S+))$", log, re.M)
+    assert flags, log[-3000:]
+    assert flags.group(1) == result["plan_flags"]
+    assert float(flags.group(2)) == pytest.approx(busbw, rel=1e-2)
+    ranks = {p.parent.name for p in (tmp_path / "logs" / "mfsdp-bandwidth" / job_id
+                                     / "ranks").rglob("stdout.log")}
+    assert ranks == {"0", "1", "2", "3"}
+
+
 def test_an_empty_data_path_stops_the_job_at_once_with_one_line(cluster, tmp_path):
     script = tmp_path / "nodata.sbatch"
     script.write_text(render("cpu-smoke", {"mock_data": "false"}))

@@ -6,7 +6,8 @@ trainer accept (one line when refused). Every value is written into the script a
 (shell-quoted) string. Templates use ``StrictUndefined``: a variable missing from the schema is an
 error, never an empty string. One preset renders for two trainers (``trainer=mfsdp``, the default,
 or ``trainer=megatron-lm``: Megatron-LM's ``pretrain_gpt.py``) and two launchers
-(``launcher=torchrun`` or ``srun``); the Slurm page of the guide says what the scripts do.
+(``launcher=torchrun`` or ``srun``). The ``bandwidth`` preset runs ``mfsdp bandwidth`` under
+torchrun on every node instead of a trainer. The Slurm page of the guide says what the scripts do.
 
 >>> script = render("cpu-smoke", {"train_iters": "5"})
 >>> script.splitlines()[0]
@@ -27,16 +28,17 @@ import sys
 import textwrap
 from pathlib import Path
 
-from mfsdp.tools.sbatch.arguments import (Var, _abs, _group, _in_job_dir, _quote, convert_args,
+from mfsdp.tools.sbatch.arguments import (Var, _abs, _beside_log, _group, _in_job_dir, _quote,
+                                          bandwidth_args, convert_args,
                                           megatron_lm_model_flags, train_args)
 from mfsdp.tools.sbatch.checks import _model_preset, resolve, time_limit_seconds
 from mfsdp.tools.sbatch.errors import RenderError
 from mfsdp.tools.sbatch.header import describe
 from mfsdp.tools.sbatch.presets import CHOICES, PRESETS, SCHEMA, Preset
 
-__all__ = ["CHOICES", "PRESETS", "Preset", "RenderError", "SCHEMA", "Var", "build_parser",
-           "convert_args", "main", "megatron_lm_model_flags", "render", "render_all", "resolve",
-           "scripts", "time_limit_seconds", "train_args"]
+__all__ = ["CHOICES", "PRESETS", "Preset", "RenderError", "SCHEMA", "Var", "bandwidth_args",
+           "build_parser", "convert_args", "main", "megatron_lm_model_flags", "render",
+           "render_all", "resolve", "scripts", "time_limit_seconds", "train_args"]
 
 RenderError.__module__ = __name__  # its public name: mfsdp.tools.sbatch.RenderError
 
@@ -56,8 +58,10 @@ def render(preset: str, overrides: dict[str, str] | None = None) -> str:
     env.filters["q"] = lambda x: shlex.quote(str(x))
     env.filters["abs"] = _abs
     env.filters["in_job_dir"] = _in_job_dir
+    env.filters["beside_log"] = _beside_log
     world = values.get("nodes", 1) * values.get("ranks_per_node", 1)
-    args = train_args(values) if p.template == "train" else convert_args(values)
+    args = {"train": train_args, "bandwidth": bandwidth_args,
+            "convert": convert_args}[p.template](values)
     lines = [" ".join(_quote(t) for t in group) for group in _group(args)]
     rendered_by = " ".join(["mfsdp sbatch render", preset]
                            + [f"--set {shlex.quote(f'{k}={v}')}"

@@ -4,6 +4,7 @@ and the converter's."""
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from mfsdp.tools.sbatch.checks import _model_preset
@@ -211,6 +212,28 @@ def convert_args(v: dict) -> list[str]:
     if v["swiglu"]:
         a.append("--swiglu")
     return a
+
+
+def bandwidth_args(v: dict) -> list[str]:
+    """``mfsdp bandwidth``'s arguments: NCCL on a GPU job, gloo on a CPU one, and the JSON
+    file beside the job's log (the script's BANDWIDTH_JSON)."""
+    return ["--device", "cuda" if v["gpus_per_node"] else "cpu", "--gpu", v["gpu"],
+            "--size-mib", *v["size_mib"].split(), "--json", Var("BANDWIDTH_JSON")]
+
+
+def _beside_log(output: str) -> str:
+    """The path of a file beside the log of Slurm's ``output`` pattern, as the script writes
+    it: ``.json`` in place of ``.log`` (or added), %x and %j the job's name and id, a relative
+    path under "$PWD" (the job's working directory, where Slurm puts a relative log).
+
+    >>> _beside_log("logs/%x-%j.log")
+    '"$PWD"/logs/"$SLURM_JOB_NAME"-"$SLURM_JOB_ID".json'
+    """
+    path = (output[:-len(".log")] if output.endswith(".log") else output) + ".json"
+    names = {"%x": '"$SLURM_JOB_NAME"', "%j": '"$SLURM_JOB_ID"'}
+    text = "".join(names.get(part) or (shlex.quote(part) if part else "")
+                   for part in re.split(r"(%[xj])", path))
+    return text if path.startswith("/") else f'"$PWD"/{text}'
 
 
 def _in_job_dir(path: str) -> str:

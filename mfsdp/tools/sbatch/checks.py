@@ -9,7 +9,8 @@ import re
 import shlex
 
 from mfsdp.tools.sbatch.errors import RenderError
-from mfsdp.tools.sbatch.presets import CHOICES, FLEX_BACKENDS, PRESETS, SCHEMA, Preset
+from mfsdp.tools.sbatch.presets import (CHOICES, FLEX_BACKENDS, PRESETS, SCHEMA,
+                                        TEMPLATE_VALUES, Preset)
 
 def _parse(key: str, raw: str) -> object:
     if key not in SCHEMA:
@@ -55,7 +56,7 @@ def resolve(preset: str, overrides: dict[str, str] | None = None) -> tuple[Prese
             raise RenderError(f"--set {key}={raw!r}: the {p.template!r} template of preset "
                               f"{preset!r} does not use {key!r}")
         parsed[key] = value
-    values = dict(p.values)
+    values = dict(TEMPLATE_VALUES.get(p.template, {}), **p.values)
     if parsed.get("trainer", values["trainer"]) == "megatron-lm":
         values.update(p.megatron_lm)
     values.update(parsed)
@@ -72,6 +73,8 @@ def resolve(preset: str, overrides: dict[str, str] | None = None) -> tuple[Prese
     _check_common(values)
     if p.template == "train":
         _check_train(values)
+    elif p.template == "bandwidth":
+        _check_bandwidth(values)
     else:
         _check_convert(values)
     return p, values
@@ -155,6 +158,18 @@ def _check_common(v: dict) -> None:
                           "(every node resolves it alike)")
 
 
+def _check_port(v: dict) -> None:
+    if not (v["rdzv_port"] == 0 or 1024 <= v["rdzv_port"] <= 65535):
+        raise RenderError(f"rdzv_port={v['rdzv_port']}: a TCP port from 1024 to 65535, or 0 to "
+                          "derive it from the job id")
+
+
+def _check_ranks(v: dict) -> None:
+    if v["gpus_per_node"] and v["ranks_per_node"] != v["gpus_per_node"]:
+        raise RenderError(f"ranks_per_node={v['ranks_per_node']} but gpus_per_node="
+                          f"{v['gpus_per_node']}: a GPU job runs one rank per GPU; set both")
+
+
 def _check_train(v: dict) -> None:
     from mfsdp.layout import ParallelLayout
     from mfsdp.models.gpt import GPT_PRESETS
@@ -166,9 +181,7 @@ def _check_train(v: dict) -> None:
     for key in ("max_restarts", "num_experts"):
         if v[key] < 0:
             raise RenderError(f"{key}={v[key]} must be 0 or more")
-    if not (v["rdzv_port"] == 0 or 1024 <= v["rdzv_port"] <= 65535):
-        raise RenderError(f"rdzv_port={v['rdzv_port']}: a TCP port from 1024 to 65535, or 0 to "
-                          "derive it from the job id")
+    _check_port(v)
     limit = time_limit_seconds(v["time"])
     if not 0 <= v["signal_seconds"] <= 65535:
         raise RenderError(f"signal_seconds={v['signal_seconds']}: Slurm's --signal takes 0 to "
@@ -192,9 +205,7 @@ def _check_train(v: dict) -> None:
     if v["split"] and not re.match(r"^\d+(\.\d+)?(,\d+(\.\d+)?){0,2}$", v["split"]):
         raise RenderError(f"split={v['split']!r}: up to three comma-separated numbers, e.g. "
                           "969,30,1")
-    if v["gpus_per_node"] and v["ranks_per_node"] != v["gpus_per_node"]:
-        raise RenderError(f"ranks_per_node={v['ranks_per_node']} but gpus_per_node="
-                          f"{v['gpus_per_node']}: a GPU job runs one rank per GPU; set both")
+    _check_ranks(v)
     if v["launcher"] == "srun" and v["cpus_per_task"] < v["ranks_per_node"]:
         raise RenderError(f"launcher=srun runs {v['ranks_per_node']} tasks per node: "
                           f"cpus_per_task={v['cpus_per_task']} (per node) gives them less than "
@@ -251,6 +262,26 @@ def _check_train(v: dict) -> None:
             raise RenderError(f"model_args={v['model_args']!r}: trainer=megatron-lm needs "
                               f"--model-preset NAME (one of {', '.join(sorted(GPT_PRESETS))}) to "
                               "write Megatron-LM's architecture flags")
+
+
+def _check_bandwidth(v: dict) -> None:
+    from mfsdp.tools.bandwidth import _sizes
+
+    for key in ("nodes", "ranks_per_node"):
+        if v[key] < 1:
+            raise RenderError(f"{key}={v[key]} must be at least 1")
+    _check_port(v)
+    _check_ranks(v)
+    if "%" in re.sub(r"%[xj]", "", v["output"]):
+        raise RenderError(f"output={v['output']!r}: the bandwidth script names its JSON file "
+                          "after the log and knows only %x (job name) and %j (job id); use "
+                          "those, e.g. output=%x-%j.log")
+    world = v["nodes"] * v["ranks_per_node"]
+    try:
+        _sizes([float(x) for x in v["size_mib"].split()] or [0.0], world)
+    except (ValueError, OverflowError) as exc:  # (float's own messages name no key)
+        why = str(exc) if "--size-mib" in str(exc) else "MiB as numbers, such as 256 1024"
+        raise RenderError(f"size_mib={v['size_mib']!r} for {world} ranks: {why}") from None
 
 
 def _check_convert(v: dict) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mfsdp.tools.plan_time import GPUS
+
 # key -> (type, help). bool values are written true/false; str values may be empty (= not used).
 # Every value is written into the script as a literal (shell-quoted) string, except env_setup,
 # which is a line of shell code by design.
@@ -110,6 +112,10 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "param_map": (str, "--param-to-param-group-map file (empty: none)"),
     "model_preset": (str, "--model-preset of a Megatron-LM checkpoint's model (empty: none)"),
     "swiglu": (bool, "--swiglu (split/join fused gate and up projections)"),
+    "gpu": (str, "mfsdp bandwidth --gpu: the GPU whose planner link assumptions (mfsdp plan "
+                 "--gpu) are set beside the measured bandwidths"),
+    "size_mib": (str, "mfsdp bandwidth --size-mib: the gathered (full) sizes in MiB, separated "
+                      "by spaces; the largest gives the mfsdp plan flags"),
 }
 
 _FORMATS = ("torch_dist", "megatron_lm", "mfsdp_full", "fsdp_dtensor", "safetensors", "hf",
@@ -125,11 +131,15 @@ CHOICES = {
     "lr_decay_style": ("constant", "linear", "cosine"),
     "from_format": _FORMATS,
     "to_format": _FORMATS,
+    "gpu": tuple(sorted(GPUS)),
 }
 FLEX_BACKENDS = {"mfsdp": ("torch", "deepep"), "megatron-lm": ("deepep", "hybridep", "ncclep")}
 
 _SLURM = dict(trainer="mfsdp", megatron_lm_dir="", partition="", account="", exclusive=False,
               env_setup="", container_image="", container_mounts="", log_dir="logs")
+# What a template reads but its presets do not take from --set: the bandwidth script runs
+# mfsdp's own tool, so the shared Python check (_python.sbatch.j2) looks for mfsdp.
+TEMPLATE_VALUES = {"bandwidth": dict(trainer="mfsdp")}
 _TRAIN = dict(_SLURM, launcher="torchrun", rdzv_port=0, requeue=True, strategy="optim_grads_params",
               outer=1, outer_strategy="no_shard", ep=1, tp=1, sequence_parallel=True, cp=1,
               distributed_timeout_minutes=10, num_experts=0, dispatcher="alltoall",
@@ -225,6 +235,20 @@ PRESETS: dict[str, Preset] = {
                             meta_init=True, save="checkpoints/gpu-smoke", save_interval=25,
                             log_jsonl="gpu-smoke.jsonl"), _MEGATRON_LM_GPU,
                         micro_batches=1),
+    "bandwidth": Preset("bandwidth", "Bus bandwidth of FSDP's all-gather and reduce-scatter on "
+                        "{nodes} x {ranks_per_node} ranks (nodes x ranks per node; mfsdp bandwidth "
+                        "under torchrun): "
+                        "inside each node, across nodes and over the job, beside mfsdp plan's "
+                        "link assumptions for --gpu {gpu}, with the --nvlink-gbps and "
+                        "--network-gbps flags to pass to mfsdp plan; minutes, before the first "
+                        "multi-node job.", dict(
+                            job_name="mfsdp-bandwidth", nodes=2, gpus_per_node=8,
+                            ranks_per_node=8, cpus_per_task=64, time="00:15:00",
+                            output="%x-%j.log", log_dir="logs", partition="", account="",
+                            # the node to itself: another job's traffic would lower the figures
+                            exclusive=True, env_setup="", container_image="",
+                            container_mounts="", rdzv_port=0, gpu="h100",
+                            size_mib="256 1024")),
     # mfsdp train: context parallelism 2 instead of recomputing 3 layers (47.2 GiB, not 70.1,
     # and the planner's step is 2% shorter); Megatron-LM's Transformer Engine layer fits
     # without CP (54.4 GiB), and CP 2 would not shorten its step (34.30 s, not 34.11 s).
