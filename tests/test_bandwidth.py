@@ -13,7 +13,7 @@ import torch
 from mfsdp.cli import main
 from mfsdp.launch import launch
 from mfsdp.tools import plan_time
-from mfsdp.tools.bandwidth import OPS, measure, rank_groups
+from mfsdp.tools.bandwidth import OPS, measure, rank_groups, report
 
 SIZES_MIB = [1 / 64, 1 / 16]  # 4,096 and 16,384 float32 elements: seconds on two cores
 
@@ -162,3 +162,31 @@ def test_nproc_under_torchrun_is_refused(capsys, monkeypatch):
     assert main(["bandwidth", "--device", "cpu", "--nproc", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "drop --nproc" in err
+
+
+def _rows(node_gbps: float, network_gbps: float) -> dict:
+    """A result as :func:`measure` returns it, with the given bus bandwidths at 1 GiB."""
+    rows = [{"group": group, "ranks": n, "op": op, "size_bytes": 2**30,
+             "time_s": 2**30 * (n - 1) / n / (gbps * 1e9),
+             "algbw_gbps": gbps * n / (n - 1), "busbw_gbps": gbps}
+            for group, n, gbps in (("node", 8, node_gbps), ("network", 2, network_gbps))
+            for op in OPS]
+    return {"rows": rows, "skipped": {}}
+
+
+@pytest.mark.parametrize("node, network, warned", [
+    (350.0, 44.0, []),  # a healthy H100 node: no warning
+    (120.0, 44.0, ["NVLink"]),  # 33% of 360: PCIe or a shared node
+    (350.0, 12.0, ["network"]),  # 27% of 45: TCP sockets, say
+])
+def test_links_under_70_percent_of_the_planners_figure_are_warned_about_on_gpus(
+        node, network, warned):
+    text = report(_rows(node, network), gpu="h100")
+    assert [line.split()[1] for line in text.splitlines()
+            if line.startswith("warning:")] == warned
+    flags = f"--nvlink-gbps {node:g} --network-gbps {network:g}"
+    assert text.splitlines()[-1] == f"mfsdp plan ... {flags}"
+    assert "NET/IB" in text if "network" in warned else "NET/IB" not in text
+    # on CPU (gloo) the same figures are no GPU link's: compared, never warned about
+    quiet = report(_rows(node, network), gpu="h100", cpu=True)
+    assert "warning:" not in quiet and "says nothing about a GPU's links" in quiet

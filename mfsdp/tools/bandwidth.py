@@ -243,7 +243,7 @@ def report(result: dict, gpu: str = "h100", cpu: bool = False) -> str:
         lines.append(f"{name} ({kind} groups): measured busbw {_figure(measured[kind])} GB/s, the "
                      f"planner assumes {assumed:g} GB/s for {spec.name} "
                      f"({_figure(100 * ratio) if ratio < 0.01 else f'{100 * ratio:.0f}'}%)")
-        if ratio < _LOW:
+        if ratio < _LOW and not cpu:  # gloo on CPU is no GPU link: nothing to check
             hint = ("check NCCL_DEBUG=INFO for NET/IB; NET/Socket is TCP" if kind == "network"
                     else "check NCCL_DEBUG=INFO for P2P/CUMEM or NVLS and nvidia-smi topo -m "
                          "for NV links between the GPUs")
