@@ -173,7 +173,8 @@ def result_html(got: dict, inputs: dict, tables: dict) -> str:
         f'{got["tokens_per_gpu_s"]:,.0f}</span> tokens/s per GPU, <span data-out="tflops">'
         f'{got["model_tflops_per_gpu"]:,.0f}</span> model TFLOP/s per GPU, MFU '
         f'<span data-out="mfu">{100 * got["mfu"]:.1f}</span>%. When the compute sets the '
-        f"step, the MFU is the {pct}% efficiency picked above, an assumption, not a "
+        f"step, the MFU is the {pct}% efficiency picked above (less with recomputation: the "
+        "recomputed forward takes time but is not the model's work), an assumption, not a "
         "measurement.</p>"
         '<table class="mfsdp-calc-traffic"><thead><tr><th>traffic</th><th>GiB sent per GPU '
         f'and step</th><th>seconds</th><th>links</th></tr></thead><tbody>{traffic}'

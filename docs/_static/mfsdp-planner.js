@@ -190,7 +190,8 @@
       `${grouped(got.tokens_per_gpu_s)}</span> tokens/s per GPU, <span data-out="tflops">` +
       `${grouped(got.model_tflops_per_gpu)}</span> model TFLOP/s per GPU, MFU ` +
       `<span data-out="mfu">${fixed(100 * got.mfu, 1)}</span>%. When the compute sets the ` +
-      `step, the MFU is the ${pct}% efficiency picked above, an assumption, not a ` +
+      `step, the MFU is the ${pct}% efficiency picked above (less with recomputation: the ` +
+      `recomputed forward takes time but is not the model's work), an assumption, not a ` +
       `measurement.</p>` +
       `<table class="mfsdp-calc-traffic"><thead><tr><th>traffic</th><th>GiB sent per GPU ` +
       `and step</th><th>seconds</th><th>links</th></tr></thead><tbody>${traffic.join("")}` +
