@@ -46,6 +46,7 @@ extensions = [
     "layout_table",  # docs/_ext: the layouts page's table, from mfsdp.tools.plan_layouts
     "measured",  # docs/_ext: when, where and with what a page's numbers were measured
     "external_links",  # docs/_ext: issue references and named projects become links
+    "source_archive",  # docs/_ext: the package's source as a download on the quickstart
 ]
 templates_path = ["docs/_templates"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
