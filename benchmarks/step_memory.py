@@ -122,7 +122,8 @@ def analyse(events: list[tuple], top: int = 12) -> dict:
         t, ptr, size, phase = e[:4]
         if not phase:
             continue
-        if phase != "forward" and fwd_end is None and any(ev[3] == "forward" for ev in live.values()):
+        if (phase != "forward" and fwd_end is None
+                and any(ev[3] == "forward" for ev in live.values())):
             fwd_end = (now, dict(live), list(freed_held))  # the forward's activations, all there
         if size > 0:
             live[ptr] = e
