@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -293,18 +294,50 @@ def test_rng_state_and_extra_are_restored(tmp_path):
     assert launch(_rng_round_trip, 2, args=(str(tmp_path),)) == [True, True]
 
 
-def test_conversion_progress_in_a_log_is_one_line_per_tenth(capsys):
-    # tqdm's format, but lines rather than carriage returns when stderr is not a terminal
+def test_conversion_progress_in_a_log_is_a_line_every_30_seconds(capsys):
+    """Not on a terminal (a Slurm log), a conversion's progress is tqdm's line, without carriage
+    returns, at most every 30 s and once at the end: a 20-minute conversion (a clock we move)
+    writes 40 lines with a rising percentage, a short one a single line."""
     from mfsdp.checkpoint.dcp import Progress
 
-    bar = Progress("export model", 1000)
+    now = [0.0]
+    bar = Progress("export model", 1200 * 1024, clock=lambda: now[0])
+    for _ in range(1200):  # one KiB a second for 20 minutes
+        now[0] += 1.0
+        bar(1024)
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and len(lines) == 40, lines
+    assert all(line.startswith("export model:") for line in lines)
+    percents = [int(re.search(r"(\d+)%", line).group(1)) for line in lines]
+    assert percents == sorted(percents) and percents[0] == 2 and percents[-1] == 100
+    assert "[20:00<00:00" in lines[-1]
+    bar = Progress("quick", 1000, clock=lambda: 0.0)
     for _ in range(100):
         bar(10)
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 11 and all(line.startswith("export model:") for line in lines)
-    assert "100%" in lines[-1] and "\r" not in "".join(lines)
+    assert len(lines) == 1 and lines[0].startswith("quick: 100%"), lines
     Progress("quiet", 10, enabled=False)(10)
     assert capsys.readouterr().err == ""
+
+
+def test_convert_with_stderr_in_a_file_writes_one_line(tmp_path):
+    """``mfsdp convert`` as a batch job runs it, stderr redirected to a file: a conversion that
+    takes seconds leaves one progress line and no carriage return."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    with open(tmp_path / "err.log", "w") as err:
+        proc = subprocess.run([sys.executable, "-m", "mfsdp.cli", "convert", "--from", "hf",
+                               "--to", "fsdp_dtensor", str(tmp_path / "hf"),
+                               str(tmp_path / "out")], stderr=err, stdout=subprocess.DEVNULL)
+    text = (tmp_path / "err.log").read_text()
+    assert proc.returncode == 0, text
+    assert "\r" not in text and len(text.splitlines()) == 1, text
+    assert text.startswith("import hf: 100%|"), text
 
 
 def test_convert_refuses_a_from_that_is_not_what_is_on_disk(saved, tmp_path):

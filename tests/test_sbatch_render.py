@@ -206,7 +206,8 @@ def test_every_render_command_of_the_guide_renders(page, command, tmp_path, monk
 
 def test_the_slurm_pages_first_trial_and_two_node_smoke_are_short():
     """The Slurm page's first trial saves twice and takes minutes in the planner's estimate,
-    in its own checkpoint directory; its two-node smoke test asks for 2 nodes alone."""
+    in its own checkpoint directory; its two-node smoke test asks for 2 nodes and a checkpoint
+    directory of its own."""
     from mfsdp.tools.sbatch.schedule import schedule
 
     commands = [c for page, c in _guide_renders() if page == "slurm.md"]
@@ -220,6 +221,11 @@ def test_the_slurm_pages_first_trial_and_two_node_smoke_are_short():
         assert schedule(v).seconds < 20 * 60
     smoke = [c for c in commands if "render gpu-smoke" in c]
     assert len(smoke) == 1 and "--set nodes=2" in smoke[0] and "global_batch_size" not in smoke[0]
+    # not the one-node run's checkpoints, which it would resume at the last iteration
+    words = shlex.split(smoke[0])
+    overrides = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--set")
+    assert sbatch.resolve("gpu-smoke", overrides)[1]["save"] != sbatch.resolve(
+        "gpu-smoke", {})[1]["save"]
 
 
 # ---- the bandwidth preset: mfsdp bandwidth under torchrun --------------------------------

@@ -567,6 +567,60 @@ def test_load_of_what_is_not_a_checkpoint_is_refused_and_nothing_is_overwritten(
     assert not (tmp_path / "absent").exists()
 
 
+def _trainer_run(argv: list[str]) -> tuple[list[str], list[dict], dict]:
+    """A Trainer's run() on this rank: rank 0's log lines, its records, and the model's full
+    weights after the run (keyed as a saved checkpoint keys them)."""
+    import torch.distributed as dist
+
+    from mfsdp.trainer.arguments import build_parser, checked_config
+    from mfsdp.trainer.trainer import Trainer
+
+    lines: list[str] = []
+    config, _ = checked_config(build_parser().parse_args(argv), dist.get_world_size(), "cpu")
+    trainer = Trainer.from_config(config, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    records = trainer.run()
+    weights = {f"model.{k}": v.clone() for k, v in trainer.model.full_parameters().items()}
+    return lines, records, weights
+
+
+def test_a_resume_with_nothing_to_train_says_so_and_trains_nothing(tmp_path):
+    """The two-node smoke run of the Slurm page, in small: a second run with the first one's
+    --save and --load and the same --train-iters resumes at the last iteration. It exits 0, as
+    Megatron-LM does, but says so in one line (rank 0) instead of ending without a word, and
+    trains, logs and saves nothing: the checkpoint's files are untouched and the model keeps
+    the checkpoint's weights."""
+    from mfsdp.checkpoint.dcp import read_full
+
+    ckpt = tmp_path / "ckpt"
+    where = ["--save", str(ckpt), "--load", str(ckpt)]
+    base = SHORT + ["--train-iters", "3", *where]
+    first = _torchrun(base)
+    assert first.returncode == 0, first.stderr[-2000:]
+    files = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    second = _torchrun(base + ["--log-jsonl", str(tmp_path / "log.jsonl")])
+    assert second.returncode == 0, second.stderr[-2000:]
+    said = [line for line in second.stdout.splitlines() if "nothing to train" in line]
+    assert said == [f"mfsdp train: nothing to train: the checkpoint in {ckpt} is at iteration 3 "
+                    "and --train-iters is 3; raise --train-iters to train on, or point --save "
+                    "and --load at a new directory to start over"], second.stdout
+    assert not re.search(r"^(iteration |saved iteration)", second.stdout, re.M), second.stdout
+    assert not (tmp_path / "log.jsonl").exists()
+    assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == files
+    # --train-samples (24 samples of batch 8: 3 iterations) is named as given
+    samples = [a for a in SHORT if a not in ("--train-iters", "4")] + [
+        "--train-samples", "24", *where]
+    lines, records, weights = launch(_trainer_run, 2, args=(samples,))[0]
+    assert records == []
+    assert lines[-1] == (f"mfsdp train: nothing to train: the checkpoint in {ckpt} is at "
+                         "iteration 3 and --train-samples 24 is 3 iterations of "
+                         "--global-batch-size 8; raise --train-samples to train on, or point "
+                         "--save and --load at a new directory to start over")
+    saved, _, _ = read_full(ckpt / "iter_0000003")
+    assert weights.keys() <= saved.keys() and weights
+    for name, tensor in weights.items():
+        assert tensor.equal(saved[name]), name
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--clip-grad", "-1"], "argument --clip-grad: -1 is not a finite number of at least 0"),
     (["--clip-grad", "nan"], "argument --clip-grad: nan is not a finite number of at least 0"),

@@ -481,16 +481,23 @@ class DCPSource:
 
 class Progress:
     """Progress of a long conversion on stderr, through ``tqdm``: a bar on a terminal; in a log
-    (no terminal) one line per 10% of the bytes, in tqdm's format, so Slurm logs stay short and
-    readable. Call it with the bytes done since the last call; ``enabled=False`` prints nothing."""
+    (no terminal: a Slurm job's output) a plain line in tqdm's format at most every
+    ``interval_s`` seconds (30) and one at the end, never a carriage return, so a 20-minute
+    conversion writes about 40 lines and a short one writes one. Call it with the bytes done
+    since the last call; ``enabled=False`` prints nothing. ``clock``: seconds (tests pass
+    their own)."""
 
-    def __init__(self, what: str, total_bytes: int, enabled: bool = True):
+    def __init__(self, what: str, total_bytes: int, enabled: bool = True,
+                 interval_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         from tqdm.auto import tqdm
 
         self.what, self.total, self.done, self.enabled = what, max(total_bytes, 1), 0, enabled
+        self.interval_s = interval_s
         self._tqdm = tqdm
-        self._start = time.monotonic()
-        self._last = -1
+        self._clock = clock
+        # when the conversion started, and when the log last had a line (no terminal only)
+        self._start = clock()
+        self._last = self._start
         self._bar = (tqdm(total=self.total, desc=what, unit="B", unit_scale=True,
                           unit_divisor=1024, file=sys.stderr, dynamic_ncols=True)
                      if enabled and sys.stderr.isatty() else None)
@@ -498,17 +505,19 @@ class Progress:
     def __call__(self, nbytes: int) -> None:
         if not self.enabled:
             return
+        before = self.done
         self.done += nbytes
         if self._bar is not None:
             self._bar.update(nbytes)
             if self.done >= self.total:
                 self._bar.close()
             return
-        tenth = min(10, 10 * self.done // self.total)
-        if tenth != self._last:
-            self._last = tenth
+        now = self._clock()
+        finished = self.done >= self.total > before
+        if finished or (self.done < self.total and now - self._last >= self.interval_s):
+            self._last = now
             line = self._tqdm.format_meter(min(self.done, self.total), self.total,
-                                           time.monotonic() - self._start, prefix=self.what,
+                                           now - self._start, prefix=self.what,
                                            unit="B", unit_scale=True, unit_divisor=1024,
                                            ascii=True, ncols=80)
             sys.stderr.write(line + "\n")

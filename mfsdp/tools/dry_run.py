@@ -430,8 +430,9 @@ def dry_run(preset: str, layout: Layout, ranks: list[int] | None = None, gpu: st
     held, traffic = {}, {}
     state = torch.get_rng_state()
     try:
+        # a bar on a terminal only (disable=None): none in a log, where its frames would pile up
         for r in tqdm(ranks, desc=f"dry run {preset} at {world} ranks", unit="rank",
-                      disable=not progress, leave=False):
+                      disable=None if progress else True, leave=False):
             held[r], traffic[r] = _in_fresh_thread(_build_rank, config, cfg, world, r,
                                                    layout.micro_batches)
     finally:

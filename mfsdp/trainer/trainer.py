@@ -201,6 +201,10 @@ class Trainer:
         stop): step, report, evaluate, save; return rank 0's records."""
         self.build()
         try:
+            done = self.nothing_to_train()
+            if done:  # (exit 0, as Megatron-LM's run that resumes at its last iteration)
+                self.log(done, flush=True)
+                return self.records
             self.open_outputs()
             for iteration in range(self.start + 1, self.config.training.train_iters + 1):
                 self.profiler.before(iteration)
@@ -215,6 +219,23 @@ class Trainer:
         finally:  # cleanup never hides the error that ended the run
             self.close()
         return self.records
+
+    def nothing_to_train(self) -> str:
+        """The line rank 0 prints when ``--load`` resumed at or past the last iteration (a
+        second run with the first one's ``--save`` and ``--load``), else ``''``: the run then
+        trains, evaluates and saves nothing, and says why rather than ending without a word."""
+        c = self.config
+        last = c.training.train_iters
+        if self.start < last:
+            return ""
+        samples = c.data.train_samples
+        asked = (f"--train-samples {samples} is {last} iteration{'s' if last != 1 else ''} of "
+                 f"--global-batch-size {c.training.global_batch_size}" if samples
+                 else f"--train-iters is {last}")
+        flag = "--train-samples" if samples else "--train-iters"
+        return (f"mfsdp train: nothing to train: the checkpoint in {c.checkpoint.load} is at "
+                f"iteration {self.start} and {asked}; raise {flag} to train on, or point "
+                "--save and --load at a new directory to start over")
 
     def _read_batch(self, iteration: int) -> tuple[list, int, int]:
         """This rank's samples of iteration ``iteration``'s global batch, and the global batch's
