@@ -190,3 +190,61 @@ def test_the_rules_of_thumb_hold_on_the_rows():
         assert worlds == sorted(worlds, reverse=True)
         assert (worlds[1] * 2 == worlds[0]) == (name != "llama3-8b")
         assert (worlds[2] == worlds[1]) == (name != "llama3-70b")  # 8B: one node on each
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_every_rows_sbatch_command_renders_the_rows_layout_and_memory(impl, capsys):
+    """Each row's ``mfsdp sbatch render`` command (the page's "From a row to a job"), run
+    through the CLI: it renders (exit 0, no over-memory refusal), the script's flags are the
+    row's layout as mfsdp train's parser reads them, and the render's planned peak is the
+    row's, to the byte, and as printed."""
+    import shlex
+
+    from mfsdp import train
+    from mfsdp.cli import main
+    from mfsdp.tools.sbatch import resolve
+    from mfsdp.tools.sbatch.schedule import schedule
+
+    for preset, seq in ROWS:
+        for gpu_name in GPUS:
+            c = row(preset, seq, gpu_name, transformer_impl=impl)
+            argv = shlex.split(c.sbatch_command().replace("\\\n", " "))
+            assert argv[:3] == ["mfsdp", "sbatch", "render"], argv
+            assert main(argv[1:-2]) == 0, argv  # (to stdout: the script's flags below)
+            out = capsys.readouterr()
+            body = re.search(r"^TRAIN_ARGS=\(\n(.*?)^\)", out.out, re.S | re.M).group(1)
+            words = shlex.split(body)
+            if impl != "local":  # Megatron-LM's script: its model flags are not mfsdp's
+                assert "--use-distributed-optimizer" in words
+            lay = c.layout
+            args = train.build_parser().parse_args(
+                [("/x" if w.startswith("$") else w) for w in words] if impl == "local" else
+                ["--model-preset", preset, *_layout_words(words)])
+            assert ((args.tensor_model_parallel_size or 1), bool(args.sequence_parallel),
+                    args.context_parallel_size or 1, args.expert_model_parallel_size or 1,
+                    args.recompute_granularity, args.seq_length,
+                    args.global_batch_size) == (
+                lay.tp, lay.tp > 1, lay.cp, lay.ep, lay.recompute_granularity,
+                lay.seq_length, GLOBAL_BATCH[preset]), argv
+            assert argv[-2] == "-o" and argv[-1].endswith(".sbatch")
+            overrides = dict(argv[i + 1].split("=", 1) for i, w in enumerate(argv)
+                             if w == "--set")
+            v = resolve(argv[3], overrides)[1]
+            assert v["nodes"] * v["ranks_per_node"] == lay.world_size
+            assert schedule(v).peak_bytes == c.total, argv
+            assert f"peak is {c.total / GiB:.1f} GiB per GPU" in out.err
+
+
+def _layout_words(words: list[str]) -> list[str]:
+    """The layout and batch flags of a Megatron-LM script's TRAIN_ARGS (with their values)."""
+    keep = ("--tensor-model-parallel-size", "--sequence-parallel", "--context-parallel-size",
+            "--expert-model-parallel-size", "--recompute-granularity", "--recompute-method",
+            "--recompute-num-layers", "--seq-length", "--global-batch-size",
+            "--micro-batch-size")
+    out = []
+    for i, w in enumerate(words):
+        if w in keep:
+            out.append(w)
+            if i + 1 < len(words) and not words[i + 1].startswith("--"):
+                out.append(words[i + 1])
+    return out

@@ -45,15 +45,17 @@ def test_header_of_an_unchanged_preset_names_its_recipe_and_list_shows_the_prese
     wider = _header(sbatch.render("llama3-8b", {"nodes": "4"}))
     assert wider.endswith(recipe)
     # the preset's layout: CP 2, no recomputation, and the plan's reason
-    assert ("(optim_grads_params), context parallelism 2 (each rank holds 4,096 tokens of a "
-            "sequence), no activation recomputation (the plan of mfsdp train's layers leaves "
-            "5 GiB of 80 spare without it), bf16 compute") in header
+    assert ("on 2 nodes x 8 GPUs: context parallelism 2 (each rank holds 4,096 tokens of a "
+            "sequence), ZeRO-3 (optim_grads_params) over 16 ranks (data-parallel size 8 x CP "
+            "2), no activation recomputation (the plan of mfsdp train's layers leaves 5 GiB of "
+            "80 spare without it), bf16 compute") in header
     # the recomputation is stated from the rendered plan: without CP, on 32 GPUs (each holds
     # half the sharded state) 3 layers are no longer the fewest that fit, on 16 they are
-    block3 = {"cp": "1", "model_args": "--model-preset llama3-8b --recompute-granularity full "
-                                       "--recompute-method block --recompute-num-layers 3"}
+    block3 = {"cp": "1", "recompute": "block:3"}
     narrow = _header(sbatch.render("llama3-8b", block3))
-    assert "(optim_grads_params), full recomputation" in narrow  # no CP, no CP phrase
+    assert "--recompute-num-layers 3\n" in sbatch.render("llama3-8b", block3)
+    # no CP, no CP phrase
+    assert "(optim_grads_params) over the 16 data-parallel ranks, full recomputation" in narrow
     assert "first 3 of 32 layers (with fewer the plan of mfsdp train's layers leaves under " \
            "5 GiB of 80 spare; it costs about 3% of the step)" in narrow
     assert "first 3 of 32 layers (it costs about 3% of the step)" in _header(
@@ -68,15 +70,13 @@ def test_header_of_an_unchanged_preset_names_its_recipe_and_list_shows_the_prese
 
 
 def test_header_states_the_rendered_recomputation():
-    """The recomputation the header names is the one model_args pass, in the plan of the
+    """The recomputation the header names is the recompute key's, in the plan of the
     rendered trainer's layer."""
     from mfsdp.tools.plan import PRESETS, Layout, estimate
 
     layout = dict(world_size=16, seq_length=8192, micro_batch=1, micro_batches=32,
                   grad_comm_bytes=2)
-    args = "--model-preset llama3-8b --recompute-granularity full --recompute-method block"
-    five = _header(sbatch.render("llama3-8b", {"cp": "1",
-                                               "model_args": f"{args} --recompute-num-layers 5"}))
+    five = _header(sbatch.render("llama3-8b", {"cp": "1", "recompute": "block:5"}))
     cost = (estimate(PRESETS["llama3-8b"], Layout(recompute_granularity="full",
                                                   recompute_method="block",
                                                   recompute_num_layers=5, **layout)).step_s
@@ -350,3 +350,148 @@ def test_bandwidth_refuses_in_one_line(overrides, message):
     with pytest.raises(sbatch.RenderError, match=re.escape(message)) as err:
         sbatch.render("bandwidth", overrides)
     assert "\n" not in str(err.value)
+
+
+def _train_args(text: str) -> list[str]:
+    """The TRAIN_ARGS array of a rendered script, as the shell passes it."""
+    return shlex.split(re.search(r"^TRAIN_ARGS=\(\n(.*?)^\)", text, re.S | re.M).group(1))
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("none", (None, None, None)), ("full", ("full", "uniform", 1)),
+    ("block:26", ("full", "block", 26)), ("selective", ("selective", None, None))])
+@pytest.mark.parametrize("trainer", ["mfsdp", "megatron-lm"])
+def test_the_recompute_key_sets_the_flags_the_plan_and_the_header(value, expected, trainer):
+    """recompute=VALUE renders the recomputation flags once, as mfsdp train's parser reads
+    them (the same flags for Megatron-LM); the render's memory is the planner's for that
+    recomputation, and the header names it."""
+    from mfsdp import train
+    from mfsdp.tools.plan import PRESETS, Layout, plan
+    from mfsdp.tools.sbatch.schedule import schedule
+
+    over = {"recompute": value, "trainer": trainer, "allow_over_memory": "true"}
+    text = sbatch.render("llama3-70b", over)
+    words = _train_args(text)
+    flags = [w for w in words if w.startswith("--recompute")]
+    assert len(flags) == len(set(flags)), flags
+    mine = [t for i, w in enumerate(words) if w.startswith("--recompute")
+            for t in (w, words[i + 1]) if not t.startswith("--") or t == w]
+    args = train.build_parser().parse_args(mine)
+    assert (args.recompute_granularity, args.recompute_method,
+            args.recompute_num_layers) == expected
+    v = sbatch.resolve("llama3-70b", over)[1]
+    impl = "local" if trainer == "mfsdp" else "transformer_engine"
+    layout = Layout(64, tp=4, sequence_parallel=True, seq_length=8192, micro_batches=32,
+                    grad_comm_bytes=2, recompute_granularity=expected[0],
+                    recompute_method=expected[1] or "uniform",
+                    recompute_num_layers=expected[2] or 1, transformer_impl=impl)
+    assert schedule(v).peak_bytes == plan(PRESETS["llama3-70b"], layout).total
+    header = _header(text)
+    phrase = {"none": "no activation recomputation", "full": ", full recompute,",
+              "block:26": "full recomputation of the first 26 of 80 layers",
+              "selective": "selective activation recomputation"}[value]
+    assert phrase in header, header
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"recompute": "block:81"}, "recompute='block:81': block:N recomputes the first N layers; "
+                                "N must be from 1 to the model's 80 layers"),
+    ({"recompute": "block:0"}, "N must be from 1 to the model's 80 layers"),
+    ({"recompute": "partial"}, "recompute='partial': use none, full (every layer), block:N"),
+    ({"model_args": "--model-preset llama3-70b --recompute-granularity full"},
+     "model_args passes --recompute-granularity: set recomputation with --set recompute="),
+])
+def test_a_recompute_the_key_cannot_express_is_refused_in_one_line(overrides, message):
+    with pytest.raises(sbatch.RenderError) as err:
+        sbatch.render("llama3-70b", overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("trainer, extra, key", [
+    ("mfsdp", "--recompute-num-layers 80", "recompute"),
+    ("mfsdp", "--recompute-granularity=selective", "recompute"),
+    ("mfsdp", "--tensor-model-parallel-size 2", "tp"),
+    ("mfsdp", "--tensor-model 2", "tp"),  # mfsdp train's parser takes the prefix
+    ("mfsdp", "--global-batch-size 1024", "global_batch_size"),
+    ("mfsdp", "--context-parallel-size 2", "cp"),  # a key's flag, even where not written
+    ("mfsdp", "--num-layers 40", "model_args"),
+    ("mfsdp", "--mock-data", "mock_data"),
+    ("megatron-lm", "--num-layers 40", "model_args"),
+    ("megatron-lm", "--sequence-parallel", "sequence_parallel"),
+    ("megatron-lm", "--recompute-method block", "recompute"),
+])
+def test_extra_args_that_repeat_a_flag_of_the_script_are_refused_naming_the_key(
+        trainer, extra, key):
+    with pytest.raises(sbatch.RenderError) as err:
+        sbatch.render("llama3-70b", {"trainer": trainer, "extra_args": extra})
+    text = str(err.value)
+    assert text.startswith(f"extra_args={extra!r} passes --") and "\n" not in text
+    assert text.endswith(f"use --set {key}=... instead"), text
+
+
+def test_extra_args_with_flags_of_their_own_pass_and_fixed_flags_are_refused():
+    text = sbatch.render("llama3-70b", {"extra_args": "--exit-interval 7"})
+    assert _train_args(text)[-2:] == ["--exit-interval", "7"]
+    # Megatron-LM's parser takes no prefixes: a flag of its own that begins a written one
+    text = sbatch.render("llama3-70b", {"trainer": "megatron-lm",
+                                        "extra_args": "--transformer-impl transformer_engine"})
+    assert "--transformer-impl" in text
+    with pytest.raises(sbatch.RenderError, match="the script always passes it; drop it"):
+        sbatch.render("llama3-70b", {"extra_args": "--use-megatron-fsdp"})
+
+
+def test_the_header_states_the_rendered_layout():
+    """The report's case: llama3-70b on 4 nodes, TP 1, CP 2, full recomputation; the header
+    names those values, not the preset's 8 nodes and TP 4."""
+    over = {"nodes": "4", "tp": "1", "cp": "2", "recompute": "full",
+            "grad_reduce_in_bf16": "false"}
+    text = sbatch.render("llama3-70b", over)
+    header = _header(text)
+    assert "#SBATCH --nodes=4\n" in text
+    assert header.startswith("Llama-3-70B-style dense model on 4 nodes x 8 GPUs: context "
+                             "parallelism 2 (each rank holds 4,096 tokens of a sequence), "
+                             "ZeRO-3 (optim_grads_params) over 32 ranks (data-parallel size "
+                             "16 x CP 2), full recompute, bf16 compute"), header
+    assert "tensor parallelism" not in header and "8 nodes" not in header
+    # every part follows its key
+    other = _header(sbatch.render("llama3-70b", {"tp": "8", "sequence_parallel": "false",
+                                                 "bf16": "false", "meta_init": "false",
+                                                 "strategy": "optim_grads",
+                                                 "allow_over_memory": "true"}))
+    assert ("on 8 nodes x 8 GPUs: tensor parallelism 8 inside a node, ZeRO-2 (optim_grads) "
+            "over the 8 data-parallel ranks, ") in other
+    assert "fp32 compute" in other and "meta-device" not in other and "bf16" not in other
+    moe = _header(sbatch.render("deepseek-v3", {"ep": "8", "dispatcher": "alltoall",
+                                                "allow_over_memory": "true"}))
+    assert ("expert parallelism 8 inside a node (32 experts per GPU), ZeRO-3 "
+            "(optim_grads_params) over the 256 data-parallel ranks, the alltoall token "
+            "dispatcher, full recompute") in moe
+
+
+def test_a_plan_over_the_gpu_is_refused_unless_allowed(capsys):
+    """The report's render (llama3-70b on 4 nodes, TP 1, CP 2, the preset's 26 block-recomputed
+    layers) plans 157 GiB per GPU: the render exits 2 with one line naming the fixes and
+    allow_over_memory; allowed, it writes the script and warns; on a GB200 (186 GiB) it fits."""
+    from mfsdp.cli import main
+    from mfsdp.tools.plan import PRESETS, Layout, plan
+
+    argv = ["sbatch", "render", "llama3-70b", "--set", "nodes=4", "--set", "tp=1", "--set",
+            "sequence_parallel=false", "--set", "cp=2"]
+    peak = plan(PRESETS["llama3-70b"], Layout(
+        32, cp=2, seq_length=8192, micro_batches=32, grad_comm_bytes=2,
+        recompute_granularity="full", recompute_method="block",
+        recompute_num_layers=26)).total / 2**30
+    assert peak > 76
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and len(err) == 1, err
+    assert f"the planner's peak is {peak:.1f} GiB per GPU" in err[0]
+    assert "over the 76 GiB that gpu=h100 (80 GiB) leaves" in err[0]
+    assert "--set allow_over_memory=true" in err[0]
+    assert main(argv + ["--set", "allow_over_memory=true"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("#!/bin/bash")
+    assert f"peak is {peak:.1f} GiB per GPU" in captured.err and "WARNING: over" in captured.err
+    assert main(argv + ["--set", "gpu=gb200"]) == 0
+    assert "fits 186 GiB GPUs (at most 182 GiB)" in capsys.readouterr().err

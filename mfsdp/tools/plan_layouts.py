@@ -114,6 +114,56 @@ class Choice:
         return " \\\n    ".join(parts)
 
 
+    def sbatch_command(self) -> str:
+        """The ``mfsdp sbatch render`` command that renders this layout as a Slurm script from
+        the model's preset (:data:`SBATCH`): every ``--set`` the layout needs where the preset's
+        value differs, and always its nodes, TP, CP, recompute and global batch; ``-o`` names the
+        script after the preset, the GPU and the world size. The preset
+        reduces gradients in bf16, which the planner charges extra buffers for; the row plans
+        fp32 reduction, so the command sets ``grad_reduce_in_bf16=false`` where the preset has
+        it on. A Transformer Engine row renders for ``trainer=megatron-lm``.
+
+        >>> print(row("llama3-70b", 8192, "H100").sbatch_command())
+        mfsdp sbatch render llama3-70b --set nodes=4 --set tp=1 \\
+            --set cp=2 --set recompute=full --set global_batch_size=512 \\
+            --set grad_reduce_in_bf16=false -o llama3-70b-h100-32.sbatch
+        """
+        from mfsdp.tools.sbatch.presets import PRESETS as SBATCH_PRESETS
+
+        lay, name = self.layout, SBATCH[self.preset]
+        p = SBATCH_PRESETS[name]
+        own = dict(p.values, **(p.megatron_lm if lay.transformer_impl != "local" else {}))
+        per_node = NODE_GPUS[next(k for k, (_, g) in GPUS.items() if g == self.gpu)]
+        sets = []
+        if lay.transformer_impl != "local":
+            sets.append(("trainer", "megatron-lm"))
+        if self.gpu != own["gpu"]:
+            sets.append(("gpu", self.gpu))
+        if per_node != own["gpus_per_node"]:
+            sets += [("gpus_per_node", per_node), ("ranks_per_node", per_node)]
+        sets += [("nodes", lay.world_size // per_node), ("tp", lay.tp)]
+        if lay.tp > 1 and not own["sequence_parallel"]:
+            sets.append(("sequence_parallel", "true"))
+        sets.append(("cp", lay.cp))
+        if lay.ep != own["ep"]:
+            sets.append(("ep", lay.ep))
+        if lay.seq_length != own["seq_length"]:
+            sets.append(("seq_length", lay.seq_length))
+        sets += [("recompute", lay.recompute_granularity or "none"),
+                 ("global_batch_size", self.global_batch or own["global_batch_size"])]
+        if own["grad_reduce_in_bf16"]:
+            sets.append(("grad_reduce_in_bf16", "false"))
+        out = f"{name}-{self.gpu}-{lay.world_size}.sbatch"
+        lines, line = [], f"mfsdp sbatch render {name}"
+        for word in [f"--set {key}={value}" for key, value in sets] + [f"-o {out}"]:
+            if len(line) + 1 + len(word) > 64:
+                lines.append(line)
+                line = "    " + word
+            else:
+                line += " " + word
+        return " \\\n".join(lines + [line])
+
+
 @lru_cache(maxsize=None)  # the page's table and its commands ask for the same rows
 def choose(preset: str, seq_length: int, device_gib: float = 80.0, gpu: str = "h100",
            spare_gib: float = 0.0, max_nodes: int = 4096, global_batch: int | None = None,

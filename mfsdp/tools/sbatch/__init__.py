@@ -33,6 +33,7 @@ from mfsdp.tools.sbatch.arguments import (Var, _abs, _beside_log, _group, _in_jo
                                           megatron_lm_model_flags, train_args)
 from mfsdp.tools.sbatch.checks import _model_preset, resolve, time_limit_seconds
 from mfsdp.tools.sbatch.errors import RenderError
+from mfsdp.tools.sbatch.extra import check_extra_args
 from mfsdp.tools.sbatch.header import describe
 from mfsdp.tools.sbatch.presets import CHOICES, PRESETS, SCHEMA, Preset
 
@@ -48,10 +49,20 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 def render(preset: str, overrides: dict[str, str] | None = None) -> str:
     """The script of ``preset`` with ``overrides`` applied (see :func:`mfsdp.tools.sbatch.resolve`).
     Every value is written as a literal: shell-quoted (``shlex.quote``) where the shell reads it,
-    checked to be one word where sbatch reads it (the ``#SBATCH`` lines)."""
+    checked to be one word where sbatch reads it (the ``#SBATCH`` lines). A train script whose
+    planned peak per GPU is over what its ``gpu`` leaves is refused unless
+    ``allow_over_memory`` (:func:`mfsdp.tools.sbatch.schedule.over_memory`)."""
     import jinja2
 
     p, values = resolve(preset, overrides)
+    if p.template == "train":
+        check_extra_args(values)
+    if p.template == "train" and not values["allow_over_memory"]:
+        from mfsdp.tools.sbatch.schedule import over_memory
+
+        why = over_memory(values)
+        if why:
+            raise RenderError(why)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)),
                              undefined=jinja2.StrictUndefined, trim_blocks=True,
                              lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)

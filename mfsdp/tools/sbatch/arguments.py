@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 import shlex
 
-from mfsdp.tools.sbatch.checks import _model_preset
+from mfsdp.tools.sbatch.checks import _model_preset, recompute_layout
+
 
 class Var(str):
     """A shell variable in an argument list: written ``"$NAME"`` (expanded, one word)."""
@@ -43,6 +44,24 @@ def _override(flags: list[str], more: list[str]) -> list[str]:
         else:
             groups.append(group)
     return [t for g in groups for t in g]
+
+
+def recompute_flags(value: str) -> list[str]:
+    """The trainer's recomputation flags of a ``recompute`` value (the same for mfsdp train
+    and Megatron-LM).
+
+    >>> " ".join(recompute_flags("block:26"))
+    '--recompute-granularity full --recompute-method block --recompute-num-layers 26'
+    >>> recompute_flags("selective"), recompute_flags("none")
+    (['--recompute-granularity', 'selective'], [])
+    """
+    granularity, method, n = recompute_layout(value)
+    if granularity is None:
+        return []
+    if granularity == "selective":
+        return ["--recompute-granularity", "selective"]
+    return ["--recompute-granularity", "full", "--recompute-method", method,
+            "--recompute-num-layers", str(n)]
 
 
 def megatron_lm_model_flags(name: str, seq_length: int) -> list[str]:
@@ -148,7 +167,7 @@ def train_args(v: dict) -> list[str]:
         a += ["--moe-token-dispatcher-type", v["dispatcher"]]
         if v["dispatcher"] == "flex":
             a += ["--moe-flex-dispatcher-backend", v["flex_backend"]]
-    a += model
+    a += model + recompute_flags(v["recompute"])
     a += ["--micro-batch-size", str(v["micro_batch_size"]),
           "--global-batch-size", str(v["global_batch_size"]),
           "--seq-length", str(v["seq_length"]), "--train-iters", str(v["train_iters"]),

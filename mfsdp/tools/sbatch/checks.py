@@ -246,6 +246,7 @@ def _check_train(v: dict) -> None:
         raise RenderError("nccl_ub=true: mfsdp train refuses --use-nccl-ub (mfsdp registers no "
                           "NCCL user buffers); leave nccl_ub=false, or render with "
                           "trainer=megatron-lm")
+    _check_recompute(v)
     if v["trainer"] == "megatron-lm":
         for key, why in (("compile", "Megatron-LM's pretrain_gpt.py has no --compile (its "
                                      "Transformer Engine kernels are fused already)"),
@@ -295,6 +296,59 @@ def _check_convert(v: dict) -> None:
                               "(NCCL); set gpus_per_node")
     elif v["gpus_per_node"]:
         raise RenderError("trainer=mfsdp: mfsdp convert runs on CPU; leave gpus_per_node=0")
+
+
+def recompute_layout(value: str) -> tuple[str | None, str, int]:
+    """``(granularity, method, layers)`` of a ``recompute`` value, as Megatron-LM's
+    ``--recompute-granularity``, ``--recompute-method`` and ``--recompute-num-layers`` take them
+    (None: no recomputation), or RenderError naming the accepted values.
+
+    >>> recompute_layout("full"), recompute_layout("block:26"), recompute_layout("none")
+    (('full', 'uniform', 1), ('full', 'block', 26), (None, 'uniform', 1))
+    """
+    if value in ("none", "full", "selective"):
+        return (None if value == "none" else value), "uniform", 1
+    m = re.fullmatch(r"block:(\d+)", value)
+    if not m:
+        raise RenderError(f"recompute={value!r}: use none, full (every layer), block:N (the "
+                          "first N layers) or selective")
+    return "full", "block", int(m.group(1))
+
+
+# A recompute flag passed anywhere but the recompute key would be invisible to its plan
+_RECOMPUTE_FLAGS = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+                    "--recompute-modules")
+
+
+def _flag(word: str) -> str:
+    return word.split("=", 1)[0]
+
+
+def _num_layers(model_args: str) -> int | None:
+    """The layers of the model ``model_args`` builds: its ``--num-layers``, else its preset's."""
+    from mfsdp.models.gpt import GPT_PRESETS
+
+    words = shlex.split(model_args)
+    for i, word in enumerate(words):
+        if word == "--num-layers" and i + 1 < len(words) and words[i + 1].isdigit():
+            return int(words[i + 1])
+        if word.startswith("--num-layers=") and word[len("--num-layers="):].isdigit():
+            return int(word[len("--num-layers="):])
+    preset = _model_preset(model_args)
+    return GPT_PRESETS[preset].num_layers if preset in GPT_PRESETS else None
+
+
+def _check_recompute(v: dict) -> None:
+    _, method, n = recompute_layout(v["recompute"])
+    layers = _num_layers(v["model_args"])
+    if method == "block" and not 1 <= n <= (layers or n):
+        raise RenderError(f"recompute={v['recompute']!r}: block:N recomputes the first N layers; "
+                          f"N must be from 1 to the model's {layers} layers (or use full)")
+    for word in shlex.split(v["model_args"]):
+        if _flag(word) in _RECOMPUTE_FLAGS:
+            raise RenderError(f"model_args passes {_flag(word)}: set recomputation with --set "
+                              "recompute=none|full|block:N|selective, which the memory plan "
+                              "and the header follow")
 
 
 def _model_preset(model_args: str) -> str | None:

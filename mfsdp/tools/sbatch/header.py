@@ -1,4 +1,4 @@
-"""The first comment of a rendered script: the preset's description, with its batch and
+"""The first comment of a rendered script: the preset's description, with its layout, batch and
 learning-rate schedule stated from the values the script was rendered with (a script is copied
 as its job's provenance record, so it states what it runs)."""
 
@@ -7,16 +7,72 @@ from __future__ import annotations
 from mfsdp.tools.sbatch.checks import time_limit_seconds
 from mfsdp.tools.sbatch.presets import PRESETS, Preset
 
-__all__ = ["describe"]
+__all__ = ["describe", "layout_phrase"]
+
+_STRATEGIES = {"no_shard": "no sharding (no_shard)", "optim": "ZeRO-1 (optim)",
+               "optim_grads": "ZeRO-2 (optim_grads)",
+               "optim_grads_params": "ZeRO-3 (optim_grads_params)"}
+
+
+def layout_phrase(v: dict) -> str:
+    """How the train script of values ``v`` runs, as its header's ``{layout}`` says it, every
+    part from the values: nodes x GPUs, TP (with SP), CP, EP, the data-parallel size and
+    sharding strategy, recomputation (:func:`mfsdp.tools.sbatch.schedule.recompute_phrase`),
+    precision and meta-device initialisation.
+
+    >>> from mfsdp.tools.sbatch import resolve
+    >>> v = resolve("llama3-70b", {"nodes": "4", "tp": "1", "cp": "2", "recompute": "full"})[1]
+    >>> print(layout_phrase(v))  # doctest: +NORMALIZE_WHITESPACE
+    on 4 nodes x 8 GPUs: context parallelism 2 (each rank holds 4,096 tokens of a sequence),
+    ZeRO-3 (optim_grads_params) over 32 ranks (data-parallel size 16 x CP 2), full recompute,
+    bf16 compute, fp32 main weights, meta-device initialisation
+    """
+    from mfsdp.tools.sbatch.schedule import recompute_phrase
+
+    per_node = v["gpus_per_node"] or v["ranks_per_node"]
+    what = "GPUs" if v["gpus_per_node"] else "ranks"
+    nodes = f"{v['nodes']} node{'s' if v['nodes'] != 1 else ''}"
+    parts = []
+    if v["tp"] > 1:
+        parts.append(f"tensor parallelism {v['tp']}"
+                     + (" with sequence parallelism" if v["sequence_parallel"] else "")
+                     + " inside a node")
+    if v["cp"] > 1:
+        parts.append(f"context parallelism {v['cp']} (each rank holds "
+                     f"{v['seq_length'] // v['cp']:,} tokens of a sequence)")
+    if v["ep"] > 1:
+        span = (f"over {v['ep'] // per_node} nodes" if v["ep"] > per_node else "inside a node")
+        parts.append(f"expert parallelism {v['ep']} {span} "
+                     f"({v['num_experts'] // v['ep']} experts per GPU)")
+    world = v["nodes"] * v["ranks_per_node"]
+    dp = world // (v["tp"] * v["cp"])
+    shard = world // (v["outer"] * v["tp"])  # the dense parameters' shard group: dp x cp
+    inner = dp // v["outer"]
+    if v["cp"] > 1:
+        over = f"over {shard} ranks (data-parallel size {inner} x CP {v['cp']})"
+    else:
+        over = f"over the {shard} data-parallel ranks"
+    text = f"{_STRATEGIES[v['strategy']]} {over}"
+    if v["outer"] > 1:
+        text += (f", {v['outer']} outer replicas (HSDP, "
+                 f"{_STRATEGIES[v['outer_strategy']]} across them)")
+    parts.append(text)
+    if v["num_experts"]:
+        parts.append(f"the {v['dispatcher']} token dispatcher"
+                     + (f" with {v['flex_backend']}" if v["dispatcher"] == "flex" else ""))
+    parts.append(recompute_phrase(v))
+    parts.append("bf16 compute, fp32 main weights" if v["bf16"] else "fp32 compute")
+    if v["meta_init"]:
+        parts.append("meta-device initialisation")
+    return f"on {nodes} x {per_node} {what}: " + ", ".join(parts)
 
 
 def describe(preset: Preset, values: dict | None = None) -> str:
     """The description of ``preset`` for the script ``values`` render (resolved; None: the
     preset's own values), its schedule stated from those values: a value changed with
-    ``--set`` is written as rendered, with the preset's beside it. A ``{recompute}`` in the
-    description is the script's recomputation as
-    :func:`mfsdp.tools.sbatch.schedule.recompute_phrase` says it (planned with the layer of the
-    script's trainer); a ``{context}`` is its context parallelism (empty without).
+    ``--set`` is written as rendered, with the preset's beside it. A ``{layout}`` in the
+    description is :func:`layout_phrase` of the values: nodes, parallel sizes, sharding,
+    recomputation (planned with the layer of the script's trainer) and precision.
 
     >>> text = describe(PRESETS["llama3-8b"], dict(PRESETS["llama3-8b"].values,
     ...                                            train_iters=200))
@@ -25,16 +81,8 @@ def describe(preset: Preset, values: dict | None = None) -> str:
     """
     own = preset.values
     values = own if values is None else values
-    context = (f", context parallelism {values['cp']} (each rank holds "
-               f"{values['seq_length'] // values['cp']:,} tokens of a sequence)"
-               if values.get("cp", 1) > 1 else "")
-    if "{recompute}" in preset.description:  # the script's own, in the plan of its trainer
-        from mfsdp.tools.sbatch.schedule import recompute_phrase
-
-        text = preset.description.format(**values, recompute=recompute_phrase(values),
-                                         context=context)
-    else:
-        text = preset.description.format(**values, context=context)
+    layout = layout_phrase(values) if "{layout}" in preset.description else ""
+    text = preset.description.format(**values, layout=layout)
     if not preset.recipe:
         return text
     hours = _job_length(values["time"])

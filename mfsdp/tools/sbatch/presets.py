@@ -104,7 +104,15 @@ SCHEMA: dict[str, tuple[type, str]] = {
                        "attempt-N, beside ranks/; empty: none)"),
     "wandb_project": (str, "trainer=megatron-lm: the W&B project, used when WANDB_API_KEY is set "
                            "at submission (empty: the job name)"),
-    "extra_args": (str, "more trainer flags (split like a shell command line)"),
+    "recompute": (str, "activation recomputation: none; full (every layer: "
+                       "--recompute-granularity full --recompute-method uniform "
+                       "--recompute-num-layers 1); block:N (the first N layers: --recompute-method "
+                       "block --recompute-num-layers N); selective (--recompute-granularity "
+                       "selective)"),
+    "allow_over_memory": (bool, "render a script whose planned peak per GPU is over what the "
+                                "gpu leaves (4 GiB kept), with a warning, instead of refusing it"),
+    "extra_args": (str, "more trainer flags (split like a shell command line); a flag the "
+                        "script writes itself, or that a key sets, is refused: set the key"),
     "src": (str, "conversion input checkpoint"),
     "dst": (str, "conversion output directory"),
     "from_format": (str, "conversion --from"),
@@ -112,8 +120,9 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "param_map": (str, "--param-to-param-group-map file (empty: none)"),
     "model_preset": (str, "--model-preset of a Megatron-LM checkpoint's model (empty: none)"),
     "swiglu": (bool, "--swiglu (split/join fused gate and up projections)"),
-    "gpu": (str, "mfsdp bandwidth --gpu: the GPU whose planner link assumptions (mfsdp plan "
-                 "--gpu) are set beside the measured bandwidths"),
+    "gpu": (str, "the GPU of mfsdp plan --gpu: train scripts are planned for its memory and "
+                 "priced with its peak and links; mfsdp bandwidth sets its link assumptions "
+                 "beside the measured bandwidths"),
     "size_mib": (str, "mfsdp bandwidth --size-mib: the gathered (full) sizes in MiB, separated "
                       "by spaces; the largest gives the mfsdp plan flags"),
 }
@@ -147,6 +156,7 @@ _TRAIN = dict(_SLURM, launcher="torchrun", rdzv_port=0, requeue=True, strategy="
               grad_reduce_in_bf16=False, double_buffer=False, nccl_ub=False, save="",
               save_interval=1000, ckpt_format="fsdp_dtensor", load="", signal_seconds=120,
               max_restarts=0, log_interval=1, log_jsonl="", wandb_project="", extra_args="",
+              recompute="none", allow_over_memory=False, gpu="h100",
               bf16=False, data_path="", mock_data=False, split="969,30,1", tokenizer_model="",
               min_lr=0.0, lr_warmup_iters=0, lr_decay_style="linear", lr_decay_iters=0,
               per_token_loss=False, compile=False, fused_adam=False)
@@ -181,19 +191,11 @@ _BRIDGE_LLAMA3 = dict(global_batch_size=512, train_iters=1_168_251, lr=3e-4, min
                       lr_warmup_iters=2000, lr_decay_style="cosine")
 _BRIDGE_DEEPSEEK_V3 = dict(global_batch_size=4096, train_iters=1_000_000, lr=3e-4, min_lr=3e-5,
                            lr_warmup_iters=2000, lr_decay_style="cosine")
-_FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-
-
-def _block(n: int) -> str:
-    """Full recomputation of the first ``n`` layers (Megatron-LM's and mfsdp train's flags)."""
-    return f"--recompute-granularity full --recompute-method block --recompute-num-layers {n}"
-
 
 # Each trainer's variant recomputes the fewest layers that leave 5 GiB of 80 spare in the plan of
 # its own layer (schedule.recompute_phrase): mfsdp train's measured layer, or Megatron-LM's
 # Transformer Engine layer (its default --transformer-impl), which keeps fewer activations.
 _DEEPSEEK_V3_MODEL = "--model-preset deepseek-v3 --moe-aux-loss-coeff 0.0001 --moe-grouped-gemm"
-_DEEPSEEK_V3 = f"{_DEEPSEEK_V3_MODEL} {_FULL_RECOMPUTE}"
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,9 @@ class Preset:
     """A template and the values of every variable it uses."""
 
     template: str
-    description: str  # may name values: "{train_iters:,} iterations" (header.py)
+    # may name values: "{train_iters:,} iterations"; {layout}: the script's parallel layout,
+    # recomputation and precision, from its values (header.py)
+    description: str
     values: dict
     megatron_lm: dict = field(default_factory=dict)  # values that differ with trainer=megatron-lm
     recipe: str = ""  # the Megatron-Bridge recipe whose batch and schedule the values are
@@ -252,9 +256,7 @@ PRESETS: dict[str, Preset] = {
     # mfsdp train: context parallelism 2 instead of recomputing 3 layers (47.2 GiB, not 70.1,
     # and the planner's step is 2% shorter); Megatron-LM's Transformer Engine layer fits
     # without CP (54.4 GiB), and CP 2 would not shorten its step (34.30 s, not 34.11 s).
-    "llama3-8b": Preset("train", "Llama-3-8B-style dense model on 2 nodes x 8 GPUs with ZeRO-3 "
-                        "(optim_grads_params){context}, {recompute}, bf16 compute, fp32 main "
-                        "weights.", dict(
+    "llama3-8b": Preset("train", "Llama-3-8B-style dense model {layout}.", dict(
                             _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2,
                             time="04:00:00", model_args=_LLAMA3_8B, cp=2,
                             micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
@@ -264,8 +266,8 @@ PRESETS: dict[str, Preset] = {
                         dict(_MEGATRON_LM_GPU, cp=1),
                         recipe="llama3_8b_pretrain_config"),
     "llama3-8b-container": Preset(
-        "train", "The llama3-8b job in NGC's PyTorch container (pyxis/enroot): the image's torch, "
-        "mfsdp mounted from its source checkout.", dict(
+        "train", "The llama3-8b job in NGC's PyTorch container (pyxis/enroot; the image's torch, "
+        "mfsdp mounted from its source checkout) {layout}.", dict(
             _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b", nodes=2, time="04:00:00",
             model_args=_LLAMA3_8B, cp=2, micro_batch_size=1, seq_length=8192,
             **_BRIDGE_LLAMA3, bf16=True, meta_init=True, save="checkpoints/llama3-8b",
@@ -274,15 +276,13 @@ PRESETS: dict[str, Preset] = {
         dict(_MEGATRON_LM_GPU, cp=1),
         recipe="llama3_8b_pretrain_config"),
     "deepseek-v3": Preset("train", "DeepSeek-V3-style MoE (256 routed experts, top-8, "
-                          "group-limited sigmoid routing) on 32 nodes x 8 GPUs: EP 32 over 4 "
-                          "nodes (8 experts per GPU), ZeRO-3 over all 256 ranks, flex "
-                          "dispatcher with {flex_backend}.", dict(
+                          "group-limited sigmoid routing) {layout}.", dict(
                               # compile off: the routed experts' token counts change every
                               # step, and each new count would compile the MoE layers again;
                               # fp32 gradient reduction: its shard groups have 256 ranks
                               _TRAIN, **dict(_GPU_NODES, compile=False, grad_reduce_in_bf16=False),
                               job_name="mfsdp-deepseek-v3", nodes=32,
-                              time="24:00:00", model_args=_DEEPSEEK_V3,
+                              time="24:00:00", model_args=_DEEPSEEK_V3_MODEL, recompute="full",
                               ep=32, num_experts=256,
                               dispatcher="flex", flex_backend="deepep", micro_batch_size=1,
                               seq_length=4096, **_BRIDGE_DEEPSEEK_V3,
@@ -292,52 +292,43 @@ PRESETS: dict[str, Preset] = {
                           # (MLA and MoE layers keep the planner's GPT estimate under either
                           # layer; the Transformer Engine plan's activations are 0.14 GiB more
                           # at its peak, in backward: 59 of 61 layers, not 58, keep 5 GiB)
-                          dict(_MEGATRON_LM_GPU, flex_backend="hybridep",
-                               model_args=f"{_DEEPSEEK_V3_MODEL} {_block(59)}"),
+                          dict(_MEGATRON_LM_GPU, flex_backend="hybridep", recompute="block:59"),
                           recipe="deepseek_v3_pretrain_config_32nodes"),
-    "llama3-70b": Preset("train", "Llama-3-70B-style dense model on 8 nodes x 8 GPUs: tensor "
-                         "parallelism 4 with sequence parallelism inside a node, ZeRO-3 over the "
-                         "16 data-parallel ranks, {recompute}, bf16 compute, meta-device "
-                         "initialisation.", dict(
+    "llama3-70b": Preset("train", "Llama-3-70B-style dense model {layout}.", dict(
                              _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-70b", nodes=8,
                              time="24:00:00",
-                             model_args=f"--model-preset llama3-70b {_block(26)}",
+                             model_args="--model-preset llama3-70b", recompute="block:26",
                              tp=4, micro_batch_size=1, seq_length=8192, **_BRIDGE_LLAMA3,
                              bf16=True, meta_init=True,
                              save="checkpoints/llama3-70b", save_interval=40,
                              log_jsonl="llama3-70b.jsonl"),
-                         dict(_MEGATRON_LM_GPU, model_args="--model-preset llama3-70b"),
+                         dict(_MEGATRON_LM_GPU, recompute="none"),
                          recipe="llama3_70b_pretrain_config"),
-    "llama3.1-405b": Preset("train", "Llama-3.1-405B-shaped dense model on 32 nodes x 8 GPUs: "
-                            "FSDP x tensor parallelism 4 with sequence parallelism (Megatron-Bridge's "
-                            "published Megatron-FSDP run uses TP 2 on 128 GB200s, which hold 186 "
-                            "GiB; on 80 GiB GPUs TP 2 needs 79 nodes), ZeRO-3 over "
-                            "64 data-parallel ranks, {recompute}, bf16 compute, meta-device "
-                            "initialisation.", dict(
+    "llama3.1-405b": Preset("train", "Llama-3.1-405B-shaped dense model {layout}. "
+                            "(Megatron-Bridge's published Megatron-FSDP run uses TP 2 on 128 "
+                            "GB200s, which hold 186 GiB; on 80 GiB GPUs TP 2 needs 79 nodes.)",
+                            dict(
                                 _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3.1-405b", nodes=32,
                                 time="48:00:00",
-                                model_args="--model-preset llama3.1-405b " + _FULL_RECOMPUTE,
+                                model_args="--model-preset llama3.1-405b", recompute="full",
                                 tp=4, sequence_parallel=True, micro_batch_size=1,
                                 seq_length=8192, **_BRIDGE_LLAMA3,
                                 bf16=True, meta_init=True, all_gather_group=True,
                                 save="checkpoints/llama3.1-405b", save_interval=24,
                                 log_jsonl="llama3.1-405b.jsonl"),
-                            dict(_MEGATRON_LM_GPU,
-                                 model_args=f"--model-preset llama3.1-405b {_block(112)}"),
+                            dict(_MEGATRON_LM_GPU, recompute="block:112"),
                             recipe="llama31_405b_pretrain_config"),
-    "llama3-8b-long": Preset("train", "Llama-3-8B-style model on 64K-token sequences, 2 nodes x 8 "
-                             "GPUs: context parallelism 4 (each rank holds 16K tokens of a "
-                             "sequence, attention exact over all of it), ZeRO-3 over the 16 ranks, "
-                             "{recompute}, bf16 compute.", dict(
+    "llama3-8b-long": Preset("train", "Llama-3-8B-style model on sequences of "
+                             "{seq_length:,} tokens (attention exact over all of each) {layout}.",
+                             dict(
                                  _TRAIN, **_GPU_NODES, job_name="mfsdp-llama3-8b-long", nodes=2,
                                  time="12:00:00",
-                                 model_args="--model-preset llama3-8b " + _FULL_RECOMPUTE,
+                                 model_args=_LLAMA3_8B, recompute="full",
                                  cp=4, micro_batch_size=1, seq_length=65536,
                                  **_BRIDGE_LLAMA3, bf16=True,
                                  meta_init=True, save="checkpoints/llama3-8b-long",
                                  save_interval=5, log_jsonl="llama3-8b-long.jsonl"),
-                             dict(_MEGATRON_LM_GPU,
-                                  model_args=f"--model-preset llama3-8b {_block(10)}"),
+                             dict(_MEGATRON_LM_GPU, recompute="block:10"),
                              recipe="llama3_8b_64k_pretrain_config"),
     "convert": Preset("convert", "Checkpoint conversion: a Megatron-LM torch_dist checkpoint to "
                       "fsdp_dtensor, on one node (mfsdp convert: CPU only; Megatron-LM's "

@@ -3,8 +3,8 @@ schedule takes, its memory per GPU, how often it saves, and how its gradients ar
 
 The schedule is ``train_iters`` optimizer steps of ``global_batch_size`` sequences of
 ``seq_length`` tokens; the time of a step is the planner's first-order estimate
-(:func:`mfsdp.tools.plan.estimate`, ``mfsdp plan``) for the script's model and layout on an
-H100 SXM; the wall-clock is their product (queueing and restarts not counted). The memory is
+(:func:`mfsdp.tools.plan.estimate`, ``mfsdp plan``) for the script's model and layout on its
+``gpu`` (default an H100 SXM); the wall-clock is their product (queueing and restarts not counted). The memory is
 the planner's peak per GPU for the same layout (:func:`mfsdp.tools.plan.plan`), its activations
 those of the trainer's layer: mfsdp train's for trainer=mfsdp, Megatron-LM's Transformer Engine
 layer for trainer=megatron-lm (:func:`transformer_impl`).
@@ -22,8 +22,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-__all__ = ["ACTIVATION_MODELS", "Schedule", "schedule", "schedule_lines", "recompute_phrase",
-           "transformer_impl", "BF16_REDUCE_MAX_RANKS"]
+__all__ = ["ACTIVATION_MODELS", "Schedule", "gpu_memory_gib", "over_memory", "schedule",
+           "schedule_lines", "recompute_phrase", "transformer_impl", "BF16_REDUCE_MAX_RANKS"]
 
 BF16_REDUCE_MAX_RANKS = 64
 """The largest reduction group for which the guide's numerics page accepts bf16 gradient
@@ -112,12 +112,14 @@ def _layout(v: dict):
         model = ModelConfig.from_gpt(cfg)
     except (SystemExit, ValueError):
         return None
+    from mfsdp.tools.sbatch.checks import recompute_layout
+
+    granularity, method, layers = recompute_layout(v.get("recompute", "none"))
     world = v["nodes"] * v["ranks_per_node"]
     layout = Layout(world, v["strategy"], v["outer"], v["outer_strategy"], v["ep"],
                     micro_batch=v["micro_batch_size"], seq_length=v["seq_length"],
-                    recompute_granularity=cfg.recompute_granularity,
-                    recompute_method=cfg.recompute_method or "uniform",
-                    recompute_num_layers=cfg.recompute_num_layers or 1, tp=v["tp"], cp=v["cp"],
+                    recompute_granularity=granularity, recompute_method=method,
+                    recompute_num_layers=layers, tp=v["tp"], cp=v["cp"],
                     sequence_parallel=v["tp"] > 1 and v["sequence_parallel"],
                     grad_comm_bytes=2 if v["grad_reduce_in_bf16"] else None,
                     transformer_impl=transformer_impl(v))
@@ -125,18 +127,17 @@ def _layout(v: dict):
     return model, with_global_batch(layout, v["global_batch_size"])
 
 
-def recompute_phrase(v: dict, gpu_gib: float = 80.0) -> str:
+def recompute_phrase(v: dict, gpu_gib: float | None = None) -> str:
     """How the script of resolved train values ``v`` recomputes activations, as its header says
     it: the layers, and for block recomputation its cost in the planner's step and whether one
     layer fewer would leave under ``TIGHT_GIB`` of ``gpu_gib`` spare in the plan (of the layer
     :func:`transformer_impl` names); for no recomputation, whether the plan leaves that much.
+    ``gpu_gib``: default, the memory of the script's ``gpu`` (80 GiB for an H100).
 
     >>> from mfsdp.tools.sbatch import resolve
     >>> recompute_phrase(resolve("llama3-8b")[1])[:57]
     "no activation recomputation (the plan of mfsdp train's la"
-    >>> block = "--recompute-granularity full --recompute-method block --recompute-num-layers"
-    >>> recompute_phrase(resolve("llama3-8b", {
-    ...     "cp": "1", "model_args": f"--model-preset llama3-8b {block} 3"})[1])[:47]
+    >>> recompute_phrase(resolve("llama3-8b", {"cp": "1", "recompute": "block:3"})[1])[:47]
     'full recomputation of the first 3 of 32 layers '
     """
     from dataclasses import replace
@@ -144,9 +145,14 @@ def recompute_phrase(v: dict, gpu_gib: float = 80.0) -> str:
     from mfsdp.tools.plan import estimate, plan
     from mfsdp.tools.plan_cli import TIGHT_GIB
 
+    if gpu_gib is None:
+        gpu_gib = gpu_memory_gib(v)
     planned = _layout(v)
     if planned is None:
-        return "activation recomputation as model_args set it"
+        return {"none": "no activation recomputation", "full": "full recompute",
+                "selective": "selective activation recomputation"}.get(
+                    v["recompute"], f"full recomputation of the first "
+                                    f"{v['recompute'].split(':')[1]} layers")
     model, layout = planned
     layers = ACTIVATION_MODELS[layout.transformer_impl]
     if layout.recompute_granularity is None:
@@ -170,10 +176,18 @@ def recompute_phrase(v: dict, gpu_gib: float = 80.0) -> str:
     return text + f"it costs about {cost:.0%} of the step)"
 
 
-def schedule(v: dict, gpu: str = "h100") -> Schedule | None:
+def gpu_memory_gib(v: dict) -> float:
+    """The memory of the script's GPU (its ``gpu`` key; ``mfsdp plan --gpu``'s default
+    ``--device-gib``): 80 GiB for an H100."""
+    from mfsdp.tools.plan_time import GPUS
+
+    return GPUS[v.get("gpu", "h100")].memory_gib
+
+
+def schedule(v: dict, gpu: str | None = None) -> Schedule | None:
     """The schedule of resolved train values ``v`` (:func:`mfsdp.tools.sbatch.resolve`) and the
-    planner's time for it on ``gpu``; None for a CPU job or a model the planner does not
-    model."""
+    planner's time for it on ``gpu`` (default: the script's ``gpu`` key); None for a CPU job or
+    a model the planner does not model."""
     from mfsdp.tools.plan import estimate
     from mfsdp.tools.plan_time import GPUS
 
@@ -185,6 +199,7 @@ def schedule(v: dict, gpu: str = "h100") -> Schedule | None:
     from mfsdp.tools.plan import plan
 
     model, layout = planned
+    gpu = gpu or v.get("gpu", "h100")
     step = estimate(model, layout, gpu).step_s
     return Schedule(v["train_iters"], v["train_iters"] * v["global_batch_size"] * v["seq_length"],
                     step, layout.world_size, GPUS[gpu].name, plan(model, layout).total,
@@ -233,7 +248,8 @@ def schedule_lines(v: dict) -> list[str]:
     s = schedule(v)
     if s is None:
         return []
-    gib, usable = s.peak_bytes / 2**30, 80 - 4
+    device = gpu_memory_gib(v)
+    gib, usable = s.peak_bytes / 2**30, device - 4
     lines = [f"mfsdp sbatch: schedule: {s.iterations:,} iterations x "
              f"{v['global_batch_size']:,} sequences x {v['seq_length']:,} tokens = "
              f"{_count(s.tokens)} tokens; at the planner's {s.step_s:.2f} s a step "
@@ -244,9 +260,9 @@ def schedule_lines(v: dict) -> list[str]:
     lines += [
              f"mfsdp sbatch: memory: the planner's peak is {gib:.1f} GiB per GPU with "
              f"{ACTIVATION_MODELS[s.transformer_impl]}; "
-             + (f"fits 80 GiB GPUs (at most {usable} GiB)" if gib <= usable else
-                f"WARNING: over the {usable} GiB an 80 GiB GPU leaves (mfsdp plan shows the "
-                f"terms)")]
+             + (f"fits {device:g} GiB GPUs (at most {usable:g} GiB)" if gib <= usable else
+                f"WARNING: over the {usable:g} GiB that a {device:g} GiB GPU leaves (mfsdp plan "
+                f"shows the terms)")]
     if v.get("save") and v.get("save_interval"):
         every = v["save_interval"] * s.step_s
         limit = time_limit_seconds(v["time"])
@@ -261,3 +277,21 @@ def schedule_lines(v: dict) -> list[str]:
                      f"{s.shard_ranks} ranks; above {BF16_REDUCE_MAX_RANKS} the guide "
                      f"recommends fp32 (--set grad_reduce_in_bf16=false; numerics page)")
     return lines
+
+
+def over_memory(v: dict) -> str | None:
+    """Why the train script of resolved values ``v`` does not fit its GPU, in one line naming
+    the keys that would make it fit, or None when it fits (or the planner does not model it:
+    a CPU job, a model without ``--model-preset``)."""
+    s = schedule(v)
+    if s is None:
+        return None
+    device = gpu_memory_gib(v)
+    gib = s.peak_bytes / 2**30
+    if gib <= device - 4:
+        return None
+    return (f"the planner's peak is {gib:.1f} GiB per GPU with "
+            f"{ACTIVATION_MODELS[s.transformer_impl]}, over the {device - 4:g} GiB that "
+            f"gpu={v.get('gpu', 'h100')} ({device:g} GiB) leaves: raise tp or cp, set "
+            "recompute=full, or add nodes (mfsdp plan shows the terms); --set gpu=... names a "
+            "larger GPU, --set allow_over_memory=true renders it anyway")
