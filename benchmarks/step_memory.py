@@ -19,11 +19,11 @@ logits); the script prints both and the per-layer slope. One process per measure
 
 CPU (about 5 minutes on 2 cores)::
 
-    python benchmarks/step_memory.py --layers 2 4 --seq-length 256 --fused-adam
+    python benchmarks/step_memory.py --num-layers 2 4 --seq-length 256 --fused-adam
 
 One GPU (the H100 run's shape; the profile's allocations are the caching allocator's requests)::
 
-    python benchmarks/step_memory.py --device cuda --layers 2 4 22 --seq-length 2048 \\
+    python benchmarks/step_memory.py --device cuda --num-layers 2 4 22 --seq-length 2048 \\
         --micro-batch-size 4 --fused-adam
 """
 
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: measure each system at each layer count, print the report."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS))
-    p.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--num-layers", type=int, nargs="+", default=[2, 4])
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = "nccl" if args.device == "cuda" else "gloo"
     rows = []
     for s in args.systems:
-        for layers in args.layers:
+        for layers in args.num_layers:
             cfg = _config(layers, args.seq_length, args.micro_batch_size, args.device,
                           args.fused_adam)
             print(f"[step_memory] {s}, {layers} layers ...", file=sys.stderr, flush=True)

@@ -43,10 +43,10 @@ def skip_or_fail(reason: str) -> None:
 # optimizer and size still appears in some case) and every case in `make test-extended`, which CI
 # also runs: test name -> stride.
 SAMPLED = {
-    "test_matches_single_process_reference": 4,          # test_engine.py: 48 cases
+    "test_matches_single_process_reference": 6,          # test_engine.py: 48 cases
     "test_gradient_accumulation_equals_one_large_batch": 3,  # test_engine.py: 26
     "test_four_ranks_match_reference": 2,                # test_hsdp_ep.py: 18
-    "test_dispatcher_matches_dense_reference": 2,        # test_moe.py: 18
+    "test_dispatcher_matches_dense_reference": 3,        # test_moe.py: 18
     "test_torchrun_two_ranks_lowers_the_loss": 2,        # test_train.py: 5 torchrun jobs
 }
 
@@ -55,6 +55,9 @@ SAMPLED = {
 # stays in `make test` (another strategy; the other two checkpointing flavours; SGD).
 EXTENDED_CASES = {
     "tests/test_checkpoint.py::test_resume_is_bit_identical[optim]",
+    "tests/test_checkpoint.py::test_resume_is_bit_identical[no_shard]",
+    # resharding 2 -> 4 ranks (4 -> 2 is extended too; 4 -> HSDP on 4 stays)
+    "tests/test_checkpoint.py::test_reshard_keeps_state_and_training[2to4]",
     "tests/test_backward_idioms.py::"
     "test_activation_checkpointing_neither_regathers_nor_reshards[no-early-stop]",
     "tests/test_context_parallel.py::test_context_parallel_matches_one_process[cp2-tp2-sp-adamw]",

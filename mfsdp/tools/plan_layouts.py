@@ -153,7 +153,8 @@ class Choice:
                  ("global_batch_size", self.global_batch or own["global_batch_size"])]
         if own["grad_reduce_in_bf16"]:
             sets.append(("grad_reduce_in_bf16", "false"))
-        out = f"{name}-{self.gpu}-{lay.world_size}.sbatch"
+        seq = f"-seq{lay.seq_length}" if lay.seq_length != own["seq_length"] else ""
+        out = f"{name}-{self.gpu}-{lay.world_size}{seq}.sbatch"
         lines, line = [], f"mfsdp sbatch render {name}"
         for word in [f"--set {key}={value}" for key, value in sets] + [f"-o {out}"]:
             if len(line) + 1 + len(word) > 64:
