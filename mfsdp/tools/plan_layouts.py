@@ -116,7 +116,7 @@ class Choice:
 
     def sbatch_command(self) -> str:
         """The ``mfsdp sbatch render`` command that renders this layout as a Slurm script from
-        the model's preset (:data:`SBATCH`): every ``--set`` the layout needs where the preset's
+        the model's preset (``SBATCH``): every ``--set`` the layout needs where the preset's
         value differs, and always its nodes, TP, CP, recompute and global batch; ``-o`` names the
         script after the preset, the GPU and the world size. The preset
         reduces gradients in bf16, which the planner charges extra buffers for; the row plans

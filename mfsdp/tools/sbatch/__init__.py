@@ -51,7 +51,7 @@ def render(preset: str, overrides: dict[str, str] | None = None) -> str:
     Every value is written as a literal: shell-quoted (``shlex.quote``) where the shell reads it,
     checked to be one word where sbatch reads it (the ``#SBATCH`` lines). A train script whose
     planned peak per GPU is over what its ``gpu`` leaves is refused unless
-    ``allow_over_memory`` (:func:`mfsdp.tools.sbatch.schedule.over_memory`)."""
+    ``allow_over_memory`` (``mfsdp.tools.sbatch.schedule.over_memory``)."""
     import jinja2
 
     p, values = resolve(preset, overrides)
