@@ -108,7 +108,9 @@ def test_gpu_smoke_scales_an_unset_global_batch_with_the_nodes(capsys):
         assert "--nnodes \"$SLURM_JOB_NUM_NODES\" --nproc-per-node 8" in text
         assert f"  --global-batch-size {ranks // tp}\n" in text
         header = _header(text)
-        assert f"{nodes} x 8 GPUs" in header and f"a step ({ranks // tp:,})" in header
+        assert f"on {nodes} node{'s' if nodes > 1 else ''} x 8 GPUs" in header
+        assert f"a step ({ranks // tp:,})" in header
+        assert ("tensor parallelism 2" in header) == (tp == 2)
     two = sbatch.render("gpu-smoke", {"nodes": "2", "global_batch_size": "32"})
     assert "  --global-batch-size 32\n" in two
     with pytest.raises(sbatch.RenderError, match=re.escape("1 x 16")):

@@ -111,6 +111,8 @@ def test_bandwidth_script_measures_under_slurm(cluster, tmp_path):
     assert flags, log[-3000:]
     assert flags.group(1) == result["plan_flags"]
     assert float(flags.group(2)) == pytest.approx(busbw, rel=1e-2)
+    # and again at the end, without torchrun's prefix, for copying
+    assert f"\nmfsdp sbatch: plan with the measured links: mfsdp plan ... {flags.group(1)}\n" in log
     ranks = {p.parent.name for p in (tmp_path / "logs" / "mfsdp-bandwidth" / job_id
                                      / "ranks").rglob("stdout.log")}
     assert ranks == {"0", "1", "2", "3"}

@@ -18,14 +18,15 @@ def layout_phrase(v: dict) -> str:
     """How the train script of values ``v`` runs, as its header's ``{layout}`` says it, every
     part from the values: nodes x GPUs, TP (with SP), CP, EP, the data-parallel size and
     sharding strategy, recomputation (:func:`mfsdp.tools.sbatch.schedule.recompute_phrase`),
-    precision and meta-device initialisation.
+    precision, meta-device initialisation, compile and fused AdamW (``mfsdp train``) and
+    mock data.
 
     >>> from mfsdp.tools.sbatch import resolve
     >>> v = resolve("llama3-70b", {"nodes": "4", "tp": "1", "cp": "2", "recompute": "full"})[1]
     >>> print(layout_phrase(v))  # doctest: +NORMALIZE_WHITESPACE
     on 4 nodes x 8 GPUs: context parallelism 2 (each rank holds 4,096 tokens of a sequence),
     ZeRO-3 (optim_grads_params) over 32 ranks (data-parallel size 16 x CP 2), full recompute,
-    bf16 compute, fp32 main weights, meta-device initialisation
+    bf16 compute, fp32 main weights, meta-device initialisation, torch.compile, fused AdamW
     """
     from mfsdp.tools.sbatch.schedule import recompute_phrase
 
@@ -64,6 +65,11 @@ def layout_phrase(v: dict) -> str:
     parts.append("bf16 compute, fp32 main weights" if v["bf16"] else "fp32 compute")
     if v["meta_init"]:
         parts.append("meta-device initialisation")
+    if v["trainer"] == "mfsdp":  # Megatron-LM's trainer has no such flags (its Adam is fused)
+        parts += [name for key, name in (("compile", "torch.compile"),
+                                         ("fused_adam", "fused AdamW")) if v[key]]
+    if v["mock_data"]:
+        parts.append("mock data")
     return f"on {nodes} x {per_node} {what}: " + ", ".join(parts)
 
 

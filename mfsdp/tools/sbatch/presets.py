@@ -215,8 +215,8 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "cpu-smoke": Preset("train", "CPU smoke test: 2 gloo ranks train the small GPT for a few "
-                        "iterations; runs anywhere Slurm runs.", dict(
+    "cpu-smoke": Preset("train", "CPU smoke test: the small GPT trained for {train_iters:,} "
+                        "iterations {layout}; runs anywhere Slurm runs.", dict(
                             _TRAIN, job_name="mfsdp-cpu-smoke", nodes=1, gpus_per_node=0,
                             ranks_per_node=2, cpus_per_task=2, time="00:10:00",
                             output="mfsdp-cpu-smoke-%j.log", model_args="--model-preset gpt-tiny",
@@ -225,12 +225,11 @@ PRESETS: dict[str, Preset] = {
                             # 10 iterations so that every phase of the schedule runs
                             lr=0.003, min_lr=0.0003, lr_warmup_iters=2,
                             lr_decay_style="cosine", mock_data=True)),
-    "gpu-smoke": Preset("train", "GPU smoke test: {nodes} x {gpus_per_node} GPUs (nodes x GPUs) train a 4-layer "
-                        "Llama-3-8B-shaped model on mock data for {train_iters:,} iterations with the "
-                        "GPU presets' settings (NCCL, bf16, ZeRO-3; compile and fused AdamW with "
-                        "mfsdp train), one sequence per data-parallel rank a step ({global_batch_size:,}), "
-                        "saving every {save_interval:,} iterations and resuming if requeued; "
-                        "minutes, before you book a real preset.", dict(
+    "gpu-smoke": Preset("train", "GPU smoke test: a 4-layer Llama-3-8B-shaped model trained "
+                        "for {train_iters:,} iterations {layout}; one sequence per data-parallel "
+                        "rank a step ({global_batch_size:,}), saving every {save_interval:,} "
+                        "iterations and resuming if requeued; minutes, before you book a real "
+                        "preset.", dict(
                             _TRAIN, **_GPU_NODES, job_name="mfsdp-gpu-smoke", nodes=1,
                             time="00:30:00", model_args=_LLAMA3_8B + " --num-layers 4",
                             micro_batch_size=1, global_batch_size=8, seq_length=4096,

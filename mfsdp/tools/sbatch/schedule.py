@@ -149,10 +149,11 @@ def recompute_phrase(v: dict, gpu_gib: float | None = None) -> str:
         gpu_gib = gpu_memory_gib(v)
     planned = _layout(v)
     if planned is None:
-        return {"none": "no activation recomputation", "full": "full recompute",
-                "selective": "selective activation recomputation"}.get(
-                    v["recompute"], f"full recomputation of the first "
-                                    f"{v['recompute'].split(':')[1]} layers")
+        named = {"none": "no activation recomputation", "full": "full recompute",
+                 "selective": "selective activation recomputation"}
+        if v["recompute"] in named:
+            return named[v["recompute"]]
+        return f"full recomputation of the first {v['recompute'].split(':')[1]} layers"
     model, layout = planned
     layers = ACTIVATION_MODELS[layout.transformer_impl]
     if layout.recompute_granularity is None:
