@@ -15,7 +15,8 @@ does not fit, what to set.
 
 After a save on SIGTERM, rank 0 writes ``$MFSDP_PREEMPTION_MARKER`` (when set): torchrun that got
 the signal itself exits 1 (its ``SignalException``) although every rank saved and exited 0, and
-the job script reads the marker to report success (see the Slurm page of the guide).
+the job script reads the marker to report success (see the guide's page Inside a Slurm script,
+docs/slurm-scripts.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ trainer accept (one line when refused). Every value is written into the script a
 error, never an empty string. One preset renders for two trainers (``trainer=mfsdp``, the default,
 or ``trainer=megatron-lm``: Megatron-LM's ``pretrain_gpt.py``) and two launchers
 (``launcher=torchrun`` or ``srun``). The ``bandwidth`` preset runs ``mfsdp bandwidth`` under
-torchrun on every node instead of a trainer. The Slurm page of the guide says what the scripts do.
+torchrun on every node instead of a trainer. The guide's page Inside a Slurm script
+(docs/slurm-scripts.md) says what the scripts do.
 
 >>> script = render("cpu-smoke", {"train_iters": "5"})
 >>> script.splitlines()[0]
