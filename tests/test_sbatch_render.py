@@ -45,10 +45,13 @@ def test_header_of_an_unchanged_preset_names_its_recipe_and_list_shows_the_prese
     wider = _header(sbatch.render("llama3-8b", {"nodes": "4"}))
     assert wider.endswith(recipe)
     # the preset's layout: CP 2, no recomputation, and the plan's reason
+    from mfsdp.tools.sbatch.schedule import schedule
+
+    peak = schedule(sbatch.resolve("llama3-8b")[1]).peak_bytes / 2**30
     assert ("on 2 nodes x 8 GPUs: context parallelism 2 (each rank holds 4,096 tokens of a "
             "sequence), ZeRO-3 (optim_grads_params) over 16 ranks (data-parallel size 8 x CP "
-            "2), no activation recomputation (the plan of mfsdp train's layers leaves 5 GiB of "
-            "80 spare without it), bf16 compute") in header
+            "2), no activation recomputation (without it the plan of mfsdp train's layers "
+            f"peaks at {peak:.1f} GiB of 80), bf16 compute") in header
     # the recomputation is stated from the rendered plan: without CP, on 32 GPUs (each holds
     # half the sharded state) 3 layers are no longer the fewest that fit, on 16 they are
     block3 = {"cp": "1", "recompute": "block:3"}
@@ -84,9 +87,12 @@ def test_header_states_the_rendered_recomputation():
     assert f"first 5 of 32 layers (it costs about {cost:.0%} of the step)" in five
     none = _header(sbatch.render("llama3-8b", {"cp": "1"}))
     assert ", no activation recomputation, bf16 compute" in none  # over 71 GiB: no claim
+    from mfsdp.tools.sbatch.schedule import schedule
+
     mlm = _header(sbatch.render("llama3-8b", {"trainer": "megatron-lm"}))
-    assert ("no activation recomputation (the plan of Megatron-LM's Transformer Engine layers "
-            "leaves 5 GiB of 80 spare without it)") in mlm
+    peak = schedule(sbatch.resolve("llama3-8b", {"trainer": "megatron-lm"})[1]).peak_bytes
+    assert ("no activation recomputation (without it the plan of Megatron-LM's Transformer "
+            f"Engine layers peaks at {peak / 2**30:.1f} GiB of 80)") in mlm
 
 
 def test_gpu_smoke_header_follows_its_values():
@@ -228,6 +234,24 @@ def test_the_slurm_pages_first_trial_and_two_node_smoke_are_short():
     overrides = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--set")
     assert sbatch.resolve("gpu-smoke", overrides)[1]["save"] != sbatch.resolve(
         "gpu-smoke", {})[1]["save"]
+
+
+def test_the_slurm_pages_hfsdp_figure_for_deepseek_is_the_planners():
+    """The presets' deepseek-v3 note: the HFSDP render it names plans the GiB it says more than
+    the preset, and the total it says (both to the page's 0.1 GiB)."""
+    from pathlib import Path
+
+    from mfsdp.tools.sbatch.schedule import schedule
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs" / "slurm.md").read_text().split())
+    found = re.search(r"HFSDP over 2 outer groups \(`(--set [^`]+)`\) plans ([\d.]+) GiB more, "
+                      r"([\d.]+) GiB", text)
+    assert found, "the deepseek-v3 note's HFSDP sentence changed: update this test"
+    words = shlex.split(found.group(1))
+    overrides = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--set")
+    base = schedule(sbatch.resolve("deepseek-v3")[1]).peak_bytes / 2**30
+    hfsdp = schedule(sbatch.resolve("deepseek-v3", overrides)[1]).peak_bytes / 2**30
+    assert f"{hfsdp - base:.1f}" == found.group(2) and f"{hfsdp:.1f}" == found.group(3)
 
 
 # ---- the bandwidth preset: mfsdp bandwidth under torchrun --------------------------------

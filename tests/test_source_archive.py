@@ -24,15 +24,26 @@ def _git_files(*paths: str) -> set[str]:
     return {line for line in out.splitlines() if line}
 
 
-def test_the_archive_holds_every_tracked_file_of_the_package_and_is_reproducible(tmp_path):
+def test_the_archive_holds_every_tracked_file_and_is_reproducible(tmp_path):
+    """Every file git tracks, the executable bit kept, the same bytes twice; unpacked (no git
+    there), the tree lists the same files, so a build from it ships the same archive."""
     first = source_archive.write_archive(ROOT, tmp_path / "a.tar.gz")
     second = source_archive.write_archive(ROOT, tmp_path / "b.tar.gz")
     assert first.read_bytes() == second.read_bytes()
     top = f"mfsdp-{source_archive.version(ROOT)}/"
     with tarfile.open(first) as tar:
-        names = {name.removeprefix(top) for name in tar.getnames()}
-        assert all(name.startswith(top) for name in tar.getnames())
-    assert names == _git_files("mfsdp", "pyproject.toml", "README.md")
+        members = tar.getmembers()
+        assert all(m.name.startswith(top) for m in members)
+        names = {m.name.removeprefix(top) for m in members}
+        modes = {m.name.removeprefix(top): m.mode for m in members}
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    tracked = _git_files()
+    assert names == {n for n in tracked if (ROOT / n).is_file()}
+    assert {"Makefile", "tests/conftest.py", ".ci/run"} <= names
+    assert any(n.startswith("tests/fixtures/megatron_lm/") for n in names)
+    assert modes[".ci/run"] == (0o755 if (ROOT / ".ci/run").stat().st_mode & 0o100 else 0o644)
+    unpacked = tmp_path / "unpacked" / top
+    assert source_archive.members(unpacked) == source_archive.members(ROOT)
 
 
 def test_the_unpacked_source_runs_the_cli(tmp_path):

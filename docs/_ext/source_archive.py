@@ -1,11 +1,13 @@
-"""The source of the mfsdp package this guide was built from, as a download on the quickstart.
+"""The source this guide was built from, as a download on the quickstart.
 
-The guide has no public repository address to give, so the build ships what a reader needs to
-install mfsdp: ``docs/generated/mfsdp-source.tar.gz`` holds ``pyproject.toml``, ``README.md``
-and the ``mfsdp`` package (its templates and data files included) under ``mfsdp-VERSION/``.
-``pip install mfsdp-source.tar.gz`` (or ``pip install -e .`` in the unpacked directory)
-installs it. The archive is byte-for-byte the same for the same sources: sorted names, no
-timestamps, no owners. The quickstart links it with ``{download}``.
+The guide has no public repository address to give, so the build ships the repository itself:
+``docs/generated/mfsdp-source.tar.gz`` holds every file git tracks (the ``mfsdp`` package, the
+tests and their Megatron-LM checkpoints, the recipes, the example scripts, the guide's sources,
+the Makefile) under ``mfsdp-VERSION/``. Outside a git checkout (a build from the unpacked
+archive) it holds the tree less what ``.gitignore`` leaves out. ``pip install
+mfsdp-source.tar.gz`` installs the package; in the unpacked directory ``make test`` and ``make
+docs`` run as in a clone. The archive is byte-for-byte the same for the same sources: sorted
+names, no timestamps, no owners. The quickstart links it with ``{download}``.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ from __future__ import annotations
 import gzip
 import io
 import re
+import subprocess
 import tarfile
 from pathlib import Path
 
 ARCHIVE = Path("docs") / "generated" / "mfsdp-source.tar.gz"
-TOP_FILES = ("pyproject.toml", "README.md")
 
 
 def version(root: Path) -> str:
@@ -26,13 +28,24 @@ def version(root: Path) -> str:
     return re.search(r'^__version__ = "([^"]+)"', text, re.M).group(1)
 
 
+# What .gitignore leaves out, for a tree that is not a git checkout
+_IGNORED_DIRS = {".git", ".venv", "build", "__pycache__", ".pytest_cache", ".hypothesis"}
+_IGNORED_PATHS = ("docs/recipes", "docs/generated", "sg_execution_times.rst")
+
+
 def members(root: Path) -> list[Path]:
-    """The files the archive holds, relative to ``root``: the top files and every file of the
-    ``mfsdp`` package except caches and compiled files, sorted."""
-    package = [p.relative_to(root) for p in (root / "mfsdp").rglob("*")
-               if p.is_file() and "__pycache__" not in p.parts
-               and p.suffix not in (".pyc", ".pyo")]
-    return [Path(name) for name in TOP_FILES] + sorted(package)
+    """The files the archive holds, relative to ``root``, sorted: git's tracked files (those
+    present), or in a tree that is not a git checkout every file but the ignored ones."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True,
+                             check=True).stdout.decode()
+        names = [Path(n) for n in out.split("\0") if n and (root / n).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        names = [p.relative_to(root) for p in root.rglob("*")
+                 if p.is_file() and not _IGNORED_DIRS.intersection(p.relative_to(root).parts)
+                 and not p.name.endswith((".pyc", ".pyo")) and ".egg-info" not in str(p)
+                 and not p.relative_to(root).as_posix().startswith(_IGNORED_PATHS)]
+    return sorted(names)
 
 
 def write_archive(root: Path, out: Path) -> Path:
@@ -43,11 +56,12 @@ def write_archive(root: Path, out: Path) -> Path:
         for rel in members(root):
             data = (root / rel).read_bytes()
             info = tarfile.TarInfo(f"{top}/{rel.as_posix()}")
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            executable = (root / rel).stat().st_mode & 0o100
+            info.size, info.mode, info.mtime = len(data), 0o755 if executable else 0o644, 0
             tar.addfile(info, io.BytesIO(data))
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0,
-                                                filename="") as gz:
+                                                compresslevel=6, filename="") as gz:
         gz.write(buffer.getvalue())
     return out
 

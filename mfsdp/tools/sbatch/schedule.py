@@ -131,12 +131,14 @@ def recompute_phrase(v: dict, gpu_gib: float | None = None) -> str:
     """How the script of resolved train values ``v`` recomputes activations, as its header says
     it: the layers, and for block recomputation its cost in the planner's step and whether one
     layer fewer would leave under ``TIGHT_GIB`` of ``gpu_gib`` spare in the plan (of the layer
-    :func:`transformer_impl` names); for no recomputation, whether the plan leaves that much.
+    :func:`transformer_impl` names); for no recomputation, the plan's peak when it leaves that
+    much.
     ``gpu_gib``: default, the memory of the script's ``gpu`` (80 GiB for an H100).
 
     >>> from mfsdp.tools.sbatch import resolve
-    >>> recompute_phrase(resolve("llama3-8b")[1])[:57]
-    "no activation recomputation (the plan of mfsdp train's la"
+    >>> print(recompute_phrase(resolve("llama3-8b")[1]))  # doctest: +NORMALIZE_WHITESPACE
+    no activation recomputation (without it the plan of mfsdp train's layers peaks at
+    47.2 GiB of 80)
     >>> recompute_phrase(resolve("llama3-8b", {"cp": "1", "recompute": "block:3"})[1])[:47]
     'full recomputation of the first 3 of 32 layers '
     """
@@ -157,9 +159,10 @@ def recompute_phrase(v: dict, gpu_gib: float | None = None) -> str:
     model, layout = planned
     layers = ACTIVATION_MODELS[layout.transformer_impl]
     if layout.recompute_granularity is None:
-        if plan(model, layout).fits(gpu_gib - TIGHT_GIB):
-            return (f"no activation recomputation (the plan of {layers} leaves "
-                    f"{TIGHT_GIB:g} GiB of {gpu_gib:g} spare without it)")
+        planned_peak = plan(model, layout)
+        if planned_peak.fits(gpu_gib - TIGHT_GIB):
+            return (f"no activation recomputation (without it the plan of {layers} peaks at "
+                    f"{planned_peak.total / 2**30:.1f} GiB of {gpu_gib:g})")
         return "no activation recomputation"
     if layout.recompute_granularity == "selective":
         return "selective activation recomputation"
