@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
              "change)"))
     if p.fits(args.device_gib) and not p.fits(args.device_gib - TIGHT_GIB):
         print(f"  tight: within {TIGHT_GIB:g} GiB of the limit; on the one GPU run compared "
-              "the plan was 0.8% high, but it is one run of 6 layers (docs: planner)")
+              "the plan was 0.8% high, but it is one run of 6 layers (the guide's planner page, "
+              "\"How accurate it is, at a glance\")")
     given = {"peak_tflops": args.peak_tflops, "efficiency": args.compute_efficiency,
              "nvlink_gbps": args.nvlink_gbps, "network_gbps": args.network_gbps}
     print(step_time(model, layout, p.comm, args.gpu,

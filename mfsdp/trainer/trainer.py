@@ -173,7 +173,8 @@ class Trainer:
                  f"{model_family(c.model.model_preset, cfg, c.checkpoint.load)} "
                  f"({cfg.num_layers} layers, hidden {cfg.hidden_size}, experts "
                  f"{cfg.num_experts}), "
-                 f"{self.num_micro} micro-batches of {c.training.micro_batch_size} per rank",
+                 f"{self.num_micro} micro-batch{'es' if self.num_micro != 1 else ''} of "
+                 f"{c.training.micro_batch_size} per rank",
                  flush=True)
 
     def open_outputs(self) -> None:
