@@ -144,6 +144,9 @@ html_theme_options = {
 html_sidebars = {"**": ["sidebar-guide"]}
 copybutton_prompt_text = r">>> |\.\.\. |\$ "
 copybutton_prompt_is_regexp = True
+# a console block's command continues on the lines after a trailing backslash: copy them too
+# (they carry no prompt); its output lines are left out (tests/test_docs_console.py)
+copybutton_line_continuation_character = "\\"
 
 
 def _redirect_root(app, exception):

@@ -22,7 +22,8 @@ CODE_LANGUAGES = {"", "bash", "sh", "shell", "console", "text"}
 
 def guide_commands(text: str) -> list[tuple[int, str]]:
     """``(line number, command)`` of every torchrun command running ``mfsdp.train`` in the
-    page's code blocks (bash, console, text or unlabelled fences), continuation lines joined."""
+    page's code blocks (bash, console, text or unlabelled fences), continuation lines joined
+    (a console block's ``$ `` prompt dropped)."""
     out: list[tuple[int, str]] = []
     fence: str | None = None  # the fence that closes the block we are in
     code = False  # whether that block is a command block
@@ -41,6 +42,8 @@ def guide_commands(text: str) -> list[tuple[int, str]]:
             continue
         if not pending:
             start = number
+        if not pending and line.startswith("$ "):  # a console block's prompt
+            line = line[2:]
         pending.append(line.strip().removesuffix("\\").strip())
         if line.rstrip().endswith("\\"):
             continue
@@ -94,12 +97,14 @@ def test_the_extractor_joins_lines_and_skips_sketches():
     page = ("```bash\ntorchrun --nproc-per-node 4 --nnodes 2 -m mfsdp.train \\\n"
             "    --bf16\n$T --lr 1\ntorchrun --nproc-per-node 2 -m mfsdp.train ...\n```\n"
             "```python\ntorchrun --nproc-per-node 2 -m mfsdp.train\n```\n"
-            "```bash\ntorchrun --nproc-per-node 3 -m mfsdp.train\n```\n")
+            "```bash\ntorchrun --nproc-per-node 3 -m mfsdp.train\n```\n"
+            "```console\n$ torchrun --nproc-per-node 2 -m mfsdp.train \\\n    --bf16\nloss 1\n```\n")
     found = guide_commands(page)
     assert found == [(2, "torchrun --nproc-per-node 4 --nnodes 2 -m mfsdp.train --bf16"),
                      (5, "torchrun --nproc-per-node 2 -m mfsdp.train ..."),
-                     (11, "torchrun --nproc-per-node 3 -m mfsdp.train")]
-    assert [is_complete(c) for _, c in found] == [True, False, True]
+                     (11, "torchrun --nproc-per-node 3 -m mfsdp.train"),
+                     (14, "torchrun --nproc-per-node 2 -m mfsdp.train --bf16")]
+    assert [is_complete(c) for _, c in found] == [True, False, True, True]
     assert world_and_args(found[0][1]) == (8, ["--bf16"])
 
 
