@@ -192,6 +192,19 @@ def test_the_rules_of_thumb_hold_on_the_rows():
         assert (worlds[2] == worlds[1]) == (name != "llama3-70b")  # 8B: one node on each
 
 
+def test_the_pages_short_commands_are_one_rows_own():
+    """The layouts page's bash blocks (its "In short": check a row, then render it) are one
+    row's ``mfsdp plan`` and ``mfsdp sbatch render`` commands as the search prints them now,
+    so a planner change that moves that row fails here, as it fails the page's doctests."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "layouts.md").read_text()
+    shown = tuple(b.strip() for b in re.findall(r"^```bash\n(.*?)^```$", page, re.S | re.M))
+    pairs = [(c.command(), c.sbatch_command())
+             for c in (row(n, s, g) for n, s in ROWS for g in GPUS)]
+    assert shown in pairs, shown
+
+
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
 def test_every_rows_sbatch_command_renders_the_rows_layout_and_memory(impl, capsys):
     """Each row's ``mfsdp sbatch render`` command (the page's "From a row to a job"), run
