@@ -256,7 +256,10 @@ def test_a_transformers_llama_passes_every_layout_at_two_ranks(tmp_path):
     assert report.units == ["LlamaDecoderLayer"]
 
 
-@pytest.mark.extended  # 4 ranks, every layout an HF model allows (HSDP and HFSDP included)
+# 4 ranks: the layouts that need them (HSDP, HFSDP), and ZeRO-3 over 4 uneven shards; every
+# other layout runs on both models at 2 ranks (here), every layout of the trainer presets at 4
+# (test_check_parallel.py)
+@pytest.mark.extended
 def test_transformers_llama_and_qwen2_moe_pass_at_four_ranks(tmp_path):
     from transformers import LlamaConfig, Qwen2MoeConfig
 
@@ -269,9 +272,10 @@ def test_transformers_llama_and_qwen2_moe_pass_at_four_ranks(tmp_path):
                    num_experts=4, num_experts_per_tok=2,
                    max_position_embeddings=64).save_pretrained(tmp_path / "qwen2_moe")
     for name in ("llama", "qwen2_moe"):
-        report = mfsdp.check.check(str(tmp_path / name), nproc=4, steps=2, **_quiet())
+        report = mfsdp.check.check(str(tmp_path / name), nproc=4, steps=2,
+                                   layouts=["optim_grads_params", "hsdp", "hfsdp"], **_quiet())
         assert report.passed, report.table()
-        assert {"hsdp", "hfsdp"} <= {r.name for r in report.layouts}
+        assert {r.name for r in report.layouts} == {"optim_grads_params", "hsdp", "hfsdp"}
 
 
 @pytest.mark.extended
@@ -283,8 +287,11 @@ def test_a_transformers_qwen2_moe_passes(tmp_path):
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    num_experts=4, num_experts_per_tok=2,
                    max_position_embeddings=64).save_pretrained(tmp_path)
-    report = mfsdp.check.check(str(tmp_path), nproc=2, steps=2,
-                         layouts=["no_shard", "optim_grads_params", "bf16", "ep"], **_quiet())
+    report = mfsdp.check.check(str(tmp_path), nproc=2, steps=2, **_quiet())  # every layout
     assert report.passed, report.table()
-    # mfsdp's expert parallelism splits its own MoE layers: skipped, with the reason
-    assert report.skipped == ["ep"] and "Qwen2MoeForCausalLM has none" in report.skip_reasons["ep"]
+    assert {r.name for r in report.layouts} == {"no_shard", "optim", "optim_grads",
+                                                "optim_grads_params", "bf16", "bf16_comm",
+                                                "resume"}
+    # mfsdp's expert parallelism splits its own MoE layers: skipped, with the reason (HSDP at 4
+    # ranks: the test above; TP and CP: a transformers model has no plan of mfsdp's)
+    assert "ep" in report.skipped and "Qwen2MoeForCausalLM has none" in report.skip_reasons["ep"]

@@ -299,14 +299,15 @@ def _check_slow_save(body: str, ckpt: Path, delay: float) -> int:
 
 @pytest.mark.extended
 def test_a_save_longer_than_30s_completes_after_the_time_limit_signal(cluster, tmp_path):
-    """launcher=srun under a real time limit: #SBATCH --time=5 with --signal=B:TERM@120 signals
-    the batch shell 120 to 180 s after the start (Slurm's timer may be a minute early), the shell
-    passes SIGTERM to the ranks, whose save is slowed to 45 s; the job step and the job exit 0."""
+    """launcher=srun under a real time limit: #SBATCH --time=4 with --signal=B:TERM@120 signals
+    the batch shell 60 to 120 s after the start (Slurm's timer may be a minute early; the ranks
+    train from about 15 s), the shell passes SIGTERM to the ranks, whose save is slowed to 45 s;
+    the job step and the job exit 0."""
     ckpt = tmp_path / "ckpt"
     script = tmp_path / "limit.sbatch"
     script.write_text(render("cpu-smoke", {"launcher": "srun", "save": str(ckpt),
                                            "save_interval": "100000", "train_iters": "100000",
-                                           "time": "00:05:00", "requeue": "false"}))
+                                           "time": "00:04:00", "requeue": "false"}))
     rc, out = _submit(cluster, script, tmp_path, SLOW_SAVE_EXPORT)
     job_dir = next((tmp_path / "logs" / "mfsdp-cpu-smoke").glob("*/attempt-0"))
     rank0 = (job_dir / "ranks" / "rank-0.log").read_text()
