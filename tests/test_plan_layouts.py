@@ -215,7 +215,7 @@ def test_every_rows_sbatch_command_renders_the_rows_layout_and_memory(impl, caps
 
     from mfsdp import train
     from mfsdp.cli import main
-    from mfsdp.tools.sbatch import resolve
+    from mfsdp.tools.sbatch import build_parser, parse_overrides, resolve
     from mfsdp.tools.sbatch.schedule import schedule
 
     for preset, seq in ROWS:
@@ -240,9 +240,8 @@ def test_every_rows_sbatch_command_renders_the_rows_layout_and_memory(impl, caps
                 lay.tp, lay.tp > 1, lay.cp, lay.ep, lay.recompute_granularity,
                 lay.seq_length, GLOBAL_BATCH[preset]), argv
             assert argv[-2] == "-o" and argv[-1].endswith(".sbatch")
-            overrides = dict(argv[i + 1].split("=", 1) for i, w in enumerate(argv)
-                             if w == "--set")
-            v = resolve(argv[3], overrides)[1]
+            args = build_parser().parse_args(argv[2:])
+            v = resolve(args.preset, parse_overrides(args.overrides))[1]
             assert v["nodes"] * v["ranks_per_node"] == lay.world_size
             assert schedule(v).peak_bytes == c.total, argv
             assert f"peak is {c.total / GiB:.1f} GiB per GPU" in out.err

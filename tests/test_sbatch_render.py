@@ -12,6 +12,11 @@ import pytest
 from mfsdp.tools import sbatch
 
 
+def _overrides(args: list[str]) -> dict[str, str]:
+    """The overrides ``mfsdp sbatch ARGS`` renders with, read by the CLI's own parser."""
+    return sbatch.parse_overrides(sbatch.build_parser().parse_args(args).overrides)
+
+
 def _header(text: str) -> str:
     """The first comment (after the shebang and the shellcheck directive), unwrapped; its
     lines fit 100 columns."""
@@ -222,16 +227,13 @@ def test_the_slurm_pages_first_trial_and_two_node_smoke_are_short():
     trials = [c for c in commands if "render llama3-8b" in c]
     assert len(trials) == 2  # mfsdp train and Megatron-LM
     for command in trials:
-        words = shlex.split(command)
-        overrides = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--set")
-        v = sbatch.resolve("llama3-8b", overrides)[1]
+        v = sbatch.resolve("llama3-8b", _overrides(shlex.split(command)[2:]))[1]
         assert v["train_iters"] == 2 * v["save_interval"] and v["save"] != "checkpoints/llama3-8b"
         assert schedule(v).seconds < 20 * 60
     smoke = [c for c in commands if "render gpu-smoke" in c]
     assert len(smoke) == 1 and "--set nodes=2" in smoke[0] and "global_batch_size" not in smoke[0]
     # not the one-node run's checkpoints, which it would resume at the last iteration
-    words = shlex.split(smoke[0])
-    overrides = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--set")
+    overrides = _overrides(shlex.split(smoke[0])[2:])
     assert sbatch.resolve("gpu-smoke", overrides)[1]["save"] != sbatch.resolve(
         "gpu-smoke", {})[1]["save"]
 
@@ -247,8 +249,7 @@ def test_the_slurm_pages_hfsdp_figure_for_deepseek_is_the_planners():
     found = re.search(r"HFSDP over 2 outer groups \(`(--set [^`]+)`\) plans ([\d.]+) GiB more, "
                       r"([\d.]+) GiB", text)
     assert found, "the deepseek-v3 note's HFSDP sentence changed: update this test"
-    words = shlex.split(found.group(1))
-    overrides = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--set")
+    overrides = _overrides(["render", "deepseek-v3", *shlex.split(found.group(1))])
     base = schedule(sbatch.resolve("deepseek-v3")[1]).peak_bytes / 2**30
     hfsdp = schedule(sbatch.resolve("deepseek-v3", overrides)[1]).peak_bytes / 2**30
     assert f"{hfsdp - base:.1f}" == found.group(2) and f"{hfsdp:.1f}" == found.group(3)

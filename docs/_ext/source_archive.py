@@ -13,7 +13,6 @@ names, no timestamps, no owners. The quickstart links it with ``{download}``.
 from __future__ import annotations
 
 import gzip
-import io
 import re
 import subprocess
 import tarfile
@@ -51,18 +50,18 @@ def members(root: Path) -> list[Path]:
 def write_archive(root: Path, out: Path) -> Path:
     """Write the source archive of the package under ``root`` to ``out`` and return ``out``."""
     top = f"mfsdp-{version(root)}"
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for rel in members(root):
-            data = (root / rel).read_bytes()
-            info = tarfile.TarInfo(f"{top}/{rel.as_posix()}")
-            executable = (root / rel).stat().st_mode & 0o100
-            info.size, info.mode, info.mtime = len(data), 0o755 if executable else 0o644, 0
-            tar.addfile(info, io.BytesIO(data))
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0,
-                                                compresslevel=6, filename="") as gz:
-        gz.write(buffer.getvalue())
+    # streamed: the tar is written into the gzip stream, one file at a time
+    with open(out, "wb") as raw, \
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, compresslevel=6, filename="") as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for rel in members(root):
+            stat = (root / rel).stat()
+            info = tarfile.TarInfo(f"{top}/{rel.as_posix()}")
+            info.size, info.mtime = stat.st_size, 0
+            info.mode = 0o755 if stat.st_mode & 0o100 else 0o644
+            with open(root / rel, "rb") as f:
+                tar.addfile(info, f)
     return out
 
 

@@ -94,9 +94,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="also find the smallest number of devices (whole 8-GPU nodes) that "
                              "fits with --margin to spare: with this layout's TP/CP, and "
                              "searching TP (with SP) and CP; with --global-batch-size, only "
-                             "layouts whose DP x micro-batch divides it. The fewest devices, with the "
-                             "smallest TP x CP there and no recomputation beyond what you pass: "
-                             "it does not weigh speed (the guide's layouts page does)")
+                             "layouts whose DP x micro-batch divides it. The fewest devices, "
+                             "with the smallest TP x CP there and no recomputation beyond what "
+                             "you pass: it does not weigh speed (the guide's layouts page does)")
     parser.add_argument("--margin", metavar="GIB", type=non_negative_float,
                         help="with --smallest: GiB a plan must leave spare, beyond the 4 kept for "
                              "the CUDA context (default 5, the margin under which a plan is "

@@ -39,8 +39,8 @@ from mfsdp.tools.sbatch.header import describe
 from mfsdp.tools.sbatch.presets import CHOICES, PRESETS, SCHEMA, Preset
 
 __all__ = ["CHOICES", "PRESETS", "Preset", "RenderError", "SCHEMA", "Var", "bandwidth_args",
-           "build_parser", "convert_args", "main", "megatron_lm_model_flags", "render",
-           "render_all", "resolve", "scripts", "time_limit_seconds", "train_args"]
+           "build_parser", "convert_args", "main", "megatron_lm_model_flags", "parse_overrides",
+           "render", "render_all", "resolve", "scripts", "time_limit_seconds", "train_args"]
 
 RenderError.__module__ = __name__  # its public name: mfsdp.tools.sbatch.RenderError
 
@@ -135,6 +135,22 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """``--set`` values (``KEY=VALUE`` each, as ``mfsdp sbatch render`` takes them) as the
+    overrides :func:`render` takes; an item without ``=`` is refused.
+
+    >>> parse_overrides(["nodes=2", "env_setup=export A=1"])
+    {'nodes': '2', 'env_setup': 'export A=1'}
+    """
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise RenderError(f"--set {item}: expected KEY=VALUE")
+        overrides[key] = value
+    return overrides
+
+
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp sbatch`` command."""
     if args.action == "list":
@@ -150,12 +166,7 @@ def run(args: argparse.Namespace) -> int:
         for path in render_all(args.directory):
             print(path)
         return 0
-    overrides = {}
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise RenderError(f"--set {item}: expected KEY=VALUE")
-        overrides[key] = value
+    overrides = parse_overrides(args.overrides)
     text = render(args.preset, overrides)
     if PRESETS[args.preset].template == "train":  # how long the schedule takes (not a CPU job)
         from mfsdp.tools.sbatch.schedule import schedule_lines

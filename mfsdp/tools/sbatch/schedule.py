@@ -144,7 +144,7 @@ def recompute_phrase(v: dict, gpu_gib: float | None = None) -> str:
     """
     from dataclasses import replace
 
-    from mfsdp.tools.plan import estimate, plan
+    from mfsdp.tools.plan import GiB, estimate, plan
     from mfsdp.tools.plan_cli import TIGHT_GIB
 
     if gpu_gib is None:
@@ -159,10 +159,10 @@ def recompute_phrase(v: dict, gpu_gib: float | None = None) -> str:
     model, layout = planned
     layers = ACTIVATION_MODELS[layout.transformer_impl]
     if layout.recompute_granularity is None:
-        planned_peak = plan(model, layout)
-        if planned_peak.fits(gpu_gib - TIGHT_GIB):
+        without = plan(model, layout)
+        if without.fits(gpu_gib - TIGHT_GIB):
             return (f"no activation recomputation (without it the plan of {layers} peaks at "
-                    f"{planned_peak.total / 2**30:.1f} GiB of {gpu_gib:g})")
+                    f"{without.total / GiB:.1f} GiB of {gpu_gib:g})")
         return "no activation recomputation"
     if layout.recompute_granularity == "selective":
         return "selective activation recomputation"
