@@ -109,8 +109,10 @@ def test_the_extractor_joins_lines_and_skips_sketches():
 
 
 def test_the_guide_has_complete_commands_to_check():
-    # the trainer page's "Speed on GPU" command is one of them: the list cannot go empty unseen
-    speed = [c for page, _, c in COMMANDS if page == "trainer.md" and "--compile" in c]
+    # the trainer reference's "Speed on GPU" command is one of them: the list cannot go empty
+    # unseen
+    speed = [c for page, _, c in COMMANDS
+             if page == "trainer-reference.md" and "--compile" in c]
     assert speed and world_and_args(speed[0])[0] == 8
 
 

@@ -245,7 +245,8 @@ def load_for_training(checkpoint: CheckpointConfig, model: torch.nn.Module,
     directory; the components' states by name). The format registry
     (``mfsdp.checkpoint.formats``) recognises the format and says how it is read: loaded as
     it is, or converted into the common form inside the ``--load`` root first
-    (``train_converts``). Refuses what is not a checkpoint (see the trainer page)."""
+    (``train_converts``). Refuses what is not a checkpoint (see the guide's
+    Trainer reference, docs/trainer-reference.md)."""
     from mfsdp.checkpoint import formats, load_checkpoint
     from mfsdp.checkpoint.detect import (describe_non_checkpoint, describe_unreadable,
                                          is_empty_directory)
