@@ -18,11 +18,11 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def test_the_guide_table_is_the_registry():
-    text = (DOCS / "conversion.md").read_text()
+    text = (DOCS / "conversion-reference.md").read_text()
     start = text.index("| format | what it holds | who writes it |")
     table = text[start:text.index("\n\n", start)]
     assert table == formats.guide_table(), (
-        "docs/conversion.md's format table differs from the registry; paste "
+        "docs/conversion-reference.md's format table differs from the registry; paste "
         "mfsdp.checkpoint.formats.guide_table() there")
 
 

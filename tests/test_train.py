@@ -454,8 +454,9 @@ def test_flags_the_guide_names_exist():
         "nsys": {"--trace", "--output", "--capture-range"},
         "py-spy/sha256sum": {"--pid", "--quiet"},
         # Megatron-LM flags of features mfsdp does not implement or does not need; the page
-        # that names them (gpu-clusters.md) says so on the same row; conversion.md names the
-        # flags a Megatron-LM job saves or loads mfsdp's export with
+        # that names them (gpu-clusters.md) says so on the same row; conversion.md and
+        # conversion-reference.md name the flags a Megatron-LM job saves or loads mfsdp's
+        # export with
         "megatron-lm": {"--no-gradient-accumulation-fusion", "--use-distributed-optimizer",
                         "--megatron-fsdp-version",  # per-module-api.md: upstream main's v2 switch
                         "--moe-layer-freq",

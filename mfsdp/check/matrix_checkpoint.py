@@ -14,7 +14,8 @@ Columns (:data:`ROUTES`):
   ``torch_dist``), then ``--from megatron_lm`` back, loaded into the same strategy. Megatron-LM
   keeps its optimizer state in two parameter groups (with and without weight decay) where a plain
   ``torch.optim`` optimizer has one, so the trip carries the weights; the optimizer state's own
-  conversion is checked bit for bit against checkpoints megatron-core wrote (the conversion page);
+  conversion is checked bit for bit against checkpoints megatron-core wrote (the conversion
+  reference page);
 * ``HF round trip``: ``mfsdp convert --to hf`` (Hugging Face safetensors and ``config.json``),
   then ``--from hf`` back (weights only).
 

@@ -7,7 +7,8 @@ converter already reads or writes). Everything that needs to know the formats re
 ``mfsdp convert`` (its ``--from``/``--to`` choices, and each conversion a lookup: source -> common
 form -> destination, see :func:`convert`), ``--ckpt-format`` (the formats a training job writes,
 and how: ``train_write``; how its ``--load`` reads each: ``train_converts``)
-and the format table of ``docs/conversion.md`` (:func:`guide_table`, checked by the tests).
+and the format table of ``docs/conversion-reference.md`` (:func:`guide_table`, checked by
+the tests).
 
 A new format is one :func:`register` call (``tests/test_checkpoint_formats.py`` registers a tiny
 one and converts it to and from the others)::
@@ -168,7 +169,7 @@ def train_formats() -> tuple[str, ...]:
 
 
 def guide_table() -> str:
-    """The format table of ``docs/conversion.md``, as the registry has it."""
+    """The format table of ``docs/conversion-reference.md``, as the registry has it."""
     rows = ["| format | what it holds | who writes it |", "| --- | --- | --- |"]
     rows += [f"| {f.display_name()} | {f.holds} | {f.written_by} |" for f in REGISTRY.values()]
     return "\n".join(rows)
