@@ -10,6 +10,9 @@ returns the results in rank order::
     >>> [r["rank"] for r in launch(rank_info, world_size=2)]
     [0, 1]
 
+``RankPool(world_size)`` keeps its ranks between calls: ``pool.run(fn)`` as ``launch`` does, with
+the ranks' start-up (``import torch``, the process group) paid once for many calls.
+
 Why processes started with ``subprocess`` and not ``multiprocessing``: sphinx-gallery runs a recipe
 as a fake ``__main__`` module, and ``multiprocessing``'s spawn start method re-imports ``__main__``
 in every child (re-running the whole recipe), while fork is unsafe once torch has started threads.
@@ -38,7 +41,7 @@ from typing import Any, Callable
 
 from mfsdp import runtime
 
-__all__ = ["launch", "RankError", "LaunchTimeout"]
+__all__ = ["launch", "RankPool", "RankError", "LaunchTimeout"]
 
 _GRACE_S = 3.0  # after one rank fails, how long the others get to finish before they are killed
 
@@ -209,8 +212,9 @@ def _collect(procs, workdir: Path, world_size: int, timeout: float, echo: bool) 
     return results
 
 
-def _first_error(procs, workdir: Path) -> RankError | None:
-    """The root cause: a rank that died without a result, else the earliest-written error.
+def _first_error(procs, workdir: Path, logdir: Path | None = None) -> RankError | None:
+    """The root cause: a rank that died without a result, else the earliest-written error
+    (results and errors in ``workdir``, the ranks' output in ``logdir``, default the same).
 
     A rank killed by a signal takes precedence: its peers' errors ("connection reset by peer")
     are consequences of its death.
@@ -223,7 +227,7 @@ def _first_error(procs, workdir: Path) -> RankError | None:
                    else f"exited with code {code}")
             return RankError(rank, "ProcessExit",
                              f"{how} without a result (killed, out of memory, or os._exit)",
-                             _tail(workdir, rank))
+                             _tail(logdir or workdir, rank))
     errors = sorted(workdir.glob("rank*.err"), key=lambda f: f.stat().st_mtime_ns)
     if errors:
         rank, exc_type, message, tb = pickle.loads(errors[0].read_bytes())
@@ -269,19 +273,26 @@ def _end_with_parent(parent: int, interval: float = 0.5) -> None:
     threading.Thread(target=watch, name="mfsdp-parent-watch", daemon=True).start()
 
 
+def _join(job: _Job, rank: int) -> None:
+    """Set this rank's threads and environment and join the process group."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(job.threads)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job.world_size),
+                      LOCAL_WORLD_SIZE=str(job.world_size))
+    store = dist.TCPStore("127.0.0.1", job.store_port, job.world_size, False)
+    if job.backend == "nccl" or (job.backend is None and torch.cuda.is_available()):
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(job.backend, store=store, rank=rank, world_size=job.world_size)
+
+
 def _worker(workdir: Path, rank: int) -> int:
     job: _Job = pickle.loads((workdir / "job.pkl").read_bytes())
+    if not job.target:
+        return _pool_worker(workdir, rank, job)
     try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(job.threads)
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job.world_size),
-                          LOCAL_WORLD_SIZE=str(job.world_size))
-        store = dist.TCPStore("127.0.0.1", job.store_port, job.world_size, False)
-        if job.backend == "nccl" or (job.backend is None and torch.cuda.is_available()):
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(job.backend, store=store, rank=rank, world_size=job.world_size)
+        _join(job, rank)
         result = _resolve(job.target)(*job.args, **job.kwargs)
         payload = pickle.dumps(("ok", result))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
@@ -299,6 +310,160 @@ def _write(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_bytes(data)
     tmp.rename(path)
+
+
+def _pool_worker(workdir: Path, rank: int, job: _Job) -> int:
+    """A :class:`RankPool` rank: join once, then run job ``0``, ``1``, ... as the parent writes
+    each one's ``N/job.pkl``; end at ``stop`` or at the first job that raises (0 or 1)."""
+    import gc
+
+    try:
+        _join(job, rank)
+    except BaseException as exc:  # noqa: BLE001 - reported as job 0's error
+        (workdir / "0").mkdir(exist_ok=True)
+        _write(workdir / "0" / f"rank{rank}.err",
+               pickle.dumps((rank, type(exc).__name__, str(exc), traceback.format_exc())))
+        return 1
+    n = 0
+    while True:
+        jobdir = workdir / str(n)
+        while not (jobdir / "job.pkl").exists():
+            if (workdir / "stop").exists():
+                return 0
+            time.sleep(0.01)
+        task: _Job = pickle.loads((jobdir / "job.pkl").read_bytes())
+        try:
+            payload = pickle.dumps(("ok", _resolve(task.target)(*task.args, **task.kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+            _write(jobdir / f"rank{rank}.err",
+                   pickle.dumps((rank, type(exc).__name__, str(exc), traceback.format_exc())))
+            return 1
+        _write(jobdir / f"rank{rank}.out", payload)
+        del payload
+        gc.collect()
+        n += 1
+
+
+class RankPool:
+    """``world_size`` ranks that run one function after another: :func:`launch` for many calls,
+    with the ranks' start-up paid once (``with RankPool(2) as pool: pool.run(fn, args=...)``).
+
+    A call that raises on some rank or times out ends the ranks (their state is unknown); the
+    next :meth:`run` starts fresh ones. :attr:`fresh` says whether the running ranks have run
+    nothing yet, for a caller that reruns a failure in ranks that ran nothing before it.
+    """
+
+    def __init__(self, world_size: int, *, backend: str | None = "gloo",
+                 threads_per_rank: int = 1, env: dict[str, str] | None = None):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r}: must be a positive integer")
+        self.world_size, self.backend, self.threads, self.env = (
+            world_size, backend, threads_per_rank, dict(env or {}))
+        self.starts = 0  # how many times ranks were started
+        self._procs: list[subprocess.Popen] = []
+        self._logs: list = []
+        self._workdir: Path | None = None
+        self._store = None
+        self._next = 0
+
+    @property
+    def fresh(self) -> bool:
+        """True when no ranks run, or the running ones have run no call yet."""
+        return not self._procs or self._next == 0
+
+    def run(self, fn: Callable | str, args: tuple = (), kwargs: dict | None = None, *,
+            timeout: float = 300.0) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; the results in rank order (as :func:`launch`).
+
+        Raises :class:`RankError` or :class:`LaunchTimeout` as :func:`launch` does; the ranks
+        are then ended and the next call starts new ones."""
+        target = _target_name(fn)
+        if not self._procs or any(p.poll() is not None for p in self._procs):
+            self._stop()
+            self._start()
+        assert self._workdir is not None
+        jobdir = self._workdir / str(self._next)
+        jobdir.mkdir(exist_ok=True)
+        self._next += 1
+        _write(jobdir / "job.pkl", pickle.dumps(_Job(target, tuple(args), dict(kwargs or {}),
+                                                     self.world_size, 0, None, 0)))
+        try:
+            return _collect_job(self._procs, jobdir, self._workdir, self.world_size, timeout)
+        except BaseException:
+            self._stop()
+            raise
+
+    def close(self) -> None:
+        """End the ranks (they leave at once between calls) and remove their files."""
+        if self._workdir is not None and self._procs:
+            (self._workdir / "stop").touch()
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end and any(p.poll() is None for p in self._procs):
+                time.sleep(0.01)
+        self._stop()
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        self._workdir = Path(tempfile.mkdtemp(prefix="mfsdp-pool-"))
+        job = _Job("", (), {}, self.world_size, self._store.port, self.backend, self.threads)
+        (self._workdir / "job.pkl").write_bytes(pickle.dumps(job))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
+        env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        env.update(self.env)
+        for rank in range(self.world_size):
+            log = open(self._workdir / f"rank{rank}.log", "wb")
+            self._logs.append(log)
+            self._procs.append(subprocess.Popen(
+                [sys.executable, "-m", "mfsdp.launch", str(self._workdir), str(rank),
+                 str(os.getpid())],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        self._next = 0
+        self.starts += 1
+
+    def _stop(self) -> None:
+        _kill(self._procs)
+        for log in self._logs:
+            log.close()
+        self._procs, self._logs, self._store = [], [], None
+        if self._workdir is not None:
+            import shutil
+
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+
+def _collect_job(procs, jobdir: Path, logdir: Path, world_size: int,
+                 timeout: float) -> list[Any]:
+    """Wait for one :class:`RankPool` call: every rank's result in ``jobdir``, or the first
+    error (the others get :data:`_GRACE_S` to report theirs), or the timeout."""
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    first_error: RankError | None = None
+    outs = [jobdir / f"rank{r}.out" for r in range(world_size)]
+    while not all(o.exists() for o in outs):
+        if first_error is None:
+            first_error = _first_error(procs, jobdir, logdir)
+            if first_error is not None:
+                failed_at = time.monotonic()
+        now = time.monotonic()
+        if failed_at is not None and now - failed_at > _GRACE_S:
+            break
+        if now > deadline:
+            pending = [r for r, o in enumerate(outs) if not o.exists()]
+            raise LaunchTimeout(timeout, pending, _tail(logdir, pending[0]))
+        time.sleep(0.02)
+    if first_error is not None:
+        raise first_error
+    return [pickle.loads(o.read_bytes())[1] for o in outs]
 
 
 if __name__ == "__main__":

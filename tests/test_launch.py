@@ -201,3 +201,43 @@ def test_ranks_end_when_the_launching_process_is_killed(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def _pid_and_gather(scale):
+    return os.getpid(), _rank_and_gather(scale)
+
+
+def test_a_pool_runs_calls_in_the_same_ranks_and_restarts_them_after_a_failure(tmp_path):
+    from mfsdp.launch import RankPool
+
+    with RankPool(2) as pool:
+        assert pool.fresh
+        first = pool.run(_pid_and_gather, args=(2.0,), timeout=60)
+        assert not pool.fresh
+        second = pool.run(_pid_and_gather, args=(3.0,), timeout=60)
+        # the same processes ran both calls, each with its own arguments, in rank order
+        assert [pid for pid, _ in first] == [pid for pid, _ in second]
+        assert [r for _, r in first] == [(0, [0.0, 2.0]), (1, [0.0, 2.0])]
+        assert [r for _, r in second] == [(0, [0.0, 3.0]), (1, [0.0, 3.0])]
+        assert pool.starts == 1
+        with pytest.raises(RankError, match="bad shard size on purpose") as info:
+            pool.run(_fail_on_rank_one, timeout=60)
+        assert info.value.rank == 1
+        for pid, _ in second:  # the failed ranks are gone
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert pool.fresh
+        third = pool.run(_pid_and_gather, args=(1.0,), timeout=60)  # in new ranks
+        assert pool.starts == 2
+        assert {pid for pid, _ in third}.isdisjoint(pid for pid, _ in second)
+        assert [r for _, r in third] == [(0, [0.0, 1.0]), (1, [0.0, 1.0])]
+        with pytest.raises(LaunchTimeout) as timeout:
+            pool.run(_hang_on_last_rank, args=(str(tmp_path / "pid"),), timeout=5)
+        assert timeout.value.pending == [1]
+        with pytest.raises(ProcessLookupError):
+            os.kill(int((tmp_path / "pid.1").read_text()), 0)
+        assert pool.run(rank_info, timeout=60)[1]["all_reduce_sum"] == 3.0
+        pids = [pid for pid, _ in pool.run(_pid_and_gather, args=(1.0,), timeout=60)]
+    for pid in pids:  # closing the pool ended its ranks
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -78,9 +78,8 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     """
     from mfsdp.check.models import build_model, bypassed_units, make_batches, resolve_units
     from mfsdp.check.models import check_model_spec, vocab_size
-    from mfsdp.check.report import compare, noise_report, param_error
-    from mfsdp.check.run import Settings, run_layout, run_reference
-    from mfsdp.launch import LaunchTimeout, RankError, launch
+    from mfsdp.check.run import Settings
+    from mfsdp.launch import RankPool
 
     if optimizer not in DEFAULT_LR:
         raise ValueError(f"--optimizer={optimizer!r}: use sgd or adamw")
@@ -139,43 +138,20 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     references: dict[str, dict] = {}
     results = []
     version, replaced = adapter.version(), []  # as the ranks report them, once one has run
-    for i, layout in enumerate(chosen, start=1):
-        start = time.perf_counter()
-        dtype = layout.compute_dtype
-        if dtype not in references:
-            references[dtype] = run_reference(s, dtype)
-        result = LayoutResult(layout.name, layout.describe(), layout.tolerance, passed=False)
-        try:
-            ranks = launch(run_layout, nproc, args=(s, layout), timeout=timeout)
-        except (RankError, LaunchTimeout) as exc:
-            result.error = _one_line(exc)
-            result.reason = f"raised: {result.error}"
-        else:
-            version, replaced = ranks[0]["engine_version"], ranks[0]["replacements"]
-            result.steps, result.reason = compare(layout, references[dtype], ranks[0])
-            result.noise_dominated = noise_report(layout, references[dtype], ranks[0])
-            result.passed = not result.reason
-            result.max_rss_mib = [r["max_rss_mib"] for r in ranks]
-            if ranks[0].get("prediction"):
-                pred = ranks[0]["prediction"]
-                result.prediction = {
-                    "param": pred["param"], "error": pred["error"],
-                    "ring_error": pred["ring_error"],
-                    "measured": param_error(references[dtype], ranks[0], pred["param"])}
-            result.tracked_mib = [r["tracked_mib"] for r in ranks]
-        if not result.passed and bypassed and not recursive_gather:
-            result.reason += (f"; FSDP unit {bypassed[0]} computes without its forward (its "
-                              f"parent {parent} reads its weights): pass --recursive-gather "
-                              f"{parent} (docs/fused-experts.md)")
-        result.seconds = time.perf_counter() - start
-        results.append(result)
-        if progress is not None:
-            summary = _summary(result)
-            summary = summary if len(summary) <= 150 else summary[:147] + "..."
-            count = f"[{i}/{len(chosen)}]"  # padded so the names line up past [9/10]
-            progress(f"{count:<{2 * len(str(len(chosen))) + 3}} {layout.name:<19} "
-                     f"{'PASS' if result.passed else 'FAIL'}  {summary}  "
-                     f"({result.seconds:.1f} s)")
+    with RankPool(nproc) as pool:
+        for i, layout in enumerate(chosen, start=1):
+            result, ran = _check_layout(pool, s, layout, references, bypassed, parent,
+                                        recursive_gather, timeout)
+            results.append(result)
+            if ran is not None:
+                version, replaced = ran
+            if progress is not None:
+                summary = _summary(result)
+                summary = summary if len(summary) <= 150 else summary[:147] + "..."
+                count = f"[{i}/{len(chosen)}]"  # padded so the names line up past [9/10]
+                progress(f"{count:<{2 * len(str(len(chosen))) + 3}} {layout.name:<19} "
+                         f"{'PASS' if result.passed else 'FAIL'}  {summary}  "
+                         f"({result.seconds:.1f} s)")
     report = CheckReport(model=model if isinstance(model, str) else _qualname(model),
                          engine=engine, engine_version=version, replacements=replaced,
                          nproc=nproc, steps=steps, optimizer=optimizer, lr=s.lr,
@@ -187,6 +163,55 @@ def check(model: Any, *, nproc: int = 2, steps: int = 3, optimizer: str = "sgd",
     if plot_path:
         report.plot(plot_path)
     return report
+
+
+def _check_layout(pool, s, layout, references: dict, bypassed: list, parent: str,
+                  recursive_gather, timeout: float) -> tuple[LayoutResult, tuple | None]:
+    """One layout's result and the engine's version and replacements as its ranks report them
+    (``None`` when they raised). The ranks' steps (in ``pool``'s ranks, kept between layouts)
+    are compared with the one-process reference of the layout's compute dtype (run once, kept
+    in ``references``). A layout that raises in ranks that ran another layout before is run
+    again in fresh ranks: what an earlier layout left in the processes never fails it."""
+    from mfsdp.check.report import compare, noise_report, param_error
+    from mfsdp.check.run import run_layout, run_reference
+    from mfsdp.launch import LaunchTimeout, RankError
+
+    start = time.perf_counter()
+    dtype = layout.compute_dtype
+    if dtype not in references:
+        references[dtype] = run_reference(s, dtype)
+    result = LayoutResult(layout.name, layout.describe(), layout.tolerance, passed=False)
+    ran = None
+    fresh = pool.fresh
+    try:
+        try:
+            ranks = pool.run(run_layout, args=(s, layout), timeout=timeout)
+        except RankError:
+            if fresh:
+                raise
+            ranks = pool.run(run_layout, args=(s, layout), timeout=timeout)  # in fresh ranks
+    except (RankError, LaunchTimeout) as exc:
+        result.error = _one_line(exc)
+        result.reason = f"raised: {result.error}"
+    else:
+        ran = ranks[0]["engine_version"], ranks[0]["replacements"]
+        result.steps, result.reason = compare(layout, references[dtype], ranks[0])
+        result.noise_dominated = noise_report(layout, references[dtype], ranks[0])
+        result.passed = not result.reason
+        result.max_rss_mib = [r["max_rss_mib"] for r in ranks]
+        if ranks[0].get("prediction"):
+            pred = ranks[0]["prediction"]
+            result.prediction = {
+                "param": pred["param"], "error": pred["error"],
+                "ring_error": pred["ring_error"],
+                "measured": param_error(references[dtype], ranks[0], pred["param"])}
+        result.tracked_mib = [r["tracked_mib"] for r in ranks]
+    if not result.passed and bypassed and not recursive_gather:
+        result.reason += (f"; FSDP unit {bypassed[0]} computes without its forward (its "
+                          f"parent {parent} reads its weights): pass --recursive-gather "
+                          f"{parent} (docs/fused-experts.md)")
+    result.seconds = time.perf_counter() - start
+    return result, ran
 
 
 def _fused_parent(model, name: str) -> str:

@@ -51,7 +51,8 @@ class LayoutResult:
     """The exception a rank raised (the layout then fails), else ``None``."""
     steps: list[StepResult] = field(default_factory=list)
     max_rss_mib: list[float] = field(default_factory=list)
-    """Each rank's peak resident memory (``resource.getrusage`` max RSS, the whole process)."""
+    """Each rank's peak resident memory while it ran this layout (``VmHWM``, reset as the layout
+    starts; the whole process's where the kernel does not allow the reset)."""
     tracked_mib: list[float] = field(default_factory=list)
     """Each rank's sharded buffers plus optimizer state after the last step (bytes mfsdp holds)."""
     seconds: float = 0.0

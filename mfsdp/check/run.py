@@ -191,6 +191,30 @@ def _resume(s: Settings, layout: Layout, model, optimizer, step: int):
     return model, optimizer
 
 
+def reset_peak_rss() -> bool:
+    """Start this process's peak resident memory (``VmHWM``) again from its current size
+    (Linux's ``/proc/self/clear_refs``); False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory in MiB since :func:`reset_peak_rss` (``VmHWM``), or over the whole
+    process (``getrusage``) where ``/proc`` does not give it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:
     """Train this rank's slice of every step's global batch under ``layout`` with the engine
     ``s.engine`` names (call inside a launched rank). Rank 0 returns the per-step losses,
@@ -206,6 +230,7 @@ def _train(s: Settings, layout: Layout, engine) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    reset_peak_rss()  # the ranks may have run another layout before this one
     batches = _batches(s, build_model(s.model, s.seed))
     sh = engine.shard(s, layout, layout.strategy)
     after = s.after_shard
@@ -251,7 +276,7 @@ def _train(s: Settings, layout: Layout, engine) -> dict[str, Any]:
             params.append(full)
             grads.append(full_grads)
     tracked = engine.state_bytes(sh)
-    out = {"rank": rank, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    out = {"rank": rank, "max_rss_mib": peak_rss_mib(),
            "tracked_mib": tracked / 2**20}
     if rank == 0:
         out.update(losses=losses, grad_norms=norms, params=params, initial=initial,
