@@ -61,3 +61,29 @@ def test_the_unpacked_source_runs_the_cli(tmp_path):
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "#SBATCH --job-name=mfsdp-cpu-smoke" in run.stdout  # the templates came along
+
+
+def test_outside_git_the_archive_leaves_out_what_git_ignores(tmp_path):
+    """Outside a git checkout the archive reads .gitignore; on a tree with a file for each of its
+    patterns, at the root and one level down, it keeps exactly the files that git itself (a
+    repository made there) reports as not ignored."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / ".gitignore").write_bytes((ROOT / ".gitignore").read_bytes())
+    files = ["keep.py", "Makefile", ".venv/bin/python", "build/html/index.html",
+             "mfsdp/__pycache__/x.cpython-311.pyc", "mfsdp/y.pyc", "mfsdp_x.egg-info/PKG-INFO",
+             "docs/recipes/plot_a.py", "docs/generated/a.rst", "sg_execution_times.rst",
+             "sub/sg_execution_times.rst", "sub/docs/recipes/kept.py", "sub/build/also.txt",
+             ".pytest_cache/v", "sub/.hypothesis/x", "docs/recipes.md", "buildings/kept.txt"]
+    for name in files:
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(name)
+    ours = {p.as_posix() for p in source_archive.members(tree)}
+    try:
+        subprocess.run(["git", "init", "-q", str(tree)], check=True, capture_output=True)
+        out = subprocess.run(["git", "ls-files", "--others", "--exclude-standard"], cwd=tree,
+                             check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("git is needed as the reference")
+    assert ours == set(out.split())
+    assert "sub/docs/recipes/kept.py" in ours and "docs/recipes/plot_a.py" not in ours

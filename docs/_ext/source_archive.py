@@ -12,6 +12,7 @@ names, no timestamps, no owners. The quickstart links it with ``{download}``.
 
 from __future__ import annotations
 
+import fnmatch
 import gzip
 import re
 import subprocess
@@ -27,23 +28,50 @@ def version(root: Path) -> str:
     return re.search(r'^__version__ = "([^"]+)"', text, re.M).group(1)
 
 
-# What .gitignore leaves out, for a tree that is not a git checkout
-_IGNORED_DIRS = {".git", ".venv", "build", "__pycache__", ".pytest_cache", ".hypothesis"}
-_IGNORED_PATHS = ("docs/recipes", "docs/generated", "sg_execution_times.rst")
+def _ignore_rules(root: Path) -> list[tuple[str, bool, bool]]:
+    """``root/.gitignore``'s patterns as ``(pattern, anchored, directories_only)``: the subset
+    of git's rules this repository's file uses (no negation, no ``**``)."""
+    rules = []
+    gitignore = root / ".gitignore"
+    lines = gitignore.read_text().splitlines() if gitignore.is_file() else []
+    for line in [".git/", *lines]:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("!") or "**" in line:
+            raise ValueError(f"{gitignore}: {line!r} needs more of git's rules than this reads")
+        directories_only = line.endswith("/")
+        line = line.rstrip("/")
+        rules.append((line.lstrip("/"), "/" in line, directories_only))
+    return rules
+
+
+def _ignored(rel: Path, rules: list[tuple[str, bool, bool]]) -> bool:
+    """Whether git would leave ``rel`` (a file's path from the root) out under ``rules``: a
+    pattern with a slash matches the path from the root, one without matches any name in it;
+    a directory's pattern matches the directories above the file only."""
+    parts = rel.parts
+    for pattern, anchored, directories_only in rules:
+        for depth in range(1, len(parts) + 1):
+            if directories_only and depth == len(parts):
+                break
+            name = "/".join(parts[:depth]) if anchored else parts[depth - 1]
+            if fnmatch.fnmatchcase(name, pattern):
+                return True
+    return False
 
 
 def members(root: Path) -> list[Path]:
     """The files the archive holds, relative to ``root``, sorted: git's tracked files (those
-    present), or in a tree that is not a git checkout every file but the ignored ones."""
+    present), or in a tree that is not a git checkout every file ``.gitignore`` keeps."""
     try:
         out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True,
                              check=True).stdout.decode()
         names = [Path(n) for n in out.split("\0") if n and (root / n).is_file()]
     except (OSError, subprocess.CalledProcessError):
+        rules = _ignore_rules(root)
         names = [p.relative_to(root) for p in root.rglob("*")
-                 if p.is_file() and not _IGNORED_DIRS.intersection(p.relative_to(root).parts)
-                 and not p.name.endswith((".pyc", ".pyo")) and ".egg-info" not in str(p)
-                 and not p.relative_to(root).as_posix().startswith(_IGNORED_PATHS)]
+                 if p.is_file() and not _ignored(p.relative_to(root), rules)]
     return sorted(names)
 
 
