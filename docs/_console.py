@@ -61,6 +61,9 @@ def _in_process(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+_VAR = re.compile(r"\$(?:(\w+)|\{([^}]*)\})")
+
+
 class GuideShell:
     """One page's shell: its environment (``$MLM``, ``$WORK``) and the last exit status.
 
@@ -75,19 +78,17 @@ class GuideShell:
                     "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         self.status = 0  # what `echo $?` prints: the last command's exit status
 
+    def expand(self, word: str) -> str:
+        """``$NAME`` and ``${NAME}`` replaced from this shell's environment, as the shell does
+        (a name it does not hold stays as written, as in ``os.path.expandvars``)."""
+        return _VAR.sub(lambda m: self.env.get(m.group(1) or m.group(2), m.group(0)), word)
+
     def run(self, command: str) -> tuple[int, str, str]:
         """Run one command line: its exit status, standard output and the last line of its
         standard error, with the page's directory written ``$WORK``."""
         if command.strip() == STATUS:
             return 0, f"{self.status}\n", ""
-        argv = shlex.split(command)
-        saved = os.environ.copy()
-        os.environ.update(self.env)  # $MLM and $WORK expand as the shell would
-        try:
-            argv = [os.path.expandvars(a) for a in argv]
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        argv = [self.expand(a) for a in shlex.split(command)]
         if argv[0] == "mfsdp":  # in this process: the same entry point, without a start-up
             code, out, err = _in_process(argv[1:])
         else:

@@ -223,3 +223,21 @@ def test_the_copy_button_copies_the_commands_and_no_output(tmp_path):
     assert texts[0] == command_lines(example) == "echo one \\\n    two\nls"
     for (page, block), text in zip(blocks, texts):
         assert text == command_lines(block), f"docs/{page}: the copy button copies\n{text}"
+
+
+@pytest.mark.parametrize("word", ["$MLM/iter_0000002", "${WORK}/ckpt", "$WORK$MLM", "$NOPE/x",
+                                  "${NOPE}", "plain", "a$", "$1", "--dir=$WORK/a_b"])
+def test_the_shell_expands_words_as_os_path_expandvars_does_in_its_environment(word):
+    """Expansion over the shell's own environment, not the process's (unchanged after it)."""
+    shell = GuideShell()
+    before = dict(os.environ)
+    saved = os.environ.copy()
+    os.environ.clear()
+    os.environ.update({k: v for k, v in shell.env.items() if k != "NOPE"})
+    try:
+        reference = os.path.expandvars(word)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert shell.expand(word) == reference
+    assert dict(os.environ) == before
