@@ -85,10 +85,11 @@ def _passes(model: str, nproc: int, layouts: list[str]):
     assert report.passed, report.table()
     assert [r.name for r in report.layouts] == layouts and not report.skipped
     for r in report.layouts:  # fp32: the order of sums only, well inside the tolerance (1e-3)
-        # Under TP and CP the norm weights move little in 2 SGD steps, and the order of the
+        # Under TP, CP and EP the norm weights move little in 2 SGD steps, and the order of the
         # partial sums shifts their update by up to 3.1e-4 of that move on some CPUs (measured
-        # on a 2-core AVX-512 machine; 4.6e-5 at step 1); elsewhere it stays under 1e-4.
-        bound = 5e-4 if r.name in ("tp", "tp_sp", "cp") else 1e-4
+        # on a 2-core AVX-512 machine; 4.6e-5 at step 1; EP's pre-MLP norm 1.6e-4 on a 2-core
+        # AMD EPYC); elsewhere it stays under 1e-4.
+        bound = 5e-4 if r.name in ("tp", "tp_sp", "cp", "ep") else 1e-4
         assert max(s.worst_param_error for s in r.steps) < bound, report.table()
         assert all(abs(s.grad_norm_ratio - 1) < 1e-5 for s in r.steps), report.table()
     return report
