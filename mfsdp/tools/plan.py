@@ -62,11 +62,20 @@ class ModelConfig:
     @classmethod
     def from_gpt(cls, cfg) -> "ModelConfig":
         """The planner's view of a :class:`~mfsdp.models.gpt.GPTConfig` (SwiGLU, no linear
-        biases: the Llama and DeepSeek families), so that both count the same parameters."""
-        if not cfg.swiglu or cfg.add_bias_linear:
-            raise ValueError("the planner models SwiGLU MLPs without linear biases (the Llama and "
-                             "DeepSeek families); this configuration has "
-                             + ("GELU MLPs" if not cfg.swiglu else "linear biases"))
+        biases, RMSNorm, RoPE: the Llama and DeepSeek families), so that both count the same
+        parameters; any other architecture is a ``ValueError`` naming the flags that make it
+        one the planner models."""
+        problems = [what for bad, what in (
+            (not cfg.swiglu, "GELU MLPs (--swiglu)"),
+            (cfg.add_bias_linear, "linear biases (--disable-bias-linear)"),
+            (cfg.normalization != "RMSNorm", f"{cfg.normalization} (--normalization RMSNorm)"),
+            (cfg.position_embedding_type == "learned_absolute",
+             "learned positions (--position-embedding-type rope)")) if bad]
+        if problems:
+            raise ValueError("the planner models the Llama and DeepSeek families (SwiGLU MLPs "
+                             "without linear biases, RMSNorm, RoPE); this model has "
+                             + ", ".join(problems) + ": add those flags, or start from a "
+                             "Llama or DeepSeek preset")
         mla = None
         if cfg.multi_latent_attention:
             mla = (cfg.q_lora_rank or 0, cfg.kv_lora_rank, cfg.qk_head_dim,

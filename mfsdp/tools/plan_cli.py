@@ -4,6 +4,12 @@ The ``mfsdp plan`` command (this module: its parser, its run, and ``--dry-run``'
 estimates are :mod:`mfsdp.tools.plan`'s; the dry run is :mod:`mfsdp.tools.dry_run`'s::
 
     mfsdp plan llama3-70b --world-size 1024 --recompute-granularity full --dry-run
+
+Your own model: a preset with Megatron-LM's model flags layered on it, as ``mfsdp train``
+layers them (:mod:`mfsdp.tools.plan_model`)::
+
+    mfsdp plan llama3-8b --model-args "--num-layers 40 --hidden-size 5120 \\
+        --ffn-hidden-size 13824 --num-attention-heads 40"
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ __all__ = ["build_parser", "run", "describe", "main"]
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``mfsdp plan`` argument parser (every size positive, the efficiency in (0, 1])."""
     parser = parser or argparse.ArgumentParser(prog="mfsdp plan", description=__doc__.splitlines()[0])
-    parser.add_argument("preset", choices=sorted(PRESETS), help="model")
+    parser.add_argument("preset", choices=sorted(PRESETS),
+                        help="model: a trainer preset, or the base --model-args changes")
+    parser.add_argument("--model-args", metavar='"FLAGS"', default="",
+                        help="mfsdp train's (Megatron-LM's) model and MoE flags, quoted as one "
+                             "argument, layered on the preset as the trainer layers them: "
+                             "\"--num-layers 40 --hidden-size 5120\" plans that model (the "
+                             "preset is required: without one the trainer's base is a GPT-2-style "
+                             "model the planner does not model)")
     parser.add_argument("--world-size", type=positive_int, default=8)
     # The trainer's (Megatron-LM's) names first; the short names stay as aliases.
     parser.add_argument("--data-parallel-sharding-strategy", "--strategy", dest="strategy",
@@ -106,7 +119,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``mfsdp plan`` command."""
-    model = PRESETS[args.preset]
+    model, name = PRESETS[args.preset], args.preset
+    if args.model_args:
+        from mfsdp.tools.plan_model import planned_model
+
+        try:
+            model, name = planned_model(args.preset, args.model_args, seq_length=args.seq_length)
+        except ValueError as exc:
+            raise SystemExit(f"mfsdp plan: --model-args: {exc}") from None
+        if args.dry_run:
+            raise SystemExit("mfsdp plan: --dry-run builds the preset itself, not --model-args'"
+                             " model; drop one of them")
     # the layout's own checks first: a TP x CP larger than the world is its error, not a
     # division by zero below
     Layout(args.world_size, args.strategy, args.dp_outer, args.outer_strategy, args.ep,
@@ -143,8 +166,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"mfsdp plan: --dry-run-ranks {bad[0]} is not a rank of --world-size "
                          f"{args.world_size} (0 to {args.world_size - 1})")
     p = plan(model, layout)
-    print(f"{args.preset}: {p.params / 1e9:.1f}B parameters ({p.expert_params / 1e9:.1f}B in "
-          f"experts), {args.world_size} ranks, {args.strategy}")
+    if args.model_args:
+        print(f"{name}; {args.world_size} ranks, {args.strategy}")
+    else:
+        print(f"{args.preset}: {p.params / 1e9:.1f}B parameters ({p.expert_params / 1e9:.1f}B "
+              f"in experts), {args.world_size} ranks, {args.strategy}")
     print(describe(layout, dp))
     print(p.table())
     print(f"dominant term: {p.dominant}; fits on {args.device_gib:g} GiB: "

@@ -37,13 +37,17 @@ def resolve(preset: str, overrides: dict[str, str] | None = None) -> tuple[Prese
     checked: types, choices, values Slurm or the trainer would refuse, and that the ranks split
     into the requested parallel sizes. Every refusal is one line naming the key. A preset with
     ``micro_batches`` (gpu-smoke) scales a global batch not given with ``--set``: it is
-    micro_batch_size x data-parallel ranks x micro_batches.
+    micro_batch_size x data-parallel ranks x micro_batches. A ``model_args`` without
+    ``--model-preset`` is layered on the preset's own ``--model-preset`` (the flags change the
+    preset's model, as ``mfsdp plan PRESET --model-args`` does).
 
     >>> resolve("gpu-smoke", {"nodes": "2"})[1]["global_batch_size"]
     16
     >>> values = resolve("gpu-smoke", {"nodes": "2", "global_batch_size": "32"})[1]
     >>> values["global_batch_size"]
     32
+    >>> resolve("llama3-8b", {"model_args": "--num-layers 40"})[1]["model_args"]
+    '--model-preset llama3-8b --num-layers 40'
     """
     if preset not in PRESETS:
         raise RenderError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -60,6 +64,11 @@ def resolve(preset: str, overrides: dict[str, str] | None = None) -> tuple[Prese
     if parsed.get("trainer", values["trainer"]) == "megatron-lm":
         values.update(p.megatron_lm)
     values.update(parsed)
+    own = _model_preset(p.values.get("model_args", ""))
+    if "model_args" in parsed and own and _model_preset(parsed["model_args"]) is None:
+        # flags alone change the preset's model, as mfsdp plan PRESET --model-args does (the
+        # trainer's own base without a preset is a GPT-2-style model nothing here plans)
+        values["model_args"] = f"--model-preset {own} {parsed['model_args']}".strip()
     if p.micro_batches and "global_batch_size" not in parsed:  # scales with the ranks
         ranks = values["nodes"] * values["ranks_per_node"]
         dp = max(ranks // (values["tp"] * values["cp"]), 1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from mfsdp.tools.sbatch.checks import time_limit_seconds
 from mfsdp.tools.sbatch.presets import PRESETS, Preset
 
-__all__ = ["describe", "layout_phrase"]
+__all__ = ["describe", "layout_phrase", "model_phrase"]
 
 _STRATEGIES = {"no_shard": "no sharding (no_shard)", "optim": "ZeRO-1 (optim)",
                "optim_grads": "ZeRO-2 (optim_grads)",
@@ -78,7 +78,8 @@ def describe(preset: Preset, values: dict | None = None) -> str:
     preset's own values), its schedule stated from those values: a value changed with
     ``--set`` is written as rendered, with the preset's beside it. A ``{layout}`` in the
     description is :func:`layout_phrase` of the values: nodes, parallel sizes, sharding,
-    recomputation (planned with the layer of the script's trainer) and precision.
+    recomputation (planned with the layer of the script's trainer) and precision. A
+    ``model_args`` other than the preset's replaces the preset's text by :func:`model_phrase`.
 
     >>> text = describe(PRESETS["llama3-8b"], dict(PRESETS["llama3-8b"].values,
     ...                                            train_iters=200))
@@ -89,6 +90,8 @@ def describe(preset: Preset, values: dict | None = None) -> str:
     values = own if values is None else values
     layout = layout_phrase(values) if "{layout}" in preset.description else ""
     text = preset.description.format(**values, layout=layout)
+    if values.get("model_args", "") != own.get("model_args", ""):  # not the preset's model
+        text = f"{model_phrase(values)}; {layout or layout_phrase(values)}."
     if not preset.recipe:
         return text
     hours = _job_length(values["time"])
@@ -102,6 +105,25 @@ def describe(preset: Preset, values: dict | None = None) -> str:
                 f"({rendered}), {jobs}.")
     return (f"{text} Batch and learning-rate schedule: {rendered} (rendered with --set; "
             f"the preset's: Megatron-Bridge's {preset.recipe}, {_schedule(own)}), {jobs}.")
+
+
+def model_phrase(v: dict) -> str:
+    """The model of a train script whose ``model_args`` is not its preset's, as its first
+    comment names it: from the rendered flags, as the planner reads them
+    (:func:`mfsdp.tools.plan_model.model_phrase`), or the flags themselves where the planner
+    does not model them.
+
+    >>> from mfsdp.tools.sbatch import resolve
+    >>> print(model_phrase(resolve("llama3-8b", {"model_args": "--num-layers 40"})[1]))
+    Model of --set model_args, llama3-8b with 1 flag: 40 layers, hidden 4096, FFN 14336, 32 heads (8 KV), vocab 128,256 = 9.8B parameters
+    """
+    from mfsdp.tools.sbatch.schedule import planned
+
+    try:
+        name = planned(v)[2]
+    except ValueError:
+        name = f"model_args={v['model_args']!r}"
+    return f"Model of --set model_args, {name}"
 
 
 _SCHEDULE_KEYS = ("global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",

@@ -23,7 +23,7 @@ import shlex
 from dataclasses import dataclass
 
 __all__ = ["ACTIVATION_MODELS", "Schedule", "gpu_memory_gib", "over_memory", "schedule",
-           "schedule_lines", "recompute_phrase", "transformer_impl", "BF16_REDUCE_MAX_RANKS"]
+           "schedule_lines", "over_memory_fixes", "planned", "recompute_phrase", "transformer_impl", "BF16_REDUCE_MAX_RANKS"]
 
 BF16_REDUCE_MAX_RANKS = 64
 """The largest reduction group for which the guide's numerics page accepts bf16 gradient
@@ -91,27 +91,24 @@ def _without_impl(words: list[str]) -> list[str]:
     return out
 
 
-def _layout(v: dict):
-    """The planner's model and layout of resolved train values ``v``, or None where the planner
-    does not model the script's model (no ``--model-preset``, GELU MLPs or linear biases). A
+def planned(v: dict):
+    """The planner's model, layout and model phrase (:func:`mfsdp.tools.plan_model.model_phrase`)
+    of resolved train values ``v``: the model ``model_args`` builds (its preset and the flags
+    layered on it, as ``mfsdp plan PRESET --model-args`` plans it). ``ValueError`` (one line)
+    where the planner does not model it: no ``--model-preset``, GELU MLPs, linear biases. A
     Megatron-LM script is planned with the layer of :func:`transformer_impl` (Transformer
     Engine's unless it passes ``--transformer-impl local``), an mfsdp one with mfsdp train's."""
-    from mfsdp.tools.plan import Layout, ModelConfig, with_global_batch
-    from mfsdp.trainer.arguments import build_parser
-    from mfsdp.trainer.build import model_config
+    from mfsdp.tools.plan import Layout, with_global_batch
+    from mfsdp.tools.plan_model import planned_model
+    from mfsdp.tools.sbatch.checks import _model_preset
 
-    try:  # the model as the trainer builds it from model_args (a preset and its overrides)
-        words = shlex.split(v["model_args"])
-        if "--model-preset" not in words and not any(w.startswith("--model-preset=")
-                                                     for w in words):
-            return None
-        if v["trainer"] == "megatron-lm":
-            words = _without_impl(words)
-        cfg = model_config(build_parser().parse_args(words + ["--seq-length",
-                                                              str(v["seq_length"])]))
-        model = ModelConfig.from_gpt(cfg)
-    except (SystemExit, ValueError):
-        return None
+    words = shlex.split(v["model_args"])
+    if v["trainer"] == "megatron-lm":
+        words = _without_impl(words)
+    preset = _model_preset(v["model_args"])
+    if preset is None:
+        raise ValueError("model_args has no --model-preset NAME, the base its flags change")
+    model, name = planned_model(preset, words, seq_length=v["seq_length"])
     from mfsdp.tools.sbatch.checks import recompute_layout
 
     granularity, method, layers = recompute_layout(v.get("recompute", "none"))
@@ -124,7 +121,17 @@ def _layout(v: dict):
                     grad_comm_bytes=2 if v["grad_reduce_in_bf16"] else None,
                     transformer_impl=transformer_impl(v))
     # the render has refused a batch the data-parallel ranks x micro-batch do not divide
-    return model, with_global_batch(layout, v["global_batch_size"])
+    return model, with_global_batch(layout, v["global_batch_size"]), name
+
+
+def _layout(v: dict):
+    """:func:`planned`'s model and layout, or None where the planner does not model the
+    script's model."""
+    try:
+        model, layout, _ = planned(v)
+    except ValueError:
+        return None
+    return model, layout
 
 
 def recompute_phrase(v: dict, gpu_gib: float | None = None) -> str:
@@ -246,11 +253,17 @@ def _every(seconds: float) -> str:
 def schedule_lines(v: dict) -> list[str]:
     """What ``mfsdp sbatch render`` says of the schedule of resolved train values ``v``: its
     tokens, the planner's step time and the wall-clock, and the key that shortens it (no line
-    for a CPU job or a model the planner does not model)."""
+    for a CPU job; for a model the planner does not model, one line saying why)."""
     from mfsdp.tools.sbatch.checks import time_limit_seconds
 
     s = schedule(v)
     if s is None:
+        if not v.get("gpus_per_node"):
+            return []
+        try:
+            planned(v)
+        except ValueError as exc:  # say so: no memory check stands behind this script
+            return [f"mfsdp sbatch: not planned, so no schedule or memory check: {exc}"]
         return []
     device = gpu_memory_gib(v)
     gib, usable = s.peak_bytes / 2**30, device - 4
@@ -283,10 +296,43 @@ def schedule_lines(v: dict) -> list[str]:
     return lines
 
 
+def over_memory_fixes(v: dict) -> list[str]:
+    """The keys that would lower the planned peak of the train script of resolved values ``v``,
+    as the over-memory refusal lists them: only settings not applied already. First, when the
+    gradients are reduced in bf16, ``grad_reduce_in_bf16=false`` with what its cast copies cost
+    (the planner counts a bf16 copy of each gradient buffer in flight beside the fp32 one);
+    then TP or CP, full recomputation (unless every layer recomputes already) and more nodes.
+
+    >>> from mfsdp.tools.sbatch import resolve
+    >>> v = resolve("llama3-70b", {"nodes": "4", "tp": "1", "cp": "2", "recompute": "full",
+    ...                            "global_batch_size": "512", "allow_over_memory": "true"})[1]
+    >>> over_memory_fixes(v)  # doctest: +NORMALIZE_WHITESPACE
+    ['set grad_reduce_in_bf16=false (its bf16 copies of the gradient buffers in flight add
+      7.1 GiB: 69.1 GiB without)', 'raise tp or cp', 'add nodes']
+    """
+    from dataclasses import replace
+
+    from mfsdp.tools.plan import GiB, plan
+
+    fixes = []
+    planned_ = _layout(v)
+    if planned_ is not None and planned_[1].grad_comm_bytes is not None:
+        model, layout = planned_
+        with_bf16 = plan(model, layout).total
+        without = plan(model, replace(layout, grad_comm_bytes=None)).total
+        fixes.append(f"set grad_reduce_in_bf16=false (its bf16 copies of the gradient buffers in "
+                     f"flight add {(with_bf16 - without) / GiB:.1f} GiB: "
+                     f"{without / GiB:.1f} GiB without)")
+    fixes.append("raise tp or cp")
+    if v.get("recompute", "none") != "full":
+        fixes.append("set recompute=full")
+    return fixes + ["add nodes"]
+
+
 def over_memory(v: dict) -> str | None:
     """Why the train script of resolved values ``v`` does not fit its GPU, in one line naming
-    the keys that would make it fit, or None when it fits (or the planner does not model it:
-    a CPU job, a model without ``--model-preset``)."""
+    the keys that would make it fit (:func:`over_memory_fixes`), or None when it fits (or the
+    planner does not model it: a CPU job, a model without ``--model-preset``)."""
     s = schedule(v)
     if s is None:
         return None
@@ -294,8 +340,9 @@ def over_memory(v: dict) -> str | None:
     gib = s.peak_bytes / 2**30
     if gib <= device - 4:
         return None
+    fixes = over_memory_fixes(v)
     return (f"the planner's peak is {gib:.1f} GiB per GPU with "
             f"{ACTIVATION_MODELS[s.transformer_impl]}, over the {device - 4:g} GiB that "
-            f"gpu={v.get('gpu', 'h100')} ({device:g} GiB) leaves: raise tp or cp, set "
-            "recompute=full, or add nodes (mfsdp plan shows the terms); --set gpu=... names a "
-            "larger GPU, --set allow_over_memory=true renders it anyway")
+            f"gpu={v.get('gpu', 'h100')} ({device:g} GiB) leaves: "
+            + ", ".join(fixes[:-1]) + f", or {fixes[-1]} (mfsdp plan shows the terms); "
+            "--set gpu=... names a larger GPU, --set allow_over_memory=true renders it anyway")

@@ -1,0 +1,149 @@
+"""Planning your own model: ``mfsdp plan PRESET --model-args`` and ``mfsdp sbatch render --set
+model_args=...`` plan the model the trainer's flags build (mfsdp.tools.plan_model).
+
+The reference is the real module: :class:`mfsdp.models.gpt.GPT` built on the meta device from
+the preset's config with the same fields set directly (not through the flag parser), its
+parameters counted with ``numel``."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mfsdp.tools import sbatch
+from mfsdp.tools.plan import GiB, plan
+from mfsdp.tools.plan_model import planned_model
+
+THIRTEEN_B = ("--num-layers 40 --hidden-size 5120 --ffn-hidden-size 13824 "
+              "--num-attention-heads 40")
+
+
+def _numel(preset: str, **fields) -> tuple[int, int]:
+    """(dense, expert) parameters of the GPT module of ``preset`` with ``fields`` replaced,
+    built on the meta device."""
+    from mfsdp.models.gpt import GPT, GPT_PRESETS
+
+    with torch.device("meta"):
+        model = GPT(replace(GPT_PRESETS[preset], **fields))
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return sum(p.numel() for p in model.parameters()) - expert, expert
+
+
+@pytest.mark.parametrize("preset, flags, fields", [
+    ("llama3-8b", THIRTEEN_B, dict(num_layers=40, hidden_size=5120, ffn_hidden_size=13824,
+                                   num_attention_heads=40)),
+    ("llama3-8b", "--num-layers 3 --hidden-size 1024 --num-attention-heads 16 "
+                  "--group-query-attention --num-query-groups 4 --ffn-hidden-size 2816 "
+                  "--untie-embeddings-and-output-weights --vocab-size 32000",
+     dict(num_layers=3, hidden_size=1024, num_attention_heads=16, num_query_groups=4,
+          ffn_hidden_size=2816, vocab_size=32000)),
+    ("deepseek-proxy", "--num-layers 4 --num-experts 16 --moe-router-topk 4 "
+                       "--moe-ffn-hidden-size 48 --moe-shared-expert-intermediate-size 96",
+     dict(num_layers=4, num_experts=16, moe_router_topk=4, moe_ffn_hidden_size=48,
+          moe_shared_expert_intermediate_size=96)),
+])
+def test_the_flags_plan_the_parameters_of_the_module_they_build(preset, flags, fields):
+    model, text = planned_model(preset, flags)
+    dense, expert = model.param_counts()
+    assert (dense, expert) == _numel(preset, **fields)
+    assert (expert > 0) == bool(model.num_experts)
+    n = sum(w.startswith("--") for w in shlex.split(flags))
+    assert text.startswith(f"{preset} with {n} flags: {model.num_layers} layers, "
+                           f"hidden {model.hidden}, ")
+
+
+def test_the_cli_plans_the_flags_and_names_the_model(capsys):
+    from mfsdp.tools.plan_cli import build_parser, run
+
+    assert run(build_parser().parse_args(["llama3-8b", "--model-args", THIRTEEN_B])) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == ("llama3-8b with 4 flags: 40 layers, hidden 5120, FFN 13824, 40 heads "
+                     "(8 KV), vocab 128,256 = 12.3B parameters; 8 ranks, optim_grads_params")
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--normalization LayerNorm", "this model has LayerNorm (--normalization RMSNorm): add "
+                                  "those flags"),
+    ("--seq-length 8192", "--seq-length is not one of mfsdp train's model or MoE flags"),
+    ("--num-layers many", "argument --num-layers: 'many' is not an integer"),
+])
+def test_a_model_the_planner_cannot_plan_is_one_line_naming_the_fix(flags, message):
+    from mfsdp.tools.plan_cli import build_parser, run
+
+    with pytest.raises(SystemExit) as err:
+        run(build_parser().parse_args(["llama3-8b", "--model-args", flags]))
+    text = str(err.value)
+    assert text.startswith("mfsdp plan: --model-args: ") and "\n" not in text
+    assert message in text, text
+
+
+def _peak(lines: list[str]) -> float:
+    (line,) = [x for x in lines if "memory: the planner's peak is" in x]
+    return float(re.search(r"peak is ([\d.]+) GiB", line).group(1))
+
+
+@pytest.mark.parametrize("model_args", [THIRTEEN_B, "--model-preset llama3-8b " + THIRTEEN_B])
+def test_model_args_in_a_render_change_its_memory_line_as_mfsdp_plan_does(model_args, capsys):
+    """The preset renders 16 GPUs, CP 2, 8,192 tokens, a global batch of 512 and bf16
+    reduction; mfsdp plan with those flags and --model-args prints the render's peak."""
+    from mfsdp.tools.plan_cli import build_parser, run
+    from mfsdp.tools.sbatch.schedule import schedule_lines
+
+    from mfsdp.tools.sbatch.header import describe
+
+    p, v = sbatch.resolve("llama3-8b", {"model_args": model_args})
+    assert v["model_args"] == "--model-preset llama3-8b " + THIRTEEN_B  # layered on the preset
+    rendered = _peak(schedule_lines(v))
+    assert rendered != _peak(schedule_lines(sbatch.resolve("llama3-8b")[1]))
+    run(build_parser().parse_args([
+        "llama3-8b", "--model-args", THIRTEEN_B, "--world-size", "16",
+        "--context-parallel-size", "2", "--seq-length", "8192", "--global-batch-size", "512",
+        "--grad-reduce-in-bf16"]))
+    (total,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("total ")]
+    assert rendered == round(float(total.split()[1]), 1)
+    # the script's first comment names the rendered model, not the preset's text
+    header = describe(p, v)
+    assert header.startswith("Model of --set model_args, llama3-8b with 4 flags: 40 layers")
+    assert "Llama-3-8B" not in header
+
+
+def test_a_model_args_the_planner_does_not_model_says_so():
+    from mfsdp.tools.sbatch.schedule import schedule_lines
+
+    v = sbatch.resolve("llama3-8b", {"model_args": "--normalization LayerNorm"})[1]
+    (line,) = schedule_lines(v)
+    assert line.startswith("mfsdp sbatch: not planned, so no schedule or memory check: ")
+    assert "--normalization RMSNorm" in line
+
+
+_ROW = {"nodes": "4", "tp": "1", "cp": "2", "global_batch_size": "512"}
+
+
+@pytest.mark.parametrize("overrides, fixes", [
+    # the layouts page's 70B H100 row without its grad_reduce_in_bf16=false
+    ({"recompute": "full"}, ["set grad_reduce_in_bf16=false", "raise tp or cp", "add nodes"]),
+    ({"recompute": "none", "grad_reduce_in_bf16": "false"},
+     ["raise tp or cp", "set recompute=full", "add nodes"]),
+    ({"recompute": "block:40"},
+     ["set grad_reduce_in_bf16=false", "raise tp or cp", "set recompute=full", "add nodes"]),
+])
+def test_the_over_memory_refusal_suggests_only_settings_not_applied(overrides, fixes):
+    from mfsdp.tools.sbatch.schedule import over_memory_fixes
+
+    v = sbatch.resolve("llama3-70b", dict(_ROW, **overrides))[1]
+    got = over_memory_fixes(v)
+    assert [f.split(" (")[0] for f in got] == fixes
+    with pytest.raises(sbatch.RenderError) as err:
+        sbatch.render("llama3-70b", dict(_ROW, **overrides))
+    assert ", ".join(got[:-1]) + f", or {got[-1]}" in str(err.value)
+    if "grad_reduce_in_bf16=false" in got[0]:  # its cost is the plan's difference
+        from mfsdp.tools.sbatch.schedule import _layout
+
+        model, layout = _layout(v)
+        extra = (plan(model, layout).total
+                 - plan(model, replace(layout, grad_comm_bytes=None)).total) / GiB
+        assert f"add {extra:.1f} GiB" in got[0]
