@@ -76,8 +76,9 @@ def _trainer_page_sample() -> tuple[str, str]:
     page = (Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text()
     block = page.split("```text\n", 1)[1].split("```", 1)[0]
     lines = block.replace("\n  ", " ").splitlines()
-    assert len(lines) == 2 and lines[0].startswith("mfsdp train: 2 ranks"), lines
-    return lines[0], lines[1].replace("20/20", "12/12")
+    assert len(lines) >= 2 and lines[0].startswith("mfsdp train: 2 ranks"), lines
+    assert all(line.startswith("iteration ") for line in lines[1:]), lines
+    return lines[0], lines[-1].replace("20/20", "12/12")
 
 
 @functools.lru_cache(maxsize=None)
