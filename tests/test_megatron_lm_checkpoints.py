@@ -490,7 +490,8 @@ def test_trainer_resumes_a_megatron_lm_checkpoint(tmp_path):
                    "--hidden-size", str(c["hidden_size"]), "--ffn-hidden-size",
                    str(c["ffn_hidden_size"]), "--num-attention-heads",
                    str(c["num_attention_heads"]), "--vocab-size", str(c["vocab_size"]),
-                   "--norm-epsilon", "1e-5", "--rotary-base", str(c["rotary_base"])]
+                   "--norm-epsilon", "1e-5", "--rotary-base", str(c["rotary_base"]),
+                   "--untie-embeddings-and-output-weights"]
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "mfsdp.train", "--use-megatron-fsdp", "--train-iters", "3", "--mock-data",
            "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
@@ -899,7 +900,7 @@ def test_trainer_resumes_an_expert_parallel_checkpoint_at_ep2(tmp_path):
              str(c["moe_router_topk_scaling_factor"]), "--moe-router-num-groups",
              str(c["moe_router_num_groups"]), "--moe-router-group-topk",
              str(c["moe_router_group_topk"]), "--moe-router-enable-expert-bias",
-             "--moe-aux-loss-coeff", "0"]
+             "--moe-aux-loss-coeff", "0", "--untie-embeddings-and-output-weights"]
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "mfsdp.train", "--use-megatron-fsdp", "--train-iters", "3", "--mock-data",
            "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",

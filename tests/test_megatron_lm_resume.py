@@ -95,7 +95,7 @@ TRAIN = ["-m", "mfsdp.train", "--use-megatron-fsdp", "--train-iters", "3", "--mo
          "--group-query-attention", "--num-query-groups", "2", "--num-layers", "2",
          "--hidden-size", "64", "--ffn-hidden-size", "176", "--num-attention-heads", "4",
          "--vocab-size", "256", "--norm-epsilon", "1e-5", "--rotary-base", "10000",
-         "--save-interval", "1"]
+         "--untie-embeddings-and-output-weights", "--save-interval", "1"]
 
 
 @pytest.mark.slow
@@ -260,3 +260,115 @@ def test_a_model_config_with_another_head_count_is_refused(tmp_path):
                                               "num_attention_heads=4"):
         megatron_lm_to_fsdp(DDP_ADAM, tmp_path / "m", cfg.to_dict(), progress=False)
     assert not (tmp_path / "m").exists()
+
+
+# --- mfsdp train --load of Megatron-LM's directory: the model from its saved arguments
+
+RESUME = ["--use-megatron-fsdp", "--train-iters", "3", "--mock-data", "--seq-length", "16",
+          "--micro-batch-size", "1", "--global-batch-size", "2", "--log-interval", "1",
+          "--use-checkpoint-opt_param-scheduler"]
+
+
+def _train_log(load: Path, log: Path, *more: str) -> tuple[dict, str]:
+    """``mfsdp train --load LOAD`` on one rank with no model flags (``more``: the optimizer's):
+    the ``--log-jsonl`` record of its one iteration, and its output."""
+    import json
+
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "1", "-m", "mfsdp.train", *RESUME, "--load", str(load), "--log-jsonl", str(log),
+           *more]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [3], records
+    return records[0], out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture,optimizer", [
+    ("optim/adam-ddp", []),
+    ("trajectory/ddp-sgd", ["--optimizer", "sgd", "--sgd-momentum", "0.9"])])
+def test_direct_load_reads_the_model_from_the_saved_arguments(fixture, optimizer, tmp_path):
+    """``mfsdp train --load`` of a directory megatron-core wrote, with no model flags, builds the
+    model its saved arguments name (the log calls it ``llama``, not the default ``gpt-tiny``)
+    and runs iteration 3 with the loss and learning rate of the documented path, ``mfsdp
+    convert`` then ``--load`` of the result (Adam: the ``lr 8.68e-04`` of the guide's page)."""
+    from mfsdp.cli import main
+
+    load = tmp_path / "megatron"
+    shutil.copytree(FIXTURE / fixture, load)
+    assert main(["convert", "--from", "torch_dist", "--to", "fsdp_dtensor", "--no-progress",
+                 str(load), str(tmp_path / "converted")]) == 0
+    direct, out = _train_log(load, tmp_path / "direct.jsonl", *optimizer)
+    converted, _ = _train_log(tmp_path / "converted", tmp_path / "converted.jsonl", *optimizer)
+    assert "resumed from iteration 2" in out and "model llama (2 layers, hidden 64" in out, out
+    assert "gpt-tiny" not in out and "win over" not in out, out
+    assert (direct["loss"], direct["lr"]) == (converted["loss"], converted["lr"])
+    if not optimizer:
+        assert f"{direct['lr']:.2e}" == "8.68e-04"
+
+
+def _model(capsys, *argv) -> tuple[object, str]:
+    """``mfsdp train``'s model for ``argv`` (the GPTConfig, or the SystemExit's line) and what
+    it printed."""
+    from mfsdp.trainer.arguments import build_parser
+    from mfsdp.trainer.build import model_config
+
+    try:
+        cfg = model_config(build_parser().parse_args(["--use-megatron-fsdp", *map(str, argv)]))
+    except SystemExit as exc:
+        cfg = str(exc)
+    return cfg, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fixture", ["optim/adam-ddp", "trajectory/fsdp-dtensor"])
+def test_the_model_is_the_one_convert_reads(fixture, capsys):
+    """Without model flags, ``--load`` of a ``torch_dist`` or ``fsdp_dtensor`` directory gives
+    the model ``mfsdp convert`` reads from the same saved arguments, and prints nothing."""
+    from mfsdp.checkpoint.detect import megatron_lm_backend, resolve_megatron_lm
+    from mfsdp.checkpoint.megatron_common import config_from_megatron_args
+    from mfsdp.checkpoint.megatron_lm import saved_arguments
+    from mfsdp.trainer.build import model_family
+
+    directory = resolve_megatron_lm(FIXTURE / fixture)[0]
+    want = config_from_megatron_args(saved_arguments(directory,
+                                                     megatron_lm_backend(directory)))
+    cfg, out = _model(capsys, "--load", FIXTURE / fixture, "--seq-length", "16")
+    assert cfg.to_dict() == want and out == ""
+    assert model_family(None, cfg, str(FIXTURE / fixture)) != "gpt-tiny"
+
+
+def test_a_flag_against_the_saved_arguments_is_named_in_one_line(capsys):
+    """A model flag given on the command line wins over the saved argument; where they differ,
+    one line names the flag and the saved value. Flags that agree print nothing."""
+    cfg, out = _model(capsys, "--load", DDP_ADAM, "--norm-epsilon", "1e-6", "--num-layers", "2")
+    assert cfg.norm_epsilon == 1e-6
+    assert out.splitlines() == [
+        f"--load {DDP_ADAM}: the model flags given win over its saved Megatron-LM arguments: "
+        "--norm-epsilon 1e-06 (saved norm_epsilon=1e-05)"], out
+    cfg, out = _model(capsys, "--load", DDP_ADAM, *TRAIN[TRAIN.index("--normalization"):-2])
+    assert out == "" and cfg.num_layers == 2
+
+
+def test_a_checkpoint_without_arguments_names_the_flags(capsys):
+    """``ckpt/`` saved no arguments: ``--load`` alone stops in one line naming the flags; the
+    sizes still missing after some are given; with them all it is the model they name (the log
+    calls it by its family)."""
+    from mfsdp.trainer.build import model_family
+
+    src = FIXTURE / "ckpt"
+    line, _ = _model(capsys, "--load", src)
+    assert line == (f"mfsdp train: --load {src}: {src / 'iter_0000007'} saved no Megatron-LM "
+                    "arguments; name its model with --num-layers, --hidden-size, "
+                    "--num-attention-heads, --vocab-size and the flags of its architecture "
+                    "(--swiglu, --normalization, --position-embedding-type, ...), or "
+                    "--model-preset")
+    line, _ = _model(capsys, "--load", src, *MODEL)
+    assert "name its model with --num-attention-heads and the flags" in line, line
+    cfg, out = _model(capsys, "--load", src, *MODEL, "--num-attention-heads", "4")
+    assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.swiglu) == (4, 2, True)
+    assert out == "" and model_family(None, cfg, str(src)) == "llama"
+    line, _ = _model(capsys, "--load", FIXTURE / "optim" / "adam")  # arguments without a size
+    assert line.endswith("lack padded_vocab_size (--vocab-size); pass those flags, or "
+                         "--model-preset"), line

@@ -62,7 +62,7 @@ from mfsdp.checkpoint.megatron_schedule import (carry_into_args, scheduler_in_it
 
 __all__ = ["FORMAT", "fsdp_to_megatron_lm", "is_megatron_lm", "load_megatron_lm",
            "megatron_lm_to_fsdp", "not_carried_line", "mfsdp_name", "read_common_state", "resolve_megatron_lm",
-           "write_iteration"]
+           "saved_arguments", "write_iteration"]
 
 FORMAT = "megatron_lm_torch_dist"
 
@@ -179,11 +179,7 @@ def _megatron_lm_model_config(directory: Path, backend: str, model_config: dict 
     trainer's names) merged in or applied on top; a ``CheckpointError`` names the flags of
     what neither tells."""
     flags = model_flags or {}
-    if backend == "torch_dist":
-        args = read_common_state(directory).get("args")
-    else:
-        source = DCPSource(directory)
-        args = source.object("args", SAFE_TYPES) if "args" in source.blob_keys else None
+    args = saved_arguments(directory, backend)
     if model_config is not None:
         model_config = _config_with_flags(model_config, flags)
         # the one dimension the shapes cannot check: a job's config must agree with the args
@@ -201,6 +197,16 @@ def _megatron_lm_model_config(directory: Path, backend: str, model_config: dict 
                               "--model-preset or --model-config")
     return config_from_megatron_args(merge_model_flags(args, flags, str(directory)),
                                      str(directory))
+
+
+def saved_arguments(directory: Path, backend: str):
+    """The ``args`` namespace Megatron-LM saved in the iteration directory ``directory`` of
+    format ``backend`` (``torch_dist``: in its common state; ``fsdp_dtensor``: its ``args``
+    entry), or ``None`` where it saved none."""
+    if backend == "torch_dist":
+        return read_common_state(directory).get("args")
+    source = DCPSource(directory)
+    return source.object("args", SAFE_TYPES) if "args" in source.blob_keys else None
 
 
 def _config_with_flags(model_config: dict, flags: dict) -> dict:

@@ -16,6 +16,8 @@ from mfsdp.models.config import GPTConfig
 from mfsdp.config import MixedPrecisionPolicy
 from mfsdp.trainer.config import (DTYPES, ModelConfig, MoEConfig, PrecisionConfig, TrainConfig,
                                   TrainingConfig)
+from mfsdp.trainer.saved_model import (flags_against_saved, megatron_lm_checkpoint,
+                                       megatron_lm_model)
 from mfsdp.trainer.state import LRScheduler
 
 
@@ -52,16 +54,23 @@ def model_config(config: TrainConfig | argparse.Namespace):
     if isinstance(config, argparse.Namespace):
         config = TrainConfig.from_args(config, logging=False)
     model, data = config.model, config.data
-    saved = saved_config(config.checkpoint.load)
+    load = config.checkpoint.load
+    saved = saved_config(load)
+    # a Megatron-LM checkpoint: the model its saved arguments name (as mfsdp convert reads them)
+    megatron = None if model.model_preset or saved is not None else megatron_lm_model(load, model)
     if model.model_preset:
         base = GPT_PRESETS[model.model_preset]
     elif saved is not None:
         base = GPTConfig.from_dict(saved)
+    elif megatron is not None:
+        base, saved = megatron[0], megatron[0].to_dict()
     else:
         base = GPT_PRESETS[DEFAULT_MODEL_PRESET]
     try:
         cfg = overridden_config(base, model, config.moe)
-        if model.max_position_embeddings is None and \
+        if megatron is not None:
+            _note_flags_against_saved(load, *megatron, cfg)
+        if model.max_position_embeddings is None and megatron is None and \
                 cfg.position_embedding_type == "learned_absolute":
             # indexed-dataset samples hold seq_length + 1 tokens (inputs and the last label)
             indexed = bool(data.data_path) and any(is_indexed_prefix(p) for p in data.data_path)
@@ -82,6 +91,18 @@ def model_config(config: TrainConfig | argparse.Namespace):
         return cfg
     except ValueError as e:  # an inconsistent combination of model flags
         raise SystemExit(f"mfsdp train: {e}") from None
+
+
+def _note_flags_against_saved(load: str, saved: GPTConfig, held: frozenset[str],
+                              cfg: GPTConfig) -> None:
+    """One line (rank 0) naming the model flags that differ from the Megatron-LM arguments saved
+    in ``load`` (``held``: the fields they hold; the flags win), where any does."""
+    import torch.distributed as dist
+
+    differ = flags_against_saved(saved, held, cfg)
+    if differ and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"--load {load}: the model flags given win over its saved Megatron-LM arguments: "
+              f"{differ}", flush=True)
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int = 1) -> int:
@@ -133,13 +154,15 @@ def model_family(model_preset: str | None, cfg: GPTConfig, load: str | None = No
     """What the log calls the model: the ``--model-preset`` passed; without one, the default
     preset's name (``gpt-tiny``, what :func:`model_config` builds) unless ``load`` holds a
     model config: then the preset that config is, up to the sizes the run sets (a resumed run
-    of the default says ``gpt-tiny`` again), else its Hugging Face family (``gpt`` when it has none)."""
+    of the default says ``gpt-tiny`` again), else its Hugging Face family (``gpt`` when it has none).
+    A Megatron-LM checkpoint's model (its saved arguments, or the model flags) is named the same
+    way, never after the default preset."""
     from mfsdp.models.gpt import GPT_PRESETS
     from mfsdp.models.hf import UnsupportedModel, hf_model_type
 
     if model_preset:
         return model_preset
-    if saved_config(load) is None:
+    if saved_config(load) is None and megatron_lm_checkpoint(load) is None:
         return DEFAULT_MODEL_PRESET
     # (the sizes the trainer sets from the run: the sequence length's and the tokenizer's)
     same = [name for name, preset in GPT_PRESETS.items() if replace(
