@@ -345,12 +345,14 @@ def _pool_worker(workdir: Path, rank: int, job: _Job) -> int:
 
 
 class RankPool:
-    """``world_size`` ranks that run one function after another: :func:`launch` for many calls,
-    with the ranks' start-up paid once (``with RankPool(2) as pool: pool.run(fn, args=...)``).
+    """``world_size`` ranks that run one function after another: :func:`~mfsdp.launch.launch`
+    for many calls, with the ranks' start-up paid once
+    (``with RankPool(2) as pool: pool.run(fn, args=...)``).
 
     A call that raises on some rank or times out ends the ranks (their state is unknown); the
-    next :meth:`run` starts fresh ones. :attr:`fresh` says whether the running ranks have run
-    nothing yet, for a caller that reruns a failure in ranks that ran nothing before it.
+    next :meth:`~mfsdp.launch.RankPool.run` starts fresh ones.
+    :attr:`~mfsdp.launch.RankPool.fresh` says whether the running ranks have run nothing yet,
+    for a caller that reruns a failure in ranks that ran nothing before it.
     """
 
     def __init__(self, world_size: int, *, backend: str | None = "gloo",
@@ -373,10 +375,12 @@ class RankPool:
 
     def run(self, fn: Callable | str, args: tuple = (), kwargs: dict | None = None, *,
             timeout: float = 300.0) -> list[Any]:
-        """``fn(*args, **kwargs)`` on every rank; the results in rank order (as :func:`launch`).
+        """``fn(*args, **kwargs)`` on every rank; the results in rank order (as
+        :func:`~mfsdp.launch.launch`).
 
-        Raises :class:`RankError` or :class:`LaunchTimeout` as :func:`launch` does; the ranks
-        are then ended and the next call starts new ones."""
+        Raises :class:`~mfsdp.launch.RankError` or :class:`~mfsdp.launch.LaunchTimeout` as
+        :func:`~mfsdp.launch.launch` does; the ranks are then ended and the next call starts
+        new ones."""
         target = _target_name(fn)
         if not self._procs or any(p.poll() is not None for p in self._procs):
             self._stop()
