@@ -108,3 +108,16 @@ def shutdown(barrier: bool = True, exit_code: int | None = None) -> None:
                 except (OSError, ValueError):
                     pass
             os._exit(exit_code)
+
+
+def proc_status_mib(field: str) -> float | None:
+    """A memory line of this process's ``/proc/self/status`` (``"VmRSS"``, ``"VmHWM"``) in
+    MiB; ``None`` where ``/proc`` does not give it (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None

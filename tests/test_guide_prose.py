@@ -107,23 +107,32 @@ def test_no_paragraph_over_120_words(page):
 CODE_WIDTH = 88
 
 
-def long_code_lines(text: str) -> list[tuple[int, int]]:
-    """``(line number, length)`` of every line of a fenced code, output or doctest block of a
-    MyST page that is wider than ``CODE_WIDTH`` (diagrams excepted: they scale to the column)."""
-    out = []
+def walk_blocks(text: str):
+    """``(line number, line, kind)`` for every line of a MyST page but the code fences' own:
+    ``kind`` is the code, output or doctest block's language or directive (``"python"``,
+    ``"mermaid"``, ...) for a line inside one, ``None`` for prose (admonitions are prose)."""
     fence: str | None = None
+    kind = None
     for number, line in enumerate(text.splitlines(), 1):
         stripped = line.strip()
         if fence is not None:
             if stripped.startswith(fence) and stripped.strip("`~") == "":
                 fence = None
-            elif len(line) > CODE_WIDTH and kind != "mermaid":
-                out.append((number, len(line)))
+            else:
+                yield number, line, kind
             continue
         m = CODE_FENCE.match(line)
         if m and (m.group("directive") or "").lower() not in PROSE_DIRECTIVES:
             fence, kind = m.group(2), (m.group("directive") or stripped.strip("`~ ")).lower()
-    return out
+            continue
+        yield number, line, None
+
+
+def long_code_lines(text: str) -> list[tuple[int, int]]:
+    """``(line number, length)`` of every line of a fenced code, output or doctest block of a
+    MyST page that is wider than ``CODE_WIDTH`` (diagrams excepted: they scale to the column)."""
+    return [(number, len(line)) for number, line, kind in walk_blocks(text)
+            if kind is not None and kind != "mermaid" and len(line) > CODE_WIDTH]
 
 
 def recipe_code_lines(text: str) -> list[tuple[int, int]]:
@@ -284,23 +293,10 @@ def page_titles() -> dict[str, str]:
 def bare_refs_to_punctuated_titles(text: str, titles: dict[str, str]) -> list[tuple[int, str]]:
     """``(line number, target)`` of each {doc} reference outside code blocks that has no text
     of its own and points to a page whose title holds "?" or ":"."""
-    out = []
-    fence: str | None = None
-    for number, line in enumerate(text.splitlines(), 1):
-        stripped = line.strip()
-        if fence is not None:
-            if stripped.startswith(fence) and stripped.strip("`~") == "":
-                fence = None
-            continue
-        m = CODE_FENCE.match(line)
-        if m and (m.group("directive") or "").lower() not in PROSE_DIRECTIVES:
-            fence = m.group(2)
-            continue
-        for ref in BARE_DOC_REF.finditer(line):
-            target = ref["target"].strip().lstrip("/")
-            if any(mark in titles.get(target, "") for mark in "?:"):
-                out.append((number, target))
-    return out
+    return [(number, ref["target"].strip().lstrip("/"))
+            for number, line, kind in walk_blocks(text) if kind is None
+            for ref in BARE_DOC_REF.finditer(line)
+            if any(mark in titles.get(ref["target"].strip().lstrip("/"), "") for mark in "?:")]
 
 
 def test_a_bare_ref_to_a_punctuated_title_is_found():

@@ -205,14 +205,10 @@ def reset_peak_rss() -> bool:
 def peak_rss_mib() -> float:
     """Peak resident memory in MiB since :func:`reset_peak_rss` (``VmHWM``), or over the whole
     process (``getrusage``) where ``/proc`` does not give it."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from mfsdp.runtime import proc_status_mib
+
+    peak = proc_status_mib("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_layout(s: Settings, layout: Layout) -> dict[str, Any]:

@@ -244,15 +244,11 @@ def routers_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def rss_mib() -> float:
-    """This process's resident memory now (VmRSS), in MiB."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+    """This process's resident memory now (VmRSS), in MiB (NaN where /proc does not give it)."""
+    from mfsdp.runtime import proc_status_mib
+
+    rss = proc_status_mib("VmRSS")
+    return float("nan") if rss is None else rss
 
 
 def flops_per_token(cfg: GPTConfig, seq_length: int) -> float:
