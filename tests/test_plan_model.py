@@ -147,3 +147,25 @@ def test_the_over_memory_refusal_suggests_only_settings_not_applied(overrides, f
         extra = (plan(model, layout).total
                  - plan(model, replace(layout, grad_comm_bytes=None)).total) / GiB
         assert f"add {extra:.1f} GiB" in got[0]
+
+
+def test_a_render_of_model_args_warns_when_it_keeps_the_presets_job_name_and_save(capsys,
+                                                                                  tmp_path):
+    """Through the CLI: the preset's job name (its singleton chain) and save directory kept
+    with another model are named on stderr; setting both silences it; no model_args, no
+    warning."""
+    from mfsdp.cli import main
+
+    out = str(tmp_path / "a.sbatch")
+    assert main(["sbatch", "render", "llama3-8b", "--output", out,
+                 "--set", f"model_args={THIRTEEN_B}"]) == 0
+    err = capsys.readouterr().err
+    assert ("model_args changes the model, but the job keeps the preset's job_name "
+            "(mfsdp-llama3-8b, its singleton chain) and save (") in err
+    assert main(["sbatch", "render", "llama3-8b", "--output", out,
+                 "--set", f"model_args={THIRTEEN_B}", "--set", "job_name=mfsdp-13b",
+                 "--set", "save=checkpoints/13b"]) == 0
+    assert "model_args changes the model" not in capsys.readouterr().err
+    assert main(["sbatch", "render", "llama3-8b", "--output", out]) == 0
+    assert "model_args changes the model" not in capsys.readouterr().err
+    assert "#SBATCH --job-name=mfsdp-llama3-8b" in open(out).read()

@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     if PRESETS[args.preset].template == "train":  # how long the schedule takes (not a CPU job)
         from mfsdp.tools.sbatch.schedule import schedule_lines
 
-        for line in schedule_lines(resolve(args.preset, overrides)[1]):
+        values = resolve(args.preset, overrides)[1]
+        for line in schedule_lines(values) + shared_with_preset(values, overrides):
             print(line, file=sys.stderr)
     if args.output:
         Path(args.output).write_text(text)
@@ -179,6 +180,35 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def shared_with_preset(values: dict, overrides: dict) -> list[str]:
+    """The warning for a render whose ``model_args`` change the preset's model but that keeps
+    the preset's job name (its singleton chain) or checkpoint directory: the job would queue
+    behind, and resume from, the preset's own job. ``[]`` otherwise.
+
+    >>> print(*shared_with_preset({"job_name": "mfsdp-llama3-8b", "save": "ckpt/llama3-8b"},
+    ...                           {"model_args": "--num-layers 40"}))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    mfsdp sbatch: model_args changes the model, but the job keeps the preset's job_name
+      (mfsdp-llama3-8b, its singleton chain) and save (ckpt/llama3-8b): set --set
+      job_name=NAME --set save=DIR, or it queues behind and resumes from the preset's job
+    >>> shared_with_preset({"job_name": "j13b", "save": "ckpt/13b"},
+    ...                    {"model_args": "--num-layers 40", "job_name": "j13b",
+    ...                     "save": "ckpt/13b"})
+    []
+    """
+    if not overrides.get("model_args"):
+        return []
+    kept = [f"{key} ({values[key]}{', its singleton chain' if key == 'job_name' else ''})"
+            for key in ("job_name", "save") if key not in overrides and values.get(key)]
+    if not kept:
+        return []
+    keys = " ".join(f"--set {k.split()[0]}={'NAME' if k.startswith('job') else 'DIR'}"
+                    for k in kept)
+    return [f"mfsdp sbatch: model_args changes the model, but the job keeps the preset's "
+            f"{' and '.join(kept)}: set {keys}, or it queues behind and resumes from the "
+            "preset's job"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,7 +109,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.group_query_attention != bool(self.num_query_groups):
             raise ValueError("--group-query-attention and --num-query-groups go together (as in "
-                             "Megatron-LM): pass both, or neither for multi-head attention")
+                             "Megatron-LM): pass both; for multi-head attention, as many query "
+                             "groups as heads (a preset's grouped-query attention stays when "
+                             "neither is given)")
 
 
 @dataclass(kw_only=True, frozen=True)
