@@ -169,3 +169,20 @@ def test_a_render_of_model_args_warns_when_it_keeps_the_presets_job_name_and_sav
     assert main(["sbatch", "render", "llama3-8b", "--output", out]) == 0
     assert "model_args changes the model" not in capsys.readouterr().err
     assert "#SBATCH --job-name=mfsdp-llama3-8b" in open(out).read()
+
+
+def test_model_args_experts_set_num_experts_and_a_different_key_is_refused():
+    """ep > 1 on a dense preset made MoE by model_args renders with the flags' experts (the
+    script's --num-experts and the layout's split agree); a num_experts key that disagrees
+    with the flags is one line naming both."""
+    flags = "--num-experts 16 --moe-ffn-hidden-size 4096 --moe-router-topk 2"
+    _, v = sbatch.resolve("llama3-8b", {"model_args": flags, "ep": "8"})
+    assert v["num_experts"] == 16
+    text = sbatch.render("llama3-8b", {"model_args": flags, "ep": "8"})
+    assert "--num-experts 16" in text and "--expert-model-parallel-size 8" in text
+    with pytest.raises(sbatch.RenderError, match=r"--set num_experts=8 but model_args has "
+                       r"--num-experts 16: drop num_experts"):
+        sbatch.resolve("llama3-8b", {"model_args": flags, "num_experts": "8", "ep": "8"})
+    # no --num-experts in the flags: the preset's experts stay
+    assert sbatch.resolve("deepseek-v3", {"model_args": "--num-layers 8"})[1][
+        "num_experts"] == 256

@@ -32,6 +32,29 @@ def _parse(key: str, raw: str) -> object:
     return value
 
 
+def _num_experts(model_args: str) -> int | None:
+    """The ``--num-experts`` of a ``model_args`` string (its last), ``None`` without one.
+
+    >>> _num_experts("--model-preset deepseek-v3 --num-experts 64 --num-layers 4")
+    64
+    """
+    import shlex
+
+    words = shlex.split(model_args)
+    found = None
+    for i, word in enumerate(words):
+        if word == "--num-experts" and i + 1 < len(words):
+            found = words[i + 1]
+        elif word.startswith("--num-experts="):
+            found = word.split("=", 1)[1]
+    if found is None:
+        return None
+    try:
+        return int(found)
+    except ValueError:
+        raise RenderError(f"model_args: --num-experts {found!r} is not a whole number") from None
+
+
 def resolve(preset: str, overrides: dict[str, str] | None = None) -> tuple[Preset, dict]:
     """The preset and its values with ``overrides`` (strings, as given to ``--set``) applied and
     checked: types, choices, values Slurm or the trainer would refuse, and that the ranks split
@@ -39,7 +62,8 @@ def resolve(preset: str, overrides: dict[str, str] | None = None) -> tuple[Prese
     ``micro_batches`` (gpu-smoke) scales a global batch not given with ``--set``: it is
     micro_batch_size x data-parallel ranks x micro_batches. A ``model_args`` without
     ``--model-preset`` is layered on the preset's own ``--model-preset`` (the flags change the
-    preset's model, as ``mfsdp plan PRESET --model-args`` does).
+    preset's model, as ``mfsdp plan PRESET --model-args`` does); its ``--num-experts`` sets
+    ``num_experts``.
 
     >>> resolve("gpu-smoke", {"nodes": "2"})[1]["global_batch_size"]
     16
@@ -69,6 +93,13 @@ def resolve(preset: str, overrides: dict[str, str] | None = None) -> tuple[Prese
         # flags alone change the preset's model, as mfsdp plan PRESET --model-args does (the
         # trainer's own base without a preset is a GPT-2-style model nothing here plans)
         values["model_args"] = f"--model-preset {own} {parsed['model_args']}".strip()
+    if "model_args" in parsed:  # the experts the flags give are the experts the layout splits
+        given = _num_experts(parsed["model_args"])
+        if given is not None and "num_experts" in parsed and parsed["num_experts"] != given:
+            raise RenderError(f"--set num_experts={parsed['num_experts']} but model_args has "
+                              f"--num-experts {given}: drop num_experts (it follows model_args)")
+        if given is not None:
+            values["num_experts"] = given
     if p.micro_batches and "global_batch_size" not in parsed:  # scales with the ranks
         ranks = values["nodes"] * values["ranks_per_node"]
         dp = max(ranks // (values["tp"] * values["cp"]), 1)

@@ -51,7 +51,7 @@ SCHEMA: dict[str, tuple[type, str]] = {
     "cp": (int, "--context-parallel-size"),
     "distributed_timeout_minutes": (float, "--distributed-timeout-minutes: how long a collective "
                                            "waits before the job stops with a hang report"),
-    "num_experts": (int, "routed experts per MoE layer (0: dense; must match model_args)"),
+    "num_experts": (int, "routed experts per MoE layer (0: dense; model_args' --num-experts sets it)"),
     "dispatcher": (str, "--moe-token-dispatcher-type"),
     "flex_backend": (str, "--moe-flex-dispatcher-backend (mfsdp: torch or deepep; Megatron-LM: "
                           "deepep, hybridep or ncclep)"),
