@@ -186,3 +186,29 @@ def test_model_args_experts_set_num_experts_and_a_different_key_is_refused():
     # no --num-experts in the flags: the preset's experts stay
     assert sbatch.resolve("deepseek-v3", {"model_args": "--num-layers 8"})[1][
         "num_experts"] == 256
+
+
+def test_check_builds_a_preset_with_model_args_as_the_preset_config_replaced():
+    """``mfsdp check PRESET --model-args FLAGS`` trains the module GPT builds from the preset's
+    config with those fields replaced (the reference: dataclasses.replace, not the flags),
+    and runs a layout on it; flags without a preset, or that are not model flags, are refused
+    in one line."""
+    from mfsdp.check.cli import build_parser, run
+    from mfsdp.check.models import build_model
+    from mfsdp.models.gpt import GPT, GPT_PRESETS
+
+    flags = ("--num-layers 3 --hidden-size 96 --num-attention-heads 6 "
+             "--group-query-attention --num-query-groups 2")
+    ours = build_model(f"llama-tiny {flags}", seed=0)
+    torch.manual_seed(0)
+    reference = GPT(replace(GPT_PRESETS["llama-tiny"], num_layers=3, hidden_size=96,
+                            num_attention_heads=6, num_query_groups=2))
+    assert {n: p.shape for n, p in ours.named_parameters()} == {
+        n: p.shape for n, p in reference.named_parameters()}
+    args = build_parser().parse_args(["llama-tiny", "--model-args", flags, "--layouts",
+                                      "optim_grads_params", "--steps", "2"])
+    assert run(args) == 0
+    with pytest.raises(SystemExit, match="--model-args layers flags on a preset MODEL"):
+        run(build_parser().parse_args(["mfsdp.check.faults:tiny", "--model-args", flags]))
+    with pytest.raises(ValueError, match="--lr is not one of mfsdp train's model or MoE flags"):
+        build_model("llama-tiny --lr 3")

@@ -27,6 +27,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="package.module:factory (a zero-argument function returning the "
                              "model), a Hugging Face config directory, or a trainer preset "
                              "(e.g. llama-tiny)")
+    parser.add_argument("--model-args", metavar="FLAGS", default=None,
+                        help="mfsdp train's model flags layered on a preset MODEL, as mfsdp "
+                             "plan --model-args takes them (e.g. \"--num-layers 4 "
+                             "--hidden-size 256\")")
     parser.add_argument("--nproc", type=int, default=2,
                         help="ranks per layout (gloo processes; the hsdp and hfsdp layouts need 4)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per layout")
@@ -77,7 +81,15 @@ def run(args: argparse.Namespace) -> int:
 
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-    report = check(args.model, nproc=args.nproc, steps=args.steps, optimizer=args.optimizer,
+    model = args.model
+    if args.model_args:
+        from mfsdp.models.config import GPT_PRESETS
+
+        if model not in GPT_PRESETS:
+            raise SystemExit(f"mfsdp check: --model-args layers flags on a preset MODEL (one of "
+                             f"{', '.join(sorted(GPT_PRESETS))}); {model!r} is not one")
+        model = f"{model} {args.model_args}"
+    report = check(model, nproc=args.nproc, steps=args.steps, optimizer=args.optimizer,
                    lr=args.lr, layouts=args.layouts, units=args.units,
                    optimizer_factory=args.optimizer_factory,
                    recursive_gather=args.recursive_gather, resume_fn=args.resume_fn,

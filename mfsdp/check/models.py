@@ -7,7 +7,10 @@ random token batches, and the forward + loss every run uses.
   returning an ``nn.Module`` that maps token ids ``[B, S]`` to logits ``[B, S, V]``;
 * a Hugging Face config or model directory (its ``config.json``): built with
   ``transformers.AutoModelForCausalLM.from_config``, random weights, nothing downloaded;
-* a preset of the trainer (``mfsdp train --model-preset``, e.g. ``llama-tiny``).
+* a preset of the trainer (``mfsdp train --model-preset``, e.g. ``llama-tiny``), optionally
+  followed by ``mfsdp train``'s model flags layered on it, as the trainer and ``mfsdp plan
+  --model-args`` layer them (``"llama-tiny --num-layers 4 --hidden-size 256"``; the CLI's
+  ``--model-args``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,25 @@ __all__ = ["build_model", "check_model_spec", "vocab_size", "default_unit_classe
            "resolve_units", "make_batches", "logits_of", "next_token_loss", "bypassed_units"]
 
 
+def _preset_with_flags(spec: str):
+    """The GPTConfig of ``"PRESET --flag value ..."`` (a preset and the trainer's model flags),
+    ``None`` where ``spec`` does not start with a preset and a flag; a one-line ``ValueError``
+    for flags the trainer refuses."""
+    import shlex
+
+    from mfsdp.models.config import GPT_PRESETS
+
+    words = spec.split(None, 1)
+    if len(words) < 2 or words[0] not in GPT_PRESETS or not words[1].lstrip().startswith("--"):
+        return None
+    from mfsdp.tools.plan_model import gpt_config
+
+    try:
+        return gpt_config(words[0], shlex.split(words[1]))[0]
+    except ValueError as exc:
+        raise ValueError(f"MODEL={spec!r}: {exc}") from None
+
+
 def check_model_spec(spec: Any) -> None:
     """Raise a one-line ``ValueError`` when ``spec`` names no model ``mfsdp check`` can build."""
     if callable(spec):
@@ -33,6 +55,8 @@ def check_model_spec(spec: Any) -> None:
     from mfsdp.models.config import GPT_PRESETS
 
     if spec in GPT_PRESETS:
+        return
+    if _preset_with_flags(spec) is not None:
         return
     path = Path(spec)
     if path.is_dir() or spec.endswith(".json"):
@@ -71,10 +95,10 @@ def build_model(spec: Any, seed: int = 0) -> nn.Module:
     else:
         from mfsdp.models.config import GPT_PRESETS
 
-        if spec in GPT_PRESETS:
+        if spec in GPT_PRESETS or _preset_with_flags(spec) is not None:
             from mfsdp.models.gpt import GPT
 
-            model = GPT(GPT_PRESETS[spec])
+            model = GPT(GPT_PRESETS[spec] if spec in GPT_PRESETS else _preset_with_flags(spec))
         elif ":" in spec and not Path(spec).exists():
             module, _, name = spec.partition(":")
             obj: Any = importlib.import_module(module)

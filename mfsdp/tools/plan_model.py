@@ -63,6 +63,19 @@ def planned_model(preset: str, model_args: str | Sequence[str] = "", *,
     A ``--model-preset`` inside ``model_args`` replaces ``preset``. Raises ``ValueError`` in
     one line: for a flag that is not a model flag, one the trainer refuses, or a model the
     planner does not model (GELU MLPs, linear biases, LayerNorm, learned positions)."""
+    words = shlex.split(model_args) if isinstance(model_args, str) else list(model_args)
+    cfg, name = gpt_config(preset, words, seq_length=seq_length)
+    model = ModelConfig.from_gpt(cfg)  # (its ValueError names the flags to add)
+    flags = sum(1 for w in words if w.startswith("--") and w.split("=", 1)[0] != "--model-preset")
+    return model, model_phrase(name, flags, model)
+
+
+def gpt_config(preset: str, model_args: str | Sequence[str] = "", *,
+               seq_length: int | None = None):
+    """The :class:`~mfsdp.models.gpt.GPTConfig` that ``mfsdp train --model-preset PRESET
+    MODEL_ARGS`` builds, and the preset's name (a ``--model-preset`` inside ``model_args``
+    replaces ``preset``). Raises a one-line ``ValueError`` for a flag that is not a model flag
+    or one the trainer refuses."""
     from mfsdp.models.gpt import GPT_PRESETS
     from mfsdp.trainer.arguments import build_parser
     from mfsdp.trainer.build import model_config
@@ -74,19 +87,18 @@ def planned_model(preset: str, model_args: str | Sequence[str] = "", *,
         if flag.startswith("--") and flag not in allowed:
             raise ValueError(f"{flag} is not one of mfsdp train's model or MoE flags, which "
                              "are what --model-args takes (e.g. --num-layers, --hidden-size, "
-                             "--num-experts); the run's other settings are mfsdp plan's own "
+                             "--num-experts); the run's other settings are the command's own "
                              "flags")
     argv = ["--model-preset", preset, *words]
+    if seq_length is not None:
+        argv += ["--seq-length", str(seq_length)]
     parser = build_parser()
     parser.error = lambda message: (_ for _ in ()).throw(ValueError(message))  # one line
-    args = parser.parse_args(argv + ["--seq-length", str(seq_length)])
+    args = parser.parse_args(argv)
     if args.model_preset not in GPT_PRESETS:
         raise ValueError(f"--model-preset {args.model_preset}: not a preset (one of "
                          f"{', '.join(sorted(GPT_PRESETS))})")
     try:
-        cfg = model_config(args)
+        return model_config(args), args.model_preset
     except SystemExit as exc:  # the trainer's own one-line refusal of the flags
         raise ValueError(str(exc).removeprefix("mfsdp train: ")) from None
-    model = ModelConfig.from_gpt(cfg)  # (its ValueError names the flags to add)
-    flags = sum(1 for w in words if w.startswith("--") and w.split("=", 1)[0] != "--model-preset")
-    return model, model_phrase(args.model_preset, flags, model)
