@@ -48,6 +48,9 @@ SAMPLED = {
     "test_four_ranks_match_reference": 3,                # test_hsdp_ep.py: 18
     "test_dispatcher_matches_dense_reference": 3,        # test_moe.py: 18
     "test_torchrun_two_ranks_lowers_the_loss": 2,        # test_train.py: 5 torchrun jobs
+    "test_dense_layouts_give_the_single_process_loss_curve": 2,  # test_train.py: 4
+    "test_moe_layouts_give_the_single_process_loss_curve": 2,    # test_train.py: 4
+    "test_state_memory_matches_strategy_table": 2,       # test_engine_memory.py: 8
 }
 
 
