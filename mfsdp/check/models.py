@@ -95,10 +95,11 @@ def build_model(spec: Any, seed: int = 0) -> nn.Module:
     else:
         from mfsdp.models.config import GPT_PRESETS
 
-        if spec in GPT_PRESETS or _preset_with_flags(spec) is not None:
+        config = GPT_PRESETS.get(spec) or _preset_with_flags(spec)
+        if config is not None:
             from mfsdp.models.gpt import GPT
 
-            model = GPT(GPT_PRESETS[spec] if spec in GPT_PRESETS else _preset_with_flags(spec))
+            model = GPT(config)
         elif ":" in spec and not Path(spec).exists():
             module, _, name = spec.partition(":")
             obj: Any = importlib.import_module(module)

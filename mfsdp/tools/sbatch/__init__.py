@@ -200,15 +200,14 @@ def shared_with_preset(values: dict, overrides: dict) -> list[str]:
     """
     if not overrides.get("model_args"):
         return []
-    kept = [f"{key} ({values[key]}{', its singleton chain' if key == 'job_name' else ''})"
-            for key in ("job_name", "save") if key not in overrides and values.get(key)]
+    what = {"job_name": ("NAME", ", its singleton chain"), "save": ("DIR", "")}
+    kept = [key for key in what if key not in overrides and values.get(key)]
     if not kept:
         return []
-    keys = " ".join(f"--set {k.split()[0]}={'NAME' if k.startswith('job') else 'DIR'}"
-                    for k in kept)
+    named = " and ".join(f"{key} ({values[key]}{what[key][1]})" for key in kept)
+    keys = " ".join(f"--set {key}={what[key][0]}" for key in kept)
     return [f"mfsdp sbatch: model_args changes the model, but the job keeps the preset's "
-            f"{' and '.join(kept)}: set {keys}, or it queues behind and resumes from the "
-            "preset's job"]
+            f"{named}: set {keys}, or it queues behind and resumes from the preset's job"]
 
 
 def main(argv: list[str] | None = None) -> int:
