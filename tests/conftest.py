@@ -10,7 +10,38 @@ from pathlib import Path
 
 import pytest
 
+import pooled_ranks
+from mfsdp import launch as _launch_module
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# The tests' ranks are kept from one launch to the next (tests/pooled_ranks.py says how and
+# what is reset between calls); set before the test modules import `launch`.
+_launch_module.launch = pooled_ranks.pooled_launch
+
+
+@pytest.fixture(autouse=True)
+def _kept_ranks(request):
+    """Fresh ranks for the tests of ``launch`` itself and for tests marked ``fresh_ranks``."""
+    fresh = (request.node.get_closest_marker("fresh_ranks") is not None
+             or request.node.path.name == "test_launch.py")
+    pooled_ranks.enabled = not fresh
+    yield
+    pooled_ranks.enabled = True
+
+
+def pytest_sessionfinish(session, exitstatus):
+    pooled_ranks.close_all()
+
+
+def pytest_terminal_summary(terminalreporter):
+    s = pooled_ranks.stats
+    if s["pooled"] or s["fresh"]:
+        terminalreporter.write_line(
+            f"launches: {s['pooled']} in kept ranks ({s['reruns']} run again in fresh ranks "
+            f"after failing in kept ones), {s['fresh']} in fresh ranks")
+        for line in pooled_ranks.reruns:
+            terminalreporter.write_line(f"  run again in fresh ranks: {line}")
 
 # Scripts run as programs by the tests (under torchrun), not imported: --doctest-modules would
 # import them and start their code.
