@@ -15,7 +15,9 @@ with doctest's ELLIPSIS and NORMALIZE_WHITESPACE. Each command is one example, r
 through the page's :class:`GuideShell`: ``mfsdp`` in this process from the repository root,
 ``torchrun`` with this interpreter, ``$MLM`` the committed Megatron-LM fixtures, ``$WORK`` a
 fresh directory of the page, shown as ``$WORK`` in the output. ``export MLM=...`` and
-``export WORK=$(mktemp -d)`` are checked against those values and change nothing. A command
+``export WORK=$(mktemp -d)`` are checked against those values and change nothing; ``export
+NAME="VALUE"`` with another name sets ``$NAME`` for the page's later commands (quotes removed,
+``$VARIABLES`` in the value expanded, as bash does). A command
 that fails must be followed by ``$ echo $?``, which prints its exit status.
 """
 
@@ -46,21 +48,35 @@ MKTEMP = "$(mktemp -d)"
 STATUS = "echo $?"
 
 
-def _in_process(argv: list[str]) -> tuple[int, str, str]:
+class _Tee(io.StringIO):
+    """A stream that also writes into ``both`` (stdout and stderr in the order written)."""
+
+    def __init__(self, both: io.StringIO) -> None:
+        super().__init__()
+        self.both = both
+
+    def write(self, text: str) -> int:
+        self.both.write(text)
+        return super().write(text)
+
+
+def _in_process(argv: list[str]) -> tuple[int, str, str, str]:
     """``mfsdp ARGV`` through ``mfsdp.cli.main`` in this process, from the repository root:
-    its exit status, standard output and standard error."""
+    its exit status, standard output, standard error, and both in the order written."""
     from mfsdp.cli import main
 
-    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    both = io.StringIO()
+    out, err, here = _Tee(both), _Tee(both), os.getcwd()
     os.chdir(ROOT)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv)
     finally:
         os.chdir(here)
-    return code, out.getvalue(), err.getvalue()
+    return code, out.getvalue(), err.getvalue(), both.getvalue()
 
 
+_BAR = re.compile(r"\d+%\|")  # a tqdm progress bar's line
 _VAR = re.compile(r"\$(?:(\w+)|\{([^}]*)\})")
 
 
@@ -77,6 +93,7 @@ class GuideShell:
                     "WORK": tempfile.mkdtemp(prefix="mfsdp-guide-"),
                     "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         self.status = 0  # what `echo $?` prints: the last command's exit status
+        self.shown = ""  # what the last command showed on the terminal
 
     def expand(self, word: str) -> str:
         """``$NAME`` and ``${NAME}`` replaced from this shell's environment, as the shell does
@@ -85,21 +102,30 @@ class GuideShell:
 
     def run(self, command: str) -> tuple[int, str, str]:
         """Run one command line: its exit status, standard output and the last line of its
-        standard error, with the page's directory written ``$WORK``."""
+        standard error, with the page's directory written ``$WORK`` (and in :attr:`shown`,
+        what the terminal showed)."""
         if command.strip() == STATUS:
+            self.shown = str(self.status)
             return 0, f"{self.status}\n", ""
         argv = [self.expand(a) for a in shlex.split(command)]
         if argv[0] == "mfsdp":  # in this process: the same entry point, without a start-up
-            code, out, err = _in_process(argv[1:])
+            code, out, err, both = _in_process(argv[1:])
         else:
             if argv[0] in PROGRAMS:
                 argv = [sys.executable, *PROGRAMS[argv[0]], *argv[1:]]
             done = subprocess.run(argv, capture_output=True, text=True, env=self.env, cwd=ROOT,
                                   timeout=600)
             code, out, err = done.returncode, done.stdout, done.stderr
+            both = out + err  # (another program's standard error comes after its output)
         self.status = code
+        work = self.env["WORK"]
+        # What the terminal showed: the output with what a command that succeeds writes to
+        # standard error (notes, warnings), less its progress bars, whose rates change from
+        # run to run; for a failure, its output and its error's last line (not a traceback).
+        self.shown = "\n".join(line for line in both.rstrip().splitlines()
+                                if not _BAR.search(line)).replace(work, "$WORK")
         last = err.rstrip().splitlines()[-1] if err.strip() else ""
-        return code, out.rstrip().replace(self.env["WORK"], "$WORK"), last
+        return code, out.rstrip().replace(work, "$WORK"), last.replace(work, "$WORK")
 
     def __call__(self, command: str) -> None:
         code, out, err = self.run(command)
@@ -149,19 +175,23 @@ def parse_console(source: str) -> list[Command]:
     return commands
 
 
-def _export(command: str) -> str | None:
-    """Refuse an ``export`` that does not set what the page's shell already has."""
-    m = re.fullmatch(r"export\s+(\w+)=(.*)", command)
+def _export(command: str, shell: GuideShell) -> str | None:
+    """Set ``NAME`` in the page's shell, or refuse an ``export`` of ``MLM`` or ``WORK`` that
+    does not set what the page's shell already has."""
+    m = re.fullmatch(r"export\s+(\w+)=(.*)", command, flags=re.S)
     if not m:
-        return (f"`$ {command}`: write `export NAME=VALUE`, with NAME MLM or WORK, "
-                "one per line")
+        return f"`$ {command}`: write `export NAME=VALUE`, one per line"
     name, value = m.group(1), m.group(2).strip()
-    if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+    quote = value[0] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else ""
+    if quote:
         value = value[1:-1]
     wanted = {"MLM": MLM, "WORK": MKTEMP}
     if name not in wanted:
-        return (f"`$ {command}`: the guide's commands run with only MLM and WORK set; "
-                f"export MLM={MLM} or WORK={MKTEMP}, or write the value out in the command")
+        if not quote and re.search(r"\s", value):
+            return (f"`$ {command}`: a value with spaces needs quotes: "
+                    f"`export {name}=\"{value}\"`")
+        shell.env[name] = value if quote == "'" else shell.expand(value)  # '...' expands nothing
+        return None
     if value != wanted[name]:
         return (f"`$ {command}`: the guide's commands run with {name}={wanted[name]}; "
                 f"write `export {name}={wanted[name]}`")
@@ -172,12 +202,12 @@ def check_command(command: Command, shell: GuideShell) -> str | None:
     """Run one command of a console block; None when it prints what the block shows and
     succeeds (or its failure is checked with ``echo $?``), else what went wrong."""
     if command.text.split()[0] == "export":  # sets nothing, prints nothing
-        if refusal := _export(command.text):
+        if refusal := _export(command.text, shell):
             return refusal
-        code, out, err = 0, "", ""
+        code, got = 0, ""
     else:
         code, out, err = shell.run(command.text)
-    got = out + (f"\n{err}" if code and err else "")
+        got = out + (f"\n{err}" if err else "") if code else shell.shown
     checker = doctest.OutputChecker()
     if not checker.check_output(command.expected + "\n", got + "\n", FLAGS):
         example = doctest.Example(command.text, command.expected + "\n")

@@ -93,12 +93,23 @@ def test_an_ellipsis_matches_any_text(tmp_path):
      f"the guide's commands run with MLM={MLM}; write `export MLM={MLM}`"),
     ("export WORK=/tmp/mine",
      "the guide's commands run with WORK=$(mktemp -d); write `export WORK=$(mktemp -d)`"),
-    ("export DATA=/data", "the guide's commands run with only MLM and WORK set"),
+    ("export FLAGS=--a --b", 'a value with spaces needs quotes: `export FLAGS="--a --b"`'),
     ("export MLM", "write `export NAME=VALUE`"),
 ])
 def test_an_export_of_another_value_is_refused(tmp_path, export, refusal):
     [message] = run_page(tmp_path, f"$ {export}\n")[0]
     assert message is not None and f"`$ {export}`: {refusal}" in message
+
+
+def test_an_export_sets_a_variable_for_the_later_commands_as_bash_does(tmp_path):
+    page = ("$ export FLAGS=\"--num-layers 2 \\\n    --hidden-size 64\"\n"
+            "$ export MORE=\"$FLAGS --seq 8\"\n$ export RAW='$FLAGS'\n"
+            "$ printf '%s|' \"$MORE\" $RAW\n")
+    bash = subprocess.run(["bash", "-c", "\n".join(
+        line[2:] for line in page.replace("\\\n", "").splitlines() if line.startswith("$ "))],
+        capture_output=True, text=True, check=True).stdout
+    assert bash == "--num-layers 2     --hidden-size 64 --seq 8|$FLAGS|"
+    assert run_page(tmp_path, page + bash + "\n")[0] == [None] * 4
 
 
 def test_a_quoted_export_is_accepted(tmp_path):
@@ -241,3 +252,14 @@ def test_the_shell_expands_words_as_os_path_expandvars_does_in_its_environment(w
         os.environ.update(saved)
     assert shell.expand(word) == reference
     assert dict(os.environ) == before
+
+
+def test_what_a_command_writes_to_standard_error_is_shown_below_its_output(tmp_path):
+    """As a terminal shows it: a succeeding command's notes on standard error after its
+    output (its progress bars left out), a failing one's last line of standard error."""
+    ok = "$ bash -c \"echo out; echo note >&2; echo 'x: 50%|##  | 1/2' >&2\"\n"
+    assert run_page(tmp_path, ok + "out\nnote\n")[0] == [None]
+    [failure] = run_page(tmp_path, ok + "out\n")[0]
+    assert failure is not None and "note" in failure
+    bad = "$ bash -c \"echo out; echo trace >&2; echo 'error: no' >&2; exit 3\"\n"
+    assert run_page(tmp_path, bad + "out\nerror: no\n$ echo $?\n3\n")[0] == [None, None]

@@ -212,3 +212,26 @@ def test_check_builds_a_preset_with_model_args_as_the_preset_config_replaced():
         run(build_parser().parse_args(["mfsdp.check.faults:tiny", "--model-args", flags]))
     with pytest.raises(ValueError, match="--lr is not one of mfsdp train's model or MoE flags"):
         build_model("llama-tiny --lr 3")
+
+
+@pytest.mark.parametrize("flags, changes", [
+    # fewer heads than the preset's 8 key-value groups, with the groups that divide them
+    ("--num-attention-heads 4 --group-query-attention --num-query-groups 2 --hidden-size 64",
+     dict(num_attention_heads=4, num_query_groups=2, hidden_size=64)),
+    # a flag given twice takes its last value, as argparse and Megatron-LM do: the guide's
+    # "$MODEL $SMALL" miniature of a 40-head multi-head-attention model
+    ("--num-attention-heads 40 --group-query-attention --num-query-groups 40 --hidden-size 5120 "
+     "--num-attention-heads 4 --num-query-groups 4 --hidden-size 64",
+     dict(num_attention_heads=4, num_query_groups=4, hidden_size=64)),
+])
+def test_heads_and_groups_given_together_replace_the_presets_together(flags, changes):
+    """New heads are checked against the new key-value groups, not the preset's (the trainer
+    refused ``--num-attention-heads 4 --num-query-groups 2`` on llama3-8b: 4 heads against its
+    8 groups); the reference is the preset's config with the fields replaced."""
+    from mfsdp.models.gpt import GPT_PRESETS
+    from mfsdp.tools.plan_model import gpt_config
+
+    assert gpt_config("llama3-8b", flags)[0] == replace(GPT_PRESETS["llama3-8b"], **changes)
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by "
+                                         "num_query_groups=8"):
+        gpt_config("llama3-8b", "--num-attention-heads 4 --hidden-size 64")

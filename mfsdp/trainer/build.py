@@ -139,15 +139,14 @@ def overridden_config(base: GPTConfig, model: ModelConfig, moe: MoEConfig) -> GP
                "add_bias_linear": False if model.disable_bias_linear else None,
                "share_embeddings_and_output_weights": (
                    False if model.untie_embeddings_and_output_weights else None),
-               "num_query_groups": None}  # with --group-query-attention (ModelConfig checks)
+               # with --group-query-attention (ModelConfig checks); in the same replace as
+               # the heads, so that new heads are checked against the new groups
+               "num_query_groups": model.num_query_groups or None}
     # Every other GPTConfig field is a Megatron-LM flag of the same name; a flag not given (None)
     # keeps the preset's value.
     flags = {f.name: getattr(group, f.name) for f in fields(GPTConfig)
              for group in (model, moe) if f.name not in special and hasattr(group, f.name)}
-    cfg = with_overrides(base, **flags, **special)
-    if model.num_query_groups:
-        cfg = with_overrides(cfg, num_query_groups=model.num_query_groups)
-    return cfg
+    return with_overrides(base, **flags, **special)
 
 
 def model_family(model_preset: str | None, cfg: GPTConfig, load: str | None = None) -> str:
