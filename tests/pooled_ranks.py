@@ -8,8 +8,9 @@ same world size, backend, threads, environment, working directory and ``sys.path
 
 What a kept rank could carry from one call into the next is reset before each call
 (:func:`_call`): the peak-memory counter, torch's default RNG seed, default dtype, grad mode,
-the environment and the working directory. Every ``RESTART_AFTER`` calls the ranks are replaced
-(groups and caches a call creates do not pile up). A call that fails in kept ranks that ran
+the environment and the working directory. Every ``RESTART_AFTER`` calls, and after a call that
+leaves a rank with more than ``MAX_THREADS`` threads, the ranks are replaced (the groups,
+threads and caches calls create do not pile up). A call that fails in kept ranks that ran
 something before it is run again in fresh ranks (:func:`mfsdp.launch.launch`), and that run's
 outcome is the test's: a kept rank never fails a test that passes in fresh ones, and a real
 failure still fails. Tests of ``launch`` itself, and tests marked ``fresh_ranks``, use fresh
@@ -29,6 +30,10 @@ from mfsdp.launch import LaunchTimeout, RankError, RankPool
 REAL_LAUNCH = _launch_module.launch
 RESTART_AFTER = 40  # calls per set of kept ranks
 MAX_POOLS = 2  # kept sets of ranks alive at once (the least recently used one ends)
+# A call that leaves a rank with more threads than this ends the ranks: process groups and
+# thread pools a call creates keep their threads (a fresh rank holds about 20), and a few
+# hundred of them slow every later call down.
+MAX_THREADS = 40
 _TORCH_DEFAULT_SEED = 67280421310721  # torch.initial_seed() of a fresh process
 
 enabled = True  # tests/conftest.py turns it off for the tests that need fresh ranks
@@ -44,7 +49,8 @@ def _key(world_size: int, backend: str | None, threads: int) -> tuple:
 
 def _call(target: str, args: tuple, kwargs: dict) -> Any:
     """Run ``target`` in a kept rank as a fresh rank would: the state a call may leave behind
-    is reset before it and restored after it."""
+    is reset before it and restored after it. Returns the result and how many threads the
+    process holds after it."""
     import torch
 
     try:
@@ -56,13 +62,14 @@ def _call(target: str, args: tuple, kwargs: dict) -> Any:
     dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
     env, cwd = dict(os.environ), os.getcwd()
     try:
-        return _launch_module._resolve(target)(*args, **kwargs)
+        result = _launch_module._resolve(target)(*args, **kwargs)
     finally:
         torch.set_default_dtype(dtype)
         torch.set_grad_enabled(grad)
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
+    return result, len(os.listdir("/proc/self/task"))
 
 
 def pooled_launch(fn: Callable | str, world_size: int, args: tuple = (),
@@ -89,7 +96,10 @@ def pooled_launch(fn: Callable | str, world_size: int, args: tuple = (),
     entry[1] += 1
     stats["pooled"] += 1
     try:
-        return pool.run(_call, args=(target, tuple(args), dict(kwargs or {})), timeout=timeout)
+        out = pool.run(_call, args=(target, tuple(args), dict(kwargs or {})), timeout=timeout)
+        if max(threads for _, threads in out) > MAX_THREADS:
+            _pools.pop(key)[0].close()  # the groups and workers it left run on: new ranks
+        return [result for result, _ in out]
     except (RankError, LaunchTimeout) as exc:
         if not ran_before:
             raise
