@@ -235,3 +235,37 @@ def test_heads_and_groups_given_together_replace_the_presets_together(flags, cha
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by "
                                          "num_query_groups=8"):
         gpt_config("llama3-8b", "--num-attention-heads 4 --hidden-size 64")
+
+
+def test_a_render_warns_of_parts_not_run_and_of_a_tight_plan(capsys, tmp_path):
+    """Through the CLI: mfsdp's flex dispatcher with DeepEP, and compile on an MoE model (a
+    dense preset made MoE by model_args keeps the preset's compile), are named on stderr;
+    the all-to-all dispatcher without compile is not. A render whose plan is within mfsdp
+    plan's tight margin of the limit says so, as mfsdp plan does for the same layout."""
+    from mfsdp.cli import main
+    from mfsdp.tools.plan_cli import TIGHT_GIB
+    from mfsdp.tools.sbatch.schedule import schedule
+
+    out = str(tmp_path / "a.sbatch")
+    assert main(["sbatch", "render", "deepseek-v3", "--output", out]) == 0
+    assert "the flex dispatcher's deepep backend has not run" in capsys.readouterr().err
+    moe = "--num-experts 8 --moe-ffn-hidden-size 1792 --moe-router-topk 2"
+    assert main(["sbatch", "render", "llama3-8b", "--output", out, "--set",
+                 f"model_args={moe}", "--set", "job_name=m", "--set", "save=m"]) == 0
+    assert "compile with an MoE model" in capsys.readouterr().err
+    assert main(["sbatch", "render", "deepseek-v3", "--output", out, "--set",
+                 "dispatcher=alltoall"]) == 0
+    assert "has not run" not in capsys.readouterr().err
+    # llama3-8b's job with more layers: the first layer count the planner puts within the
+    # tight margin (found from the planner itself, not written down)
+    for layers in range(32, 80):
+        over = {"model_args": f"--num-layers {layers}", "job_name": "t", "save": "t"}
+        gib = schedule(sbatch.resolve("llama3-8b", over)[1]).peak_bytes / 2**30
+        if 76 - TIGHT_GIB < gib <= 76:
+            break
+    assert 76 - TIGHT_GIB < gib <= 76
+    assert main(["sbatch", "render", "llama3-8b", "--output", out,
+                 *[f"--set={k}={v}" for k, v in over.items()]]) == 0
+    assert f"tight: within {TIGHT_GIB:g} GiB of that limit" in capsys.readouterr().err
+    assert main(["sbatch", "render", "llama3-8b", "--output", out]) == 0
+    assert "tight" not in capsys.readouterr().err

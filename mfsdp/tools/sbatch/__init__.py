@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
         from mfsdp.tools.sbatch.schedule import schedule_lines
 
         values = resolve(args.preset, overrides)[1]
-        for line in schedule_lines(values) + shared_with_preset(values, overrides):
+        for line in (schedule_lines(values) + shared_with_preset(values, overrides)
+                     + not_run_parts(values)):
             print(line, file=sys.stderr)
     if args.output:
         Path(args.output).write_text(text)
@@ -180,6 +181,37 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def not_run_parts(values: dict) -> list[str]:
+    """Warnings for parts of an ``mfsdp train`` job that this project has not run: mfsdp's
+    flex dispatcher with the DeepEP backend (no multi-GPU machine here), and ``--compile`` on
+    an MoE model (the routed experts' token counts change every step, so each step may
+    compile the MoE layers again; the deepseek-v3 preset leaves it off). ``[]`` otherwise.
+
+    >>> for line in not_run_parts({"trainer": "mfsdp", "num_experts": 8, "compile": True,
+    ...                            "dispatcher": "flex", "flex_backend": "deepep"}):
+    ...     print(line)
+    ... # doctest: +NORMALIZE_WHITESPACE
+    mfsdp sbatch: the flex dispatcher's deepep backend has not run in this project (no
+      multi-GPU machine); --set dispatcher=alltoall, checked on CPU ranks, avoids it
+    mfsdp sbatch: compile with an MoE model: the experts' token counts change every step and
+      may compile the MoE layers again each time (deepseek-v3 leaves it off); --set
+      compile=false
+    >>> not_run_parts({"trainer": "mfsdp", "num_experts": 8, "compile": False,
+    ...                "dispatcher": "alltoall"})
+    []
+    """
+    lines, ours = [], values.get("trainer", "mfsdp") == "mfsdp"
+    if ours and values.get("dispatcher") == "flex" and values.get("flex_backend") == "deepep":
+        lines.append("mfsdp sbatch: the flex dispatcher's deepep backend has not run in this "
+                     "project (no multi-GPU machine); --set dispatcher=alltoall, checked on "
+                     "CPU ranks, avoids it")
+    if ours and values.get("num_experts") and values.get("compile"):
+        lines.append("mfsdp sbatch: compile with an MoE model: the experts' token counts change "
+                     "every step and may compile the MoE layers again each time (deepseek-v3 "
+                     "leaves it off); --set compile=false")
+    return lines
 
 
 def shared_with_preset(values: dict, overrides: dict) -> list[str]:

@@ -265,6 +265,8 @@ def schedule_lines(v: dict) -> list[str]:
         except ValueError as exc:  # say so: no memory check stands behind this script
             return [f"mfsdp sbatch: not planned, so no schedule or memory check: {exc}"]
         return []
+    from mfsdp.tools.plan_cli import TIGHT_GIB
+
     device = gpu_memory_gib(v)
     gib, usable = s.peak_bytes / 2**30, device - 4
     lines = [f"mfsdp sbatch: schedule: {s.iterations:,} iterations x "
@@ -279,7 +281,9 @@ def schedule_lines(v: dict) -> list[str]:
              f"{ACTIVATION_MODELS[s.transformer_impl]}; "
              + (f"fits {device:g} GiB GPUs (at most {usable:g} GiB)" if gib <= usable else
                 f"WARNING: over the {usable:g} GiB that a {device:g} GiB GPU leaves (mfsdp plan "
-                f"shows the terms)")]
+                f"shows the terms)")
+             + (f"; tight: within {TIGHT_GIB:g} GiB of that limit, as mfsdp plan says"
+                if usable - TIGHT_GIB < gib <= usable else "")]
     if v.get("save") and v.get("save_interval"):
         every = v["save_interval"] * s.step_s
         limit = time_limit_seconds(v["time"])
