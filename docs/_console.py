@@ -122,9 +122,10 @@ class GuideShell:
         # What the terminal showed: the output with what a command that succeeds writes to
         # standard error (notes, warnings), less its progress bars, whose rates change from
         # run to run; for a failure, its output and its error's last line (not a traceback).
-        self.shown = "\n".join(line for line in both.rstrip().splitlines()
-                                if not _BAR.search(line)).replace(work, "$WORK")
         last = err.rstrip().splitlines()[-1] if err.strip() else ""
+        shown = (out.rstrip() + (f"\n{last}" if last else "") if code else
+                 "\n".join(line for line in both.rstrip().splitlines() if not _BAR.search(line)))
+        self.shown = shown.replace(work, "$WORK")
         return code, out.rstrip().replace(work, "$WORK"), last.replace(work, "$WORK")
 
     def __call__(self, command: str) -> None:
@@ -204,10 +205,10 @@ def check_command(command: Command, shell: GuideShell) -> str | None:
     if command.text.split()[0] == "export":  # sets nothing, prints nothing
         if refusal := _export(command.text, shell):
             return refusal
-        code, got = 0, ""
+        code, got, err = 0, "", ""
     else:
-        code, out, err = shell.run(command.text)
-        got = out + (f"\n{err}" if err else "") if code else shell.shown
+        code, _, err = shell.run(command.text)
+        got = shell.shown
     checker = doctest.OutputChecker()
     if not checker.check_output(command.expected + "\n", got + "\n", FLAGS):
         example = doctest.Example(command.text, command.expected + "\n")

@@ -31,7 +31,7 @@ REAL_LAUNCH = _launch_module.launch
 RESTART_AFTER = 40  # calls per set of kept ranks
 MAX_POOLS = 2  # kept sets of ranks alive at once (the least recently used one ends)
 # A call that leaves a rank with more threads than this ends the ranks: process groups and
-# thread pools a call creates keep their threads (a fresh rank holds about 20), and a few
+# thread pools a call creates keep their threads (a fresh rank holds about 5), and a few
 # hundred of them slow every later call down.
 MAX_THREADS = 40
 _TORCH_DEFAULT_SEED = 67280421310721  # torch.initial_seed() of a fresh process
